@@ -1,0 +1,1 @@
+"""Command-line interface: a thin face over the rlreplay library."""

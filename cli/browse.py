@@ -1,0 +1,219 @@
+"""Browsing a run: ``ls``, ``show``, ``info``, ``recover``."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import orjson
+import typer
+from rich.table import Table
+from rich.tree import Tree
+from rlreplay.cli.app import (
+    ExperimentOption,
+    JsonOption,
+    RolloutOption,
+    RunOption,
+    SampleOption,
+    StepOption,
+    ValidateOption,
+    app,
+    console,
+    open_run_arg,
+    report_warnings,
+)
+
+PREVIEW_CHARS = 160
+PREVIEW_IDS = 8
+
+
+@app.command("ls")
+def ls_command(
+    run_path: Annotated[Path | None, typer.Argument(metavar="[RUN]", help="Run directory.")] = None,
+    run: RunOption = None,
+    step: StepOption = None,
+    sample_index: SampleOption = None,
+    rollout_n: RolloutOption = None,
+    validate: ValidateOption = None,
+    experiment: ExperimentOption = None,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="Show at most this many rows.")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """List trajectories, one row each (with --json: one JSON object per line)."""
+    from rlreplay.store import Filters
+
+    opened = open_run_arg(run, run_path)
+    filters = Filters(
+        step=step, sample_index=sample_index, rollout_n=rollout_n, validate=validate, experiment=experiment
+    )
+    table = opened.trajectories(filters)
+    rows = table.to_pylist()[:limit] if limit else table.to_pylist()
+    report_warnings(opened)
+    out = console()
+    if as_json:
+        import sys
+
+        for row in rows:
+            sys.stdout.write(orjson.dumps(row).decode() + "\n")
+        return
+    grid = Table(box=None, header_style="bold", pad_edge=False)
+    for col, justify in [
+        ("id", "left"),
+        ("step", "right"),
+        ("sample", "right"),
+        ("rollout", "right"),
+        ("split", "left"),
+        ("agent", "left"),
+        ("turns", "right"),
+        ("tools", "right"),
+        ("spans", "right"),
+        ("duration", "right"),
+        ("reward", "right"),
+        ("status", "left"),
+        ("worker", "left"),
+    ]:
+        grid.add_column(col, justify=justify, no_wrap=True)
+    for r in rows:
+        grid.add_row(
+            r["id"][:12],
+            _cell(r["step"]),
+            _cell(r["sample_index"]),
+            _cell(r["rollout_n"]),
+            "val" if r["validate"] else "train",
+            r["agent"] or r["name"] or "",
+            str(r["num_turns"]),
+            str(r["num_tool_calls"]),
+            str(r["num_spans"]),
+            f"{r['duration_s']:.2f}s",
+            "" if r["reward"] is None else f"{r['reward']:g}",
+            r["status"],
+            r["worker"],
+        )
+    out.print(grid)
+    shown = f"{len(rows)} of {table.num_rows}" if limit and len(rows) < table.num_rows else str(len(rows))
+    out.print(f"{shown} trajectories in {opened.path}")
+    counters = opened.counters()
+    losses = {k: v for k, v in counters.items() if k != "spans" and v}
+    if losses:
+        out.print("recording losses: " + ", ".join(f"{k}={v}" for k, v in losses.items()), style="yellow")
+
+
+def _cell(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def preview(value: Any, limit: int = PREVIEW_CHARS) -> str:
+    """A one-line summary of a decoded payload value: long id lists and strings are shortened."""
+    if (
+        isinstance(value, list)
+        and len(value) > PREVIEW_IDS
+        and all(isinstance(v, int) for v in value[:PREVIEW_IDS])
+    ):
+        head = " ".join(str(v) for v in value[:PREVIEW_IDS])
+        return f"[{head} …] ({len(value):,} ids)"
+    if isinstance(value, str):
+        text = value.replace("\n", "\\n")
+        return repr(text if len(text) <= limit else text[:limit] + "…")
+    text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _payload_lines(label: str, value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, dict) and value.get("__type__") != "exception":
+        return [f"{label}.{k}: {preview(v)}" for k, v in value.items()]
+    if isinstance(value, dict):
+        return [f"exception: {value.get('type')}: {value.get('message')}"]
+    return [f"{label}: {preview(value)}"]
+
+
+def span_label(span: Any) -> str:
+    ms = (span.end_ns - span.start_ns) / 1e6
+    parts = [f"[bold]{span.name}[/bold]", f"[dim]{span.kind}[/dim]", f"{ms:,.1f} ms"]
+    if span.status != "ok":
+        parts.append(f"[red]{span.error or span.status}[/red]")
+    if span.reward is not None:
+        parts.append(f"reward={span.reward:g}")
+    return "  ".join(parts)
+
+
+def render_tree(traj: Any, text_lines: Any = None) -> Tree:
+    """The span tree of a trajectory; ``text_lines(span)`` may add decoded text under a span."""
+    when = datetime.fromtimestamp(traj.start_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+    split = "validate" if traj.validate else "train"
+    title = (
+        f"[bold]{traj.id}[/bold]  step={traj.step} sample_index={traj.sample_index} "
+        f"rollout_n={traj.rollout_n} {split}  experiment={traj.experiment} worker={traj.worker}  {when}"
+    )
+    tree = Tree(title)
+
+    def add(node: Tree, span: Any) -> None:
+        branch = node.add(span_label(span))
+        extra = text_lines(span) if text_lines is not None else None
+        for line in extra or [*_payload_lines("in", span.inputs), *_payload_lines("out", span.output)]:
+            branch.add(line, style="dim") if isinstance(line, str) else branch.add(line)
+        for child in span.children:
+            add(branch, child)
+
+    for root in traj.roots:
+        add(tree, root)
+    return tree
+
+
+@app.command("show")
+def show_command(
+    trajectory_id: Annotated[
+        str, typer.Argument(metavar="TRAJECTORY_ID", help="Trajectory id or unique prefix.")
+    ],
+    run: RunOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Show one trajectory's span tree with timings, inputs and outputs."""
+    opened = open_run_arg(run)
+    traj = opened.trajectory(trajectory_id)
+    report_warnings(opened)
+    if as_json:
+        typer.echo(
+            orjson.dumps(traj.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
+        )
+        return
+    console().print(render_tree(traj), markup=True)
+
+
+@app.command("info")
+def info_command(
+    run_path: Annotated[Path | None, typer.Argument(metavar="[RUN]", help="Run directory.")] = None,
+    run: RunOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Summarize a run: manifest, steps, trajectories, spans, bytes on disk, recording losses."""
+    from rlreplay.stats import run_summary
+
+    opened = open_run_arg(run, run_path)
+    summary = run_summary(opened)
+    report_warnings(opened)
+    if as_json:
+        typer.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
+        return
+    out = console()
+    for key, value in summary.items():
+        out.print(f"{key:>18}: {value}", markup=False)
+
+
+@app.command("recover")
+def recover_command(
+    run_path: Annotated[Path | None, typer.Argument(metavar="[RUN]", help="Run directory.")] = None,
+    run: RunOption = None,
+) -> None:
+    """Seal the live files a killed recorder left behind (only once its processes are gone)."""
+    from rlreplay.stats import recover
+
+    opened = open_run_arg(run, run_path)
+    results = recover(opened.path)
+    console().print(
+        f"recovered {results['recovered_shards']} shards ({results['recovered_spans']} spans); "
+        f"discarded {results['discarded_bytes']} bytes of torn tails",
+        markup=False,
+    )

@@ -1,0 +1,47 @@
+"""Entry point of the ``rlreplay`` command."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rlreplay.cli import browse  # noqa: F401 - registers commands
+from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rlreplay.schema import FormatError
+    from rlreplay.store import RunError
+
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=argv, prog_name="rlreplay", standalone_mode=False)
+    except (CliError, RunError, FormatError) as exc:
+        print(f"rlreplay: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("rlreplay: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:
+        # typer vendors click in recent releases: match click's exceptions by their interface
+        kind = type(exc).__name__
+        if kind == "Exit":
+            return int(getattr(exc, "exit_code", 0) or 0)
+        if kind == "Abort":
+            print("rlreplay: aborted", file=sys.stderr)
+            return 130
+        if kind == "NoArgsIsHelpError":
+            print(exc.format_message(), file=sys.stderr)  # type: ignore[attr-defined]
+            return EXIT_BAD_INPUT
+        if hasattr(exc, "format_message"):
+            message = " ".join(exc.format_message().split())
+            print(f"rlreplay: error: {message}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        raise
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Recorders that hook rlreplay into training frameworks (verl)."""

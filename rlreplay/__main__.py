@@ -1,0 +1,5 @@
+import sys
+
+from rlreplay.cli.main import main
+
+sys.exit(main())

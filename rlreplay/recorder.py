@@ -1,0 +1,831 @@
+"""The in-process recorder: a cheap hot path that enqueues, and a writer thread that does the rest.
+
+The calling thread only takes ids, two clock reads, a contextvar lookup, a copy of mutable
+token lists and a deque append. Binding arguments, encoding payloads, building Arrow batches,
+compression, I/O and fsync happen on the writer thread. Nothing here raises into the caller.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import inspect
+import itertools
+import logging
+import os
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pyarrow as pa
+
+from rlreplay import manifest, payload
+from rlreplay.schema import (
+    KIND_OP,
+    KIND_TRAJECTORY,
+    SPAN_SCHEMA,
+    STATUS_ERROR,
+    STATUS_OK,
+)
+from rlreplay.shards import PartialWriter, partition_dir, safe_name, seal
+
+log = logging.getLogger("rlreplay")
+
+ENV_DIR = "RLREPLAY_DIR"
+ENV_EXPERIMENT = "RLREPLAY_EXPERIMENT"
+ENV_WORKER = "RLREPLAY_WORKER"
+ENV_POLICY = "RLREPLAY_POLICY"
+ENV_MAX_QUEUE_MB = "RLREPLAY_MAX_QUEUE_MB"
+ENV_DISABLE = "RLREPLAY_DISABLE"
+
+POLICY_SPILL = "spill"
+POLICY_DROP = "drop"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Trajectory:
+    __slots__ = (
+        "attributes",
+        "experiment",
+        "explicit",
+        "id",
+        "rollout_n",
+        "sample_index",
+        "step",
+        "validate",
+    )
+
+    def __init__(
+        self,
+        step: int | None = None,
+        sample_index: int | None = None,
+        rollout_n: int | None = None,
+        validate: bool | None = None,
+        experiment: str | None = None,
+        attributes: dict[str, Any] | None = None,
+        explicit: bool = True,
+    ) -> None:
+        self.id = next(_trajectory_ids)
+        self.step = step
+        self.sample_index = sample_index
+        self.rollout_n = rollout_n
+        self.validate = validate
+        self.experiment = experiment
+        self.attributes = attributes
+        self.explicit = explicit
+
+
+_OFF = object()  # tracing disabled in this context
+_CURRENT: ContextVar[Any] = ContextVar("rlreplay_current", default=None)
+
+
+_MASK128 = (1 << 128) - 1
+_MASK64 = (1 << 64) - 1
+_MIX128 = 0x9E3779B97F4A7C15F39CC0605CEDC835  # odd: multiplying is a bijection mod 2**128
+_MIX64 = 0x9E3779B97F4A7C15
+
+
+def _id_source() -> tuple[itertools.count, itertools.count, int]:
+    return itertools.count(1), itertools.count(1), random.SystemRandom().getrandbits(128)
+
+
+_trajectory_ids, _span_ids, _id_salt = _id_source()
+
+
+def format_trajectory_id(n: int) -> str:
+    """32 hex digits, unique per process counter, with well-spread prefixes (like git ids)."""
+    return f"{((n * _MIX128) & _MASK128) ^ _id_salt:032x}"
+
+
+def format_span_id(n: int) -> str:
+    return f"{((n * _MIX64) & _MASK64) ^ (_id_salt & _MASK64):016x}"
+
+
+@dataclass
+class OpMeta:
+    """What the writer needs to turn a call into a span; one per decorated function."""
+
+    name: str
+    kind: str = KIND_OP
+    fn: Callable[..., Any] | None = None
+    reduce_inputs: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    reduce_output: Callable[[Any], Any] | None = None
+    reward: Callable[[Any], float | None] | None = None
+    _signature: inspect.Signature | None = field(default=None, repr=False)
+    _skip_first: bool = False
+
+    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """Inputs as verl records them: bound arguments minus ``self``, ``**kwargs`` nested."""
+        if self.fn is None:
+            return {"args": list(args), **kwargs} if args else dict(kwargs)
+        if self._signature is None:
+            try:
+                self._signature = inspect.signature(self.fn)
+            except (TypeError, ValueError):
+                self.fn = None
+                return self.bind(args, kwargs)
+            params = list(self._signature.parameters)
+            self._skip_first = bool(params) and params[0] in ("self", "cls")
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError:
+            return {"args": list(args), **kwargs}
+        inputs = dict(bound.arguments)
+        if self._skip_first and inputs:
+            inputs.pop(next(iter(inputs)))
+        return inputs
+
+
+@dataclass
+class RecorderConfig:
+    run_dir: Path
+    experiment: str | None = None
+    worker: str | None = None
+    policy: str = POLICY_SPILL
+    max_queue_bytes: int = 256 << 20
+    flush_interval_s: float = 0.2
+    max_batch_age_s: float = 1.0
+    max_batch_bytes: int = 8 << 20
+    fsync_interval_s: float = 1.0
+    max_field_bytes: int | None = 4 << 20
+
+
+_worker_resolver: Callable[[], str | None] | None = None
+
+
+def set_worker_resolver(resolver: Callable[[], str | None]) -> None:
+    """Name this process's worker lazily (e.g. from the Ray actor), called once on the writer thread."""
+    global _worker_resolver
+    _worker_resolver = resolver
+
+
+def _default_worker() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class _StepBuffer:
+    __slots__ = ("columns", "first_at", "nbytes", "open", "root_ended", "rows", "writer")
+
+    def __init__(self) -> None:
+        self.columns: dict[str, list] = {f.name: [] for f in SPAN_SCHEMA}
+        self.rows = 0
+        self.nbytes = 0
+        self.first_at = 0.0
+        self.root_ended = False
+        self.open = 0
+        self.writer: PartialWriter | None = None
+
+    def take_batch(self) -> pa.RecordBatch:
+        batch = pa.RecordBatch.from_pydict(self.columns, schema=SPAN_SCHEMA)
+        for values in self.columns.values():
+            values.clear()
+        self.rows = self.nbytes = 0
+        self.root_ended = False
+        return batch
+
+
+_SPAN = 0
+_OPEN = 1
+_FLUSH = 2
+
+
+class Recorder:
+    """One per process: owns the queue, the writer thread and the open step files."""
+
+    def __init__(self, config: RecorderConfig) -> None:
+        self.config = config
+        self.counters = dict.fromkeys(manifest.COUNTERS, 0)
+        self._queue: deque = deque()
+        self._enqueued = 0
+        self._written = 0
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._spill_lock = threading.Lock()
+        self._spill_writers: dict[int | None, PartialWriter] = {}
+        self._steps: dict[int | None, _StepBuffer] = {}
+        self._max_step: int | None = None
+        self._last_fsync = time.monotonic()
+        self._last_counters = 0.0
+        self._warned: set[str] = set()
+        self._closed = False
+        self.worker: str | None = safe_name(config.worker) if config.worker else None
+        self._pid = os.getpid()
+
+    # ---- calling thread -------------------------------------------------------------------
+
+    def submit(self, event: tuple, nbytes: int) -> None:
+        if self._closed:
+            return
+        if self._enqueued - self._written > self.config.max_queue_bytes:
+            self._overflow(event)
+            return
+        self._queue.append(event)
+        self._enqueued += nbytes
+        if self._thread is None:
+            self._start()
+
+    def _overflow(self, event: tuple) -> None:
+        if event[0] != _SPAN:
+            self._queue.append(event)
+            return
+        if self.config.policy == POLICY_DROP:
+            self.counters["dropped"] += 1
+            self._warn_once("dropped", "queue full: dropping spans (policy=drop); counted in the manifest")
+            return
+        self._warn_once("spilled", "queue full: the calling thread writes spans itself (policy=spill)")
+        try:
+            with self._spill_lock:
+                step = event[1].step
+                writer = self._spill_writers.get(step)
+                if writer is None:
+                    writer = PartialWriter(partition_dir(self.config.run_dir, step, self._worker()))
+                    self._spill_writers[step] = writer
+                buf = _StepBuffer()
+                self._append_row(buf, event)
+                writer.write(buf.take_batch())
+            self.counters["spilled"] += 1
+        except Exception as exc:
+            self.counters["lost"] += 1
+            self._warn_once("lost", f"could not write spans ({type(exc).__name__}: {exc}); counting losses")
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="rlreplay-writer", daemon=True)
+                self._thread.start()
+
+    # ---- writer thread --------------------------------------------------------------------
+
+    def _worker(self) -> str:
+        if self.worker is None:
+            name = None
+            if _worker_resolver is not None:
+                with contextlib.suppress(Exception):
+                    name = _worker_resolver()
+            self.worker = safe_name(name or os.environ.get(ENV_WORKER) or _default_worker())
+        return self.worker
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.config.flush_interval_s)
+            self._wake.clear()
+            try:
+                self._cycle()
+            except Exception as exc:  # keep the thread alive whatever happens
+                self._warn_once("writer", f"writer error: {type(exc).__name__}: {exc}")
+            if self._closed and not self._queue:
+                return
+
+    def _cycle(self, force: bool = False) -> None:
+        flushes: list[threading.Event] = []
+        queue = self._queue
+        while queue:
+            event = queue.popleft()
+            kind = event[0]
+            if kind == _SPAN:
+                self._ingest(event)
+            elif kind == _OPEN:
+                self._buffer(event[1].step).open += 1
+            else:
+                flushes.append(event[1])
+        now = time.monotonic()
+        force = force or bool(flushes)
+        for step, buf in list(self._steps.items()):
+            if buf.rows and (
+                force
+                or buf.root_ended
+                or now - buf.first_at >= self.config.max_batch_age_s
+                or buf.nbytes >= self.config.max_batch_bytes
+            ):
+                self._write(step, buf)
+        if force or now - self._last_fsync >= self.config.fsync_interval_s:
+            self._fsync_all()
+        self._seal_finished_steps()
+        if now - self._last_counters > 10:
+            self._save_counters()
+        for done in flushes:
+            done.set()
+
+    def _buffer(self, step: int | None) -> _StepBuffer:
+        buf = self._steps.get(step)
+        if buf is None:
+            buf = self._steps[step] = _StepBuffer()
+            if step is not None and (self._max_step is None or step > self._max_step):
+                self._max_step = step
+        return buf
+
+    def _ingest(self, event: tuple) -> None:
+        traj = event[1]
+        buf = self._buffer(traj.step)
+        if not buf.rows:
+            buf.first_at = time.monotonic()
+        try:
+            buf.nbytes += self._append_row(buf, event)
+        except Exception as exc:
+            self.counters["encode_errors"] += 1
+            self._warn_once("encode", f"could not encode a span: {type(exc).__name__}: {exc}")
+            return
+        self._written += event[-1] if isinstance(event[-1], int) else 0
+        if event[3] is None:
+            buf.root_ended = True
+            if traj.explicit:
+                buf.open -= 1
+
+    def _append_row(self, buf: _StepBuffer, event: tuple) -> int:
+        _, traj, span_id, parent_id, meta, start, end, exc, args, kwargs, result, _nbytes = event
+        cap = self.config.max_field_bytes
+        if meta.kind == KIND_TRAJECTORY:
+            inputs_text, inputs_data = None, None
+        else:
+            inputs_obj = meta.bind(args, kwargs)
+            if meta.reduce_inputs is not None:
+                inputs_obj = meta.reduce_inputs(inputs_obj)
+            inputs_data = payload.to_jsonable(inputs_obj)
+            inputs_text = payload.dumps(inputs_data, cap)
+        if exc is not None:
+            output_data = {
+                "__type__": "exception",
+                "type": type(exc).__qualname__,
+                "message": str(exc),
+                "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            }
+            error = f"{type(exc).__qualname__}: {exc}"
+        else:
+            out = meta.reduce_output(result) if meta.reduce_output is not None else result
+            output_data = payload.to_jsonable(out) if out is not None else None
+            error = None
+        output_text = payload.dumps(output_data, cap) if output_data is not None else None
+        reward = None
+        if meta.reward is not None and exc is None:
+            with contextlib.suppress(Exception):
+                reward = meta.reward(result)
+        elif isinstance(output_data, dict):
+            value = output_data.get("reward_score", output_data.get("reward"))
+            reward = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        c = buf.columns
+        c["trajectory_id"].append(format_trajectory_id(traj.id))
+        c["span_id"].append(format_span_id(span_id))
+        c["parent_id"].append(None if parent_id is None else format_span_id(parent_id))
+        c["name"].append(meta.name)
+        c["kind"].append(meta.kind)
+        c["start_ns"].append(start)
+        c["end_ns"].append(end)
+        c["status"].append(STATUS_OK if exc is None else STATUS_ERROR)
+        c["error"].append(error)
+        c["step"].append(traj.step)
+        c["sample_index"].append(traj.sample_index)
+        c["rollout_n"].append(traj.rollout_n)
+        c["validate"].append(traj.validate)
+        c["experiment"].append(traj.experiment or self.config.experiment)
+        c["worker"].append(self._worker())
+        c["reward"].append(reward)
+        c["num_tokens"].append(payload.count_token_ids(inputs_data) + payload.count_token_ids(output_data))
+        c["attributes"].append(
+            payload.dumps(payload.to_jsonable(traj.attributes))
+            if traj.attributes and parent_id is None
+            else None
+        )
+        c["inputs"].append(inputs_text)
+        c["output"].append(output_text)
+        buf.rows += 1
+        return 200 + len(inputs_text or "") + len(output_text or "")
+
+    def _write(self, step: int | None, buf: _StepBuffer) -> None:
+        batch = buf.take_batch()
+        try:
+            if buf.writer is None:
+                buf.writer = PartialWriter(partition_dir(self.config.run_dir, step, self._worker()))
+            buf.writer.write(batch)
+            self.counters["spans"] += batch.num_rows
+        except Exception as exc:
+            self.counters["lost"] += batch.num_rows
+            self._warn_once("lost", f"could not write spans ({type(exc).__name__}: {exc}); counting losses")
+            self._drop_writer(buf)
+
+    def _drop_writer(self, buf: _StepBuffer) -> None:
+        if buf.writer is not None:
+            with contextlib.suppress(Exception):
+                buf.writer.close()
+            buf.writer = None
+
+    def _fsync_all(self) -> None:
+        self._last_fsync = time.monotonic()
+        for buf in self._steps.values():
+            if buf.writer is not None:
+                try:
+                    buf.writer.fsync()
+                except OSError as exc:
+                    self._warn_once("fsync", f"fsync failed: {exc}")
+
+    def _seal_finished_steps(self, all_steps: bool = False) -> None:
+        for step, buf in list(self._steps.items()):
+            newer_exists = step is not None and self._max_step is not None and step < self._max_step
+            if all_steps or (newer_exists and buf.open <= 0 and not buf.rows):
+                if buf.rows:
+                    self._write(step, buf)
+                self._seal_buffer(buf)
+                del self._steps[step]
+        if all_steps:
+            for writer in self._spill_writers.values():
+                self._seal_writer(writer)
+            self._spill_writers.clear()
+
+    def _seal_buffer(self, buf: _StepBuffer) -> None:
+        if buf.writer is not None:
+            self._seal_writer(buf.writer)
+            buf.writer = None
+
+    def _seal_writer(self, writer: PartialWriter) -> None:
+        try:
+            writer.close()
+            seal(writer.path)
+        except Exception as exc:
+            self._warn_once("seal", f"could not seal {writer.path.name} ({exc}); it stays recoverable")
+        self._save_counters()
+
+    def _save_counters(self) -> None:
+        self._last_counters = time.monotonic()
+        data = {**self.counters, "worker": self._worker(), "pid": os.getpid(), "updated_at": time.time()}
+        with contextlib.suppress(Exception):
+            manifest.write_worker_counters(self.config.run_dir, f"{self._worker()}-{os.getpid()}", data)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("rlreplay: %s", message)
+
+    # ---- control ----------------------------------------------------------------------------
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Write and fsync everything recorded so far; True when done within ``timeout``."""
+        if self._thread is None or not self._thread.is_alive():
+            return True
+        done = threading.Event()
+        self._queue.append((_FLUSH, done))
+        self._wake.set()
+        return done.wait(timeout)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Drain the queue and seal every open step; idempotent, never raises."""
+        if self._closed or os.getpid() != self._pid:
+            return
+        self._closed = True
+        try:
+            thread = self._thread
+            if thread is not None and thread.is_alive():
+                self._wake.set()
+                thread.join(timeout)
+            if thread is None or not thread.is_alive():
+                self._cycle(force=True)
+                self._seal_finished_steps(all_steps=True)
+            self._save_counters()
+            self._report()
+        except Exception as exc:
+            log.warning("rlreplay: close failed: %s", exc)
+
+    def _report(self) -> None:
+        missing = {
+            k: self.counters[k] for k in ("dropped", "spilled", "lost", "encode_errors") if self.counters[k]
+        }
+        if missing:
+            detail = ", ".join(f"{k}={v}" for k, v in missing.items())
+            print(f"rlreplay: worker {self._worker()}: {detail}", file=sys.stderr)
+
+
+# ---- process-wide state -------------------------------------------------------------------------
+
+_recorder: Recorder | None = None
+_env_checked = False
+_init_lock = threading.Lock()
+
+
+def init(
+    dir: str | os.PathLike[str] | None = None,
+    experiment: str | None = None,
+    worker: str | None = None,
+    *,
+    policy: str | None = None,
+    max_queue_mb: float | None = None,
+    max_field_bytes: int | None = 4 << 20,
+) -> Recorder:
+    """Start recording in this process into run directory ``dir`` (default: ``$RLREPLAY_DIR``)."""
+    global _recorder, _env_checked
+    run_dir = dir if dir is not None else os.environ.get(ENV_DIR)
+    if not run_dir:
+        raise ValueError(f"rlreplay.init needs dir= or ${ENV_DIR}")
+    policy = policy or os.environ.get(ENV_POLICY) or POLICY_SPILL
+    if policy not in (POLICY_SPILL, POLICY_DROP):
+        raise ValueError(f"policy must be {POLICY_SPILL!r} or {POLICY_DROP!r}, not {policy!r}")
+    queue_mb = max_queue_mb if max_queue_mb is not None else float(os.environ.get(ENV_MAX_QUEUE_MB, 256))
+    config = RecorderConfig(
+        run_dir=Path(run_dir),
+        experiment=experiment or os.environ.get(ENV_EXPERIMENT),
+        worker=worker or os.environ.get(ENV_WORKER),
+        policy=policy,
+        max_queue_bytes=int(queue_mb * (1 << 20)),
+        max_field_bytes=max_field_bytes,
+    )
+    with _init_lock:
+        if _recorder is not None:
+            _recorder.close()
+        with contextlib.suppress(OSError):
+            manifest.ensure_manifest(config.run_dir, config.experiment)
+        _recorder = Recorder(config)
+        _env_checked = True
+    _install_exit_hooks()
+    return _recorder
+
+
+def _from_env() -> Recorder | None:
+    global _env_checked
+    with _init_lock:
+        if _env_checked:
+            return _recorder
+        _env_checked = True
+    if not os.environ.get(ENV_DIR) or os.environ.get(ENV_DISABLE):
+        return None
+    try:
+        return init()
+    except Exception as exc:
+        log.warning("rlreplay: recording disabled: %s", exc)
+        return None
+
+
+def get_recorder() -> Recorder | None:
+    return _recorder if _env_checked else _from_env()
+
+
+def flush(timeout: float = 30.0) -> bool:
+    """Write and fsync everything recorded so far in this process."""
+    rec = _recorder
+    return rec.flush(timeout) if rec is not None else True
+
+
+def close() -> None:
+    """Seal this process's files; later spans are not recorded until ``init`` is called again."""
+    global _recorder
+    rec = _recorder
+    _recorder = None
+    if rec is not None:
+        rec.close()
+
+
+def stats() -> dict[str, int]:
+    rec = _recorder
+    return dict(rec.counters) if rec is not None else dict.fromkeys(manifest.COUNTERS, 0)
+
+
+_hooks_installed = False
+
+
+def _install_exit_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(close)
+    os.register_at_fork(after_in_child=_after_fork)
+    if threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(ValueError, OSError):
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    close()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _after_fork() -> None:
+    global _recorder, _trajectory_ids, _span_ids, _id_salt
+    _trajectory_ids, _span_ids, _id_salt = _id_source()
+    if _recorder is not None:
+        _recorder = Recorder(_recorder.config)
+
+
+# ---- the public tracing API -----------------------------------------------------------------------
+
+
+def _nbytes(args: tuple, kwargs: dict) -> int:
+    size = 256
+    for value in args:
+        if type(value) is list:
+            size += len(value) << 3
+    for value in kwargs.values():
+        if type(value) is list:
+            size += len(value) << 3
+    return size
+
+
+def _enter(rec: Recorder) -> tuple[Any, int, int | None] | None:
+    ctx = _CURRENT.get()
+    if ctx is _OFF:
+        return None
+    if ctx is None:
+        return _Trajectory(explicit=False), next(_span_ids), None
+    traj, parent = ctx
+    return traj, next(_span_ids), parent
+
+
+def trace_op(
+    fn: F | None = None,
+    *,
+    name: str | None = None,
+    kind: str = KIND_OP,
+    reduce_inputs: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    reduce_output: Callable[[Any], Any] | None = None,
+    reward: Callable[[Any], float | None] | None = None,
+) -> Any:
+    """Record each call of a sync or async function as a span (``@trace_op`` or ``@trace_op(...)``)."""
+    if fn is None:
+        return functools.partial(
+            trace_op,
+            name=name,
+            kind=kind,
+            reduce_inputs=reduce_inputs,
+            reduce_output=reduce_output,
+            reward=reward,
+        )
+    meta = OpMeta(
+        name=name or fn.__qualname__,
+        kind=kind,
+        fn=fn,
+        reduce_inputs=reduce_inputs,
+        reduce_output=reduce_output,
+        reward=reward,
+    )
+    snapshot = payload.snapshot
+    time_ns = time.time_ns
+
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+            rec = _recorder if _env_checked else _from_env()
+            entered = _enter(rec) if rec is not None else None
+            if entered is None:
+                return await fn(*args, **kwargs)
+            traj, span_id, parent = entered
+            sargs = tuple(map(snapshot, args))
+            skw = {k: snapshot(v) for k, v in kwargs.items()} if kwargs else kwargs
+            token = _CURRENT.set((traj, span_id))
+            start = time_ns()
+            try:
+                result = await fn(*args, **kwargs)
+            except BaseException as exc:
+                end = time_ns()
+                _CURRENT.reset(token)
+                rec.submit((_SPAN, traj, span_id, parent, meta, start, end, exc, sargs, skw, None, 0), 256)
+                raise
+            end = time_ns()
+            _CURRENT.reset(token)
+            nbytes = _nbytes(sargs, skw)
+            rec.submit(
+                (_SPAN, traj, span_id, parent, meta, start, end, None, sargs, skw, result, nbytes), nbytes
+            )
+            return result
+
+        async_wrapper.__rlreplay_meta__ = meta  # type: ignore[attr-defined]
+        return async_wrapper
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        rec = _recorder if _env_checked else _from_env()
+        entered = _enter(rec) if rec is not None else None
+        if entered is None:
+            return fn(*args, **kwargs)
+        traj, span_id, parent = entered
+        sargs = tuple(map(snapshot, args))
+        skw = {k: snapshot(v) for k, v in kwargs.items()} if kwargs else kwargs
+        token = _CURRENT.set((traj, span_id))
+        start = time_ns()
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:
+            end = time_ns()
+            _CURRENT.reset(token)
+            rec.submit((_SPAN, traj, span_id, parent, meta, start, end, exc, sargs, skw, None, 0), 256)
+            raise
+        end = time_ns()
+        _CURRENT.reset(token)
+        nbytes = _nbytes(sargs, skw)
+        rec.submit((_SPAN, traj, span_id, parent, meta, start, end, None, sargs, skw, result, nbytes), nbytes)
+        return result
+
+    wrapper.__rlreplay_meta__ = meta  # type: ignore[attr-defined]
+    return wrapper
+
+
+class trajectory:
+    """Open a trajectory: its root span carries step, sample_index, rollout_n, validate, experiment.
+
+    Usable as ``with`` or ``async with``; ``trace=False`` disables recording inside the block.
+    """
+
+    __slots__ = ("_meta", "_span_id", "_start", "_token", "_trace", "_traj")
+
+    def __init__(
+        self,
+        step: int | None = None,
+        sample_index: int | None = None,
+        rollout_n: int | None = None,
+        validate: bool = False,
+        experiment: str | None = None,
+        name: str = "trajectory",
+        trace: bool = True,
+        **attributes: Any,
+    ) -> None:
+        self._trace = trace
+        self._traj = _Trajectory(
+            _as_int(step),
+            _as_int(sample_index),
+            _as_int(rollout_n),
+            bool(validate),
+            experiment,
+            attributes or None,
+        )
+        self._meta = _trajectory_meta(name)
+        self._token: Any = None
+        self._span_id = 0
+        self._start = 0
+
+    def __enter__(self) -> trajectory:
+        rec = _recorder if _env_checked else _from_env()
+        if not self._trace or rec is None or _CURRENT.get() is _OFF:
+            self._token = _CURRENT.set(_OFF)
+            self._span_id = 0
+            return self
+        self._span_id = next(_span_ids)
+        rec.submit((_OPEN, self._traj), 64)
+        self._token = _CURRENT.set((self._traj, self._span_id))
+        self._start = time.time_ns()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        end = time.time_ns()
+        _CURRENT.reset(self._token)
+        rec = _recorder
+        if self._span_id and rec is not None:
+            event = (
+                _SPAN,
+                self._traj,
+                self._span_id,
+                None,
+                self._meta,
+                self._start,
+                end,
+                exc,
+                (),
+                {},
+                None,
+                256,
+            )
+            rec.submit(event, 256)
+
+    async def __aenter__(self) -> trajectory:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+    @property
+    def id(self) -> str:
+        return format_trajectory_id(self._traj.id)
+
+
+@functools.lru_cache(maxsize=256)
+def _trajectory_meta(name: str) -> OpMeta:
+    return OpMeta(name=name, kind=KIND_TRAJECTORY)
+
+
+def _as_int(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def disabled() -> Any:
+    """Record nothing inside this block (in this task or thread)."""
+    token = _CURRENT.set(_OFF)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)

@@ -1,0 +1,225 @@
+"""Span files on disk: live append-only streams, their compaction, and recovery after a crash.
+
+Layout under a run directory::
+
+    spans/step=5/worker=w0/_part-<uid>.partial   live Arrow IPC stream (zstd 1), ignored by scans
+    spans/step=5/worker=w0/part-<uid>.parquet    sealed: sorted, Parquet zstd, queryable
+
+A sealed file is written under a temporary name, fsynced and renamed; names are never reused,
+and the partial is deleted only once its sealed file is durable.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlreplay.schema import NULL_PARTITION, SPAN_SCHEMA, FormatError, check_format
+
+SPANS_DIR = "spans"
+PARTIAL_SUFFIX = ".partial"
+SEALED_SUFFIX = ".parquet"
+LIVE_ZSTD_LEVEL = 1
+SEALED_ZSTD_LEVEL = 3
+SORT_KEYS = [
+    ("sample_index", "ascending"),
+    ("rollout_n", "ascending"),
+    ("trajectory_id", "ascending"),
+    ("start_ns", "ascending"),
+]
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_DICTIONARY_COLUMNS = ["trajectory_id", "name", "kind", "status", "experiment", "worker"]
+
+
+def safe_name(name: str) -> str:
+    """A worker name usable as a folder name and equal to what is stored in the files."""
+    return _UNSAFE.sub("_", name).strip("._") or "worker"
+
+
+def partition_dir(run_dir: Path, step: int | None, worker: str) -> Path:
+    step_part = NULL_PARTITION if step is None else str(step)
+    return Path(run_dir) / SPANS_DIR / f"step={step_part}" / f"worker={worker}"
+
+
+def new_uid() -> str:
+    return f"{time.time_ns():x}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def sealed_path_for(partial: Path) -> Path:
+    return partial.with_name(partial.name[1:].removesuffix(PARTIAL_SUFFIX) + SEALED_SUFFIX)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class PartialWriter:
+    """An append-only Arrow IPC stream; every ``write`` that returns is readable after a crash."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"_part-{new_uid()}{PARTIAL_SUFFIX}"
+        self._file = open(self.path, "xb")  # noqa: SIM115 - closed in close()
+        options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", LIVE_ZSTD_LEVEL))
+        self._writer = pa.ipc.new_stream(self._file, SPAN_SCHEMA, options=options)
+        self.rows = 0
+        self._dirty = False
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        self._writer.write_batch(batch)
+        self._file.flush()
+        self.rows += batch.num_rows
+        self._dirty = True
+
+    def fsync(self) -> None:
+        if self._dirty:
+            os.fsync(self._file.fileno())
+            self._dirty = False
+
+    def close(self) -> None:
+        if self._file.closed:
+            return
+        try:
+            self._writer.close()
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+
+
+@dataclass
+class PartialContents:
+    table: pa.Table
+    batches: int
+    discarded_bytes: int
+    clean: bool
+
+
+def read_partial(path: Path) -> PartialContents:
+    """Every whole batch of a stream file, stopping cleanly at a torn tail."""
+    size = path.stat().st_size
+    batches: list[pa.RecordBatch] = []
+    good_end = 0
+    clean = False
+    with open(path, "rb") as f:
+        try:
+            reader = pa.ipc.open_stream(f)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise FormatError(f"{path}: unreadable stream header ({exc})") from exc
+        check_format(reader.schema.metadata, str(path))
+        good_end = f.tell()
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                clean = True
+                good_end = size
+                break
+            except (pa.ArrowInvalid, OSError, EOFError):
+                break
+            batches.append(batch)
+            good_end = f.tell()
+    table = pa.Table.from_batches(batches, schema=SPAN_SCHEMA)
+    return PartialContents(table, len(batches), 0 if clean else max(0, size - good_end), clean)
+
+
+@dataclass
+class SealResult:
+    sealed: Path | None
+    rows: int
+    discarded_bytes: int
+    recovered: bool
+
+
+def seal(partial: Path, *, recovered: bool = False) -> SealResult:
+    """Compact a closed (or crashed) partial into its sorted Parquet file, then remove the partial."""
+    final = sealed_path_for(partial)
+    if final.exists():  # sealed before a crash that left the partial behind
+        partial.unlink(missing_ok=True)
+        return SealResult(final, 0, 0, recovered)
+    contents = read_partial(partial)
+    if contents.table.num_rows == 0:
+        partial.unlink(missing_ok=True)
+        return SealResult(None, 0, contents.discarded_bytes, recovered)
+    table = contents.table.sort_by(SORT_KEYS)
+    metadata = dict(SPAN_SCHEMA.metadata)
+    metadata[b"rlreplay.recovered"] = b"true" if recovered else b"false"
+    metadata[b"rlreplay.discarded_bytes"] = str(contents.discarded_bytes).encode()
+    table = table.replace_schema_metadata(metadata)
+    tmp = final.with_name("_" + final.name + ".tmp")
+    with open(tmp, "xb") as f:
+        pq.write_table(
+            table,
+            f,
+            compression="zstd",
+            compression_level=SEALED_ZSTD_LEVEL,
+            use_dictionary=_DICTIONARY_COLUMNS,
+            data_page_size=4 << 20,
+            row_group_size=64 * 1024,
+        )
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    partial.unlink()
+    return SealResult(final, table.num_rows, contents.discarded_bytes, recovered)
+
+
+def step_dirs(run_dir: Path, step: int | None = None) -> Iterator[Path]:
+    base = Path(run_dir) / SPANS_DIR
+    if step is not None:
+        candidate = base / f"step={step}"
+        if candidate.is_dir():
+            yield candidate
+        return
+    if not base.is_dir():
+        return
+    for entry in os.scandir(base):
+        if entry.is_dir() and entry.name.startswith("step="):
+            yield Path(entry.path)
+
+
+def list_files(run_dir: Path, step: int | None = None) -> tuple[list[Path], list[Path]]:
+    """(sealed files, live partials) of a run, optionally of one step only."""
+    sealed: list[Path] = []
+    partials: list[Path] = []
+    for sdir in step_dirs(run_dir, step):
+        for wdir in os.scandir(sdir):
+            if not wdir.is_dir():
+                continue
+            for entry in os.scandir(wdir.path):
+                name = entry.name
+                if name.endswith(SEALED_SUFFIX) and not name.startswith(("_", ".")):
+                    sealed.append(Path(entry.path))
+                elif name.endswith(PARTIAL_SUFFIX) and name.startswith("_part-"):
+                    partials.append(Path(entry.path))
+    sealed.sort()
+    partials.sort()
+    sealed_set = set(sealed)
+    partials = [p for p in partials if sealed_path_for(p) not in sealed_set]
+    return sealed, partials
+
+
+def recover_run(run_dir: Path) -> list[SealResult]:
+    """Seal every partial left in a run (writers must have stopped)."""
+    results = []
+    for tmp in Path(run_dir, SPANS_DIR).glob("step=*/worker=*/_part-*.parquet.tmp"):
+        tmp.unlink(missing_ok=True)  # a compaction that died before its rename
+    for partial in sorted(Path(run_dir, SPANS_DIR).glob(f"step=*/worker=*/_part-*{PARTIAL_SUFFIX}")):
+        try:
+            results.append(seal(partial, recovered=True))
+        except (FormatError, OSError, pa.ArrowException):
+            continue  # left in place; readers skip it with a warning
+    return results

@@ -1,0 +1,58 @@
+"""Run-level summaries and recovery bookkeeping, shared by ``info``, ``recover`` and ``record``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow.compute as pc
+
+from rlreplay import manifest
+from rlreplay.shards import SPANS_DIR, recover_run
+from rlreplay.store import Run
+
+
+def disk_bytes(run_dir: Path) -> int:
+    return sum(p.stat().st_size for p in Path(run_dir, SPANS_DIR).rglob("*") if p.is_file())
+
+
+def run_summary(run: Run) -> dict[str, Any]:
+    spans = run.spans(columns=["trajectory_id", "step", "num_tokens"])
+    steps = pc.unique(spans["step"]).drop_null() if spans.num_rows else []
+    tokens = int(pc.sum(spans["num_tokens"]).as_py() or 0) if spans.num_rows else 0
+    size = disk_bytes(run.path)
+    m = run.manifest
+    return {
+        "run": str(run.path),
+        "run_id": m.get("run_id"),
+        "experiment": m.get("experiment"),
+        "tokenizer": m.get("tokenizer"),
+        "command": " ".join(m.get("command") or []),
+        "steps": len(steps),
+        "trajectories": len(pc.unique(spans["trajectory_id"])) if spans.num_rows else 0,
+        "spans": spans.num_rows,
+        "token_ids": tokens,
+        "bytes_on_disk": size,
+        "bytes_per_token": round(size / tokens, 3) if tokens else None,
+        **run.counters(),
+    }
+
+
+def recover(run_dir: Path) -> dict[str, int]:
+    """Seal leftover partials and add what was recovered to the manifest."""
+    results = recover_run(run_dir)
+    recovered = [r for r in results if r.sealed is not None]
+    totals = {
+        "recovered_shards": len(recovered),
+        "recovered_spans": sum(r.rows for r in recovered),
+        "discarded_bytes": sum(r.discarded_bytes for r in results),
+    }
+    if results and (Path(run_dir) / manifest.MANIFEST).exists():
+        current = manifest.read_manifest(run_dir)
+        manifest.update_manifest(
+            run_dir,
+            recovered_shards=int(current.get("recovered_shards", 0) or 0) + totals["recovered_shards"],
+            recovered_spans=int(current.get("recovered_spans", 0) or 0) + totals["recovered_spans"],
+            discarded_bytes=int(current.get("discarded_bytes", 0) or 0) + totals["discarded_bytes"],
+        )
+    return totals

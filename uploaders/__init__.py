@@ -1,0 +1,1 @@
+"""Backends that upload chosen trajectories: MLflow, Weave."""
