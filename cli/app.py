@@ -74,4 +74,4 @@ def open_run_arg(run: Path | None, positional: Path | None = None):
 
 def report_warnings(run) -> None:
     for message in run.warnings:
-        err_console().print(f"rlreplay: warning: {message}", markup=False, highlight=False)
+        print(f"rlreplay: warning: {message}", file=sys.stderr)

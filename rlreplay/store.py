@@ -215,7 +215,8 @@ class Run:
         version = self.manifest.get("format_version", FORMAT_VERSION)
         if int(version) > FORMAT_VERSION:
             raise RunError(
-                f"{path}: recorded in format {version}, this rlreplay reads up to {FORMAT_VERSION}; upgrade rlreplay"
+                f"{path}: recorded in format {version}, this rlreplay reads up to {FORMAT_VERSION}; "
+                "upgrade rlreplay"
             )
 
     def __repr__(self) -> str:
@@ -249,7 +250,7 @@ class Run:
         good = []
         for f in files:
             try:
-                check_format(pq.read_schema(f).metadata, str(f))
+                check_format(pq.read_schema(f).metadata, "file")
                 good.append(f)
             except (pa.ArrowException, OSError, FormatError) as exc:
                 self._warn(f"skipped unreadable file {f.relative_to(self.path)}: {_one_line(exc)}")

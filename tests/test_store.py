@@ -1,0 +1,219 @@
+"""The store and the browsing CLI on runs recorded by the real recorder into real files."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import rlreplay
+from rlreplay.cli.main import main
+from rlreplay.shards import list_files
+
+STEPS = [3, 4, 5]
+SAMPLES = 3
+ROLLOUTS = 2
+
+
+class Agent:
+    @rlreplay.trace_op(kind="llm")
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict) -> dict:
+        await asyncio.sleep(0)
+        return {"token_ids": [len(prompt_ids), 7, 8]}
+
+    @rlreplay.trace_op(kind="tool")
+    async def execute(self, instance_id: str, parameters: dict) -> tuple:
+        if parameters["fail"]:
+            raise RuntimeError("tool failed")
+        return ("ok", 1.0, {})
+
+    @rlreplay.trace_op(kind="agent")
+    async def run(self, prompt_ids: list[int], fail: bool) -> dict:
+        out = await self.generate("req", prompt_ids=prompt_ids, sampling_params={"temperature": 1.0})
+        try:
+            await self.execute("inst", {"fail": fail})
+        except RuntimeError:
+            pass
+        return {"prompt_ids": prompt_ids, "response_ids": out["token_ids"], "reward_score": 0.0 if fail else 1.0}
+
+
+def record(run_dir: Path, experiment: str = "exp-a", worker: str = "w0") -> None:
+    rlreplay.init(run_dir, experiment=experiment, worker=worker)
+
+    async def one(step: int, sample: int, n: int, validate: bool) -> None:
+        async with rlreplay.trajectory(
+            step=step, sample_index=sample, rollout_n=n, validate=validate, name="agent_loop"
+        ):
+            await Agent().run([1, 2, 3, sample], fail=(n == 1))
+
+    async def go() -> None:
+        for step in STEPS:
+            jobs = [one(step, s, n, False) for s in range(SAMPLES) for n in range(ROLLOUTS)]
+            jobs.append(one(step, 0, 0, True))
+            await asyncio.gather(*jobs)
+
+    asyncio.run(go())
+    rlreplay.close()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("runs") / "run"
+    record(path)
+    return path
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_files_are_partitioned_sealed_and_versioned(run_dir: Path) -> None:
+    sealed, partials = list_files(run_dir)
+    assert partials == []
+    assert {p.parent.parent.name for p in sealed} == {f"step={s}" for s in STEPS}
+    for path in sealed:
+        meta = pq.read_schema(path).metadata
+        assert meta[b"rlreplay.format_version"] == b"1"
+        table = pq.read_table(path)
+        assert set(table["step"].to_pylist()) == {int(path.parent.parent.name.split("=")[1])}
+        assert set(table["worker"].to_pylist()) == {path.parent.name.split("=")[1]}
+
+
+def test_filters_select_exactly(run_dir: Path) -> None:
+    run = rlreplay.open_run(run_dir)
+    everything = run.trajectories().to_pylist()
+    assert len(everything) == len(STEPS) * (SAMPLES * ROLLOUTS + 1)
+    for kw in ({"step": 5}, {"sample_index": 2}, {"rollout_n": 1}, {"validate": True}, {"step": 4, "validate": False}):
+        got = run.trajectories(**kw).to_pylist()
+        expected = [r for r in everything if all(r[k] == v for k, v in kw.items())]
+        assert sorted(r["id"] for r in got) == sorted(r["id"] for r in expected)
+        assert got
+    assert run.trajectories(experiment="other").num_rows == 0
+    assert set(run.spans(name="Agent.execute")["name"].to_pylist()) == {"Agent.execute"}
+
+
+def test_trajectory_listing_counts_and_status(run_dir: Path) -> None:
+    rows = rlreplay.open_run(run_dir).trajectories(step=3, validate=False).to_pylist()
+    for row in rows:
+        assert row["num_spans"] == 4
+        assert row["num_turns"] == 1
+        assert row["num_tool_calls"] == 1
+        assert row["name"] == "agent_loop"
+        assert row["agent"] == "Agent.run"
+        assert row["reward"] == (0.0 if row["rollout_n"] == 1 else 1.0)
+        assert row["duration_s"] >= 0
+
+
+def test_span_tree_nests(run_dir: Path) -> None:
+    run = rlreplay.open_run(run_dir)
+    row = run.trajectories(step=5, sample_index=1, rollout_n=1).to_pylist()[0]
+    traj = run.trajectory(row["id"][:10])
+    assert traj.id == row["id"]
+    (root,) = traj.roots
+    assert root.kind == "trajectory"
+    (agent,) = root.children
+    assert [c.name for c in agent.children] == ["Agent.generate", "Agent.execute"]
+    tool = agent.children[1]
+    assert tool.status == "error" and tool.error == "RuntimeError: tool failed"
+    assert tool.output["__type__"] == "exception"
+    assert agent.children[0].inputs["prompt_ids"] == [1, 2, 3, 1]
+    assert traj.attributes["step"] == 5 and traj.attributes["experiment_name"] == "exp-a"
+
+
+def test_cli_ls_step_json(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = cli(capsys, "ls", run_dir, "--step", "5", "--json")
+    assert rc == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == SAMPLES * ROLLOUTS + 1
+    required = {"id", "step", "sample_index", "rollout_n", "validate", "experiment", "worker", "name"}
+    required |= {"start_time", "duration_s", "num_spans", "status"}
+    for row in rows:
+        assert required <= row.keys()
+        assert row["step"] == 5
+
+
+def test_cli_ls_table_and_show(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = cli(capsys, "ls", "--run", run_dir, "--step", "4", "--train")
+    assert rc == 0
+    assert f"{SAMPLES * ROLLOUTS} trajectories" in out
+    first_id = out.splitlines()[1].split()[0]
+    rc, out, _ = cli(capsys, "show", first_id, "--run", run_dir)
+    assert rc == 0
+    assert "Agent.generate" in out and "Agent.execute" in out and "step=4" in out
+    rc, out, _ = cli(capsys, "show", first_id, "--run", run_dir, "--json")
+    assert json.loads(out)["spans"][0]["children"][0]["name"] == "Agent.run"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ls", "{missing}"],
+        ["ls", "{run}", "--step", "five"],
+        ["show", "ffffffffffffffffffffffffffffffff", "--run", "{run}"],
+        ["show", "not-hex", "--run", "{run}"],
+        ["show", "{ambiguous}", "--run", "{run}"],
+        ["ls", "{run}", "--run", "{missing}"],
+        ["ls", "{file}"],
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    ids = sorted(rlreplay.open_run(run_dir).trajectories()["id"].to_pylist())
+    first_chars = [i[0] for i in ids]
+    ambiguous = next(c for c in first_chars if first_chars.count(c) > 1) if len(set(first_chars)) < len(ids) else ""
+    values = {"missing": tmp_path / "nope", "run": run_dir, "ambiguous": ambiguous, "file": a_file}
+    argv = [a.format(**values) for a in args]
+    if argv[1] == "":
+        pytest.fail("fixture has no shared id prefix")
+    rc, out, err = cli(capsys, *argv)
+    assert rc == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith("rlreplay: error: ")
+    assert "Traceback" not in err
+
+
+def test_corrupt_and_foreign_files_are_skipped(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_copy = tmp_path / "copy"
+    shutil.copytree(run_dir, run_copy)
+    sealed, _ = list_files(run_copy, step=4)
+    victim = sealed[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])  # truncated
+    garbage = sealed[0].parent / "part-garbage.parquet"
+    garbage.write_bytes(b"this is not parquet at all" * 10)
+    foreign = run_copy / "spans" / "step=5" / "worker=w0" / "part-foreign.parquet"
+    pq.write_table(pa.table({"x": [1, 2]}), foreign)
+    rc, out, err = cli(capsys, "ls", run_copy, "--json")
+    assert rc == 0
+    steps = {json.loads(line)["step"] for line in out.splitlines()}
+    assert steps == {3, 5}  # step 4's only file is broken; the rest still lists
+    assert "part-garbage.parquet" in err and victim.name in err and "part-foreign.parquet" in err
+    assert all(line.startswith("rlreplay: warning: ") for line in err.strip().splitlines()), err
+
+
+def test_newer_format_is_refused_clearly(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_copy = tmp_path / "newer"
+    shutil.copytree(run_dir, run_copy)
+    manifest = json.loads((run_copy / "run.json").read_text())
+    manifest["format_version"] = 99
+    (run_copy / "run.json").write_text(json.dumps(manifest))
+    rc, _, err = cli(capsys, "ls", run_copy)
+    assert rc == 2 and "format 99" in err and "upgrade rlreplay" in err
+
+
+def test_pandas_export(run_dir: Path) -> None:
+    import pandas as pd
+
+    frame = rlreplay.open_run(run_dir).trajectories(step=3).to_pandas()
+    assert isinstance(frame, pd.DataFrame) and set(frame["step"]) == {3}
