@@ -10,6 +10,7 @@ import orjson
 import typer
 from rich.table import Table
 from rich.tree import Tree
+
 from rlreplay.cli.app import (
     ExperimentOption,
     JsonOption,
@@ -214,6 +215,11 @@ def recover_command(
     results = recover(opened.path)
     console().print(
         f"recovered {results['recovered_shards']} shards ({results['recovered_spans']} spans); "
-        f"discarded {results['discarded_bytes']} bytes of torn tails",
+        f"discarded {results['discarded_bytes']} bytes of torn tails"
+        + (
+            f"; {results['live_partials']} files still being written were left alone"
+            if results["live_partials"]
+            else ""
+        ),
         markup=False,
     )

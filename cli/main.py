@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 import typer
-from rlreplay.cli import browse  # noqa: F401 - registers commands
+
+from rlreplay.cli import browse, record  # noqa: F401 - registers commands
 from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app
 
 

@@ -16,7 +16,6 @@ import logging
 import os
 import random
 import signal
-import socket
 import sys
 import threading
 import time
@@ -39,12 +38,14 @@ from rlreplay.schema import (
     STATUS_OK,
 )
 from rlreplay.shards import PartialWriter, partition_dir, safe_name, seal
+from rlreplay.workers import ENV_WORKER, resolve_worker_name, set_worker_resolver
+
+__all__ = ["set_worker_resolver"]
 
 log = logging.getLogger("rlreplay")
 
 ENV_DIR = "RLREPLAY_DIR"
 ENV_EXPERIMENT = "RLREPLAY_EXPERIMENT"
-ENV_WORKER = "RLREPLAY_WORKER"
 ENV_POLICY = "RLREPLAY_POLICY"
 ENV_MAX_QUEUE_MB = "RLREPLAY_MAX_QUEUE_MB"
 ENV_DISABLE = "RLREPLAY_DISABLE"
@@ -162,19 +163,6 @@ class RecorderConfig:
     max_field_bytes: int | None = 4 << 20
 
 
-_worker_resolver: Callable[[], str | None] | None = None
-
-
-def set_worker_resolver(resolver: Callable[[], str | None]) -> None:
-    """Name this process's worker lazily (e.g. from the Ray actor), called once on the writer thread."""
-    global _worker_resolver
-    _worker_resolver = resolver
-
-
-def _default_worker() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
 class _StepBuffer:
     __slots__ = ("columns", "first_at", "nbytes", "open", "root_ended", "rows", "writer")
 
@@ -271,11 +259,7 @@ class Recorder:
 
     def _worker(self) -> str:
         if self.worker is None:
-            name = None
-            if _worker_resolver is not None:
-                with contextlib.suppress(Exception):
-                    name = _worker_resolver()
-            self.worker = safe_name(name or os.environ.get(ENV_WORKER) or _default_worker())
+            self.worker = safe_name(resolve_worker_name())
         return self.worker
 
     def _run(self) -> None:

@@ -11,10 +11,12 @@ and the partial is deleted only once its sealed file is durable.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import secrets
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,13 +67,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_open_writers: weakref.WeakSet[PartialWriter] = weakref.WeakSet()
+
+
 class PartialWriter:
-    """An append-only Arrow IPC stream; every ``write`` that returns is readable after a crash."""
+    """An append-only Arrow IPC stream; every ``write`` that returns is readable after a crash.
+
+    The file is ``flock``ed while open, so recovery can tell a live writer from a dead one.
+    """
 
     def __init__(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"_part-{new_uid()}{PARTIAL_SUFFIX}"
         self._file = open(self.path, "xb")  # noqa: SIM115 - closed in close()
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _open_writers.add(self)
         options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", LIVE_ZSTD_LEVEL))
         self._writer = pa.ipc.new_stream(self._file, SPAN_SCHEMA, options=options)
         self.rows = 0
@@ -97,6 +107,33 @@ class PartialWriter:
             os.fsync(self._file.fileno())
         finally:
             self._file.close()
+
+
+def _release_inherited_writers() -> None:
+    """In a forked child: drop the parent's open partials (and their locks) without writing to them."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for writer in list(_open_writers):
+        if not writer._file.closed:
+            os.dup2(devnull, writer._file.fileno())
+    os.close(devnull)
+    _open_writers.clear()
+
+
+os.register_at_fork(after_in_child=_release_inherited_writers)
+
+
+def is_live(partial: Path) -> bool:
+    """Whether a writer process still holds this partial open."""
+    try:
+        with open(partial, "rb") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            return False
+    except FileNotFoundError:
+        return False
 
 
 @dataclass
@@ -153,11 +190,24 @@ def seal(partial: Path, *, recovered: bool = False) -> SealResult:
     if contents.table.num_rows == 0:
         partial.unlink(missing_ok=True)
         return SealResult(None, 0, contents.discarded_bytes, recovered)
-    table = contents.table.sort_by(SORT_KEYS)
-    metadata = dict(SPAN_SCHEMA.metadata)
-    metadata[b"rlreplay.recovered"] = b"true" if recovered else b"false"
-    metadata[b"rlreplay.discarded_bytes"] = str(contents.discarded_bytes).encode()
-    table = table.replace_schema_metadata(metadata)
+    write_sealed(
+        contents.table,
+        final,
+        {
+            b"rlreplay.recovered": b"true" if recovered else b"false",
+            b"rlreplay.discarded_bytes": str(contents.discarded_bytes).encode(),
+        },
+    )
+    partial.unlink()
+    return SealResult(final, contents.table.num_rows, contents.discarded_bytes, recovered)
+
+
+def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes] | None = None) -> None:
+    """Sort and write a sealed shard durably: temp name, fsync, rename, directory fsync."""
+    if final.exists():
+        raise FileExistsError(final)
+    metadata = {**SPAN_SCHEMA.metadata, **(extra_metadata or {})}
+    table = table.sort_by(SORT_KEYS).replace_schema_metadata(metadata)
     tmp = final.with_name("_" + final.name + ".tmp")
     with open(tmp, "xb") as f:
         pq.write_table(
@@ -173,8 +223,6 @@ def seal(partial: Path, *, recovered: bool = False) -> SealResult:
         os.fsync(f.fileno())
     os.rename(tmp, final)
     fsync_dir(final.parent)
-    partial.unlink()
-    return SealResult(final, table.num_rows, contents.discarded_bytes, recovered)
 
 
 def step_dirs(run_dir: Path, step: int | None = None) -> Iterator[Path]:
@@ -212,14 +260,27 @@ def list_files(run_dir: Path, step: int | None = None) -> tuple[list[Path], list
     return sealed, partials
 
 
-def recover_run(run_dir: Path) -> list[SealResult]:
-    """Seal every partial left in a run (writers must have stopped)."""
-    results = []
-    for tmp in Path(run_dir, SPANS_DIR).glob("step=*/worker=*/_part-*.parquet.tmp"):
+def recover_run(run_dir: Path, wait_s: float = 0.0) -> tuple[list[SealResult], list[Path]]:
+    """Seal every partial whose writer is gone; wait up to ``wait_s`` for live ones to finish.
+
+    Returns the seal results and the partials still held open by a live writer (left untouched).
+    """
+    spans = Path(run_dir, SPANS_DIR)
+    deadline = time.monotonic() + wait_s
+    while True:
+        partials = sorted(spans.glob(f"step=*/worker=*/_part-*{PARTIAL_SUFFIX}"))
+        live = [p for p in partials if is_live(p)]
+        if not live or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    for tmp in spans.glob("step=*/worker=*/_part-*.parquet.tmp"):
         tmp.unlink(missing_ok=True)  # a compaction that died before its rename
-    for partial in sorted(Path(run_dir, SPANS_DIR).glob(f"step=*/worker=*/_part-*{PARTIAL_SUFFIX}")):
+    results = []
+    for partial in partials:
+        if partial in live or not partial.exists():
+            continue
         try:
             results.append(seal(partial, recovered=True))
         except (FormatError, OSError, pa.ArrowException):
             continue  # left in place; readers skip it with a warning
-    return results
+    return results, live

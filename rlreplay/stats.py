@@ -38,14 +38,15 @@ def run_summary(run: Run) -> dict[str, Any]:
     }
 
 
-def recover(run_dir: Path) -> dict[str, int]:
-    """Seal leftover partials and add what was recovered to the manifest."""
-    results = recover_run(run_dir)
+def recover(run_dir: Path, wait_s: float = 0.0) -> dict[str, int]:
+    """Seal partials whose writers are gone and add what was recovered to the manifest."""
+    results, live = recover_run(run_dir, wait_s)
     recovered = [r for r in results if r.sealed is not None]
     totals = {
         "recovered_shards": len(recovered),
         "recovered_spans": sum(r.rows for r in recovered),
         "discarded_bytes": sum(r.discarded_bytes for r in results),
+        "live_partials": len(live),
     }
     if results and (Path(run_dir) / manifest.MANIFEST).exists():
         current = manifest.read_manifest(run_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -35,11 +36,13 @@ class Agent:
     @rlreplay.trace_op(kind="agent")
     async def run(self, prompt_ids: list[int], fail: bool) -> dict:
         out = await self.generate("req", prompt_ids=prompt_ids, sampling_params={"temperature": 1.0})
-        try:
+        with contextlib.suppress(RuntimeError):
             await self.execute("inst", {"fail": fail})
-        except RuntimeError:
-            pass
-        return {"prompt_ids": prompt_ids, "response_ids": out["token_ids"], "reward_score": 0.0 if fail else 1.0}
+        return {
+            "prompt_ids": prompt_ids,
+            "response_ids": out["token_ids"],
+            "reward_score": 0.0 if fail else 1.0,
+        }
 
 
 def record(run_dir: Path, experiment: str = "exp-a", worker: str = "w0") -> None:
@@ -90,7 +93,13 @@ def test_filters_select_exactly(run_dir: Path) -> None:
     run = rlreplay.open_run(run_dir)
     everything = run.trajectories().to_pylist()
     assert len(everything) == len(STEPS) * (SAMPLES * ROLLOUTS + 1)
-    for kw in ({"step": 5}, {"sample_index": 2}, {"rollout_n": 1}, {"validate": True}, {"step": 4, "validate": False}):
+    for kw in (
+        {"step": 5},
+        {"sample_index": 2},
+        {"rollout_n": 1},
+        {"validate": True},
+        {"step": 4, "validate": False},
+    ):
         got = run.trajectories(**kw).to_pylist()
         expected = [r for r in everything if all(r[k] == v for k, v in kw.items())]
         assert sorted(r["id"] for r in got) == sorted(r["id"] for r in expected)
@@ -170,7 +179,9 @@ def test_cli_bad_input_is_one_line_exit_2(
     a_file.write_text("x")
     ids = sorted(rlreplay.open_run(run_dir).trajectories()["id"].to_pylist())
     first_chars = [i[0] for i in ids]
-    ambiguous = next(c for c in first_chars if first_chars.count(c) > 1) if len(set(first_chars)) < len(ids) else ""
+    ambiguous = (
+        next(c for c in first_chars if first_chars.count(c) > 1) if len(set(first_chars)) < len(ids) else ""
+    )
     values = {"missing": tmp_path / "nope", "run": run_dir, "ambiguous": ambiguous, "file": a_file}
     argv = [a.format(**values) for a in args]
     if argv[1] == "":
@@ -183,7 +194,9 @@ def test_cli_bad_input_is_one_line_exit_2(
     assert "Traceback" not in err
 
 
-def test_corrupt_and_foreign_files_are_skipped(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_corrupt_and_foreign_files_are_skipped(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run_copy = tmp_path / "copy"
     shutil.copytree(run_dir, run_copy)
     sealed, _ = list_files(run_copy, step=4)
@@ -202,7 +215,9 @@ def test_corrupt_and_foreign_files_are_skipped(run_dir: Path, tmp_path: Path, ca
     assert all(line.startswith("rlreplay: warning: ") for line in err.strip().splitlines()), err
 
 
-def test_newer_format_is_refused_clearly(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_newer_format_is_refused_clearly(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run_copy = tmp_path / "newer"
     shutil.copytree(run_dir, run_copy)
     manifest = json.loads((run_copy / "run.json").read_text())

@@ -1,0 +1,169 @@
+"""Turn recording on in a process without touching the user's code.
+
+``rlreplay record`` puts ``bootstrap/sitecustomize.py`` on ``PYTHONPATH``, which calls
+:func:`activate` in every Python process of the job. It installs an import hook that patches
+verl's tracing module the moment it is imported, and wraps ``ray.init`` so that every Ray
+worker, on any node, runs :func:`worker_setup` through the job's ``runtime_env``.
+Nothing heavy is imported here: processes that never import verl pay one dict lookup per import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger("rlreplay")
+
+ENV_PREFIX = "RLREPLAY_"
+ENV_CHAINED_HOOK = "RLREPLAY_CHAINED_SETUP_HOOK"
+SETUP_HOOK = "rlreplay.recorders.activate.worker_setup"
+VERL_TRACE_MODULE = "verl.utils.rollout_trace"
+
+_activated = False
+
+
+def _on_verl_trace(module: ModuleType) -> None:
+    from rlreplay.recorders import verl
+
+    verl.install(module)
+
+
+def _on_ray(module: ModuleType) -> None:
+    init = getattr(module, "init", None)
+    if init is None or getattr(init, "__rlreplay_wrapped__", False):
+        return
+
+    def rlreplay_ray_init(*args: Any, **kwargs: Any) -> Any:
+        try:
+            kwargs["runtime_env"] = job_runtime_env(kwargs.get("runtime_env"))
+        except Exception as exc:  # never break the user's ray.init
+            log.warning("rlreplay: could not extend ray's runtime_env: %s", exc)
+        return init(*args, **kwargs)
+
+    rlreplay_ray_init.__wrapped__ = init  # type: ignore[attr-defined]
+    rlreplay_ray_init.__rlreplay_wrapped__ = True  # type: ignore[attr-defined]
+    rlreplay_ray_init.__doc__ = init.__doc__
+    module.init = rlreplay_ray_init  # type: ignore[attr-defined]
+
+
+HOOKS: dict[str, Callable[[ModuleType], None]] = {VERL_TRACE_MODULE: _on_verl_trace, "ray": _on_ray}
+
+
+def recording_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX) and k != ENV_CHAINED_HOOK}
+
+
+def job_runtime_env(runtime_env: Any) -> Any:
+    """The user's runtime_env plus rlreplay's setup hook and env vars (user values win)."""
+    env = dict(runtime_env or {}) if not hasattr(runtime_env, "to_dict") else runtime_env.to_dict()
+    env_vars = {**recording_env(), **dict(env.get("env_vars") or {})}
+    existing = env.get("worker_process_setup_hook")
+    if existing and existing != SETUP_HOOK:
+        if not isinstance(existing, str):
+            return runtime_env  # a callable hook cannot be chained by name; keep the user's
+        env_vars[ENV_CHAINED_HOOK] = existing
+    env["env_vars"] = env_vars
+    env["worker_process_setup_hook"] = SETUP_HOOK
+    return env
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, callback: Callable[[ModuleType], None]) -> None:
+        self._loader = loader
+        self._callback = callback
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        try:
+            self._callback(module)
+        except Exception as exc:
+            log.warning("rlreplay: could not hook %s: %s", module.__name__, exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class ImportHook(importlib.abc.MetaPathFinder):
+    """Calls a callback right after one of the watched modules is executed."""
+
+    def __init__(self, hooks: dict[str, Callable[[ModuleType], None]]) -> None:
+        self.hooks = hooks
+        self._busy: set[str] = set()
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        callback = self.hooks.get(fullname)
+        if callback is None or fullname in self._busy:
+            return None
+        self._busy.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy.discard(fullname)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _Loader(spec.loader, callback)
+        return spec
+
+
+def activate() -> None:
+    """Install the import hooks (idempotent); patch watched modules already imported."""
+    global _activated
+    if _activated or os.environ.get("RLREPLAY_DISABLE"):
+        return
+    _activated = True
+    sys.meta_path.insert(0, ImportHook(HOOKS))
+    _set_ray_worker_name()
+    for name, callback in HOOKS.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            try:
+                callback(module)
+            except Exception as exc:
+                log.warning("rlreplay: could not hook %s: %s", name, exc)
+
+
+def worker_setup() -> None:
+    """Ray's ``worker_process_setup_hook``: runs in every worker before its tasks and actors."""
+    activate()
+    chained = os.environ.get(ENV_CHAINED_HOOK)
+    if chained:
+        module_name, _, func = chained.rpartition(".")
+        getattr(importlib.import_module(module_name), func)()
+
+
+def _set_ray_worker_name() -> None:
+    from rlreplay.workers import set_worker_resolver
+
+    set_worker_resolver(ray_worker_name)
+
+
+def ray_worker_name() -> str | None:
+    """``<actor name or class>-<actor id prefix>`` inside a Ray actor, else None (host-pid)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    try:
+        ctx = ray.get_runtime_context()
+        actor_id = ctx.get_actor_id()
+        if actor_id is None:
+            return None
+        name = ctx.get_actor_name() if hasattr(ctx, "get_actor_name") else None
+        if name:
+            return name
+        label = "actor"
+        with contextlib.suppress(Exception):
+            label = ctx.current_actor._ray_actor_creation_function_descriptor.class_name
+        return f"{label}-{actor_id[:8]}"
+    except Exception:
+        return None

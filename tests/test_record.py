@@ -1,0 +1,155 @@
+"""``rlreplay record -- CMD`` on plain Python jobs: activation in every process, exit codes, signals, secrets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import rlreplay
+
+JOB = textwrap.dedent(
+    """
+    import multiprocessing as mp, os, sys, rlreplay
+
+    @rlreplay.trace_op(kind="llm")
+    def generate(prompt_ids):
+        return {"token_ids": [x + 1 for x in prompt_ids]}
+
+    def worker(step):
+        with rlreplay.trajectory(step=step, sample_index=os.getpid() % 1000, rollout_n=0):
+            generate([1, 2, 3])
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")  # fresh interpreters: activated through PYTHONPATH, not inherited state
+        procs = [ctx.Process(target=worker, args=(s,)) for s in (1, 2)]
+        [p.start() for p in procs]
+        [p.join() for p in procs]
+        worker(3)
+        print("secret-in-env", "WANDB_API_KEY" in os.environ)
+        sys.exit(int(sys.argv[1]))
+    """
+)
+
+
+def record(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None, **kw
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlreplay", "record", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+        **kw,
+    )
+
+
+def test_record_activates_every_process_and_keeps_exit_code(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    secret = "sk-" + "a1b2c3d4e5f6g7h8i9j0k1l2"
+    out = tmp_path / "run"
+    proc = record(
+        tmp_path,
+        "--out",
+        str(out),
+        "--experiment",
+        "exp-rec",
+        "--",
+        sys.executable,
+        str(script),
+        "3",
+        f"--api-key={secret}",
+        env={"WANDB_API_KEY": secret},
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert "secret-in-env True" in proc.stdout  # the job's own environment is untouched
+    run = rlreplay.open_run(out)
+    rows = run.trajectories().to_pylist()
+    assert sorted(r["step"] for r in rows) == [1, 2, 3]
+    assert len({r["worker"] for r in rows}) == 3  # driver and two spawned processes
+    assert {r["experiment"] for r in rows} == {"exp-rec"}
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["exit_code"] == 3 and manifest["trajectories"] == 3
+    assert manifest["command"][-1] == "--api-key=***"
+    for path in out.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+    assert secret not in proc.stderr and secret not in proc.stdout
+    assert "3 trajectories" in proc.stderr
+
+
+def test_record_forwards_sigterm_and_seals(tmp_path: Path) -> None:
+    script = tmp_path / "long.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import signal, sys, time, rlreplay
+
+            @rlreplay.trace_op
+            def step_work(i):
+                return i
+
+            def on_term(signum, frame):
+                print("child got SIGTERM", flush=True)
+                sys.exit(143)
+
+            signal.signal(signal.SIGTERM, on_term)
+            with rlreplay.trajectory(step=1, sample_index=0, rollout_n=0):
+                step_work(1)
+            rlreplay.flush()
+            print("ready", flush=True)
+            time.sleep(60)
+            """
+        )
+    )
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlreplay", "record", "--out", str(out), "--", sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert "child got SIGTERM" in stdout
+    assert proc.returncode == 143, stderr
+    assert rlreplay.open_run(out).trajectories(step=1).num_rows == 1
+    assert not list(out.rglob("*.partial"))
+
+
+def test_record_refuses_to_overwrite_and_needs_a_command(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text("{}")
+    proc = record(tmp_path, "--out", str(out), "--", sys.executable, "-c", "pass")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "never overwritten" in proc.stderr
+    assert (out / "run.json").read_text() == "{}"
+    proc = record(tmp_path, "--out", str(tmp_path / "new"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    proc = record(tmp_path, "--out", str(tmp_path / "new2"), "--", "no-such-program-xyz")
+    assert proc.returncode == 2 and "command not found" in proc.stderr
+
+
+def test_activation_is_light_in_processes_without_verl(tmp_path: Path) -> None:
+    """The bootstrap imports no pyarrow/verl/ray into a process that records nothing."""
+    from rlreplay.cli.record import bootstrap_dir
+
+    code = "import sys; print(sorted(m for m in ('pyarrow', 'verl', 'ray', 'torch') if m in sys.modules))"
+    env = {**os.environ, "RLREPLAY_DIR": str(tmp_path / "r"), "PYTHONPATH": str(bootstrap_dir())}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert proc.stdout.strip() == "[]"
+    check = "import sys; print(any(type(f).__name__ == 'ImportHook' for f in sys.meta_path))"
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, check=True)
+    assert proc.stdout.strip() == "True"
