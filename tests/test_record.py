@@ -1,4 +1,4 @@
-"""``rlreplay record -- CMD`` on plain Python jobs: activation in every process, exit codes, signals, secrets."""
+"""`rlreplay record -- CMD` on plain Python jobs: activation everywhere, exit codes, signals, secrets."""
 
 from __future__ import annotations
 
