@@ -143,6 +143,7 @@ class OpMeta:
             bound = self._signature.bind(*args, **kwargs)
         except TypeError:
             return {"args": list(args), **kwargs}
+        bound.apply_defaults()  # as verl records them
         inputs = dict(bound.arguments)
         if self._skip_first and inputs:
             inputs.pop(next(iter(inputs)))
@@ -167,7 +168,7 @@ class _StepBuffer:
     __slots__ = ("columns", "first_at", "nbytes", "open", "root_ended", "rows", "writer")
 
     def __init__(self) -> None:
-        self.columns: dict[str, list] = {f.name: [] for f in SPAN_SCHEMA}
+        self.columns: list[list] = [[] for _ in _COLUMN_NAMES]
         self.rows = 0
         self.nbytes = 0
         self.first_at = 0.0
@@ -175,18 +176,34 @@ class _StepBuffer:
         self.open = 0
         self.writer: PartialWriter | None = None
 
+    def append(self, row: tuple, nbytes: int) -> None:
+        if not self.rows:
+            self.first_at = time.monotonic()
+        for column, value in zip(self.columns, row):
+            column.append(value)
+        self.rows += 1
+        self.nbytes += nbytes
+
     def take_batch(self) -> pa.RecordBatch:
-        batch = pa.RecordBatch.from_pydict(self.columns, schema=SPAN_SCHEMA)
-        for values in self.columns.values():
+        batch = pa.RecordBatch.from_arrays(
+            [pa.array(values, type=f.type) for values, f in zip(self.columns, SPAN_SCHEMA)],
+            schema=SPAN_SCHEMA,
+        )
+        for values in self.columns:
             values.clear()
         self.rows = self.nbytes = 0
         self.root_ended = False
         return batch
 
 
-_SPAN = 0
-_OPEN = 1
-_FLUSH = 2
+_COLUMN_NAMES = tuple(SPAN_SCHEMA.names)
+
+# Queue events; the last item of every event is its estimated size in bytes.
+_SPAN = 0  # (_SPAN, traj, span_id, parent_id, meta, start, end, exc, args, kwargs, result, nbytes)
+_OPEN = 1  # (_OPEN, traj, nbytes): an explicit trajectory started
+_FLUSH = 2  # (_FLUSH, threading.Event, nbytes)
+_CLOSE = 3  # (_CLOSE, traj, nbytes): the root span of an explicit trajectory was spilled or dropped
+_OPEN_BYTES = 64
 
 
 class Recorder:
@@ -196,8 +213,8 @@ class Recorder:
         self.config = config
         self.counters = dict.fromkeys(manifest.COUNTERS, 0)
         self._queue: deque = deque()
-        self._enqueued = 0
-        self._written = 0
+        self._enqueued = 0  # bytes put by callers
+        self._written = 0  # bytes taken by the writer
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -205,8 +222,10 @@ class Recorder:
         self._spill_writers: dict[int | None, PartialWriter] = {}
         self._steps: dict[int | None, _StepBuffer] = {}
         self._max_step: int | None = None
+        self._orphans: list[PartialWriter] = []  # writers given up after an error; sealed at close
         self._last_fsync = time.monotonic()
         self._last_counters = 0.0
+        self._counters_dirty = False
         self._warned: set[str] = set()
         self._closed = False
         self.worker: str | None = safe_name(config.worker) if config.worker else None
@@ -214,46 +233,72 @@ class Recorder:
 
     # ---- calling thread -------------------------------------------------------------------
 
-    def submit(self, event: tuple, nbytes: int) -> None:
-        if self._closed:
-            return
-        if self._enqueued - self._written > self.config.max_queue_bytes:
-            self._overflow(event)
-            return
-        self._queue.append(event)
-        self._enqueued += nbytes
-        if self._thread is None:
-            self._start()
+    def submit(self, event: tuple) -> None:
+        """Queue an event; never blocks on I/O unless the queue is full and the policy is spill."""
+        try:
+            if self._closed:
+                if event[0] == _SPAN:
+                    self._count_loss("lost", 1, "closed", "a span ended after rlreplay.close(); not recorded")
+                return
+            if event[0] == _SPAN and self._enqueued - self._written > self.config.max_queue_bytes:
+                self._overflow(event)
+                return
+            self._enqueued += event[-1]
+            self._queue.append(event)
+            if self._thread is None:
+                self._start()
+        except Exception as exc:  # e.g. no thread can be started at interpreter shutdown
+            self._count_loss("lost", 1, "submit", f"could not queue a span ({type(exc).__name__}: {exc})")
 
     def _overflow(self, event: tuple) -> None:
-        if event[0] != _SPAN:
-            self._queue.append(event)
-            return
+        traj = event[1]
         if self.config.policy == POLICY_DROP:
-            self.counters["dropped"] += 1
-            self._warn_once("dropped", "queue full: dropping spans (policy=drop); counted in the manifest")
-            return
-        self._warn_once("spilled", "queue full: the calling thread writes spans itself (policy=spill)")
-        try:
-            with self._spill_lock:
-                step = event[1].step
-                writer = self._spill_writers.get(step)
-                if writer is None:
-                    writer = PartialWriter(partition_dir(self.config.run_dir, step, self._worker()))
-                    self._spill_writers[step] = writer
-                buf = _StepBuffer()
-                self._append_row(buf, event)
-                writer.write(buf.take_batch())
-            self.counters["spilled"] += 1
-        except Exception as exc:
-            self.counters["lost"] += 1
-            self._warn_once("lost", f"could not write spans ({type(exc).__name__}: {exc}); counting losses")
+            self._count_loss(
+                "dropped", 1, "dropped", "queue full: dropping spans (policy=drop); they are counted"
+            )
+        else:
+            self._warn_once("spilled", "queue full: the calling thread writes spans itself (policy=spill)")
+            try:
+                self._spill(event)
+                self.counters["spilled"] += 1
+                self._counters_dirty = True
+            except Exception as exc:
+                self._count_loss("lost", 1, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
+        if event[3] is None and traj.explicit:
+            self._queue.append((_CLOSE, traj, 0))  # keep the step's open count right
+            if self._thread is None:
+                self._start()
+
+    def _spill(self, event: tuple) -> None:
+        row, _ = self._encode_row(event)
+        buf = _StepBuffer()
+        buf.append(row, 0)
+        batch = buf.take_batch()
+        step = event[1].step
+        with self._spill_lock:
+            writer = self._spill_writers.get(step)
+            if writer is None:
+                writer = PartialWriter(partition_dir(self.config.run_dir, step, self._worker()))
+                self._spill_writers[step] = writer
+            try:
+                writer.write(batch)
+            except Exception:
+                del self._spill_writers[step]
+                self._orphans.append(writer)
+                raise
 
     def _start(self) -> None:
         with self._start_lock:
             if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._run, name="rlreplay-writer", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="rlreplay-writer", daemon=True)
+                thread.start()
+                self._thread = thread
+                _close_with_multiprocessing()
+
+    def _count_loss(self, counter: str, n: int, key: str, message: str) -> None:
+        self.counters[counter] += n
+        self._counters_dirty = True
+        self._warn_once(key, message + "; counted in _workers/ (see `rlreplay info`)")
 
     # ---- writer thread --------------------------------------------------------------------
 
@@ -276,13 +321,18 @@ class Recorder:
     def _cycle(self, force: bool = False) -> None:
         flushes: list[threading.Event] = []
         queue = self._queue
-        while queue:
+        for _ in range(len(queue)):  # what is there now; later events wait for the next cycle
             event = queue.popleft()
+            self._written += event[-1]
             kind = event[0]
             if kind == _SPAN:
                 self._ingest(event)
             elif kind == _OPEN:
                 self._buffer(event[1].step).open += 1
+            elif kind == _CLOSE:
+                buf = self._buffer(event[1].step)
+                buf.open -= 1
+                buf.root_ended = True
             else:
                 flushes.append(event[1])
         now = time.monotonic()
@@ -298,7 +348,7 @@ class Recorder:
         if force or now - self._last_fsync >= self.config.fsync_interval_s:
             self._fsync_all()
         self._seal_finished_steps()
-        if now - self._last_counters > 10:
+        if (self._counters_dirty and now - self._last_counters >= 1.0) or now - self._last_counters > 10:
             self._save_counters()
         for done in flushes:
             done.set()
@@ -314,21 +364,23 @@ class Recorder:
     def _ingest(self, event: tuple) -> None:
         traj = event[1]
         buf = self._buffer(traj.step)
-        if not buf.rows:
-            buf.first_at = time.monotonic()
         try:
-            buf.nbytes += self._append_row(buf, event)
+            row, nbytes = self._encode_row(event)
         except Exception as exc:
-            self.counters["encode_errors"] += 1
-            self._warn_once("encode", f"could not encode a span: {type(exc).__name__}: {exc}")
-            return
-        self._written += event[-1] if isinstance(event[-1], int) else 0
+            self._count_loss(
+                "encode_errors", 1, "encode", f"could not encode a span: {type(exc).__name__}: {exc}"
+            )
+        else:
+            buf.append(row, nbytes)
         if event[3] is None:
             buf.root_ended = True
             if traj.explicit:
                 buf.open -= 1
+        elif buf.nbytes >= self.config.max_batch_bytes:
+            self._write(traj.step, buf)
 
-    def _append_row(self, buf: _StepBuffer, event: tuple) -> int:
+    def _encode_row(self, event: tuple) -> tuple[tuple, int]:
+        """The span's row, in SPAN_SCHEMA column order, and its approximate encoded size."""
         _, traj, span_id, parent_id, meta, start, end, exc, args, kwargs, result, _nbytes = event
         cap = self.config.max_field_bytes
         if meta.kind == KIND_TRAJECTORY:
@@ -336,83 +388,119 @@ class Recorder:
         else:
             inputs_obj = meta.bind(args, kwargs)
             if meta.reduce_inputs is not None:
-                inputs_obj = meta.reduce_inputs(inputs_obj)
+                inputs_obj = self._reduce(meta, "reduce_inputs", meta.reduce_inputs, inputs_obj)
             inputs_data = payload.to_jsonable(inputs_obj)
             inputs_text = payload.dumps(inputs_data, cap)
+        reward = None
         if exc is not None:
-            output_data = {
-                "__type__": "exception",
-                "type": type(exc).__qualname__,
-                "message": str(exc),
-                "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-            }
-            error = f"{type(exc).__qualname__}: {exc}"
+            output_data = _exception_data(exc)
+            error = f"{output_data['type']}: {output_data['message']}"
         else:
-            out = meta.reduce_output(result) if meta.reduce_output is not None else result
+            out = result
+            if meta.reduce_output is not None:
+                out = self._reduce(meta, "reduce_output", meta.reduce_output, result)
             output_data = payload.to_jsonable(out) if out is not None else None
             error = None
+            if meta.reward is not None:
+                value = self._reduce(meta, "reward", meta.reward, result)
+                reward = _as_reward(value)
+            elif isinstance(output_data, dict):
+                reward = _as_reward(output_data.get("reward_score", output_data.get("reward")))
         output_text = payload.dumps(output_data, cap) if output_data is not None else None
-        reward = None
-        if meta.reward is not None and exc is None:
-            with contextlib.suppress(Exception):
-                reward = meta.reward(result)
-        elif isinstance(output_data, dict):
-            value = output_data.get("reward_score", output_data.get("reward"))
-            reward = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-        c = buf.columns
-        c["trajectory_id"].append(format_trajectory_id(traj.id))
-        c["span_id"].append(format_span_id(span_id))
-        c["parent_id"].append(None if parent_id is None else format_span_id(parent_id))
-        c["name"].append(meta.name)
-        c["kind"].append(meta.kind)
-        c["start_ns"].append(start)
-        c["end_ns"].append(end)
-        c["status"].append(STATUS_OK if exc is None else STATUS_ERROR)
-        c["error"].append(error)
-        c["step"].append(traj.step)
-        c["sample_index"].append(traj.sample_index)
-        c["rollout_n"].append(traj.rollout_n)
-        c["validate"].append(traj.validate)
-        c["experiment"].append(traj.experiment or self.config.experiment)
-        c["worker"].append(self._worker())
-        c["reward"].append(reward)
-        c["num_tokens"].append(payload.count_token_ids(inputs_data) + payload.count_token_ids(output_data))
-        c["attributes"].append(
+        attributes = (
             payload.dumps(payload.to_jsonable(traj.attributes))
             if traj.attributes and parent_id is None
             else None
         )
-        c["inputs"].append(inputs_text)
-        c["output"].append(output_text)
-        buf.rows += 1
-        return 200 + len(inputs_text or "") + len(output_text or "")
+        row = (
+            format_trajectory_id(traj.id),
+            format_span_id(span_id),
+            None if parent_id is None else format_span_id(parent_id),
+            meta.name,
+            meta.kind,
+            start,
+            end,
+            STATUS_OK if exc is None else STATUS_ERROR,
+            error,
+            traj.step,
+            traj.sample_index,
+            traj.rollout_n,
+            traj.validate,
+            traj.experiment or self.config.experiment,
+            self._worker(),
+            reward,
+            payload.count_token_ids(inputs_data) + payload.count_token_ids(output_data),
+            attributes,
+            inputs_text,
+            output_text,
+        )
+        return row, 200 + len(inputs_text or "") + len(output_text or "")
+
+    def _reduce(self, meta: OpMeta, what: str, fn: Callable[[Any], Any], value: Any) -> Any:
+        """A user-supplied reducer's result; if it raises, an error marker (the span is kept)."""
+        try:
+            return fn(value)
+        except Exception as exc:
+            message = f"{what} of {meta.name} raised {type(exc).__name__}: {exc}"
+            self._warn_once(f"reduce:{meta.name}:{what}", message)
+            return None if what == "reward" else {"__type__": "error", "error": message[:2000]}
 
     def _write(self, step: int | None, buf: _StepBuffer) -> None:
-        batch = buf.take_batch()
+        rows = buf.rows
         try:
+            batch = buf.take_batch()
             if buf.writer is None:
                 buf.writer = PartialWriter(partition_dir(self.config.run_dir, step, self._worker()))
             buf.writer.write(batch)
-            self.counters["spans"] += batch.num_rows
+            self.counters["spans"] += rows
         except Exception as exc:
-            self.counters["lost"] += batch.num_rows
-            self._warn_once("lost", f"could not write spans ({type(exc).__name__}: {exc}); counting losses")
-            self._drop_writer(buf)
+            self._count_loss("lost", rows, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
+            self._give_up(buf)
 
-    def _drop_writer(self, buf: _StepBuffer) -> None:
+    def _give_up(self, buf: _StepBuffer) -> None:
+        """Stop appending to a file after an error (its tail may be torn); try to seal it at close."""
         if buf.writer is not None:
+            self._orphans.append(buf.writer)
             with contextlib.suppress(Exception):
                 buf.writer.close()
             buf.writer = None
+
+    def _gone(self, writer: PartialWriter) -> bool:
+        """True, and its rows counted lost, if a live file was removed under us (run dir deleted)."""
+        try:
+            os.stat(writer.path)
+            return False
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except OSError:
+            return False
+        self.counters["spans"] -= writer.rows
+        self._count_loss(
+            "lost", writer.rows, "gone", f"{writer.path} was removed while recording: its spans are lost"
+        )
+        with contextlib.suppress(Exception):
+            writer.close()
+        return True
 
     def _fsync_all(self) -> None:
         self._last_fsync = time.monotonic()
         for buf in self._steps.values():
             if buf.writer is not None:
+                if self._gone(buf.writer):
+                    buf.writer = None
+                    continue
                 try:
                     buf.writer.fsync()
                 except OSError as exc:
                     self._warn_once("fsync", f"fsync failed: {exc}")
+        with self._spill_lock:
+            for step, writer in list(self._spill_writers.items()):
+                try:
+                    writer.fsync()
+                except OSError as exc:
+                    self._warn_once("fsync", f"fsync failed: {exc}")
+                    del self._spill_writers[step]
+                    self._orphans.append(writer)
 
     def _seal_finished_steps(self, all_steps: bool = False) -> None:
         for step, buf in list(self._steps.items()):
@@ -421,27 +509,39 @@ class Recorder:
                 if buf.rows:
                     self._write(step, buf)
                 self._seal_buffer(buf)
+                with self._spill_lock:
+                    spilled = self._spill_writers.pop(step, None)
+                if spilled is not None:
+                    self._seal_writer(spilled)
                 del self._steps[step]
         if all_steps:
-            for writer in self._spill_writers.values():
+            with self._spill_lock:
+                writers = list(self._spill_writers.values())
+                self._spill_writers.clear()
+            for writer in writers:
                 self._seal_writer(writer)
-            self._spill_writers.clear()
+            orphans, self._orphans = self._orphans, []
+            for writer in orphans:
+                self._seal_writer(writer)
 
     def _seal_buffer(self, buf: _StepBuffer) -> None:
         if buf.writer is not None:
-            self._seal_writer(buf.writer)
+            if not self._gone(buf.writer):
+                self._seal_writer(buf.writer)
             buf.writer = None
 
     def _seal_writer(self, writer: PartialWriter) -> None:
         try:
             writer.close()
-            seal(writer.path)
+            if writer.path.exists():
+                seal(writer.path)
         except Exception as exc:
             self._warn_once("seal", f"could not seal {writer.path.name} ({exc}); it stays recoverable")
         self._save_counters()
 
     def _save_counters(self) -> None:
         self._last_counters = time.monotonic()
+        self._counters_dirty = False
         data = {**self.counters, "worker": self._worker(), "pid": os.getpid(), "updated_at": time.time()}
         with contextlib.suppress(Exception):
             manifest.write_worker_counters(self.config.run_dir, f"{self._worker()}-{os.getpid()}", data)
@@ -458,7 +558,7 @@ class Recorder:
         if self._thread is None or not self._thread.is_alive():
             return True
         done = threading.Event()
-        self._queue.append((_FLUSH, done))
+        self._queue.append((_FLUSH, done, 0))
         self._wake.set()
         return done.wait(timeout)
 
@@ -489,11 +589,44 @@ class Recorder:
             print(f"rlreplay: worker {self._worker()}: {detail}", file=sys.stderr)
 
 
+def _exception_data(exc: BaseException) -> dict[str, str]:
+    try:
+        message = str(exc)
+    except Exception:
+        message = "<str() failed>"
+    try:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except Exception:
+        tb = ""
+    return {"__type__": "exception", "type": type(exc).__qualname__, "message": message, "traceback": tb}
+
+
+def _as_reward(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+_mp_finalizer_pid: int | None = None
+
+
+def _close_with_multiprocessing() -> None:
+    """Forked multiprocessing children end with os._exit (no atexit): close from its exit hook too."""
+    global _mp_finalizer_pid
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is None or _mp_finalizer_pid == os.getpid():
+        return
+    _mp_finalizer_pid = os.getpid()
+    with contextlib.suppress(Exception):
+        mp_util.Finalize(None, close, exitpriority=100)
+
+
 # ---- process-wide state -------------------------------------------------------------------------
 
 _recorder: Recorder | None = None
 _env_checked = False
 _init_lock = threading.Lock()
+_forked_from: list[Recorder] = []  # the parent's recorder, kept (never used) in a forked child
 
 
 def init(
@@ -525,8 +658,10 @@ def init(
     with _init_lock:
         if _recorder is not None:
             _recorder.close()
-        with contextlib.suppress(OSError):
+        try:
             manifest.ensure_manifest(config.run_dir, config.experiment)
+        except OSError as exc:  # recording goes on; every span that cannot be written is counted
+            log.warning("rlreplay: cannot write to %s (%s); spans will be counted as lost", run_dir, exc)
         _recorder = Recorder(config)
         _env_checked = True
     _install_exit_hooks()
@@ -581,7 +716,6 @@ def _install_exit_hooks() -> None:
         return
     _hooks_installed = True
     atexit.register(close)
-    os.register_at_fork(after_in_child=_after_fork)
     if threading.current_thread() is threading.main_thread():
         with contextlib.suppress(ValueError, OSError):
             if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
@@ -595,16 +729,24 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _after_fork() -> None:
-    global _recorder, _trajectory_ids, _span_ids, _id_salt
+    """In a forked child: fresh ids, locks and recorder (same config); the parent's files stay its own."""
+    global _recorder, _trajectory_ids, _span_ids, _id_salt, _init_lock
     _trajectory_ids, _span_ids, _id_salt = _id_source()
+    _init_lock = threading.Lock()
     if _recorder is not None:
+        _forked_from.append(_recorder)
         _recorder = Recorder(_recorder.config)
+
+
+# Registered at import, not in init: a child forked before init must not reuse the parent's ids.
+os.register_at_fork(after_in_child=_after_fork)
 
 
 # ---- the public tracing API -----------------------------------------------------------------------
 
 
-def _nbytes(args: tuple, kwargs: dict) -> int:
+def _nbytes(args: tuple, kwargs: dict, result: Any) -> int:
+    """A cheap estimate of what a span holds on to: 8 bytes per item of its top-level lists."""
     size = 256
     for value in args:
         if type(value) is list:
@@ -612,17 +754,23 @@ def _nbytes(args: tuple, kwargs: dict) -> int:
     for value in kwargs.values():
         if type(value) is list:
             size += len(value) << 3
+    if type(result) is list:
+        size += len(result) << 3
+    elif result is not None:
+        try:
+            fields = getattr(result, "__dict__", None)  # e.g. a pydantic output carrying token ids
+        except Exception:
+            fields = None
+        if type(fields) is dict and len(fields) < 64:
+            for value in list(fields.values()):
+                if type(value) is list:
+                    size += len(value) << 3
     return size
 
 
-def _enter(rec: Recorder) -> tuple[Any, int, int | None] | None:
-    ctx = _CURRENT.get()
-    if ctx is _OFF:
-        return None
-    if ctx is None:
-        return _Trajectory(explicit=False), next(_span_ids), None
-    traj, parent = ctx
-    return traj, next(_span_ids), parent
+def _untraced_failure(rec: Recorder, exc: Exception) -> None:
+    with contextlib.suppress(Exception):
+        rec._count_loss("lost", 1, "hotpath", f"tracing failed ({type(exc).__name__}: {exc})")
 
 
 def trace_op(
@@ -654,32 +802,57 @@ def trace_op(
     )
     snapshot = payload.snapshot
     time_ns = time.time_ns
+    current = _CURRENT
 
     if inspect.iscoroutinefunction(fn):
 
         @functools.wraps(fn)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
             rec = _recorder if _env_checked else _from_env()
-            entered = _enter(rec) if rec is not None else None
-            if entered is None:
+            ctx = current.get()
+            if rec is None or ctx is _OFF:
                 return await fn(*args, **kwargs)
-            traj, span_id, parent = entered
-            sargs = tuple(map(snapshot, args))
-            skw = {k: snapshot(v) for k, v in kwargs.items()} if kwargs else kwargs
-            token = _CURRENT.set((traj, span_id))
+            try:
+                if ctx is None:
+                    traj, parent = _Trajectory(explicit=False), None
+                else:
+                    traj, parent = ctx
+                span_id = next(_span_ids)
+                sargs = tuple(map(snapshot, args))
+                skw = {k: snapshot(v) for k, v in kwargs.items()} if kwargs else kwargs
+                token = current.set((traj, span_id))
+            except Exception as exc:  # tracing must never break the call
+                _untraced_failure(rec, exc)
+                return await fn(*args, **kwargs)
             start = time_ns()
             try:
                 result = await fn(*args, **kwargs)
             except BaseException as exc:
                 end = time_ns()
-                _CURRENT.reset(token)
-                rec.submit((_SPAN, traj, span_id, parent, meta, start, end, exc, sargs, skw, None, 0), 256)
+                current.reset(token)
+                rec.submit((_SPAN, traj, span_id, parent, meta, start, end, exc, sargs, skw, None, 256))
                 raise
             end = time_ns()
-            _CURRENT.reset(token)
-            nbytes = _nbytes(sargs, skw)
+            current.reset(token)
+            try:
+                out = snapshot(result)
+            except Exception:  # a dict changed by another thread meanwhile
+                out = result
             rec.submit(
-                (_SPAN, traj, span_id, parent, meta, start, end, None, sargs, skw, result, nbytes), nbytes
+                (
+                    _SPAN,
+                    traj,
+                    span_id,
+                    parent,
+                    meta,
+                    start,
+                    end,
+                    None,
+                    sargs,
+                    skw,
+                    out,
+                    _nbytes(sargs, skw, out),
+                )
             )
             return result
 
@@ -689,25 +862,38 @@ def trace_op(
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         rec = _recorder if _env_checked else _from_env()
-        entered = _enter(rec) if rec is not None else None
-        if entered is None:
+        ctx = current.get()
+        if rec is None or ctx is _OFF:
             return fn(*args, **kwargs)
-        traj, span_id, parent = entered
-        sargs = tuple(map(snapshot, args))
-        skw = {k: snapshot(v) for k, v in kwargs.items()} if kwargs else kwargs
-        token = _CURRENT.set((traj, span_id))
+        try:
+            if ctx is None:
+                traj, parent = _Trajectory(explicit=False), None
+            else:
+                traj, parent = ctx
+            span_id = next(_span_ids)
+            sargs = tuple(map(snapshot, args))
+            skw = {k: snapshot(v) for k, v in kwargs.items()} if kwargs else kwargs
+            token = current.set((traj, span_id))
+        except Exception as exc:  # tracing must never break the call
+            _untraced_failure(rec, exc)
+            return fn(*args, **kwargs)
         start = time_ns()
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:
             end = time_ns()
-            _CURRENT.reset(token)
-            rec.submit((_SPAN, traj, span_id, parent, meta, start, end, exc, sargs, skw, None, 0), 256)
+            current.reset(token)
+            rec.submit((_SPAN, traj, span_id, parent, meta, start, end, exc, sargs, skw, None, 256))
             raise
         end = time_ns()
-        _CURRENT.reset(token)
-        nbytes = _nbytes(sargs, skw)
-        rec.submit((_SPAN, traj, span_id, parent, meta, start, end, None, sargs, skw, result, nbytes), nbytes)
+        current.reset(token)
+        try:
+            out = snapshot(result)
+        except Exception:  # a dict changed by another thread meanwhile
+            out = result
+        rec.submit(
+            (_SPAN, traj, span_id, parent, meta, start, end, None, sargs, skw, out, _nbytes(sargs, skw, out))
+        )
         return result
 
     wrapper.__rlreplay_meta__ = meta  # type: ignore[attr-defined]
@@ -720,7 +906,7 @@ class trajectory:
     Usable as ``with`` or ``async with``; ``trace=False`` disables recording inside the block.
     """
 
-    __slots__ = ("_meta", "_span_id", "_start", "_token", "_trace", "_traj")
+    __slots__ = ("_meta", "_rec", "_span_id", "_start", "_token", "_trace", "_traj")
 
     def __init__(
         self,
@@ -744,6 +930,7 @@ class trajectory:
         )
         self._meta = _trajectory_meta(name)
         self._token: Any = None
+        self._rec: Recorder | None = None
         self._span_id = 0
         self._start = 0
 
@@ -753,32 +940,23 @@ class trajectory:
             self._token = _CURRENT.set(_OFF)
             self._span_id = 0
             return self
+        self._rec = rec
         self._span_id = next(_span_ids)
-        rec.submit((_OPEN, self._traj), 64)
+        rec.submit((_OPEN, self._traj, _OPEN_BYTES))
         self._token = _CURRENT.set((self._traj, self._span_id))
         self._start = time.time_ns()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         end = time.time_ns()
-        _CURRENT.reset(self._token)
-        rec = _recorder
+        with contextlib.suppress(ValueError):
+            _CURRENT.reset(self._token)
+        rec = self._rec
         if self._span_id and rec is not None:
-            event = (
-                _SPAN,
-                self._traj,
-                self._span_id,
-                None,
-                self._meta,
-                self._start,
-                end,
-                exc,
-                (),
-                {},
-                None,
-                256,
+            self._rec = None
+            rec.submit(
+                (_SPAN, self._traj, self._span_id, None, self._meta, self._start, end, exc, (), {}, None, 256)
             )
-            rec.submit(event, 256)
 
     async def __aenter__(self) -> trajectory:
         return self.__enter__()
@@ -800,9 +978,10 @@ def _as_int(value: Any) -> int | None:
     if value is None:
         return None
     try:
-        return int(value)
-    except (TypeError, ValueError):
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
         return None
+    return number if -(1 << 63) <= number < (1 << 63) else None
 
 
 @contextlib.contextmanager
