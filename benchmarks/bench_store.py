@@ -107,7 +107,7 @@ def ipc_stream_bytes(table: pa.Table) -> int:
     sink = pa.BufferOutputStream()
     options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", LIVE_ZSTD_LEVEL))
     with pa.ipc.new_stream(sink, SPAN_SCHEMA, options=options) as writer:
-        for batch in table.to_batches(max_chunksize=256):
+        for batch in table.to_batches(max_chunksize=64):  # about one trajectory group per batch
             writer.write_batch(batch)
     return sink.getvalue().size
 
@@ -144,22 +144,23 @@ def main() -> None:
                 f"{scan * 1e3:>11.1f} ms {scan / lib:>7.1f}x"
             )
 
-        size_run = build_run(Path(tmp) / "size", template, 1)
-        sealed = sum(p.stat().st_size for p in size_run.rglob("*.parquet"))
-        tokens = int(pc.sum(template["num_tokens"]).as_py())
-        blob = jsonl(template)
-        raw_jsonl = len(blob)
-        zstd_jsonl = len(zstandard.ZstdCompressor(level=3).compress(blob))
-        live = ipc_stream_bytes(template)
-        print(f"\none step: {template.num_rows} spans, {tokens:,} token ids")
-        print(f"{'format':<34} {'bytes':>12} {'bytes/token':>12} {'JSONL / format':>15}")
-        for name, size in [
-            ("JSON lines", raw_jsonl),
-            ("JSON lines + zstd 3", zstd_jsonl),
-            ("live Arrow IPC stream (zstd 1)", live),
-            ("sealed Parquet (zstd 3)", sealed),
-        ]:
-            print(f"{name:<34} {size:>12,} {size / tokens:>12.3f} {raw_jsonl / size:>14.1f}x")
+    # Sizes on distinct data: the whole sample run as the recorder wrote it (no replicas).
+    spans = rlreplay.open_run(args.sample_run).spans()
+    sealed = sum(p.stat().st_size for p in args.sample_run.rglob("*.parquet"))
+    tokens = int(pc.sum(spans["num_tokens"]).as_py())
+    blob = jsonl(spans)
+    raw_jsonl = len(blob)
+    zstd_jsonl = len(zstandard.ZstdCompressor(level=3).compress(blob))
+    live = ipc_stream_bytes(spans)
+    print(f"\nthe sample run: {spans.num_rows} spans, {tokens:,} token ids")
+    print(f"{'format':<34} {'bytes':>12} {'bytes/token':>12} {'JSONL / format':>15}")
+    for name, size in [
+        ("JSON lines", raw_jsonl),
+        ("JSON lines + zstd 3", zstd_jsonl),
+        ("live Arrow IPC stream (zstd 1)", live),
+        ("sealed Parquet (zstd 3)", sealed),
+    ]:
+        print(f"{name:<34} {size:>12,} {size / tokens:>12.3f} {raw_jsonl / size:>14.1f}x")
 
 
 if __name__ == "__main__":

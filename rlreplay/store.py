@@ -10,7 +10,6 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from rlreplay import manifest, payload
@@ -36,6 +35,7 @@ class RunError(Exception):
 
 
 FilterValue = Any  # a value, or a sequence of values meaning "any of"
+FILTER_KEYS = ("step", "sample_index", "rollout_n", "validate", "experiment", "name", "trajectory_id")
 
 
 @dataclass
@@ -48,18 +48,25 @@ class Filters:
     name: FilterValue = None
     trajectory_id: FilterValue = None
 
-    def expression(self) -> ds.Expression | None:
-        expr = None
-        for key in ("step", "sample_index", "rollout_n", "validate", "experiment", "name", "trajectory_id"):
+    def items(self) -> list[tuple[str, list[Any]]]:
+        """(column, allowed values) for every filter that is set."""
+        out = []
+        for key in FILTER_KEYS:
             value = getattr(self, key)
-            if value is None:
-                continue
-            if isinstance(value, (list, tuple, set, frozenset)):
-                term = ds.field(key).isin(list(value))
-            else:
-                term = ds.field(key) == value
-            expr = term if expr is None else expr & term
-        return expr
+            if value is not None:
+                out.append(
+                    (key, list(value) if isinstance(value, (list, tuple, set, frozenset)) else [value])
+                )
+        return out
+
+    def apply(self, table: pa.Table) -> pa.Table:
+        """Rows of ``table`` that pass every filter (plain compute kernels: no dataset machinery)."""
+        mask = None
+        for key, values in self.items():
+            column = table[key]
+            term = pc.is_in(column, value_set=pa.array(values, type=column.type))
+            mask = term if mask is None else pc.and_(mask, term)
+        return table if mask is None else table.filter(mask)
 
     def single_step(self) -> int | None:
         return self.step if isinstance(self.step, int) and not isinstance(self.step, bool) else None
@@ -238,33 +245,26 @@ class Run:
         if message not in self.warnings:
             self.warnings.append(message)
 
-    def _sealed_table(
-        self, files: list[Path], expr: ds.Expression | None, columns: list[str] | None
-    ) -> pa.Table:
+    def _read_sealed(self, path: Path, filters: Filters, columns: list[str] | None) -> pa.Table | None:
+        """Matching rows of one sealed file, skipping row groups whose statistics exclude them."""
+        wanted = filters.items()
         try:
-            return ds.dataset([str(f) for f in files], schema=SPAN_SCHEMA, format="parquet").to_table(
-                columns=columns, filter=expr
-            )
-        except (pa.ArrowException, OSError):
-            pass
-        good = []
-        for f in files:
-            try:
-                check_format(pq.read_schema(f).metadata, "file")
-                good.append(f)
-            except (pa.ArrowException, OSError, FormatError) as exc:
-                self._warn(f"skipped unreadable file {f.relative_to(self.path)}: {_one_line(exc)}")
-        tables = []
-        for f in good:  # one at a time so that a file broken past its footer is skipped too
-            try:
-                tables.append(
-                    ds.dataset(str(f), schema=SPAN_SCHEMA, format="parquet").to_table(
-                        columns=columns, filter=expr
-                    )
-                )
-            except (pa.ArrowException, OSError) as exc:
-                self._warn(f"skipped unreadable file {f.relative_to(self.path)}: {_one_line(exc)}")
-        return _concat(tables, columns)
+            pf = pq.ParquetFile(path)
+            if SPAN_SCHEMA.names != pf.schema_arrow.names:
+                check_format(pf.schema_arrow.metadata, "file")
+                raise FormatError("not an rlreplay span file (unexpected columns)")
+            groups = [
+                i for i in range(pf.num_row_groups) if _row_group_may_match(pf.metadata.row_group(i), wanted)
+            ]
+            if not groups:
+                return None
+            read_cols = None if columns is None else sorted(set(columns) | {k for k, _ in wanted})
+            table = pf.read_row_groups(groups, columns=read_cols)
+        except (pa.ArrowException, OSError, FormatError) as exc:
+            self._warn(f"skipped unreadable file {path.relative_to(self.path)}: {_one_line(exc)}")
+            return None
+        table = filters.apply(table)
+        return table.select(columns) if columns is not None else table
 
     def spans(
         self, filters: Filters | None = None, columns: Sequence[str] | None = None, **kw: Any
@@ -273,16 +273,14 @@ class Run:
         filters = filters or Filters(**kw)
         cols = list(columns) if columns is not None else None
         sealed, partials = list_files(self.path, filters.single_step())
-        expr = filters.expression()
-        tables = [self._sealed_table(sealed, expr, cols)] if sealed else []
+        tables = [t for t in (self._read_sealed(f, filters, cols) for f in sealed) if t is not None]
         for partial in partials:
             try:
                 table = read_partial(partial).table
             except (pa.ArrowException, OSError, FormatError) as exc:
                 self._warn(f"skipped unreadable file {partial.relative_to(self.path)}: {_one_line(exc)}")
                 continue
-            if expr is not None:
-                table = ds.dataset(table).to_table(filter=expr)
+            table = filters.apply(table)
             tables.append(table.select(cols) if cols else table)
         return _concat(tables, cols)
 
@@ -297,12 +295,10 @@ class Run:
         if not ref or any(c not in "0123456789abcdef" for c in ref):
             raise RunError(f"not a trajectory id: {ref!r} (expected hex characters)")
         table = self.spans(columns=["trajectory_id", "step"])
-        ids = table["trajectory_id"]
-        mask = pc.starts_with(ids, ref)
-        matches = table.filter(mask).group_by(["trajectory_id", "step"]).aggregate([])
-        if matches.num_rows == 0:
-            raise RunError(f"no trajectory {ref!r} in {self.path}")
+        matches = table.filter(pc.starts_with(table["trajectory_id"], ref))
         unique = sorted(set(matches["trajectory_id"].to_pylist()))
+        if not unique:
+            raise RunError(f"no trajectory {ref!r} in {self.path}")
         if len(unique) > 1:
             shown = ", ".join(u[: len(ref) + 4] for u in unique[:5])
             raise RunError(f"ambiguous id prefix {ref!r}: matches {len(unique)} trajectories ({shown}...)")
@@ -334,79 +330,72 @@ class Run:
 
 
 def summarize(spans: pa.Table) -> pa.Table:
-    """The trajectory listing from span metadata rows."""
+    """The trajectory listing from span metadata rows (numpy segment reductions, no query engine)."""
+    import numpy as np
+
     if spans.num_rows == 0:
         return pa.table({name: pa.array([], type=typ) for name, typ in TRAJECTORY_COLUMNS})
+    spans = spans.combine_chunks()
+    encoded = pc.dictionary_encode(spans["trajectory_id"]).chunk(0)
+    group = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    ids = encoded.dictionary
+    n = len(ids)
+    _, first_row = np.unique(group, return_index=True)
     kind = spans["kind"]
-    reward_kinds = pc.is_in(kind, pa.array([KIND_TRAJECTORY, KIND_AGENT]))
-    work = spans.select(
-        [
-            "trajectory_id",
-            "step",
-            "sample_index",
-            "rollout_n",
-            "validate",
-            "experiment",
-            "worker",
-            "start_ns",
-            "end_ns",
-        ]
-    ).append_column("llm", pc.cast(pc.equal(kind, KIND_LLM), pa.int64()))
-    work = work.append_column("tool", pc.cast(pc.equal(kind, KIND_TOOL), pa.int64()))
-    work = work.append_column("agent_reward", pc.if_else(reward_kinds, spans["reward"], None))
-    grouped = work.group_by("trajectory_id", use_threads=False).aggregate(
-        [
-            ("step", "min"),
-            ("sample_index", "min"),
-            ("rollout_n", "min"),
-            ("validate", "max"),
-            ("experiment", "min"),
-            ("worker", "min"),
-            ("start_ns", "min"),
-            ("end_ns", "max"),
-            ("trajectory_id", "count"),
-            ("llm", "sum"),
-            ("tool", "sum"),
-            ("agent_reward", "max"),
-        ]
+
+    def count(mask: pa.ChunkedArray) -> np.ndarray:
+        return np.bincount(group, weights=mask.to_numpy(zero_copy_only=False), minlength=n).astype(np.int64)
+
+    start = np.full(n, np.iinfo(np.int64).max)
+    np.minimum.at(start, group, spans["start_ns"].to_numpy())
+    end = np.full(n, np.iinfo(np.int64).min)
+    np.maximum.at(end, group, spans["end_ns"].to_numpy())
+    rewarded = pc.is_in(kind, value_set=pa.array([KIND_TRAJECTORY, KIND_AGENT]))
+    reward_values = pc.if_else(rewarded, spans["reward"], None)
+    reward = np.full(n, -np.inf)
+    np.maximum.at(reward, group, pc.fill_null(reward_values, -np.inf).to_numpy(zero_copy_only=False))
+
+    is_root = pc.is_null(spans["parent_id"]).to_numpy(zero_copy_only=False)
+    root_rows = np.full(n, -1)
+    root_rows[group[is_root]] = np.nonzero(is_root)[0]
+    has_root = root_rows >= 0
+    root_take = pa.array(np.where(has_root, root_rows, 0))
+    names = pc.if_else(pa.array(has_root), spans["name"].take(root_take), None)
+    statuses = pc.if_else(pa.array(has_root), spans["status"].take(root_take), "incomplete")
+    root_span = spans["span_id"].take(root_take).take(pa.array(group))
+    child_of_root = pc.and_(pc.equal(spans["parent_id"], root_span), pa.array(has_root[group]))
+    children = np.nonzero(pc.fill_null(child_of_root, False).to_numpy(zero_copy_only=False))[0]
+    agent = [None] * n
+    if len(children):
+        order = children[np.argsort(spans["start_ns"].to_numpy()[children], kind="stable")]
+        groups_of, first = np.unique(group[order], return_index=True)
+        for g, name in zip(groups_of, spans["name"].take(pa.array(order[first])).to_pylist()):
+            agent[g] = name
+
+    firsts = spans.select(["step", "sample_index", "rollout_n", "validate", "experiment", "worker"]).take(
+        pa.array(first_row)
     )
-    is_root = pc.is_null(spans["parent_id"])
-    roots = spans.filter(is_root).select(["trajectory_id", "span_id", "name", "status"])
-    root_info = {
-        tid: (name, status)
-        for tid, name, status in zip(*(roots[c].to_pylist() for c in ("trajectory_id", "name", "status")))
-    }
-    root_ids = set(zip(roots["trajectory_id"].to_pylist(), roots["span_id"].to_pylist()))
-    agent: dict[str, tuple[int, str]] = {}
-    children = spans.filter(pc.invert(is_root)).select(["trajectory_id", "parent_id", "name", "start_ns"])
-    for tid, parent, name, start in zip(*(children[c].to_pylist() for c in children.column_names)):
-        if (tid, parent) in root_ids and (tid not in agent or start < agent[tid][0]):
-            agent[tid] = (start, name)
-    tids = grouped["trajectory_id"].to_pylist()
-    starts = grouped["start_ns_min"].to_pylist()
-    ends = grouped["end_ns_max"].to_pylist()
-    names = [root_info.get(t, (None, "incomplete")) for t in tids]
     table = pa.table(
         {
-            "id": tids,
-            "step": grouped["step_min"],
-            "sample_index": grouped["sample_index_min"],
-            "rollout_n": grouped["rollout_n_min"],
-            "validate": grouped["validate_max"],
-            "experiment": grouped["experiment_min"],
-            "worker": grouped["worker_min"],
-            "name": [n for n, _ in names],
-            "agent": [agent.get(t, (0, None))[1] for t in tids],
-            "start_time": pa.array([s / 1e9 for s in starts], pa.float64()),
-            "duration_s": pa.array([(e - s) / 1e9 for s, e in zip(starts, ends)], pa.float64()),
-            "num_spans": grouped["trajectory_id_count"],
-            "num_turns": grouped["llm_sum"],
-            "num_tool_calls": grouped["tool_sum"],
-            "status": [s for _, s in names],
-            "reward": grouped["agent_reward_max"],
+            "id": ids,
+            "step": firsts["step"],
+            "sample_index": firsts["sample_index"],
+            "rollout_n": firsts["rollout_n"],
+            "validate": firsts["validate"],
+            "experiment": firsts["experiment"],
+            "worker": firsts["worker"],
+            "name": names,
+            "agent": pa.array(agent, pa.string()),
+            "start_time": pa.array(start / 1e9),
+            "duration_s": pa.array((end - start) / 1e9),
+            "num_spans": pa.array(np.bincount(group, minlength=n).astype(np.int64)),
+            "num_turns": pa.array(count(pc.equal(kind, KIND_LLM))),
+            "num_tool_calls": pa.array(count(pc.equal(kind, KIND_TOOL))),
+            "status": statuses,
+            "reward": pa.array(np.where(np.isneginf(reward), np.nan, reward), from_pandas=True),
         }
     )
-    return table.sort_by(
+    return table.cast(pa.schema(TRAJECTORY_COLUMNS)).sort_by(
         [
             ("step", "ascending"),
             ("sample_index", "ascending"),
@@ -434,6 +423,23 @@ TRAJECTORY_COLUMNS = [
     ("status", pa.string()),
     ("reward", pa.float64()),
 ]
+
+
+def _row_group_may_match(group: pq.RowGroupMetaData, wanted: list[tuple[str, list[Any]]]) -> bool:
+    if not wanted:
+        return True
+    index = {group.column(i).path_in_schema: i for i in range(group.num_columns)}
+    for key, values in wanted:
+        stats = group.column(index[key]).statistics if key in index else None
+        if stats is None or not stats.has_min_max:
+            continue
+        present = [v for v in values if v is not None]
+        try:
+            if present and not any(stats.min <= v <= stats.max for v in present):
+                return False
+        except TypeError:
+            continue
+    return True
 
 
 def _concat(tables: list[pa.Table], columns: list[str] | None) -> pa.Table:
