@@ -6,7 +6,12 @@ import sys
 
 import typer
 
-from rlreplay.cli import browse, record  # noqa: F401 - registers commands
+from rlreplay.cli import (  # noqa: F401 - registers commands
+    browse,
+    diff,
+    record,
+    upload,
+)
 from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app
 
 

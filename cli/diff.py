@@ -1,0 +1,489 @@
+"""``rlreplay diff``: where two trajectories part ways, turn by turn."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import orjson
+import typer
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from rlreplay.cli.app import JsonOption, RunOption, TokenizerOption, app, console, fail, open_run_arg
+
+DEL_OPEN, DEL_CLOSE = "[-", "-]"
+INS_OPEN, INS_CLOSE = "{+", "+}"
+DEL_STYLE = "bold red"
+INS_STYLE = "bold green"
+CONTEXT_WORDS = 12
+CONTEXT_TOKENS = 8
+MAX_CHANGE_CHARS = 2000
+ROLE_NAMES = {"prompt": "prompt", "assistant": "assistant", "tool": "tool"}
+STATUS_MARK = {"equal": "=", "changed": "~", "only_a": "-", "only_b": "+"}
+
+
+# ---- pieces ------------------------------------------------------------------------------------
+
+
+def _side_label(side: Any, run_shown: bool) -> str:
+    split = "validate" if side.validate else "train"
+    keys = f"step={side.step} sample_index={side.sample_index} rollout_n={side.rollout_n} {split}"
+    where = f"  run={side.run}" if run_shown and side.run else ""
+    return f"{side.id[:12]}  {keys}  experiment={side.experiment}{where}"
+
+
+def _num(value: Any, seconds: bool = False, signed: bool = False) -> str:
+    if value is None:
+        return "–"
+    if seconds:
+        return f"{value:+.2f}s" if signed else f"{value:.2f}s"
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:+.4g}" if signed else f"{value:.4g}"
+    if isinstance(value, float):
+        value = int(value)
+    return f"{value:+,}" if signed else f"{value:,}"
+
+
+SUMMARY_ROWS = [
+    ("reward", "reward", False),
+    ("status", "status", False),
+    ("turns (model+tool)", "turns", False),
+    ("model turns", "model_turns", False),
+    ("prompt tokens", "prompt_tokens", False),
+    ("response tokens", "response_tokens", False),
+    ("model tokens", "model_tokens", False),
+    ("tool calls", "tool_calls", False),
+    ("tool errors", "tool_errors", False),
+    ("duration", "duration_s", True),
+    ("model time", "llm_s", True),
+    ("tool time", "tool_s", True),
+]
+
+
+def columns(header: list[str], rows: list[list[str]], right: set[int]) -> Text:
+    """Aligned plain-text columns (a bold header line), cheap to print however long."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        out = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(out).rstrip()
+
+    text = Text(line(header), style="bold")
+    for row in rows:
+        text.append("\n" + line(row))
+    return text
+
+
+def summary_table(diff: Any) -> Text:
+    deltas = diff.deltas
+    rows = []
+    for label, name, seconds in SUMMARY_ROWS:
+        va, vb = getattr(diff.a, name), getattr(diff.b, name)
+        if name == "status":
+            rows.append([label, str(va), str(vb), "" if va == vb else "changed"])
+            continue
+        delta = deltas.get(name)
+        shown = "" if delta in (None, 0) else _num(delta, seconds, signed=True)
+        rows.append([label, _num(va, seconds), _num(vb, seconds), shown])
+    return columns(["", "A", "B", "B−A"], rows, right={1, 2, 3})
+
+
+def divergence_line(diff: Any) -> Text:
+    div = diff.first_divergence
+    if div is None:
+        return Text("token ids identical (prompt and response)", style="bold")
+    if div.response_offset is None:
+        where = f"the prompt, token {div.token_offset}"
+    else:
+        roles = {t.index_a: t.role for t in diff.turns if t.index_a is not None}
+        if div.ended == "a":
+            roles = {t.index_b: t.role for t in diff.turns if t.index_b is not None}
+        role = roles.get(div.turn, "")
+        where = f"turn {div.turn} ({role}), token {div.token_offset} of the turn"
+        where += f", response token {div.response_offset}"
+        if div.turn_b is not None and div.turn_b != div.turn:
+            where += f" (turn {div.turn_b} in B)"
+    ended = {"a": "; A ends there", "b": "; B ends there"}.get(div.ended or "", "")
+    return Text(f"first divergence: {where}{ended}", style="bold")
+
+
+def _fmt_items(value: Any, unit: str) -> str:
+    return value if unit == "words" else " ".join(map(str, value))
+
+
+def _trim_equal(value: Any, unit: str, head: bool, tail: bool, full: bool) -> str:
+    """Context around changes: an equal run keeps its start when a change comes before it
+    (``head``) and its end when one follows (``tail``); the middle is elided with a count."""
+    from rlreplay.diff import split_words
+
+    if full:
+        return _fmt_items(value, unit)
+    words = unit == "words"
+    items = split_words(value) if words else list(value)
+    keep = CONTEXT_WORDS * 2 if words else CONTEXT_TOKENS  # words come with their spaces
+    kept = keep * (int(head) + int(tail))
+    if len(items) <= kept + 2:
+        return _fmt_items(value, unit)
+    start = keep if head else 0
+    stop = len(items) - keep if tail else len(items)
+    elided = items[start:stop]
+    if words:
+        count = sum(1 for w in elided if not w.isspace())
+        return f"{''.join(items[:start])}…({count} words)…{''.join(items[stop:])}"
+    left, right = " ".join(map(str, items[:start])), " ".join(map(str, items[stop:]))
+    return f"{left} …({len(elided)} tokens)… {right}".strip()
+
+
+def _trim_change(value: str, full: bool) -> str:
+    if full or len(value) <= MAX_CHANGE_CHARS:
+        return value
+    half = MAX_CHANGE_CHARS // 2
+    return f"{value[:half]}…({len(value) - 2 * half} chars)…{value[-half:]}"
+
+
+def _joiner(unit: str) -> str:
+    return "" if unit == "words" else " "
+
+
+def inline_diff(segments: list[Any], unit: str, full: bool = False) -> Text:
+    """One text with deletions as ``[-old-]`` and insertions as ``{+new+}``."""
+    out = Text()
+    sep = _joiner(unit)
+    for i, seg in enumerate(segments):
+        if out and sep:
+            out.append(sep)
+        if seg.op == "equal":
+            out.append(_trim_equal(seg.a, unit, head=i > 0, tail=i < len(segments) - 1, full=full))
+            continue
+        old, new = _fmt_items(seg.a, unit), _fmt_items(seg.b, unit)
+        if old:
+            out.append(DEL_OPEN + _trim_change(old, full) + DEL_CLOSE, style=DEL_STYLE)
+        if new:
+            if old and sep:
+                out.append(sep)
+            out.append(INS_OPEN + _trim_change(new, full) + INS_CLOSE, style=INS_STYLE)
+    return out
+
+
+def side_by_side(segments: list[Any], unit: str, full: bool = False) -> Table:
+    """Two columns: A with its deletions marked, B with its insertions marked."""
+    left, right = Text(), Text()
+    sep = _joiner(unit)
+    for i, seg in enumerate(segments):
+        if seg.op == "equal":
+            context = _trim_equal(seg.a, unit, head=i > 0, tail=i < len(segments) - 1, full=full)
+            for col in (left, right):
+                if col and sep:
+                    col.append(sep)
+                col.append(context)
+            continue
+        for col, value, (opener, closer, style) in (
+            (left, seg.a, (DEL_OPEN, DEL_CLOSE, DEL_STYLE)),
+            (right, seg.b, (INS_OPEN, INS_CLOSE, INS_STYLE)),
+        ):
+            shown = _fmt_items(value, unit)
+            if shown:
+                if col and sep:
+                    col.append(sep)
+                col.append(opener + _trim_change(shown, full) + closer, style=style)
+    grid = Table(box=None, show_header=True, header_style="bold", expand=True, pad_edge=False)
+    grid.add_column("A", ratio=1)
+    grid.add_column("B", ratio=1)
+    grid.add_row(left, right)
+    return grid
+
+
+def _calls(calls: list[dict[str, Any]] | None) -> str:
+    if not calls:
+        return "none"
+    return ", ".join(
+        f"{c.get('name')}({orjson.dumps(c.get('arguments'), option=orjson.OPT_NON_STR_KEYS).decode()})"
+        for c in calls
+    )
+
+
+def _index(i: int | None) -> str:
+    return "–" if i is None else str(i)
+
+
+def turn_header(t: Any) -> Text:
+    idx = _index(t.index_a) if t.index_a == t.index_b else f"{_index(t.index_a)}→{_index(t.index_b)}"
+    head = Text(f"{STATUS_MARK[t.status]} turn {idx} {ROLE_NAMES.get(t.role, t.role)}: ", style="bold")
+    ta, tb = t.turn_a, t.turn_b
+    if t.status == "equal":
+        head.append(f"equal ({len(ta.token_ids):,} tokens)")
+    elif t.status == "changed":
+        sizes = f"A {len(ta.token_ids):,} tokens, B {len(tb.token_ids):,} tokens"
+        head.append(f"changed at token {t.first_diff} ({sizes})")
+        if t.same_text:
+            head.append("; same text, different token ids")
+    elif t.status == "only_a":
+        head.append(f"only in A ({len(ta.token_ids):,} tokens)")
+    else:
+        head.append(f"only in B ({len(tb.token_ids):,} tokens)")
+    if t.duration_a_s is not None or t.duration_b_s is not None:
+        head.append(f"  [{_num(t.duration_a_s, True)} vs {_num(t.duration_b_s, True)}]", style="dim")
+    return head
+
+
+def _tool_cell(info: dict[str, Any] | None) -> str:
+    if info is None:
+        return "–"
+    params = orjson.dumps(info["parameters"], option=orjson.OPT_NON_STR_KEYS).decode()
+    text = f"{info['name']}({params}) {info['status']} {info['duration_s']:.3f}s"
+    return text + (f": {info['error']}" if info["error"] else "")
+
+
+def tools_table(diff: Any) -> Text | None:
+    """Tool calls in call order: one line when equal, an A line and a B line when not."""
+    if not diff.tools:
+        return None
+    out = Text()
+    for t in diff.tools:
+        if out:
+            out.append("\n")
+        mark = f"{STATUS_MARK[t.status]} #{t.index}  "
+        if t.status == "equal":
+            out.append(f"{mark}{_tool_cell(t.a)} / {t.b['duration_s']:.3f}s")
+            continue
+        out.append(f"{mark}A: ")
+        out.append(_tool_cell(t.a), style=DEL_STYLE if t.a else None)
+        out.append("\n" + " " * len(mark) + "B: ")
+        out.append(_tool_cell(t.b), style=INS_STYLE if t.b else None)
+    return out
+
+
+def render_diff(diff: Any, layout: str = "unified", full: bool = False) -> list[RenderableType]:
+    """Everything ``rlreplay diff`` prints, as rich renderables."""
+    two_runs = diff.a.run != diff.b.run
+    parts: list[RenderableType] = [
+        Text(f"A  {_side_label(diff.a, two_runs)}"),
+        Text(f"B  {_side_label(diff.b, two_runs)}"),
+        Text(""),
+        divergence_line(diff),
+    ]
+    if diff.identical:
+        parts.append(Text("no differences", style="bold"))
+    parts += [Text(""), summary_table(diff), Text("")]
+    counts = diff.counts()
+    parts.append(
+        Text(
+            f"turns: {counts['equal']} equal, {counts['changed']} changed, "
+            f"{counts['only_a']} only in A, {counts['only_b']} only in B"
+            + ("" if diff.text else "  (compared as token ids)"),
+            style="bold",
+        )
+    )
+    for t in diff.turns:
+        parts.append(turn_header(t))
+        if t.status != "equal" or full:
+            segments = t.segments
+            if t.status == "equal":  # --full: show equal turns too
+                from rlreplay.diff import Segment
+
+                value = t.turn_a.text if diff.text else t.turn_a.token_ids
+                segments = [Segment("equal", value, value)]
+            body = (
+                side_by_side(segments, t.unit, full)
+                if layout == "side"
+                else inline_diff(segments, t.unit, full)
+            )
+            parts.append(Group(body) if layout == "side" else _indent(body))
+        if t.role == "assistant" and t.tool_calls_changed:
+            calls = Text("    tool calls: ")
+            calls.append(
+                DEL_OPEN + _calls(t.turn_a.tool_calls if t.turn_a else None) + DEL_CLOSE, style=DEL_STYLE
+            )
+            calls.append(" ")
+            calls.append(
+                INS_OPEN + _calls(t.turn_b.tool_calls if t.turn_b else None) + INS_CLOSE, style=INS_STYLE
+            )
+            parts.append(calls)
+    tools = tools_table(diff)
+    if tools is not None:
+        parts += [Text(""), Text("tool calls (in call order):", style="bold"), tools]
+    return parts
+
+
+def print_parts(out: Any, parts: list[RenderableType]) -> None:
+    """Print renderables; plain text goes out unwrapped (the terminal wraps it, much faster)."""
+    for part in parts:
+        out.print(part, soft_wrap=isinstance(part, Text))
+
+
+def _indent(text: Text) -> Text:
+    out = Text("    ")
+    out.append_text(text)
+    return out
+
+
+def render_group(group: Any, text: bool) -> list[RenderableType]:
+    split = "validate" if group.validate else "train"
+    parts: list[RenderableType] = [
+        Text(
+            f"group step={group.step} sample_index={group.sample_index} {split}: "
+            f"{len(group.members)} rollouts, compared with the best-rewarded {group.best_id[:12]}",
+            style="bold",
+        ),
+        Text(""),
+    ]
+    grid = Table(box=None, header_style="bold", pad_edge=False)
+    for col, justify in [
+        ("rollout", "right"),
+        ("id", "left"),
+        ("reward", "right"),
+        ("turns", "right"),
+        ("tokens", "right"),
+        ("tool err", "right"),
+        ("diverges at", "left"),
+        ("best says", "left"),
+        ("this says", "left"),
+    ]:
+        grid.add_column(col, justify=justify, no_wrap=col not in ("best says", "this says"))
+    for m in group.members:
+        div = m.first_divergence
+        if m.best:
+            where = "(best)"
+        elif div is None:
+            where = "identical"
+        elif div.response_offset is None:
+            where = f"prompt tok {div.token_offset}"
+        else:
+            where = f"turn {div.turn} tok {div.token_offset} (resp {div.response_offset})"
+        grid.add_row(
+            _index(m.side.rollout_n),
+            m.side.id[:12],
+            _num(m.side.reward),
+            str(m.side.turns),
+            f"{m.side.response_tokens:,}",
+            str(m.side.tool_errors),
+            where,
+            _preview(m.preview_best, text),
+            _preview(m.preview, text),
+        )
+    parts.append(grid)
+    return parts
+
+
+def _preview(value: Any, text: bool) -> str:
+    if value is None:
+        return ""
+    if text:
+        return repr(value)[1:-1][:60]
+    return " ".join(map(str, value))
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+
+def load_decoder(runs: list[Any], tokenizer: str | None, no_text: bool) -> Any:
+    """The decoder for the runs' tokenizer (or --tokenizer); None when there is none to use."""
+    if no_text:
+        return None
+    from rlreplay.token2text import Decoder, TokenizerUnavailable, resolve_tokenizer
+
+    names = [resolve_tokenizer(r, tokenizer) for r in runs]
+    name = next((n for n in names if n), None)
+    if name is None:
+        return None
+    if len({n for n in names if n}) > 1:
+        print(
+            f"rlreplay: warning: the runs record different tokenizers; decoding both with {name}",
+            file=sys.stderr,
+        )
+    try:
+        return Decoder.load(name)
+    except TokenizerUnavailable as exc:
+        if tokenizer:
+            raise
+        print(f"rlreplay: warning: {exc}; showing token ids", file=sys.stderr)
+        return None
+
+
+def _warn(runs: list[Any]) -> None:
+    seen: set[str] = set()
+    for run in runs:
+        for message in run.warnings:
+            if message not in seen:
+                seen.add(message)
+                print(f"rlreplay: warning: {message}", file=sys.stderr)
+
+
+@app.command("diff")
+def diff_command(
+    a: Annotated[
+        str,
+        typer.Argument(
+            metavar="A",
+            help="Trajectory id (or unique prefix), or a selector: step=5,sample_index=12,rollout_n=0 "
+            "(keys: step, sample_index, rollout_n, validate, experiment).",
+        ),
+    ],
+    b: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="B",
+            help="Id or selector; keys not given are A's (e.g. rollout_n=1, or step=500). "
+            "Omitted with --run-b: the same keys in that run.",
+        ),
+    ] = None,
+    run: RunOption = None,
+    run_b: Annotated[
+        Path | None, typer.Option("--run-b", help="Run directory of B (default: the run of A).")
+    ] = None,
+    tokenizer: TokenizerOption = None,
+    no_text: Annotated[bool, typer.Option("--ids", help="Compare token ids only; do not decode.")] = False,
+    group: Annotated[
+        bool,
+        typer.Option("--group", help="Compare every rollout of A's sample with the best-rewarded one."),
+    ] = False,
+    side: Annotated[
+        bool, typer.Option("--side-by-side", "-s", help="Two columns instead of inline.")
+    ] = False,
+    full: Annotated[
+        bool, typer.Option("--full", help="Show equal turns and all context, untrimmed.")
+    ] = False,
+    html: Annotated[
+        Path | None, typer.Option("--html", help="Also write a self-contained HTML report.")
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Compare two trajectories turn by turn: first divergence, changed text, reward, tools, timings."""
+    from rlreplay import diff as diffing
+
+    run_a = open_run_arg(run)
+    other = open_run_arg(run_b) if run_b is not None else run_a
+    if group:
+        if b is not None:
+            fail("--group takes one trajectory (A); its group is every rollout of the same sample")
+        if run_b is not None:
+            fail("--group compares rollouts within one run; drop --run-b")
+        if html is not None:
+            fail("--html reports on a pair of trajectories; drop --group")
+        traj = run_a.trajectory(diffing.resolve(run_a, diffing.parse_selector(a), one_group=True))
+        decoder = load_decoder([run_a], tokenizer, no_text)
+        result = diffing.diff_group(run_a, traj, decoder)
+        _warn([run_a])
+        if as_json:
+            typer.echo(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2).decode())
+            return
+        print_parts(console(), render_group(result, decoder is not None))
+        return
+    traj_a, traj_b = diffing.select_pair(run_a, a, other, b)
+    decoder = load_decoder([run_a, other] if other is not run_a else [run_a], tokenizer, no_text)
+    result = diffing.diff_trajectories(traj_a, traj_b, decoder, run_a, other)
+    _warn([run_a, other])
+    if html is not None:
+        from rlreplay.diff_html import write_html
+
+        write_html(result, html)
+    if as_json:
+        payload = result.to_dict()
+        if decoder is not None:
+            payload["tokenizer"] = decoder.name
+        typer.echo(orjson.dumps(payload, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
+        return
+    print_parts(console(), render_diff(result, "side" if side else "unified", full))
