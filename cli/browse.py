@@ -8,7 +8,9 @@ from typing import Annotated, Any
 
 import orjson
 import typer
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 from rich.tree import Tree
 
 from rlreplay.cli.app import (
@@ -18,6 +20,7 @@ from rlreplay.cli.app import (
     RunOption,
     SampleOption,
     StepOption,
+    TokenizerOption,
     ValidateOption,
     app,
     console,
@@ -132,9 +135,9 @@ def _payload_lines(label: str, value: Any) -> list[str]:
 
 def span_label(span: Any) -> str:
     ms = (span.end_ns - span.start_ns) / 1e6
-    parts = [f"[bold]{span.name}[/bold]", f"[dim]{span.kind}[/dim]", f"{ms:,.1f} ms"]
+    parts = [f"[bold]{escape(span.name)}[/bold]", f"[dim]{span.kind}[/dim]", f"{ms:,.1f} ms"]
     if span.status != "ok":
-        parts.append(f"[red]{span.error or span.status}[/red]")
+        parts.append(f"[red]{escape(span.error or span.status)}[/red]")
     if span.reward is not None:
         parts.append(f"reward={span.reward:g}")
     return "  ".join(parts)
@@ -154,7 +157,7 @@ def render_tree(traj: Any, text_lines: Any = None) -> Tree:
         branch = node.add(span_label(span))
         extra = text_lines(span) if text_lines is not None else None
         for line in extra or [*_payload_lines("in", span.inputs), *_payload_lines("out", span.output)]:
-            branch.add(line, style="dim") if isinstance(line, str) else branch.add(line)
+            branch.add(Text(line, style="dim")) if isinstance(line, str) else branch.add(line)
         for child in span.children:
             add(branch, child)
 
@@ -169,18 +172,121 @@ def show_command(
         str, typer.Argument(metavar="TRAJECTORY_ID", help="Trajectory id or unique prefix.")
     ],
     run: RunOption = None,
+    text: Annotated[
+        bool | None,
+        typer.Option(
+            "--text/--no-text",
+            help="Decode token ids to text (default: when the run's tokenizer or --tokenizer loads).",
+        ),
+    ] = None,
+    tokenizer: TokenizerOption = None,
+    skip_special_tokens: Annotated[
+        bool,
+        typer.Option(
+            "--skip-special-tokens/--keep-special-tokens",
+            help="Leave special tokens such as <|im_start|> out of decoded text (default: keep them).",
+        ),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Show one trajectory's span tree with timings, inputs and outputs."""
+    """Show one trajectory's span tree with timings, inputs and outputs, and its conversation as text."""
     opened = open_run_arg(run)
     traj = opened.trajectory(trajectory_id)
     report_warnings(opened)
+    decoder = _show_decoder(opened, text, tokenizer)
+    if decoder is not None:
+        from rlreplay.token2text import add_text
+
+        add_text([traj], decoder, skip_special_tokens=skip_special_tokens)
     if as_json:
         typer.echo(
             orjson.dumps(traj.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
         )
         return
-    console().print(render_tree(traj), markup=True)
+    out = console()
+    if decoder is None:
+        out.print(render_tree(traj), markup=True)
+        return
+    out.print(render_tree(traj, text_lines=_show_text_lines), markup=True)
+    for renderable in _show_conversation(traj):
+        out.print(renderable)
+
+
+def _show_decoder(opened: Any, text: bool | None, tokenizer: str | None) -> Any:
+    """The decoder ``show`` uses, or None. Asked for explicitly and unavailable: an error (exit 2);
+    named only by the manifest and unavailable: a warning, and token ids are shown."""
+    import sys
+
+    from rlreplay.cli.app import fail
+    from rlreplay.token2text import Decoder, TokenizerUnavailable, resolve_tokenizer
+
+    if text is False:
+        return None
+    name = resolve_tokenizer(opened, tokenizer)
+    if name is None:
+        if text:
+            fail("no tokenizer is known for this run; pass --tokenizer /path/to/dir-with-tokenizer.json")
+        return None
+    try:
+        return Decoder.load(name)
+    except TokenizerUnavailable as exc:
+        if text or tokenizer is not None:
+            raise
+        print(f"rlreplay: warning: {exc} (showing token ids)", file=sys.stderr)
+        return None
+
+
+_SHOW_DECODED = {"prompt_ids": "prompt_text", "token_ids": "response_text", "output_ids": "response_text"}
+_SHOW_DECODED_AGENT = {**_SHOW_DECODED, "response_ids": "response_text"}
+
+
+def _show_text_lines(span: Any) -> list[Any]:
+    """Payload lines with decoded text in place of the token ids it came from (as rich Text:
+    decoded text is full of brackets that must not be read as markup)."""
+    from rich.text import Text
+
+    lines: list[str] = []
+    for label, value in (("in", span.inputs), ("out", span.output)):
+        if isinstance(value, dict) and "__type__" not in value:
+            decoded = _SHOW_DECODED_AGENT if span.kind == "agent" else _SHOW_DECODED
+            value = {
+                k: v
+                for k, v in value.items()
+                if k != "conversation" and not (k in decoded and decoded[k] in value)
+            }
+            prompt = value.get("prompt_text")
+            if span.kind == "llm" and isinstance(prompt, str) and len(prompt) > PREVIEW_CHARS:
+                # a model call's prompt is the whole context so far: its end is what is new
+                value["prompt_text"] = "…" + prompt[-(PREVIEW_CHARS - 1) :]
+        lines.extend(_payload_lines(label, value))
+    return [Text(line, style="dim") for line in lines]
+
+
+def _show_conversation(traj: Any) -> list[Any]:
+    """The conversation of the trajectory's agent span: a header per turn, its text, its tool calls."""
+    from rich.rule import Rule
+    from rich.text import Text
+
+    turns = next(
+        (
+            s.output["conversation"]
+            for s in traj.spans
+            if isinstance(s.output, dict) and isinstance(s.output.get("conversation"), list)
+        ),
+        None,
+    )
+    if not turns:
+        return []
+    styles = {"prompt": "bold blue", "assistant": "bold green", "tool": "bold yellow"}
+    items: list[Any] = [Rule(f"conversation: {len(turns)} turns", style="dim")]
+    for i, turn in enumerate(turns):
+        role = str(turn.get("role"))
+        items.append(Text(f"[{i}] {role}", style=styles.get(role, "bold")))
+        items.append(Text(turn.get("text") or ""))
+        for call in turn.get("tool_calls") or []:
+            args = orjson.dumps(call.get("arguments"), option=orjson.OPT_NON_STR_KEYS).decode()
+            items.append(Text(f"  → tool call {call.get('name')}({args})", style="cyan"))
+    return items
 
 
 @app.command("info")

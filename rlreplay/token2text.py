@@ -1,0 +1,522 @@
+"""token2text, offline: decode the token ids a run stored, where text is shown or sent.
+
+verl decodes inside the rollout (so its ``token2text`` defaults to off); rlreplay keeps ids and
+decodes later with a tokenizer found on this machine. It never downloads: a tokenizer is a
+local directory or ``tokenizer.json``, a package-relative ``pkg:<package>/<subdir>``, or a hub
+name already in the Hugging Face cache.
+
+Decoding is exact: texts equal the ``tokenizers`` library's ``decode``. For byte-level BPE
+tokenizers (GPT-2 style: Qwen, Llama 3, ...) a per-id byte table, checked against the Rust
+decoder when built, decodes several times faster than the Rust decoder itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+import importlib.util
+import itertools
+import os
+import re
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlreplay.schema import KIND_AGENT, KIND_LLM
+from rlreplay.store import RunError, Trajectory
+
+PKG_PREFIX = "pkg:"
+TOKENIZER_FILE = "tokenizer.json"
+HOW_TO = "pass a local copy with --tokenizer /path/to/dir-with-tokenizer.json"
+# The byte table pays for itself once this many ids went through the Rust decoder.
+TABLE_AFTER_IDS = 2_000_000
+MAX_CPUS_FOR_TABLE = 4
+_REPLACEMENT = "\ufffd"
+
+
+class TokenizerUnavailable(RunError):
+    """The tokenizer cannot be loaded on this machine; the message says how to pass a local copy."""
+
+
+def _unavailable(message: str) -> TokenizerUnavailable:
+    return TokenizerUnavailable(" ".join(f"{message}; {HOW_TO}".split()))
+
+
+# ---- finding a tokenizer ------------------------------------------------------------------------
+
+
+_PACKAGE_FORM = re.compile(r"^(?:pkg:([A-Za-z_][\w.]*)(?:/(.*))?|([A-Za-z_][\w.]*):(?![/\\])(.*))$")
+
+
+def package_form(name: str) -> tuple[str, str] | None:
+    """(package, subdir) for ``pkg:<package>/<subdir>`` or ``<package>:<subdir>``, else None."""
+    match = _PACKAGE_FORM.match(name.strip())
+    if match is None:
+        return None
+    package = match.group(1) or match.group(3)
+    return package, (match.group(2) if match.group(1) else match.group(4)) or ""
+
+
+def _package_dir(name: str, package: str, subdir: str) -> Path:
+    """A folder inside an installed package, found without importing the package."""
+    top, *inner = package.split(".")
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise _unavailable(f"tokenizer {name!r}: package {top!r} is not installed")
+    if spec.submodule_search_locations:
+        base = Path(next(iter(spec.submodule_search_locations)))
+    elif spec.origin:
+        base = Path(spec.origin).parent
+    else:
+        raise _unavailable(f"tokenizer {name!r}: package {top!r} has no files")
+    return base.joinpath(*inner, *(p for p in re.split(r"[/\\]", subdir) if p))
+
+
+def _looks_like_path(name: str) -> bool:
+    return (
+        name.startswith(("/", "./", "../", "~", "\\"))
+        or name.endswith(".json")
+        or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
+    )
+
+
+def _locate(name: str) -> tuple[str, str]:
+    """(``"file"``, path to tokenizer.json) or (``"transformers"``, directory or cached hub name)."""
+    name = name.strip()
+    if not name:
+        raise _unavailable("empty tokenizer name")
+    path = Path(os.path.expanduser(name))
+    in_package = None if path.exists() else package_form(name)
+    if in_package is not None:
+        path = _package_dir(name, *in_package)
+        if not path.exists():
+            raise _unavailable(f"tokenizer {name!r}: no folder {path}")
+    if path.is_file():
+        return "file", str(path.resolve())
+    if path.is_dir():
+        if (path / TOKENIZER_FILE).is_file():
+            return "file", str((path / TOKENIZER_FILE).resolve())
+        if any((path / f).is_file() for f in ("tokenizer_config.json", "vocab.json", "tokenizer.model")):
+            return "transformers", str(path.resolve())
+        raise _unavailable(f"no {TOKENIZER_FILE} in {path}")
+    if _looks_like_path(name):
+        raise _unavailable(f"no tokenizer at {name}")
+    return _from_hf_cache(name)
+
+
+def _from_hf_cache(repo_id: str) -> tuple[str, str]:
+    """A hub name, from the local Hugging Face cache only (never a download)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        raise _unavailable(
+            f"tokenizer {repo_id!r} is a hub name and huggingface_hub is not installed"
+        ) from None
+    found: dict[str, Any] = {}
+    for filename in (TOKENIZER_FILE, "tokenizer_config.json"):
+        try:
+            found[filename] = try_to_load_from_cache(repo_id, filename)
+        except Exception:  # an invalid repo id, an unreadable cache
+            found[filename] = None
+    if isinstance(found[TOKENIZER_FILE], str):
+        return "file", str(Path(found[TOKENIZER_FILE]).resolve())
+    if isinstance(found["tokenizer_config.json"], str):
+        return "transformers", repo_id
+    raise _unavailable(
+        f"tokenizer {repo_id!r} is not a local path and not in the Hugging Face cache "
+        "(rlreplay never downloads)"
+    )
+
+
+# ---- the decoder --------------------------------------------------------------------------------
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+def _table_pays_off() -> bool:
+    """The byte table runs on one core; the Rust batch decoder spreads over all of them.
+
+    Measured on 2 cores, the table decoded 2.6-5x faster than ``decode_batch`` (see
+    benchmarks/README.md), so it is used where few cores are available or the Rust decoder is
+    told not to run in parallel.
+    """
+    if os.environ.get("TOKENIZERS_PARALLELISM", "").strip().lower() in ("0", "false", "no", "off"):
+        return True
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return cpus <= MAX_CPUS_FOR_TABLE
+
+
+class Decoder:
+    """Decodes token ids to text with one tokenizer; ``Decoder.load`` caches one per tokenizer."""
+
+    def __init__(
+        self, tokenizer: Any, name: str, source: str, slow: Any = None, byte_table: bool | None = None
+    ) -> None:
+        """``byte_table``: None decides by the machine (see ``_table_pays_off``); False never builds one."""
+        self.name = name  # as asked for
+        self.source = source  # the file or folder it came from
+        self._tok = tokenizer  # a tokenizers.Tokenizer, or None with ``slow``
+        self._slow = slow  # a transformers tokenizer without a Rust backend
+        self._byte_level = tokenizer is not None and type(tokenizer.decoder).__name__ == "ByteLevel"
+        self._lock = threading.Lock()
+        self._tables: tuple[list[bytes], list[bytes]] | None = None
+        # "off" | "unbuilt" | "built" | "failed" (the table disagreed with the Rust decoder)
+        wanted = _table_pays_off() if byte_table is None else byte_table
+        self._table_state = "unbuilt" if self._byte_level and wanted else "off"
+        self._rust_ids = 0
+
+    def __repr__(self) -> str:
+        return f"Decoder({self.name!r}, source={self.source!r})"
+
+    @classmethod
+    def load(cls, name_or_path: str) -> Decoder:
+        """The decoder for a local path, ``pkg:<package>/<subdir>`` or cached hub name (loaded once)."""
+        with _CACHE_LOCK:
+            hit = _BY_NAME.get(name_or_path)
+        if hit is not None:
+            return hit
+        kind, where = _locate(name_or_path)
+        with _CACHE_LOCK:
+            decoder = _BY_SOURCE.get(where)
+            if decoder is None:
+                load = _load_file if kind == "file" else _load_transformers
+                decoder = load(name_or_path, where)
+                _BY_SOURCE[where] = decoder
+            _BY_NAME[name_or_path] = decoder
+        return decoder
+
+    @property
+    def concatenative(self) -> bool:
+        """True when decode(a + b) == decode(a) + decode(b) wherever a ends a character (byte-level BPE)."""
+        return self._byte_level and self._table_state != "failed"
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.decode_many([ids], skip_special_tokens)[0]
+
+    def decode_many(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = False) -> list[str]:
+        """Texts of many id lists in one call, exactly as the tokenizer's own ``decode`` gives them."""
+        if not len(seqs):
+            return []
+        if self._slow is not None:
+            texts = self._slow.batch_decode(list(seqs), skip_special_tokens=skip_special_tokens)
+            return [str(t) for t in texts]
+        tables = self._tables
+        if tables is None and self._table_state == "unbuilt":
+            self._rust_ids += sum(map(len, seqs))
+            if self._rust_ids >= TABLE_AFTER_IDS:
+                tables = self.build_table()
+        if tables is None:
+            return self._rust_many(seqs, skip_special_tokens)
+        get = (tables[1] if skip_special_tokens else tables[0]).__getitem__
+        out: list[str] = []
+        append = out.append
+        for seq in seqs:
+            try:
+                if seq and min(seq) < 0:  # a negative index would wrap around: the Rust decoder refuses it
+                    raise IndexError
+                append(b"".join(map(get, seq)).decode("utf-8", "replace"))
+            except (TypeError, IndexError):  # ids outside the vocabulary: the Rust decoder's rules
+                append(self._rust_many([seq], skip_special_tokens)[0])
+        return out
+
+    def build_table(self) -> tuple[list[bytes], list[bytes]] | None:
+        """Build the byte table now (else it is built once enough ids went through the Rust decoder)."""
+        with self._lock:
+            if self._table_state != "unbuilt":
+                return self._tables
+            try:
+                tables = _byte_tables(self._tok)
+            except Exception:
+                tables = None
+            self._tables = tables
+            self._table_state = "built" if tables is not None else "failed"
+            return tables
+
+    def _rust_many(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool) -> list[str]:
+        batch = seqs if isinstance(seqs, list) else list(seqs)
+        try:
+            return self._tok.decode_batch(batch, skip_special_tokens=skip_special_tokens)
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise ValueError(f"token ids must be non-negative integers: {exc}") from None
+
+
+def _byte_tables(tok: Any) -> tuple[list[bytes], list[bytes]] | None:
+    """Bytes per id, and a copy with special tokens empty, if they decode as the Rust decoder does."""
+    alphabet = _byte_level_alphabet()
+    # characters of the alphabet → their byte; any other character → one latin-1 cannot encode
+    translate: dict[int, str] = {ord(c): chr(b) for c, b in alphabet.items()}
+    translate.update({b: "\uffff" for b in range(256) if chr(b) not in alphabet})
+
+    def token_bytes(token: str) -> bytes:
+        try:
+            return token.translate(translate).encode("latin-1")
+        except UnicodeEncodeError:  # not all byte-level characters: the Rust decoder keeps its UTF-8
+            return token.encode("utf-8")
+
+    added = tok.get_added_tokens_decoder()
+    size = max([tok.get_vocab_size(with_added_tokens=True), *(i + 1 for i in added)])
+    table: list[bytes] = [b""] * size  # an id past the end raises IndexError: the Rust decoder handles it
+    id_to_token = tok.id_to_token  # added tokens first, then the model's, as the Rust decoder does
+    for idx in range(size):
+        token = id_to_token(idx)
+        if token is not None:
+            table[idx] = token_bytes(token)
+    special = list(table)
+    for idx, token in added.items():
+        if token.special:
+            special[idx] = b""
+    # check against the Rust decoder: every added token and every 7th id, beside their neighbours
+    sample = sorted({*range(0, size, 7), *(i for a in added for i in (a - 1, a, a + 1) if 0 <= i < size)})
+    for tab, skip in ((table, False), (special, True)):
+        ours = b"".join(map(tab.__getitem__, sample)).decode("utf-8", "replace")
+        if ours != tok.decode(sample, skip_special_tokens=skip):
+            return None
+    return table, special
+
+
+def _load_file(name: str, path: str) -> Decoder:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise _unavailable("the tokenizers package is not installed (pip install 'rlreplay[text]')") from None
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as exc:
+        raise _unavailable(f"cannot read tokenizer {path}: {' '.join(str(exc).split())[:200]}") from None
+    return Decoder(tok, name, path)
+
+
+def _load_transformers(name: str, where: str) -> Decoder:
+    """A folder without tokenizer.json (or a cached hub name): transformers, local files only."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise _unavailable(
+            f"tokenizer {name!r} has no {TOKENIZER_FILE} and transformers is not installed"
+        ) from None
+    try:
+        tok = AutoTokenizer.from_pretrained(where, local_files_only=True)
+    except Exception as exc:
+        raise _unavailable(f"cannot load tokenizer {name!r}: {' '.join(str(exc).split())[:200]}") from None
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode_batch"):
+        return Decoder(backend, name, where)
+    return Decoder(None, name, where, slow=tok)
+
+
+_CACHE_LOCK = threading.Lock()
+_BY_SOURCE: dict[str, Decoder] = {}
+_BY_NAME: dict[str, Decoder] = {}
+
+
+#: Manifest keys naming the run's tokenizer: a hub name or path, and a copy that ships with a
+#: package (``<package>:<subdir>`` or ``pkg:<package>/<subdir>``) so that a run decodes offline.
+MANIFEST_KEYS = ("tokenizer", "tokenizer_files")
+
+
+def resolve_tokenizer(run: Any, override: str | None) -> str | None:
+    """The tokenizer to use: ``override``, else the one the run's manifest names (or None).
+
+    Of the manifest's ``tokenizer`` and ``tokenizer_files``, the first found on this machine wins
+    (a local copy before a hub name); when neither is, ``tokenizer``, so that the error names it.
+    A relative path in the manifest is taken relative to the run directory when it exists there.
+    """
+    if override:
+        return override
+    manifest = getattr(run, "manifest", None) or {}
+    names: list[str] = []
+    for key in MANIFEST_KEYS:
+        value = manifest.get(key)
+        if isinstance(value, str) and value.strip():
+            value = value.strip()
+            inside = Path(run.path) / value if not os.path.isabs(value) else None
+            names.append(str(inside) if inside is not None and inside.exists() else value)
+    if len(names) > 1:
+        local = [n for n in names if Path(os.path.expanduser(n)).exists() or package_form(n)]
+        hub = [n for n in names if n not in local]
+        for name in [*local, *hub]:
+            try:
+                _locate(name)
+            except TokenizerUnavailable:
+                continue
+            return name
+    return names[0] if names else None
+
+
+# ---- decoding trajectories ----------------------------------------------------------------------
+
+
+def _ids(value: Any) -> list[int] | None:
+    if isinstance(value, list) and (not value or (type(value[0]) is int and type(value[-1]) is int)):
+        return value
+    return None
+
+
+def _llm_prompt_ids(inputs: Any) -> list[int] | None:
+    if not isinstance(inputs, dict):
+        return None
+    found = _ids(inputs.get("prompt_ids"))
+    if found is None and isinstance(inputs.get("kwargs"), dict):
+        found = _ids(inputs["kwargs"].get("prompt_ids"))
+    return found
+
+
+def _llm_output_ids(output: Any) -> list[int] | None:
+    if not isinstance(output, dict):
+        return None
+    found = _ids(output.get("token_ids"))
+    return found if found is not None else _ids(output.get("output_ids"))
+
+
+def _conversation_span(traj: Trajectory) -> Any:
+    agents = [s for s in traj.by_kind(KIND_AGENT) if isinstance(s.output, dict)]
+    with_mask = [s for s in agents if "response_mask" in s.output]
+    return (with_mask or agents or [None])[0]
+
+
+class _Plan:
+    """Every text wanted for a set of trajectories, and where each goes, decoded in one batch.
+
+    A wanted text whose ids are consecutive turns of its trajectory's conversation (an llm
+    prompt is the context so far; the agent's prompt and response are turns too) is assembled
+    from the turns' texts instead of decoded again, when the decoder allows it.
+    """
+
+    def __init__(self, decoder: Decoder, skip_special_tokens: bool) -> None:
+        self.decoder = decoder
+        self.skip = skip_special_tokens
+        self.seqs: list[list[int]] = []
+        self.slots: dict[tuple[int, ...], int] = {}  # dedupe of identical turn ids
+        self.direct: list[tuple[dict[str, Any], str, int]] = []  # (target, key, seq index)
+        self.joined: list[tuple[dict[str, Any], str, list[int], list[int]]] = []  # + turn indexes, ids
+
+    def add_seq(self, ids: list[int], dedupe: bool = False) -> int:
+        if dedupe:
+            key = tuple(ids)
+            slot = self.slots.get(key)
+            if slot is not None:
+                return slot
+            self.slots[key] = len(self.seqs)
+        self.seqs.append(ids)
+        return len(self.seqs) - 1
+
+    def want(
+        self, target: dict[str, Any], key: str, ids: list[int], segments: _Segments | None, first: int | None
+    ) -> None:
+        """Text for ``ids`` into ``target[key]``; ``first``: the turn these ids should begin with."""
+        parts = segments.cover(ids, first) if segments is not None and first is not None else None
+        if parts is not None:
+            self.joined.append((target, key, [segments.slots[i] for i in parts], ids))
+        else:
+            self.direct.append((target, key, self.add_seq(ids)))
+
+    def run(self) -> list[str]:
+        texts = self.decoder.decode_many(self.seqs, self.skip)
+        for target, key, slot in self.direct:
+            target[key] = texts[slot]
+        retry: list[tuple[dict[str, Any], str, list[int]]] = []
+        for target, key, slots, ids in self.joined:
+            pieces = [texts[s] for s in slots if texts[s]]
+            if all(
+                not a.endswith(_REPLACEMENT) and not b.startswith(_REPLACEMENT)
+                for a, b in itertools.pairwise(pieces)
+            ):
+                target[key] = "".join(pieces)
+            else:  # a turn boundary splits a character: decode the whole (rare)
+                retry.append((target, key, ids))
+        if retry:
+            for (target, key, _), text in zip(
+                retry, self.decoder.decode_many([r[2] for r in retry], self.skip)
+            ):
+                target[key] = text
+        return texts
+
+
+class _Segments:
+    """A trajectory's turns laid end to end: the full context, and where each turn starts in it."""
+
+    def __init__(self, turns: list[Any], slots: list[int]) -> None:
+        self.slots = slots
+        self.full: list[int] = []
+        self.starts: list[int] = []
+        for turn in turns:
+            self.starts.append(len(self.full))
+            self.full += turn.token_ids
+        self.ends = [*self.starts[1:], len(self.full)]
+        self.by_span = {t.span_id: i for i, t in enumerate(turns) if t.span_id}
+
+    def cover(self, ids: list[int], first: int) -> range | None:
+        """The turns ``first``, ``first + 1``, ... whose ids joined are exactly ``ids``, if any."""
+        if not ids or first >= len(self.starts):
+            return None
+        start = self.starts[first]
+        end = start + len(ids)
+        last = bisect.bisect_left(self.ends, end, lo=first)
+        if last < len(self.ends) and self.ends[last] == end and self.full[start:end] == ids:
+            return range(first, last + 1)
+        return None
+
+
+def add_text(trajectories: list[Trajectory], decoder: Decoder, skip_special_tokens: bool = False) -> None:
+    """Add decoded text to trajectories in place, with one batched decode for all of them.
+
+    ``llm`` spans get ``inputs["prompt_text"]`` and ``output["response_text"]`` (like verl's
+    token2text); ``agent`` spans get ``output["prompt_text"]``, ``output["response_text"]`` and
+    ``output["conversation"]``: ``[{"role", "text", "tool_calls"}, ...]``, one per turn.
+    """
+    from rlreplay import conversation
+
+    plan = _Plan(decoder, skip_special_tokens)
+    conversations: list[tuple[dict[str, Any], list[Any], list[int]]] = []
+    for traj in trajectories:
+        agent = _conversation_span(traj)
+        segments = None
+        if agent is not None:
+            turns = conversation.turns(traj)
+            slots = [plan.add_seq(t.token_ids, dedupe=True) for t in turns]
+            conversations.append((agent.output, turns, slots))
+            if decoder.concatenative and turns:
+                segments = _Segments(turns, slots)
+        for span in traj.spans:
+            if span.kind == KIND_LLM:
+                prompt = _llm_prompt_ids(span.inputs)
+                if prompt is not None:  # the context so far: turns 0, 1, ...
+                    plan.want(span.inputs, "prompt_text", prompt, segments, 0)
+                response = _llm_output_ids(span.output)
+                if response is not None:  # the assistant turn this call produced
+                    first = segments.by_span.get(span.span_id) if segments is not None else None
+                    plan.want(span.output, "response_text", response, segments, first)
+            elif span.kind == KIND_AGENT and isinstance(span.output, dict):
+                own = segments if agent is not None and span.output is agent.output else None
+                prompt = _ids(span.output.get("prompt_ids"))
+                if prompt is not None:
+                    plan.want(span.output, "prompt_text", prompt, own, 0)
+                response = _ids(span.output.get("response_ids"))
+                if response is not None:
+                    plan.want(span.output, "response_text", response, own, 1)
+    texts = plan.run()
+    for target, turns, slots in conversations:
+        target["conversation"] = [
+            {"role": t.role, "text": texts[s], "tool_calls": t.tool_calls} for t, s in zip(turns, slots)
+        ]
