@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     from tokenizers import Tokenizer
 
     started = time.perf_counter()
-    decoder = Decoder.load(QWEN)
+    Decoder.load(QWEN)
     load_s = time.perf_counter() - started
     if args.synthetic or not SAMPLE_RUN.exists():
         trajs, label = synthetic_step(args.prompts, args.n)
@@ -195,16 +195,10 @@ def main(argv: list[str] | None = None) -> int:
 
     hf = AutoTokenizer.from_pretrained(str(qwen_dir()))
     hf_load_s = time.perf_counter() - started
-    rust = Decoder(raw, "rust", "rust", byte_table=False)
-    table = Decoder(
-        Tokenizer.from_file(str(qwen_dir() / "tokenizer.json")), "table", "table", byte_table=True
-    )
-    started = time.perf_counter()
-    assert table.build_table() is not None
-    table_s = time.perf_counter() - started
+    rust = Decoder(raw, "rust", "rust")
 
     expected = raw.decode_batch(seqs, skip_special_tokens=False)
-    assert rust.decode_many(seqs) == expected and table.decode_many(seqs) == expected
+    assert rust.decode_many(seqs) == expected
     assert [hf.decode(s) for s in seqs] == expected
 
     rows = [
@@ -214,10 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             lambda: [raw.decode(s, skip_special_tokens=False) for s in seqs],
         ),
         ("raw tokenizers Tokenizer.decode_batch", lambda: raw.decode_batch(seqs, skip_special_tokens=False)),
-        ("rlreplay decode_many (Rust decode_batch path)", lambda: rust.decode_many(seqs)),
-        ("rlreplay decode_many (byte table)", lambda: table.decode_many(seqs)),
-        ("rlreplay add_text (Rust decode_batch path)", lambda: add_text(trajs, rust)),
-        ("rlreplay add_text (byte table)", lambda: add_text(trajs, table)),
+        ("rlreplay decode_many", lambda: rust.decode_many(seqs)),
+        ("rlreplay add_text (whole step, with conversations)", lambda: add_text(trajs, rust)),
     ]
     times = best_times(rows, args.repeat)
     naive = times[rows[0][0]]
@@ -228,11 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         f"machine: {cpus} cpus, load average {os.getloadavg()[0]:.2f}; "
         f"best of {args.repeat} rounds, rows interleaved"
     )
-    print(
-        f"cold: Decoder.load {load_s:.2f} s, byte table {table_s:.2f} s, "
-        f"transformers import+from_pretrained {hf_load_s:.2f} s; "
-        f"Decoder.load picks the byte table here: {decoder._table_state != 'off'}"
-    )
+    print(f"cold: Decoder.load {load_s:.2f} s, transformers import+from_pretrained {hf_load_s:.2f} s")
     print(f"{'':58} {'seconds':>9} {'M ids/s':>9} {'vs raw batch':>13} {'vs naive loop':>14}")
     for name, _ in rows:
         t = times[name]

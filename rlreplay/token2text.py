@@ -5,9 +5,7 @@ decodes later with a tokenizer found on this machine. It never downloads: a toke
 local directory or ``tokenizer.json``, a package-relative ``pkg:<package>/<subdir>``, or a hub
 name already in the Hugging Face cache.
 
-Decoding is exact: texts equal the ``tokenizers`` library's ``decode``. For byte-level BPE
-tokenizers (GPT-2 style: Qwen, Llama 3, ...) a per-id byte table, checked against the Rust
-decoder when built, decodes several times faster than the Rust decoder itself.
+Decoding is exact and batched: texts are the ``tokenizers`` library's ``decode_batch``.
 """
 
 from __future__ import annotations
@@ -28,9 +26,6 @@ from rlreplay.store import RunError, Trajectory
 PKG_PREFIX = "pkg:"
 TOKENIZER_FILE = "tokenizer.json"
 HOW_TO = "pass a local copy with --tokenizer /path/to/dir-with-tokenizer.json"
-# The byte table pays for itself once this many ids went through the Rust decoder.
-TABLE_AFTER_IDS = 2_000_000
-MAX_CPUS_FOR_TABLE = 4
 _REPLACEMENT = "\ufffd"
 
 
@@ -135,56 +130,15 @@ def _from_hf_cache(repo_id: str) -> tuple[str, str]:
 # ---- the decoder --------------------------------------------------------------------------------
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: the printable character standing for each byte."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return {c: b for b, c in chars.items()}
-
-
-def _table_pays_off() -> bool:
-    """The byte table runs on one core; the Rust batch decoder spreads over all of them.
-
-    Measured on 2 cores, the table decoded 2.6-5x faster than ``decode_batch`` (see
-    benchmarks/README.md), so it is used where few cores are available or the Rust decoder is
-    told not to run in parallel.
-    """
-    if os.environ.get("TOKENIZERS_PARALLELISM", "").strip().lower() in ("0", "false", "no", "off"):
-        return True
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return cpus <= MAX_CPUS_FOR_TABLE
-
-
 class Decoder:
     """Decodes token ids to text with one tokenizer; ``Decoder.load`` caches one per tokenizer."""
 
-    def __init__(
-        self, tokenizer: Any, name: str, source: str, slow: Any = None, byte_table: bool | None = None
-    ) -> None:
-        """``byte_table``: None decides by the machine (see ``_table_pays_off``); False never builds one."""
+    def __init__(self, tokenizer: Any, name: str, source: str, slow: Any = None) -> None:
         self.name = name  # as asked for
         self.source = source  # the file or folder it came from
         self._tok = tokenizer  # a tokenizers.Tokenizer, or None with ``slow``
         self._slow = slow  # a transformers tokenizer without a Rust backend
         self._byte_level = tokenizer is not None and type(tokenizer.decoder).__name__ == "ByteLevel"
-        self._lock = threading.Lock()
-        self._tables: tuple[list[bytes], list[bytes]] | None = None
-        # "off" | "unbuilt" | "built" | "failed" (the table disagreed with the Rust decoder)
-        wanted = _table_pays_off() if byte_table is None else byte_table
-        self._table_state = "unbuilt" if self._byte_level and wanted else "off"
-        self._rust_ids = 0
 
     def __repr__(self) -> str:
         return f"Decoder({self.name!r}, source={self.source!r})"
@@ -209,7 +163,7 @@ class Decoder:
     @property
     def concatenative(self) -> bool:
         """True when decode(a + b) == decode(a) + decode(b) wherever a ends a character (byte-level BPE)."""
-        return self._byte_level and self._table_state != "failed"
+        return self._byte_level
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.decode_many([ids], skip_special_tokens)[0]
@@ -221,37 +175,7 @@ class Decoder:
         if self._slow is not None:
             texts = self._slow.batch_decode(list(seqs), skip_special_tokens=skip_special_tokens)
             return [str(t) for t in texts]
-        tables = self._tables
-        if tables is None and self._table_state == "unbuilt":
-            self._rust_ids += sum(map(len, seqs))
-            if self._rust_ids >= TABLE_AFTER_IDS:
-                tables = self.build_table()
-        if tables is None:
-            return self._rust_many(seqs, skip_special_tokens)
-        get = (tables[1] if skip_special_tokens else tables[0]).__getitem__
-        out: list[str] = []
-        append = out.append
-        for seq in seqs:
-            try:
-                if seq and min(seq) < 0:  # a negative index would wrap around: the Rust decoder refuses it
-                    raise IndexError
-                append(b"".join(map(get, seq)).decode("utf-8", "replace"))
-            except (TypeError, IndexError):  # ids outside the vocabulary: the Rust decoder's rules
-                append(self._rust_many([seq], skip_special_tokens)[0])
-        return out
-
-    def build_table(self) -> tuple[list[bytes], list[bytes]] | None:
-        """Build the byte table now (else it is built once enough ids went through the Rust decoder)."""
-        with self._lock:
-            if self._table_state != "unbuilt":
-                return self._tables
-            try:
-                tables = _byte_tables(self._tok)
-            except Exception:
-                tables = None
-            self._tables = tables
-            self._table_state = "built" if tables is not None else "failed"
-            return tables
+        return self._rust_many(seqs, skip_special_tokens)
 
     def _rust_many(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool) -> list[str]:
         batch = seqs if isinstance(seqs, list) else list(seqs)
@@ -259,40 +183,6 @@ class Decoder:
             return self._tok.decode_batch(batch, skip_special_tokens=skip_special_tokens)
         except (OverflowError, TypeError, ValueError) as exc:
             raise ValueError(f"token ids must be non-negative integers: {exc}") from None
-
-
-def _byte_tables(tok: Any) -> tuple[list[bytes], list[bytes]] | None:
-    """Bytes per id, and a copy with special tokens empty, if they decode as the Rust decoder does."""
-    alphabet = _byte_level_alphabet()
-    # characters of the alphabet → their byte; any other character → one latin-1 cannot encode
-    translate: dict[int, str] = {ord(c): chr(b) for c, b in alphabet.items()}
-    translate.update({b: "\uffff" for b in range(256) if chr(b) not in alphabet})
-
-    def token_bytes(token: str) -> bytes:
-        try:
-            return token.translate(translate).encode("latin-1")
-        except UnicodeEncodeError:  # not all byte-level characters: the Rust decoder keeps its UTF-8
-            return token.encode("utf-8")
-
-    added = tok.get_added_tokens_decoder()
-    size = max([tok.get_vocab_size(with_added_tokens=True), *(i + 1 for i in added)])
-    table: list[bytes] = [b""] * size  # an id past the end raises IndexError: the Rust decoder handles it
-    id_to_token = tok.id_to_token  # added tokens first, then the model's, as the Rust decoder does
-    for idx in range(size):
-        token = id_to_token(idx)
-        if token is not None:
-            table[idx] = token_bytes(token)
-    special = list(table)
-    for idx, token in added.items():
-        if token.special:
-            special[idx] = b""
-    # check against the Rust decoder: every added token and every 7th id, beside their neighbours
-    sample = sorted({*range(0, size, 7), *(i for a in added for i in (a - 1, a, a + 1) if 0 <= i < size)})
-    for tab, skip in ((table, False), (special, True)):
-        ours = b"".join(map(tab.__getitem__, sample)).decode("utf-8", "replace")
-        if ours != tok.decode(sample, skip_special_tokens=skip):
-            return None
-    return table, special
 
 
 def _load_file(name: str, path: str) -> Decoder:
