@@ -75,14 +75,17 @@ class Ledger:
     _done: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, run_dir: Path, backend: str, target: str) -> Ledger:
+    def open(cls, run_dir: Path, backend: str, target: str, create: bool = True) -> Ledger:
+        """The ledger for ``target``; with ``create=False`` (a dry run) no file is written."""
         digest = hashlib.sha256(target.encode()).hexdigest()[:16]
         ledger = cls(Path(run_dir) / LEDGER_DIR / f"{backend}-{digest}.jsonl")
-        ledger._load(target)
+        ledger._load(target, create)
         return ledger
 
-    def _load(self, target: str) -> None:
+    def _load(self, target: str, create: bool = True) -> None:
         if not self.path.exists():
+            if not create:
+                return
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "ab") as f:
                 f.write(orjson.dumps({"target": target, "created_at": time.time()}) + b"\n")
@@ -105,13 +108,22 @@ class Ledger:
     def done(self) -> set[str]:
         return set(self._done)
 
+    def nbytes(self, trajectory_id: str) -> int:
+        """Bytes recorded for a trajectory already sent (0 if unknown)."""
+        return int(self._done.get(trajectory_id, {}).get("bytes") or 0)
+
     def record(self, results: Iterable[SendResult]) -> None:
         """Durably note successful sends (fsynced before returning)."""
         lines = []
         now = time.time()
         for r in results:
             if r.ok and r.trajectory_id not in self._done:
-                entry = {"trajectory_id": r.trajectory_id, "backend_id": r.backend_id, "bytes": r.nbytes, "at": now}
+                entry = {
+                    "trajectory_id": r.trajectory_id,
+                    "backend_id": r.backend_id,
+                    "bytes": r.nbytes,
+                    "at": now,
+                }
                 self._done[r.trajectory_id] = entry
                 lines.append(orjson.dumps(entry) + b"\n")
         if not lines:

@@ -1,0 +1,139 @@
+"""Choosing what to upload: per-step sampling of whole GRPO groups, status filter, sizes, budgets."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from conftest import ROLLOUTS, TRAIN_SAMPLES, TRAIN_STEPS, VAL_ROLLOUTS, VAL_SAMPLES, VAL_STEPS
+
+import rlreplay
+from rlreplay import selection
+
+
+@pytest.fixture(scope="module")
+def table(recorded_run: Path) -> pa.Table:
+    return rlreplay.open_run(recorded_run).trajectories()
+
+
+def _by_group(table: pa.Table) -> dict[tuple, set[str]]:
+    """(step, validate, sample_index) → trajectory ids, straight from the listing."""
+    out: dict[tuple, set[str]] = defaultdict(set)
+    for row in table.to_pylist():
+        out[(row["step"], bool(row["validate"]), row["sample_index"])].add(row["id"])
+    return out
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("900MB", 900_000_000),
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("500k", 500_000),
+        ("500K", 500_000),
+        ("2 KiB", 2048),
+        ("1234", 1234),
+        ("1234b", 1234),
+        ("0.5 mb", 500_000),
+        ("3T", 3 * 10**12),
+    ],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert selection.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "5 XB", "-1", "1.2.3MB", "i", "MB"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="not a size"):
+        selection.parse_size(text)
+
+
+def test_fixture_run_shape(table: pa.Table) -> None:
+    """The counts the other tests reason about, taken from the recorded files."""
+    groups = _by_group(table)
+    train = {k for k in groups if not k[1]}
+    val = {k for k in groups if k[1]}
+    assert len(train) == len(TRAIN_STEPS) * TRAIN_SAMPLES
+    assert len(val) == len(VAL_STEPS) * VAL_SAMPLES
+    assert all(len(groups[k]) == ROLLOUTS for k in train)
+    assert all(len(groups[k]) == VAL_ROLLOUTS for k in val)
+
+
+def test_max_samples_keeps_whole_groups_per_step_and_split(table: pa.Table) -> None:
+    expected_groups = _by_group(table)
+    chosen = selection.select(table, max_samples=2, seed=0)
+    per_split: dict[tuple, list[int]] = defaultdict(list)
+    for group in chosen:
+        per_split[(group.step, group.validate)].append(group.sample_index)
+        # every rollout of the chosen sample, and nothing else
+        assert set(group.ids) == expected_groups[(group.step, group.validate, group.sample_index)]
+    assert set(per_split) == {(s, False) for s in TRAIN_STEPS} | {(s, True) for s in VAL_STEPS}
+    for samples in per_split.values():
+        assert len(samples) == len(set(samples)) == 2
+    ids = selection.group_ids(chosen)
+    assert len(ids) == len(set(ids)) == (len(TRAIN_STEPS) * 2 * ROLLOUTS + len(VAL_STEPS) * 2 * VAL_ROLLOUTS)
+    # upload order: by step, training before validation
+    keys = [(g.step, g.validate) for g in chosen]
+    assert keys == sorted(keys)
+
+
+def test_choice_is_seeded_and_reproducible(table: pa.Table) -> None:
+    def choice(seed: int) -> list[tuple]:
+        return [
+            (g.step, g.validate, g.sample_index) for g in selection.select(table, max_samples=2, seed=seed)
+        ]
+
+    assert choice(3) == choice(3)
+    assert len({tuple(choice(seed)) for seed in range(8)}) > 1
+    # a reversed table gives the same choice: it depends on the seed, not on row order
+    reversed_table = table.take(pa.array(range(table.num_rows - 1, -1, -1)))
+    assert choice(5) == [
+        (g.step, g.validate, g.sample_index) for g in selection.select(reversed_table, max_samples=2, seed=5)
+    ]
+
+
+def test_choice_does_not_depend_on_other_steps(recorded_run: Path, table: pa.Table) -> None:
+    """Filtering to one step (``--step 2``) picks the same samples as the whole run does at step 2."""
+    only_step = rlreplay.open_run(recorded_run).trajectories(step=2)
+    from_whole = [g.sample_index for g in selection.select(table, max_samples=2, seed=1) if g.step == 2]
+    from_step = [g.sample_index for g in selection.select(only_step, max_samples=2, seed=1)]
+    assert from_whole == from_step
+
+
+def test_all_and_none(table: pa.Table) -> None:
+    everything = selection.select(table)
+    assert sorted(selection.group_ids(everything)) == sorted(table["id"].to_pylist())
+    assert selection.select(table, max_samples=0) == []
+    more_than_there_are = selection.select(table, max_samples=1000)
+    assert sorted(selection.group_ids(more_than_there_are)) == sorted(table["id"].to_pylist())
+    with pytest.raises(ValueError):
+        selection.select(table, max_samples=-1)
+
+
+def test_status_filter(table: pa.Table) -> None:
+    rows = table.to_pylist()
+    failed = {r["id"] for r in rows if r["status"] == "error"}
+    ok = {r["id"] for r in rows if r["status"] == "ok"}
+    assert failed and ok
+    assert set(selection.group_ids(selection.select(table, status="error"))) == failed
+    assert set(selection.group_ids(selection.select(table, status="ok"))) == ok
+    with pytest.raises(ValueError):
+        selection.select(table, status="maybe")
+
+
+def test_trajectories_without_sample_index_are_groups_of_one() -> None:
+    table = pa.table(
+        {
+            "id": ["a", "b", "c", "d"],
+            "step": [1, 1, 1, 0],
+            "validate": [False, False, None, False],
+            "sample_index": [None, None, 4, None],
+            "status": ["ok"] * 4,
+        }
+    )
+    chosen = selection.select(table, max_samples=5)
+    assert sorted(len(g.ids) for g in chosen) == [1, 1, 1, 1]
+    assert [g.step for g in chosen] == [0, 1, 1, 1]  # step order
+    assert len(selection.select(table, max_samples=1)) == 2  # one per (step, split)
