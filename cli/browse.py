@@ -296,7 +296,7 @@ def info_command(
     as_json: JsonOption = False,
 ) -> None:
     """Summarize a run: manifest, steps, trajectories, spans, bytes on disk, recording losses."""
-    from rlreplay.stats import run_summary
+    from rlreplay.summary import run_summary
 
     opened = open_run_arg(run, run_path)
     summary = run_summary(opened)
@@ -315,7 +315,7 @@ def recover_command(
     run: RunOption = None,
 ) -> None:
     """Seal the live files a killed recorder left behind (only once its processes are gone)."""
-    from rlreplay.stats import recover
+    from rlreplay.summary import recover
 
     opened = open_run_arg(run, run_path)
     results = recover(opened.path)

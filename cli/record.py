@@ -111,8 +111,8 @@ def record_command(
 ) -> int:
     """Run CMD with recording on in every Python process of the job, then seal and summarize the run."""
     from rlreplay import manifest
-    from rlreplay.stats import recover, run_summary
     from rlreplay.store import open_run
+    from rlreplay.summary import recover, run_summary
 
     if command and command[0] == "--":
         command = command[1:]

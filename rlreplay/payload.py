@@ -3,23 +3,27 @@
 Encoding runs on the writer thread and never raises. Conventions in the JSON:
 token-id lists, numpy arrays and tensors become plain integer (or float) arrays;
 values JSON cannot hold become objects with a ``__type__`` key
-(``bytes``, ``float`` for NaN/inf, ``set``, ``repr``, ``cycle``, ``truncated``).
+(``bytes``, ``float`` for NaN/inf, ``set``, ``repr``, ``cycle``, ``truncated``, ``error``).
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import dataclasses
 import math
+from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
 _ORJSON_OPTS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 _SCALARS = (str, int, bool, type(None))
+_INT_MIN = -(1 << 63)
+_INT_MAX = (1 << 64) - 1  # orjson writes integers in [-2**63, 2**64)
 MAX_DEPTH = 24
 REPR_CHARS = 2000
+PREVIEW_BYTES = 1024
 
 
 def snapshot(value: Any) -> Any:
@@ -46,43 +50,82 @@ def _is_tensor(value: Any) -> bool:
     return mod.startswith("torch") and hasattr(value, "tolist")
 
 
-class _Simplifier:
-    """Walks containers once, making everything orjson can take; lists of scalars pass through."""
+def _repr_marker(value: Any) -> dict[str, str]:
+    try:
+        text = repr(value)
+    except Exception as exc:  # a broken __repr__ must not stop the recorder
+        text = f"<repr failed: {type(exc).__name__}>"
+    return {"__type__": "repr", "class": _type_name(value), "repr": text[:REPR_CHARS]}
 
-    def __init__(self) -> None:
+
+def _plain_key(key: Any) -> bool:
+    """A key orjson writes as a distinct JSON string."""
+    cls = type(key)
+    if cls is str or cls is bool:
+        return True
+    if cls is int:
+        return _INT_MIN <= key <= _INT_MAX
+    return cls is float and math.isfinite(key)
+
+
+def _plain_numbers(value: list | tuple) -> bool:
+    """True when every item is an int, or a finite float, that orjson writes exactly (C-speed check)."""
+    try:
+        total = sum(value)
+    except Exception:  # strings, None, objects
+        return False
+    cls = type(total)
+    return cls is int or (cls is float and math.isfinite(total))
+
+
+class _Simplifier:
+    """Walks containers once, making everything orjson can take; number lists pass through whole.
+
+    ``strict`` also walks number lists item by item, catching integers orjson cannot write.
+    """
+
+    def __init__(self, strict: bool = False) -> None:
         self.active: set[int] = set()
+        self.strict = strict
 
     def __call__(self, value: Any, depth: int = 0) -> Any:
         cls = type(value)
-        if cls in _SCALARS:
+        if cls is str or cls is bool or value is None:
             return value
+        if cls is int:
+            return value if not self.strict or _INT_MIN <= value <= _INT_MAX else _repr_marker(value)
         if cls is float:
             return value if math.isfinite(value) else {"__type__": "float", "value": repr(value)}
         if depth > MAX_DEPTH:
             return {"__type__": "repr", "class": _type_name(value), "repr": "<too deep>"}
         if cls is list or cls is tuple:
-            if not value or (type(value[0]) in (int, str) and type(value[-1]) in (int, str)):
-                return value  # token ids and strings: orjson handles them in C
-            return self._container(value, depth, lambda: [self(v, depth + 1) for v in value])
+            if not value or (not self.strict and _plain_numbers(value)):
+                return value  # token ids, logprobs: orjson writes them in C
+            return self._container(value, lambda: [self(v, depth + 1) for v in value])
         if cls is dict:
-            return self._container(value, depth, lambda: self._dict(value, depth))
-        if cls is bytes or cls is bytearray:
-            return {"__type__": "bytes", "base64": base64.b64encode(value).decode()}
+            return self._container(value, lambda: self._dict(value, depth))
+        if cls is bytes or cls is bytearray or cls is memoryview:
+            return {"__type__": "bytes", "base64": base64.b64encode(bytes(value)).decode()}
         if cls is set or cls is frozenset:
-            items = [self(v, depth + 1) for v in value]
-            with contextlib.suppress(TypeError):
-                items.sort()
-            return {"__type__": "set", "items": items}
+            return self._container(value, lambda: self._set(value, depth))
         return self._object(value, depth)
 
-    def _dict(self, value: dict, depth: int) -> dict:
+    def _set(self, value: Any, depth: int) -> dict[str, Any]:
+        items = [self(v, depth + 1) for v in value]
+        try:
+            items.sort()
+        except TypeError:
+            items.sort(key=lambda v: orjson.dumps(v, default=str, option=orjson.OPT_NON_STR_KEYS))
+        return {"__type__": "set", "items": items}
+
+    def _dict(self, value: Mapping, depth: int) -> dict:
         out = {}
         for k, v in value.items():
-            key = k if type(k) in _SCALARS or type(k) is float else repr(k)
+            key = k if _plain_key(k) else "None" if k is None else repr(k)
             out[key] = self(v, depth + 1)
         return out
 
-    def _container(self, value: Any, depth: int, build: Any) -> Any:
+    def _container(self, value: Any, build: Any) -> Any:
         ident = id(value)
         if ident in self.active:
             return {"__type__": "cycle", "class": _type_name(value)}
@@ -93,41 +136,59 @@ class _Simplifier:
             self.active.discard(ident)
 
     def _object(self, value: Any, depth: int) -> Any:
-        if hasattr(value, "__array__") and type(value).__module__.startswith("numpy"):
-            return value.tolist()
+        module = type(value).__module__
+        if module.startswith("numpy") and hasattr(value, "tolist"):
+            return self(value.tolist(), depth + 1)  # arrays and numpy scalars; NaN still marked
         if _is_tensor(value):
-            return value.detach().cpu().tolist() if hasattr(value, "detach") else value.tolist()
+            data = value.detach().cpu().tolist() if hasattr(value, "detach") else value.tolist()
+            return self(data, depth + 1)
+        if isinstance(value, type):
+            return _repr_marker(value)
         if hasattr(value, "model_dump") and callable(value.model_dump):
-            return self._container(value, depth, lambda: self(_model_dump(value), depth + 1))
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-            return self._container(value, depth, lambda: self._dict(fields, depth))
-        if isinstance(value, (int, float, str)):  # subclasses such as IntEnum, numpy scalars
-            return self(value.item() if hasattr(value, "item") else value, depth)
-        try:
-            text = repr(value)
-        except Exception as exc:  # a broken __repr__ must not stop the recorder
-            text = f"<repr failed: {type(exc).__name__}>"
-        return {"__type__": "repr", "class": _type_name(value), "repr": text[:REPR_CHARS]}
+            return self._container(value, lambda: self(_model_dump(value), depth + 1))
+        if dataclasses.is_dataclass(value):
+            fields = {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
+            return self._container(value, lambda: self._dict(fields, depth))
+        if isinstance(value, Mapping):
+            return self._container(value, lambda: self._dict(value, depth))
+        if isinstance(value, tuple) and hasattr(value, "_asdict"):  # namedtuple
+            return self._container(value, lambda: self._dict(value._asdict(), depth))
+        if isinstance(value, (list, tuple, deque)):
+            return self._container(value, lambda: [self(v, depth + 1) for v in value])
+        if isinstance(value, (bytes, bytearray)):
+            return {"__type__": "bytes", "base64": base64.b64encode(bytes(value)).decode()}
+        # subclasses of plain scalars (IntEnum, str subclasses): their plain value
+        if isinstance(value, bool):
+            return bool(value)
+        if isinstance(value, int):
+            return self(int(value), depth + 1)
+        if isinstance(value, float):
+            return self(float(value), depth + 1)
+        if isinstance(value, str):
+            return str.__str__(value)
+        return _repr_marker(value)
 
 
 def _model_dump(value: Any) -> Any:
     try:
         return value.model_dump()
     except Exception:
-        return dict(vars(value)) if hasattr(value, "__dict__") else repr(value)
+        try:
+            return dict(vars(value))
+        except TypeError:
+            return _repr_marker(value)
 
 
 def _fallback(value: Any) -> Any:
     if _is_tensor(value):
         return value.tolist()
-    return {"__type__": "repr", "class": _type_name(value), "repr": repr(value)[:REPR_CHARS]}
+    return _repr_marker(value)
 
 
-def to_jsonable(value: Any) -> Any:
+def to_jsonable(value: Any, strict: bool = False) -> Any:
     """The JSON-compatible form of ``value`` (never raises)."""
     try:
-        return _Simplifier()(value)
+        return _Simplifier(strict)(value)
     except Exception as exc:
         return {"__type__": "error", "error": f"{type(exc).__name__}: {exc}"[:REPR_CHARS]}
 
@@ -137,26 +198,46 @@ def encode(value: Any, max_field_bytes: int | None = None) -> str:
     return dumps(to_jsonable(value), max_field_bytes)
 
 
-def dumps(data: Any, max_field_bytes: int | None = None) -> str:
-    """JSON text for data already made JSON-compatible by ``to_jsonable``."""
-    if max_field_bytes is not None and isinstance(data, dict):
-        data = {k: cap_field(v, max_field_bytes) for k, v in data.items()}
+def _dumps_bytes(data: Any) -> bytes:
     try:
-        return orjson.dumps(data, default=_fallback, option=_ORJSON_OPTS).decode()
+        return orjson.dumps(data, default=_fallback, option=_ORJSON_OPTS)
+    except Exception:
+        # e.g. an integer beyond 64 bits inside a number list: walk everything, then retry once
+        return orjson.dumps(to_jsonable(data, strict=True), default=_fallback, option=_ORJSON_OPTS)
+
+
+def dumps(data: Any, max_field_bytes: int | None = None) -> str:
+    """JSON text for data already made JSON-compatible by ``to_jsonable`` (never raises).
+
+    With ``max_field_bytes``, a top-level field (or the whole value, if it is not an object)
+    whose JSON is larger becomes a ``truncated`` marker carrying its size and a preview.
+    """
+    try:
+        text = _dumps_bytes(data)
+        if max_field_bytes is not None and len(text) > max_field_bytes:
+            if isinstance(data, dict):
+                text = _dumps_bytes({k: cap_field(v, max_field_bytes) for k, v in data.items()})
+            else:
+                text = _dumps_bytes(_truncated(text, max_field_bytes))
+        return text.decode()
     except Exception as exc:
-        return orjson.dumps({"__type__": "error", "error": f"{type(exc).__name__}: {exc}"}).decode()
+        return orjson.dumps(
+            {"__type__": "error", "error": f"{type(exc).__name__}: {exc}"[:REPR_CHARS]}
+        ).decode()
+
+
+def _truncated(text: bytes, max_bytes: int) -> dict[str, Any]:
+    preview = text[: max(0, min(max_bytes, PREVIEW_BYTES) - 1)].decode(errors="ignore")
+    return {"__type__": "truncated", "bytes": len(text), "preview": preview}
 
 
 def cap_field(value: Any, max_bytes: int) -> Any:
     """``value`` unchanged if its JSON fits in ``max_bytes``, else a ``truncated`` marker with a preview."""
     try:
-        text = orjson.dumps(value, default=_fallback, option=_ORJSON_OPTS)
+        text = _dumps_bytes(value)
     except Exception:
         return value
-    if len(text) <= max_bytes:
-        return value
-    preview = text[: max(0, min(max_bytes, 1024) - 1)].decode(errors="ignore")
-    return {"__type__": "truncated", "bytes": len(text), "preview": preview}
+    return value if len(text) <= max_bytes else _truncated(text, max_bytes)
 
 
 def decode(text: str | bytes | None) -> Any:

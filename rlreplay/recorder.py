@@ -204,6 +204,10 @@ _OPEN = 1  # (_OPEN, traj, nbytes): an explicit trajectory started
 _FLUSH = 2  # (_FLUSH, threading.Event, nbytes)
 _CLOSE = 3  # (_CLOSE, traj, nbytes): the root span of an explicit trajectory was spilled or dropped
 _OPEN_BYTES = 64
+# The writer works in slices and lets the GIL go between them, so an event loop waiting for it
+# waits a slice, not the interpreter's 5 ms switch interval.
+_WORK_SLICE_S = 0.001
+_YIELD_S = 0.0001
 
 
 class Recorder:
@@ -245,17 +249,16 @@ class Recorder:
                 return
             self._enqueued += event[-1]
             self._queue.append(event)
-            if self._thread is None:
-                self._start()
-        except Exception as exc:  # e.g. no thread can be started at interpreter shutdown
+        except Exception as exc:
             self._count_loss("lost", 1, "submit", f"could not queue a span ({type(exc).__name__}: {exc})")
+            return
+        if self._thread is None:
+            self._start()
 
     def _overflow(self, event: tuple) -> None:
         traj = event[1]
         if self.config.policy == POLICY_DROP:
-            self._count_loss(
-                "dropped", 1, "dropped", "queue full: dropping spans (policy=drop); they are counted"
-            )
+            self._count_loss("dropped", 1, "dropped", "queue full: dropping spans (policy=drop)")
         else:
             self._warn_once("spilled", "queue full: the calling thread writes spans itself (policy=spill)")
             try:
@@ -291,7 +294,11 @@ class Recorder:
         with self._start_lock:
             if self._thread is None and not self._closed:
                 thread = threading.Thread(target=self._run, name="rlreplay-writer", daemon=True)
-                thread.start()
+                try:
+                    thread.start()
+                except RuntimeError as exc:  # at interpreter shutdown: close() writes what is queued
+                    self._warn_once("thread", f"no writer thread ({exc}); spans are written at close")
+                    return
                 self._thread = thread
                 _close_with_multiprocessing()
 
@@ -308,6 +315,7 @@ class Recorder:
         return self.worker
 
     def _run(self) -> None:
+        _warm_up()
         while True:
             self._wake.wait(self.config.flush_interval_s)
             self._wake.clear()
@@ -321,12 +329,18 @@ class Recorder:
     def _cycle(self, force: bool = False) -> None:
         flushes: list[threading.Event] = []
         queue = self._queue
+        on_writer = threading.current_thread() is self._thread
+        clock = time.perf_counter
+        slice_end = clock() + _WORK_SLICE_S
         for _ in range(len(queue)):  # what is there now; later events wait for the next cycle
             event = queue.popleft()
             self._written += event[-1]
             kind = event[0]
             if kind == _SPAN:
                 self._ingest(event)
+                if on_writer and clock() > slice_end:
+                    time.sleep(_YIELD_S)  # hand the GIL to the training threads (an event loop)
+                    slice_end = clock() + _WORK_SLICE_S
             elif kind == _OPEN:
                 self._buffer(event[1].step).open += 1
             elif kind == _CLOSE:
@@ -589,6 +603,13 @@ class Recorder:
             print(f"rlreplay: worker {self._worker()}: {detail}", file=sys.stderr)
 
 
+def _warm_up() -> None:
+    """Pay pyarrow's lazy one-time imports (it looks for pandas on its first conversion) here, not on
+    the first batch: that may come at interpreter exit, when imports fail, or mid-rollout."""
+    with contextlib.suppress(Exception):
+        pa.array([0], type=pa.int64())
+
+
 def _exception_data(exc: BaseException) -> dict[str, str]:
     try:
         message = str(exc)
@@ -665,6 +686,7 @@ def init(
         _recorder = Recorder(config)
         _env_checked = True
     _install_exit_hooks()
+    _recorder._start()  # now, so its one-time imports overlap the caller's setup
     return _recorder
 
 
@@ -957,6 +979,7 @@ class trajectory:
             rec.submit(
                 (_SPAN, self._traj, self._span_id, None, self._meta, self._start, end, exc, (), {}, None, 256)
             )
+            rec._wake.set()  # write the finished trajectory now: Ray kills actors without atexit
 
     async def __aenter__(self) -> trajectory:
         return self.__enter__()
