@@ -17,7 +17,10 @@ MANIFEST = "run.json"
 WORKERS_DIR = "_workers"
 COUNTERS = ("spans", "dropped", "spilled", "lost", "encode_errors")
 
-_SECRET_NAME = re.compile(r"(?i)(api[_-]?key|token|secret|passw(or)?d|credential|auth)")
+# A secret-looking option or variable name: its last word is a key, token, secret or password.
+_SECRET_NAME = re.compile(
+    r"(?i)(^|[._-])(api[_-]?key|apikey|access[_-]?key|private[_-]?key|secret[_-]?key|token|secret|passw(or)?d|credentials?|auth)$"
+)
 _SECRET_VALUE = re.compile(
     r"(?i)\b(sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|[0-9a-f]{40})\b"
 )

@@ -37,7 +37,7 @@ from rlreplay.schema import (
     STATUS_ERROR,
     STATUS_OK,
 )
-from rlreplay.shards import PartialWriter, partition_dir, safe_name, seal
+from rlreplay.shards import Lease, PartialWriter, partition_dir, safe_name, seal
 from rlreplay.workers import ENV_WORKER, resolve_worker_name, set_worker_resolver
 
 __all__ = ["set_worker_resolver"]
@@ -234,6 +234,10 @@ class Recorder:
         self._closed = False
         self.worker: str | None = safe_name(config.worker) if config.worker else None
         self._pid = os.getpid()
+        try:
+            self._lease: Lease | None = Lease(config.run_dir)
+        except OSError:
+            self._lease = None  # an unwritable run directory is reported when spans are written
 
     # ---- calling thread -------------------------------------------------------------------
 
@@ -593,6 +597,10 @@ class Recorder:
             self._report()
         except Exception as exc:
             log.warning("rlreplay: close failed: %s", exc)
+        finally:
+            if self._lease is not None:
+                with contextlib.suppress(OSError):
+                    self._lease.release()
 
     def _report(self) -> None:
         missing = {

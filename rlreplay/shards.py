@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -67,7 +68,8 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-_open_writers: weakref.WeakSet[PartialWriter] = weakref.WeakSet()
+_open_writers: weakref.WeakSet[Any] = weakref.WeakSet()  # files holding a lock: released in forked children
+LEASE_DIR = "_workers"
 
 
 class PartialWriter:
@@ -107,6 +109,34 @@ class PartialWriter:
             os.fsync(self._file.fileno())
         finally:
             self._file.close()
+
+
+class Lease:
+    """A lock a recording process holds for its whole life, so recovery can wait for it to end."""
+
+    def __init__(self, run_dir: Path) -> None:
+        folder = Path(run_dir) / LEASE_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"_lease-{new_uid()}.lock"
+        self._file = open(self.path, "xb")  # noqa: SIM115 - closed in release()
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _open_writers.add(self)
+
+    def release(self) -> None:
+        if not self._file.closed:
+            self.path.unlink(missing_ok=True)
+            self._file.close()
+
+
+def live_leases(run_dir: Path) -> list[Path]:
+    """Leases still held by running recorders; stale ones (their process died) are removed."""
+    live = []
+    for path in Path(run_dir, LEASE_DIR).glob("_lease-*.lock"):
+        if is_live(path):
+            live.append(path)
+        else:
+            path.unlink(missing_ok=True)
+    return live
 
 
 def _release_inherited_writers() -> None:
@@ -261,12 +291,15 @@ def list_files(run_dir: Path, step: int | None = None) -> tuple[list[Path], list
 
 
 def recover_run(run_dir: Path, wait_s: float = 0.0) -> tuple[list[SealResult], list[Path]]:
-    """Seal every partial whose writer is gone; wait up to ``wait_s`` for live ones to finish.
+    """Seal every partial whose writer is gone; first wait up to ``wait_s`` for recording processes
+    (their leases) to end, so that nothing is sealed while a process may still write.
 
     Returns the seal results and the partials still held open by a live writer (left untouched).
     """
     spans = Path(run_dir, SPANS_DIR)
     deadline = time.monotonic() + wait_s
+    while live_leases(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
     while True:
         partials = sorted(spans.glob(f"step=*/worker=*/_part-*{PARTIAL_SUFFIX}"))
         live = [p for p in partials if is_live(p)]

@@ -153,3 +153,40 @@ def test_activation_is_light_in_processes_without_verl(tmp_path: Path) -> None:
     check = "import sys; print(any(type(f).__name__ == 'ImportHook' for f in sys.meta_path))"
     proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, check=True)
     assert proc.stdout.strip() == "True"
+
+
+LINGERING = textwrap.dedent(
+    """
+    import subprocess, sys, time, rlreplay
+
+    rlreplay.init()  # from $RLREPLAY_DIR, at start, as rlreplay's verl hook does in every worker
+
+    @rlreplay.trace_op
+    def work(i):
+        return i
+
+    if len(sys.argv) > 1:  # the lingering process: outlives the driver, then records
+        time.sleep(2.0)
+        with rlreplay.trajectory(step=9, sample_index=1, rollout_n=0):
+            work(1)
+        sys.exit(0)
+    subprocess.Popen([sys.executable, __file__, "linger"], start_new_session=True)
+    time.sleep(0.5)  # let it start recording (its lease is taken when it starts)
+    with rlreplay.trajectory(step=9, sample_index=0, rollout_n=0):
+        work(0)
+    """
+)
+
+
+def test_record_waits_for_processes_that_outlive_the_driver(tmp_path: Path) -> None:
+    """Ray actors may still be writing after the driver exits: the summary waits for them."""
+    script = tmp_path / "linger.py"
+    script.write_text(LINGERING)
+    out = tmp_path / "run"
+    proc = record(tmp_path, "--out", str(out), "--", sys.executable, str(script))
+    assert proc.returncode == 0, proc.stderr
+    assert "2 trajectories" in proc.stderr
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["trajectories"] == 2
+    assert sorted(rlreplay.open_run(out).trajectories()["sample_index"].to_pylist()) == [0, 1]
+    assert not list(out.rglob("*.partial")) and not list(out.rglob("_lease-*"))
