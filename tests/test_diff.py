@@ -511,7 +511,7 @@ def test_diff_sequences_rebuild_both_sides(monkeypatch, engine: str) -> None:
 
     from rlreplay import diff as diffing
 
-    if engine == "rapidfuzz":  # a dependency of rlreplay: its C++ LCS keeps long diffs interactive
+    if engine == "rapidfuzz":  # rlreplay[fast]: its C++ LCS keeps long diffs interactive
         assert importlib.util.find_spec("rapidfuzz") is not None, "pip install rapidfuzz"
     monkeypatch.setattr(diffing, "USE_RAPIDFUZZ", engine == "rapidfuzz")
     rng = random.Random(3)
