@@ -3,7 +3,7 @@
 Starts ``mlflow server`` (sqlite backend) on 127.0.0.1, then sends the same trajectories of a
 recorded run (default: the shipped sample run) three ways, each into its own experiment:
 
-- ``rlreplay``: ``rlreplay.upload.upload`` with the MLflow backend (ids only, no text);
+- ``rlreplay``: ``rlreplay.uploaders.pipeline.upload`` with the MLflow backend (ids only, no text);
 - ``rlreplay +text``: the same with token2text (what ``rlreplay upload`` does by default);
 - ``mlflow span API``: ``MlflowClient.start_trace/start_span/end_span/end_trace`` per span with
   the recorded timestamps, async logging on and trace tags set on the live trace, as verl's
@@ -82,8 +82,8 @@ def arrived(uri: str, experiment: str) -> tuple[int, int]:
 def run_rlreplay(run_dir: Path, uri: str, experiment: str, text: bool) -> float:
     import rlreplay
     from rlreplay import selection
-    from rlreplay.upload import load_decoder, upload
     from rlreplay.uploaders.mlflow import MlflowUploader
+    from rlreplay.uploaders.pipeline import load_decoder, upload
 
     run = rlreplay.open_run(run_dir)
     groups = selection.select(run.trajectories())

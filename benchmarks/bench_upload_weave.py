@@ -141,7 +141,7 @@ def rlreplay_step_bytes(run: Any, step: int, max_samples: int | None = None) -> 
     from weave_loopback import WeaveLoopback
 
     from rlreplay import selection
-    from rlreplay.upload import load_decoder, upload
+    from rlreplay.uploaders.pipeline import load_decoder, upload
     from rlreplay.uploaders.weave import WeaveUploader
 
     groups = selection.select(run.trajectories(step=step), max_samples=max_samples)

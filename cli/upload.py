@@ -153,8 +153,8 @@ def upload_command(
     """
     from rlreplay import selection
     from rlreplay.store import Filters
-    from rlreplay.upload import BACKENDS, load_decoder, make_uploader, upload
     from rlreplay.uploaders.base import UploadError
+    from rlreplay.uploaders.pipeline import BACKENDS, load_decoder, make_uploader, upload
 
     if backend not in BACKENDS:
         fail(f"--backend must be one of: {', '.join(sorted(BACKENDS))} (got {backend!r})")

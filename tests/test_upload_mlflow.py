@@ -22,9 +22,9 @@ import pytest
 from conftest import EXPERIMENT, VAL_STEPS, qwen_tokenizer_dir
 
 import rlreplay
-from rlreplay import upload as upload_module
 from rlreplay.cli.main import main
 from rlreplay.manifest import update_manifest
+from rlreplay.uploaders import pipeline as upload_module
 from rlreplay.uploaders.base import LEDGER_DIR, SendResult, UploadError
 from rlreplay.uploaders.mlflow import MlflowUploader
 

@@ -1,7 +1,7 @@
 """The uploader protocol (prepare → send → result) and the ledger that makes uploads resumable.
 
 A backend is one module with one class implementing :class:`Uploader`. The shared machinery
-(selection, token2text, batching, retries, ledger, progress) lives in ``rlreplay.upload`` and
+(selection, token2text, batching, retries, ledger, progress) lives in ``rlreplay.uploaders.pipeline`` and
 never knows a backend's wire format.
 """
 

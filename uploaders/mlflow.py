@@ -281,7 +281,7 @@ class MlflowUploader:
 
     @classmethod
     def from_options(cls, options: Any) -> MlflowUploader:
-        """From ``rlreplay.upload.BackendOptions``: experiment ``--project``, else the run's experiment."""
+        """From ``pipeline.BackendOptions``: experiment ``--project``, else the run's experiment."""
         return cls(
             options.project or options.experiment,
             run_dir=options.run_dir,
