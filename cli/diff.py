@@ -196,15 +196,6 @@ def side_by_side(segments: list[Any], unit: str, full: bool = False) -> Table:
     return grid
 
 
-def _calls(calls: list[dict[str, Any]] | None) -> str:
-    if not calls:
-        return "none"
-    return ", ".join(
-        f"{c.get('name')}({orjson.dumps(c.get('arguments'), option=orjson.OPT_NON_STR_KEYS).decode()})"
-        for c in calls
-    )
-
-
 def _index(i: int | None) -> str:
     return "–" if i is None else str(i)
 
@@ -293,13 +284,17 @@ def render_diff(diff: Any, layout: str = "unified", full: bool = False) -> list[
             )
             parts.append(Group(body) if layout == "side" else _indent(body))
         if t.role == "assistant" and t.tool_calls_changed:
+            from rlreplay.diff import format_tool_calls
+
             calls = Text("    tool calls: ")
             calls.append(
-                DEL_OPEN + _calls(t.turn_a.tool_calls if t.turn_a else None) + DEL_CLOSE, style=DEL_STYLE
+                DEL_OPEN + format_tool_calls(t.turn_a.tool_calls if t.turn_a else None) + DEL_CLOSE,
+                style=DEL_STYLE,
             )
             calls.append(" ")
             calls.append(
-                INS_OPEN + _calls(t.turn_b.tool_calls if t.turn_b else None) + INS_CLOSE, style=INS_STYLE
+                INS_OPEN + format_tool_calls(t.turn_b.tool_calls if t.turn_b else None) + INS_CLOSE,
+                style=INS_STYLE,
             )
             parts.append(calls)
     tools = tools_table(diff)

@@ -310,6 +310,18 @@ class Divergence:
         }
 
 
+def format_tool_calls(calls: list[dict[str, Any]] | None) -> str:
+    """``name({"arg": ...}), ...`` for a turn's parsed tool calls, or ``none``."""
+    if not calls:
+        return "none"
+    import orjson
+
+    return ", ".join(
+        f"{c.get('name')}({orjson.dumps(c.get('arguments'), option=orjson.OPT_NON_STR_KEYS).decode()})"
+        for c in calls
+    )
+
+
 @dataclass
 class Side:
     """What one trajectory of the pair looks like, in numbers."""

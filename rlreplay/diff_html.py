@@ -11,7 +11,7 @@ import html
 from pathlib import Path
 from typing import Any
 
-from rlreplay.diff import EQUAL, TrajectoryDiff, TurnDiff
+from rlreplay.diff import EQUAL, TrajectoryDiff, TurnDiff, format_tool_calls
 
 STATUS_WORDS = {"equal": "equal", "changed": "changed", "only_a": "only in A", "only_b": "only in B"}
 
@@ -91,17 +91,6 @@ def _sides(turn: TurnDiff) -> tuple[str, str, str]:
     return sep.join(left), sep.join(right), sep.join(unified)
 
 
-def _calls(calls: list[dict[str, Any]] | None) -> str:
-    if not calls:
-        return "none"
-    import orjson
-
-    return ", ".join(
-        f"{c.get('name')}({orjson.dumps(c.get('arguments'), option=orjson.OPT_NON_STR_KEYS).decode()})"
-        for c in calls
-    )
-
-
 def _turn_html(turn: TurnDiff, first: bool) -> str:
     idx_a = "–" if turn.index_a is None else turn.index_a
     idx_b = "–" if turn.index_b is None else turn.index_b
@@ -132,8 +121,8 @@ def _turn_html(turn: TurnDiff, first: bool) -> str:
     )
     calls = ""
     if turn.role == "assistant" and turn.tool_calls_changed:
-        old = _e(_calls(turn.turn_a.tool_calls if turn.turn_a else None))
-        new = _e(_calls(turn.turn_b.tool_calls if turn.turn_b else None))
+        old = _e(format_tool_calls(turn.turn_a.tool_calls if turn.turn_a else None))
+        new = _e(format_tool_calls(turn.turn_b.tool_calls if turn.turn_b else None))
         calls = (
             f'<div class="calls">tool calls: <del class="call">{old}</del> '
             f'<ins class="call">{new}</ins></div>'
