@@ -293,7 +293,8 @@ def row_group_bounds(table: pa.Table, target: int = ROW_GROUP_BYTES) -> list[tup
     for name in ("attributes", "inputs", "output"):
         size += pc.fill_null(pc.binary_length(table[name]), 0).to_numpy(zero_copy_only=False)
     for name, typ in TOKEN_COLUMNS.items():
-        size += pc.list_value_length(table[name]).to_numpy(zero_copy_only=False) * typ.byte_width
+        lengths = pc.fill_null(pc.list_value_length(table[name]), 0)
+        size += lengths.to_numpy(zero_copy_only=False).astype(np.int64) * typ.byte_width
     ids = table["trajectory_id"].to_numpy(zero_copy_only=False)
     cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1  # where a trajectory starts
     bounds, start, total = [], 0, 0
