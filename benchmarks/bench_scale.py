@@ -65,8 +65,11 @@ def child(args: argparse.Namespace) -> None:
 
     pool = json.loads(Path(args.pool).read_text())
     traced = args.run_dir != "-"
+    writer_cpu0 = 0.0
     if traced:
         rec = rlreplay.init(args.run_dir, experiment="bench-scale", worker=f"agent_loop_worker_{args.worker}")
+        rlreplay.flush(60)  # the writer's one-time imports: not per id
+        writer_cpu0 = _thread_cpu(rec._thread.native_id) if rec._thread else 0.0
     rng = random.Random(args.worker)
     nprng = np.random.default_rng(args.worker)
 
@@ -128,7 +131,7 @@ def child(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {"cpu_s": time.process_time() - cpu0}
     if traced:
         rlreplay.flush(120)
-        result["writer_cpu_s"] = _thread_cpu(rec._thread.native_id) if rec._thread else 0.0
+        result["writer_cpu_s"] = (_thread_cpu(rec._thread.native_id) if rec._thread else 0.0) - writer_cpu0
         rlreplay.close()
     result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(result))
@@ -250,6 +253,21 @@ def verl_dump(run_dir: Path, out_dir: Path, tokenizer_dir: Path) -> int:
 # ---- whole-process measurements ---------------------------------------------------------------------
 
 
+def column_bytes(run_dir: Path, column: str) -> int:
+    """Compressed bytes of one column over a run's sealed shards."""
+    import pyarrow.parquet as pq
+
+    total = 0
+    for path in (run_dir / "spans").rglob("*.parquet"):
+        md = pq.ParquetFile(path).metadata
+        for i in range(md.num_row_groups):
+            group = md.row_group(i)
+            for j in range(group.num_columns):
+                if group.column(j).path_in_schema.split(".")[0] == column:
+                    total += group.column(j).total_compressed_size
+    return total
+
+
 def timed(argv: list[str], repeat: int = 3) -> tuple[float, float]:
     """Best wall seconds and its peak RSS (MB) of a whole process."""
     best = (float("inf"), 0.0)
@@ -333,9 +351,14 @@ def main() -> None:
     print(f"| bytes on disk | {v1_bytes:,} | {v2_bytes:,} | {jsonl_bytes:,} |")
     print(f"| bytes per prompt+response token | {v1_bytes / tokens:.2f} | {v2_bytes / tokens:.2f} | "
           f"{jsonl_bytes / tokens:.2f} |")  # fmt: skip
+    lp1, lp2 = column_bytes(work / "v1", "output"), column_bytes(run_dir, "token_logprobs")
+    print(f"| of which log-probs (v1: whole output column) | {lp1 / tokens:.2f} | {lp2 / tokens:.2f} | 0 |")
 
     print("\n| recorder (format 2) | value |\n|---|---|")
-    print(f"| writer-thread CPU-s per million recorded ids | {writer_cpu / recorded_ids * 1e6:.3f} |")
+    print(f"| writer-thread CPU-s per million recorded ids (sealing at close excluded) | "
+          f"{writer_cpu / recorded_ids * 1e6:.3f} |")  # fmt: skip
+    extra = sum(t["cpu_s"] for t in traced) - sum(t["cpu_s"] for t in untraced)
+    print(f"| process CPU-s traced - untraced per million recorded ids | {extra / recorded_ids * 1e6:.3f} |")
     print(f"| process CPU-s traced / untraced (sum of workers) | {sum(t['cpu_s'] for t in traced):.1f} / "
           f"{sum(t['cpu_s'] for t in untraced):.1f} |")  # fmt: skip
     print(f"| peak RSS per worker traced / untraced (MB, max) | {max(t['max_rss_mb'] for t in traced):.0f} / "

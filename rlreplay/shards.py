@@ -272,6 +272,7 @@ def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes
             compression_level=SEALED_ZSTD_LEVEL,
             use_dictionary=_DICTIONARY_COLUMNS,
             write_statistics=META_COLUMNS,
+            use_byte_stream_split=["token_logprobs.list.element"],
             data_page_size=1 << 20,
         )
         for start, stop in bounds:
@@ -362,8 +363,9 @@ def recover_run(run_dir: Path, wait_s: float = 0.0) -> tuple[list[SealResult], l
         if not live or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    for tmp in spans.glob("step=*/worker=*/_part-*.parquet.tmp"):
-        tmp.unlink(missing_ok=True)  # a compaction that died before its rename
+    for pattern in ("_part-*.parquet.tmp", "_part-*.index.tmp"):
+        for tmp in spans.glob(f"step=*/worker=*/{pattern}"):
+            tmp.unlink(missing_ok=True)  # a compaction that died before its rename
     results = []
     for partial in partials:
         if partial in live or not partial.exists():
