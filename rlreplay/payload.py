@@ -549,6 +549,8 @@ class Restorer:
             refs = placeholder.get("r")
             if not refs:
                 return stored
+            if isinstance(refs[0], str):  # early format 2 files: one prefix, [span, start, length]
+                refs = [[refs[0], refs[1], refs[2], 0]]
             total = n + sum(int(r[2]) for r in refs)
             out = np.empty(total, dtype=stored.dtype)
             keep = np.ones(total, dtype=bool)

@@ -329,6 +329,11 @@ def test_format_1_runs_read_rewrite_and_recover_exactly(
     assert list_files(copy)[1] == [] and _digests(copy) == expected
 
 
+def test_early_format_2_files_read_exactly() -> None:
+    expected = json.loads((FIXTURES / "v2-early-run.digests.json").read_text())
+    assert _digests(FIXTURES / "v2-early-run") == expected
+
+
 def test_garbage_in_a_payload_column_warns_and_the_rest_reads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
