@@ -487,34 +487,43 @@ class SharedIndex:
         kept = self.streams[dtype]
         if not kept:
             return [], None
-        firsts = np.array([s[1][int(o)] for s in kept for o in s[2] if int(o) < len(s[1])], dtype=array.dtype)
+        by_first: dict[Any, list[tuple[str, Any, int]]] = {}  # first value → (span, stream, start)
+        for span_id, stream, starts in kept:
+            for start in starts:
+                start = int(start)
+                if start < len(stream):
+                    by_first.setdefault(stream[start].item(), []).append((span_id, stream, start))
+        firsts = np.fromiter(by_first, dtype=array.dtype, count=len(by_first))
+        maybe = np.flatnonzero(np.isin(array, firsts))  # where an earlier array may begin again
+        by_span = {span_id: stream for span_id, stream, _ in kept}
         refs: list[list[Any]] = []
         n, p, probes = len(array), 0, 0
         while p < n and probes < MAX_PROBES:
             probes += 1
+            options = list(by_first.get(array[p].item(), ()))
+            if after is not None and after[0] in by_span:
+                options.append((after[0], by_span[after[0]], after[1]))
             best: tuple[str, int, int] | None = None
-            for span_id, stream, starts in kept:
-                offsets = {int(o) for o in starts}
-                if after is not None and after[0] == span_id:
-                    offsets.add(after[1])
-                for start in offsets:
-                    m = min(n - p, len(stream) - start)
-                    if m < MIN_SHARED or array[p] != stream[start]:
-                        continue
-                    diff = np.flatnonzero(array[p : p + m] != stream[start : start + m])
-                    length = int(diff[0]) if len(diff) else m
-                    if length >= MIN_SHARED and (best is None or length >= best[2]):  # ties: the latest
-                        best = (span_id, start, length)
+            for span_id, stream, start in options:
+                m = min(n - p, len(stream) - start)
+                if m < MIN_SHARED or not np.array_equal(
+                    array[p : p + MIN_SHARED], stream[start : start + MIN_SHARED]
+                ):
+                    continue
+                diff = np.flatnonzero(array[p : p + m] != stream[start : start + m])
+                length = int(diff[0]) if len(diff) else m
+                if best is None or length >= best[2]:  # ties: the latest
+                    best = (span_id, start, length)
             if best is not None:
                 refs.append([best[0], best[1], best[2], p])
                 after = (best[0], best[1] + best[2])
                 p += best[2]
                 continue
             after = None
-            hits = np.flatnonzero(np.isin(array[p + 1 :], firsts))  # where a stream's array may begin
-            if not len(hits):
+            i = int(np.searchsorted(maybe, p + 1))
+            if i >= len(maybe):
                 break
-            p += 1 + int(hits[0])
+            p = int(maybe[i])
         return refs, after
 
 
