@@ -394,12 +394,15 @@ class Arrays:
             return None
         try:
             if kind == "int":
-                array = np.array(values, dtype=np.int64)
-                lo, hi = int(array.min()), int(array.max())
+                if len(values) < 256:  # numpy's per-call cost dominates short lists
+                    lo, hi, array = min(values), max(values), None
+                else:
+                    array = np.array(values, dtype=np.int64)
+                    lo, hi = int(array.min()), int(array.max())
                 if "mask" in key.lower() and lo >= -128 and hi <= 127:
-                    return self._add(_I8, array.astype(np.int8))
+                    return self._add(_I8, np.array(values if array is None else array, dtype=np.int8))
                 if lo >= -(1 << 31) and hi < (1 << 31):
-                    return self._shared(_I32, array.astype(np.int32))
+                    return self._shared(_I32, np.array(values if array is None else array, dtype=np.int32))
                 return None
             array = np.array(values, dtype=np.float64)
             single = array.astype(np.float32)
@@ -454,12 +457,14 @@ class Arrays:
 class SharedIndex:
     """The id and log-prob streams of a trajectory's latest spans, to share stretches with."""
 
-    __slots__ = ("streams",)
+    __slots__ = ("by_first", "streams")
     #: streams kept per dtype: an id stream holds the ones before it; log-probs are per call
     KEEP: ClassVar[dict[str, int]] = {_I32: 6, _F32: 32}
 
     def __init__(self) -> None:
         self.streams: dict[str, list[tuple[str, Any, Any]]] = {_I32: [], _F32: []}  # (span, values, starts)
+        # per dtype: first value of each kept array → (span, stream, start)
+        self.by_first: dict[str, dict[Any, list[tuple[str, Any, int]]]] = {_I32: {}, _F32: {}}
 
     def add(self, span_id: str, arrays: Arrays) -> None:
         import numpy as np
@@ -468,10 +473,21 @@ class SharedIndex:
             if not parts or arrays.stream_len[dtype] < MIN_SHARED:
                 continue
             stream = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            starts = np.cumsum([0] + [len(p) for p in parts[:-1]])
+            starts, pos = [], 0
+            for part in parts:
+                starts.append(pos)
+                pos += len(part)
             kept = self.streams[dtype]
             kept.append((span_id, stream, starts))
             del kept[: -self.KEEP[dtype]]
+            by_first: dict[Any, list[tuple[str, Any, int]]] = {}
+            for kept_span, kept_stream, kept_starts in kept:
+                for start in kept_starts:
+                    if start < len(kept_stream):
+                        by_first.setdefault(kept_stream[start].item(), []).append(
+                            (kept_span, kept_stream, start)
+                        )
+            self.by_first[dtype] = by_first
 
     @property
     def nbytes(self) -> int:
@@ -487,14 +503,8 @@ class SharedIndex:
         kept = self.streams[dtype]
         if not kept:
             return [], None
-        by_first: dict[Any, list[tuple[str, Any, int]]] = {}  # first value → (span, stream, start)
-        for span_id, stream, starts in kept:
-            for start in starts:
-                start = int(start)
-                if start < len(stream):
-                    by_first.setdefault(stream[start].item(), []).append((span_id, stream, start))
-        firsts = np.fromiter(by_first, dtype=array.dtype, count=len(by_first))
-        maybe = np.flatnonzero(np.isin(array, firsts))  # where an earlier array may begin again
+        by_first = self.by_first[dtype]
+        maybe = None  # where an earlier array may begin again (computed at the first miss)
         by_span = {span_id: stream for span_id, stream, _ in kept}
         refs: list[list[Any]] = []
         n, p, probes = len(array), 0, 0
@@ -520,6 +530,9 @@ class SharedIndex:
                 p += best[2]
                 continue
             after = None
+            if maybe is None:
+                firsts = np.fromiter(by_first, dtype=array.dtype, count=len(by_first))
+                maybe = np.flatnonzero(np.isin(array, firsts))
             i = int(np.searchsorted(maybe, p + 1))
             if i >= len(maybe):
                 break
