@@ -336,9 +336,9 @@ def count_token_ids(value: Any) -> int:
 
 TOKENS = "tokens"
 #: Number lists shorter than this stay in the JSON text.
-MIN_ARRAY = 8
+MIN_ARRAY = 64
 #: A stretch shorter than this is stored rather than referenced.
-MIN_SHARED = 16
+MIN_SHARED = 64
 #: Tries to find a shared stretch per array, beyond those at the start of each earlier array.
 MAX_PROBES = 128
 _I8, _I32, _F32 = "i8", "i32", "f32"

@@ -233,7 +233,7 @@ def encode_row(
     if index is not None:
         if parent_id is None and meta.kind != KIND_SIGNALS:
             prefixes.drop(tid)  # the trajectory ended
-        elif not _truncated(inputs_text) and not _truncated(output_text):
+        elif any(arrays.stream_len.values()) and not (_truncated(inputs_text) or _truncated(output_text)):
             before = index.nbytes
             index.add(sid, arrays)
             prefixes.added(tid, before, index.nbytes)

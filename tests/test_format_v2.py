@@ -41,7 +41,7 @@ def _conversation(seed: int, turns: int) -> tuple[list[int], list[tuple[list[int
     prompt = rng.integers(0, VOCAB, 300).tolist()
     script = []
     for _ in range(turns):
-        ids = rng.integers(0, VOCAB, int(rng.integers(20, 120))).tolist()
+        ids = rng.integers(0, VOCAB, int(rng.integers(70, 200))).tolist()
         log_probs = (-np.abs(rng.normal(0, 1.5, len(ids)))).astype(np.float32).tolist()
         observation = rng.integers(0, VOCAB, int(rng.integers(5, 40))).tolist()
         script.append((ids, log_probs, observation))
