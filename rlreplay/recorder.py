@@ -689,7 +689,7 @@ def init(
             _recorder.close()
         try:
             manifest.ensure_manifest(config.run_dir, config.experiment)
-        except OSError as exc:  # recording goes on; every span that cannot be written is counted
+        except Exception as exc:  # recording goes on; every span that cannot be written is counted
             log.warning("rlreplay: cannot write to %s (%s); spans will be counted as lost", run_dir, exc)
         _recorder = Recorder(config)
         _env_checked = True
