@@ -19,7 +19,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -30,12 +29,11 @@ from typing import Any, TypeVar
 import pyarrow as pa
 
 from rlreplay import manifest, payload
+from rlreplay.rows import StepBuffer as _StepBuffer
+from rlreplay.rows import encode_row
 from rlreplay.schema import (
     KIND_OP,
     KIND_TRAJECTORY,
-    SPAN_SCHEMA,
-    STATUS_ERROR,
-    STATUS_OK,
 )
 from rlreplay.shards import Lease, PartialWriter, partition_dir, safe_name, seal
 from rlreplay.workers import ENV_WORKER, resolve_worker_name, set_worker_resolver
@@ -163,40 +161,6 @@ class RecorderConfig:
     fsync_interval_s: float = 1.0
     max_field_bytes: int | None = 4 << 20
 
-
-class _StepBuffer:
-    __slots__ = ("columns", "first_at", "nbytes", "open", "root_ended", "rows", "writer")
-
-    def __init__(self) -> None:
-        self.columns: list[list] = [[] for _ in _COLUMN_NAMES]
-        self.rows = 0
-        self.nbytes = 0
-        self.first_at = 0.0
-        self.root_ended = False
-        self.open = 0
-        self.writer: PartialWriter | None = None
-
-    def append(self, row: tuple, nbytes: int) -> None:
-        if not self.rows:
-            self.first_at = time.monotonic()
-        for column, value in zip(self.columns, row):
-            column.append(value)
-        self.rows += 1
-        self.nbytes += nbytes
-
-    def take_batch(self) -> pa.RecordBatch:
-        batch = pa.RecordBatch.from_arrays(
-            [pa.array(values, type=f.type) for values, f in zip(self.columns, SPAN_SCHEMA)],
-            schema=SPAN_SCHEMA,
-        )
-        for values in self.columns:
-            values.clear()
-        self.rows = self.nbytes = 0
-        self.root_ended = False
-        return batch
-
-
-_COLUMN_NAMES = tuple(SPAN_SCHEMA.names)
 
 # Queue events; the last item of every event is its estimated size in bytes.
 _SPAN = 0  # (_SPAN, traj, span_id, parent_id, meta, start, end, exc, args, kwargs, result, nbytes)
@@ -398,70 +362,9 @@ class Recorder:
             self._write(traj.step, buf)
 
     def _encode_row(self, event: tuple) -> tuple[tuple, int]:
-        """The span's row, in SPAN_SCHEMA column order, and its approximate encoded size."""
-        _, traj, span_id, parent_id, meta, start, end, exc, args, kwargs, result, _nbytes = event
-        cap = self.config.max_field_bytes
-        if meta.kind == KIND_TRAJECTORY:
-            inputs_text, inputs_data = None, None
-        else:
-            inputs_obj = meta.bind(args, kwargs)
-            if meta.reduce_inputs is not None:
-                inputs_obj = self._reduce(meta, "reduce_inputs", meta.reduce_inputs, inputs_obj)
-            inputs_data = payload.to_jsonable(inputs_obj)
-            inputs_text = payload.dumps(inputs_data, cap)
-        reward = None
-        if exc is not None:
-            output_data = _exception_data(exc)
-            error = f"{output_data['type']}: {output_data['message']}"
-        else:
-            out = result
-            if meta.reduce_output is not None:
-                out = self._reduce(meta, "reduce_output", meta.reduce_output, result)
-            output_data = payload.to_jsonable(out) if out is not None else None
-            error = None
-            if meta.reward is not None:
-                value = self._reduce(meta, "reward", meta.reward, result)
-                reward = _as_reward(value)
-            elif isinstance(output_data, dict):
-                reward = _as_reward(output_data.get("reward_score", output_data.get("reward")))
-        output_text = payload.dumps(output_data, cap) if output_data is not None else None
-        attributes = (
-            payload.dumps(payload.to_jsonable(traj.attributes))
-            if traj.attributes and parent_id is None
-            else None
+        return encode_row(
+            event, self.config, self._worker(), self._warn_once, format_trajectory_id, format_span_id
         )
-        row = (
-            format_trajectory_id(traj.id),
-            format_span_id(span_id),
-            None if parent_id is None else format_span_id(parent_id),
-            meta.name,
-            meta.kind,
-            start,
-            end,
-            STATUS_OK if exc is None else STATUS_ERROR,
-            error,
-            traj.step,
-            traj.sample_index,
-            traj.rollout_n,
-            traj.validate,
-            traj.experiment or self.config.experiment,
-            self._worker(),
-            reward,
-            payload.count_token_ids(inputs_data) + payload.count_token_ids(output_data),
-            attributes,
-            inputs_text,
-            output_text,
-        )
-        return row, 200 + len(inputs_text or "") + len(output_text or "")
-
-    def _reduce(self, meta: OpMeta, what: str, fn: Callable[[Any], Any], value: Any) -> Any:
-        """A user-supplied reducer's result; if it raises, an error marker (the span is kept)."""
-        try:
-            return fn(value)
-        except Exception as exc:
-            message = f"{what} of {meta.name} raised {type(exc).__name__}: {exc}"
-            self._warn_once(f"reduce:{meta.name}:{what}", message)
-            return None if what == "reward" else {"__type__": "error", "error": message[:2000]}
 
     def _write(self, step: int | None, buf: _StepBuffer) -> None:
         rows = buf.rows
@@ -616,24 +519,6 @@ def _warm_up() -> None:
     the first batch: that may come at interpreter exit, when imports fail, or mid-rollout."""
     with contextlib.suppress(Exception):
         pa.array([0], type=pa.int64())
-
-
-def _exception_data(exc: BaseException) -> dict[str, str]:
-    try:
-        message = str(exc)
-    except Exception:
-        message = "<str() failed>"
-    try:
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    except Exception:
-        tb = ""
-    return {"__type__": "exception", "type": type(exc).__qualname__, "message": message, "traceback": tb}
-
-
-def _as_reward(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
 
 
 _mp_finalizer_pid: int | None = None
