@@ -249,7 +249,7 @@ class Recorder:
         with self._spill_lock:
             writer = self._spill_writers.get(step)
             if writer is None:
-                writer = PartialWriter(partition_dir(self.config.run_dir, step, self._worker()))
+                writer = PartialWriter(self._partition(step))
                 self._spill_writers[step] = writer
             try:
                 writer.write(batch)
@@ -281,6 +281,11 @@ class Recorder:
         if self.worker is None:
             self.worker = safe_name(resolve_worker_name())
         return self.worker
+
+    def _partition(self, step: int | None) -> Path:
+        """This worker's folder for ``step``; refused if it resolves outside the run (a symlink)."""
+        folder = partition_dir(self.config.run_dir, step, self._worker())
+        return manifest.safe_run_path(self.config.run_dir, folder.relative_to(self.config.run_dir))
 
     def _run(self) -> None:
         _warm_up()
@@ -371,7 +376,7 @@ class Recorder:
         try:
             batch = buf.take_batch()
             if buf.writer is None:
-                buf.writer = PartialWriter(partition_dir(self.config.run_dir, step, self._worker()))
+                buf.writer = PartialWriter(self._partition(step))
             buf.writer.write(batch)
             self.counters["spans"] += rows
         except Exception as exc:

@@ -63,6 +63,8 @@ def check_format(metadata: dict[bytes, bytes] | None, source: str) -> None:
     version = (metadata or {}).get(FORMAT_KEY)
     if version is None:
         raise FormatError(f"{source}: not an rlreplay span file (no format version)")
+    if not version.isdigit():
+        raise FormatError(f"{source}: unknown format version {version[:20]!r}")
     if int(version) > FORMAT_VERSION:
         raise FormatError(
             f"{source}: written in format {int(version)}, this rlreplay reads up to {FORMAT_VERSION}; "
