@@ -35,7 +35,7 @@ from rlreplay.schema import (
     KIND_OP,
     KIND_TRAJECTORY,
 )
-from rlreplay.shards import Lease, PartialWriter, partition_dir, safe_name, seal
+from rlreplay.shards import LIVE_ZSTD_LEVEL, Lease, PartialWriter, partition_dir, safe_name, seal
 from rlreplay.workers import ENV_WORKER, resolve_worker_name, set_worker_resolver
 
 __all__ = ["set_worker_resolver"]
@@ -196,6 +196,7 @@ class Recorder:
         self._counters_dirty = False
         self._warned: set[str] = set()
         self._closed = False
+        self._urgent = False
         self.worker: str | None = safe_name(config.worker) if config.worker else None
         self._pid = os.getpid()
         try:
@@ -300,9 +301,10 @@ class Recorder:
                 return
 
     def _cycle(self, force: bool = False) -> None:
-        flushes: list[threading.Event] = []
+        flushes: list[threading.Event | None] = []
         queue = self._queue
-        on_writer = threading.current_thread() is self._thread
+        # yield the GIL between slices, unless a batch ended and waits to be made durable
+        on_writer = threading.current_thread() is self._thread and not self._urgent
         clock = time.perf_counter
         slice_end = clock() + _WORK_SLICE_S
         for _ in range(len(queue)):  # what is there now; later events wait for the next cycle
@@ -322,6 +324,7 @@ class Recorder:
                 buf.root_ended = True
             else:
                 flushes.append(event[1])
+                self._urgent = False
         now = time.monotonic()
         force = force or bool(flushes)
         for step, buf in list(self._steps.items()):
@@ -338,7 +341,8 @@ class Recorder:
         if (self._counters_dirty and now - self._last_counters >= 1.0) or now - self._last_counters > 10:
             self._save_counters()
         for done in flushes:
-            done.set()
+            if done is not None:
+                done.set()
 
     def _buffer(self, step: int | None) -> _StepBuffer:
         buf = self._steps.get(step)
@@ -488,6 +492,13 @@ class Recorder:
         self._wake.set()
         return done.wait(timeout)
 
+    def request_flush(self) -> None:
+        """Have the writer write and fsync everything queued so far, at once, without waiting for it."""
+        if self._thread is not None and not self._closed:
+            self._urgent = True
+            self._queue.append((_FLUSH, None, 0))
+            self._wake.set()
+
     def close(self, timeout: float = 60.0) -> None:
         """Drain the queue and seal every open step; idempotent, never raises."""
         if self._closed or os.getpid() != self._pid:
@@ -519,11 +530,32 @@ class Recorder:
             print(f"rlreplay: worker {self._worker()}: {detail}", file=sys.stderr)
 
 
+_warmed_up = False
+
+
 def _warm_up() -> None:
-    """Pay pyarrow's lazy one-time imports (it looks for pandas on its first conversion) here, not on
-    the first batch: that may come at interpreter exit, when imports fail, or mid-rollout."""
+    """Pay every one-time cost of a first write here: pyarrow's lazy imports (it imports pandas on its
+    first conversion, 0.3-2 s), the row encoder, the zstd codec and the stream writer. Done at
+    ``init``, before any trajectory can end, so the first batch is as quick to reach disk as later
+    ones (a worker killed right after its first trajectories keeps them), and never at exit."""
+    global _warmed_up
+    if _warmed_up:
+        return
+    _warmed_up = True
     with contextlib.suppress(Exception):
-        pa.array([0], type=pa.int64())
+        meta = OpMeta(name="warm-up")
+        traj = _Trajectory.__new__(_Trajectory)
+        traj.id, traj.step, traj.sample_index, traj.rollout_n = 0, 0, 0, 0
+        traj.validate, traj.experiment, traj.attributes, traj.explicit = False, "x", {"a": 1}, False
+        event = (_SPAN, traj, 1, None, meta, 0, 1, None, ([1, 2],), {"k": "v"}, {"token_ids": [3]}, 0)
+        config = RecorderConfig(run_dir=Path("."))
+        row, nbytes = encode_row(event, config, "w", lambda *_: None, format_trajectory_id, format_span_id)
+        buf = _StepBuffer()
+        buf.append(row, nbytes)
+        options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", LIVE_ZSTD_LEVEL))
+        batch = buf.take_batch()
+        with pa.ipc.new_stream(pa.BufferOutputStream(), batch.schema, options=options) as writer:
+            writer.write_batch(batch)
 
 
 _mp_finalizer_pid: int | None = None
@@ -584,7 +616,8 @@ def init(
         _recorder = Recorder(config)
         _env_checked = True
     _install_exit_hooks()
-    _recorder._start()  # now, so its one-time imports overlap the caller's setup
+    _warm_up()
+    _recorder._start()
     return _recorder
 
 
