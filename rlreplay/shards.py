@@ -88,12 +88,15 @@ class PartialWriter:
         options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", LIVE_ZSTD_LEVEL))
         self._writer = pa.ipc.new_stream(self._file, SPAN_SCHEMA, options=options)
         self.rows = 0
+        self.nbytes = 0  # Arrow bytes written (what sealing the file will hold in memory)
+        self.opened_at = time.monotonic()
         self._dirty = False
 
     def write(self, batch: pa.RecordBatch) -> None:
         self._writer.write_batch(batch)
         self._file.flush()
         self.rows += batch.num_rows
+        self.nbytes += batch.nbytes
         self._dirty = True
 
     def fsync(self) -> None:

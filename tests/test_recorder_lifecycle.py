@@ -59,7 +59,10 @@ def test_child_forked_while_the_writer_is_busy_records_and_exits_promptly(tmp_pa
         [sys.executable, "-c", FORK, str(run_dir), "5"], capture_output=True, text=True, timeout=180
     )
     assert proc.returncode == 0, proc.stderr
-    reports = [json.loads(line) for line in proc.stdout.splitlines()]
+    try:
+        reports = [json.loads(line) for line in proc.stdout.splitlines()]
+    except ValueError as exc:
+        raise AssertionError(f"unexpected output: {proc.stdout!r} {proc.stderr!r}") from exc
     assert len(reports) == 5
     for report in reports:
         assert report["spans"] == 300 and report["lost"] == 0, report
