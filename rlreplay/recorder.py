@@ -154,7 +154,7 @@ class RecorderConfig:
     experiment: str | None = None
     worker: str | None = None
     policy: str = POLICY_SPILL
-    max_queue_bytes: int = 64 << 20  # what queued spans keep alive (see _nbytes), not list lengths
+    max_queue_bytes: int = 32 << 20  # what queued spans keep alive (see _nbytes), not list lengths
     flush_interval_s: float = 0.2
     max_batch_age_s: float = 1.0
     max_batch_bytes: int = 8 << 20
@@ -163,7 +163,7 @@ class RecorderConfig:
     # A live file is closed and sealed (on the sealing thread) once it holds this many bytes of
     # Arrow data or is this old, so a step that never ends (step -1) never grows one file, and
     # sealing one needs at most ~3x this in memory. A finished step is sealed once idle this long.
-    max_partial_bytes: int = 32 << 20
+    max_partial_bytes: int = 16 << 20
     max_partial_age_s: float = 600.0
     seal_idle_s: float = 30.0
     spill_batch_rows: int = 256
@@ -551,6 +551,8 @@ class Recorder:
                     seal(writer.path)
             except Exception as exc:
                 self._warn_once("seal", f"could not seal {writer.path.name} ({exc}); it stays recoverable")
+            with contextlib.suppress(Exception):
+                pa.default_memory_pool().release_unused()  # a seal's buffers go back to the system
             with self._sealed_cond:
                 self._sealing -= 1
                 self._sealed_cond.notify_all()
@@ -695,7 +697,7 @@ def init(
     policy = policy or os.environ.get(ENV_POLICY) or POLICY_SPILL
     if policy not in (POLICY_SPILL, POLICY_DROP):
         raise ValueError(f"policy must be {POLICY_SPILL!r} or {POLICY_DROP!r}, not {policy!r}")
-    queue_mb = max_queue_mb if max_queue_mb is not None else float(os.environ.get(ENV_MAX_QUEUE_MB, 64))
+    queue_mb = max_queue_mb if max_queue_mb is not None else float(os.environ.get(ENV_MAX_QUEUE_MB, 32))
     config = RecorderConfig(
         run_dir=Path(run_dir),
         experiment=experiment or os.environ.get(ENV_EXPERIMENT),
