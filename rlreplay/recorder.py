@@ -36,9 +36,10 @@ from rlreplay.schema import (
     KIND_TRAJECTORY,
 )
 from rlreplay.shards import LIVE_ZSTD_LEVEL, Lease, PartialWriter, partition_dir, safe_name, seal
+from rlreplay.signals import record_signals  # contract C1: rlreplay.recorder.record_signals
 from rlreplay.workers import ENV_WORKER, resolve_worker_name, set_worker_resolver
 
-__all__ = ["set_worker_resolver"]
+__all__ = ["record_signals", "set_worker_resolver"]
 
 log = logging.getLogger("rlreplay")
 
