@@ -5,6 +5,7 @@ deletes outside the run directory."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -218,3 +219,12 @@ def test_recorder_never_writes_through_a_symlinked_step(tmp_path: Path) -> None:
     assert list(outside.iterdir()) == []
     assert stats["spans"] == 2 and stats["lost"] == 2
     assert rlreplay.open_run(run_dir).spans().num_rows == 2
+
+
+def test_recover_reads_a_format_1_live_file(tmp_path: Path, capsys) -> None:
+    run_dir = tmp_path / "v1-run"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "v1-run", run_dir)
+    before = rlreplay.open_run(run_dir).trajectories().num_rows
+    out = _recover(run_dir, capsys)
+    assert "recovered 1 shards" in out and list_files(run_dir)[1] == []
+    assert rlreplay.open_run(run_dir).trajectories().num_rows == before > 0
