@@ -319,9 +319,13 @@ def recover_command(
 
     opened = open_run_arg(run, run_path)
     results = recover(opened.path)
-    console().print(
+    out = console()
+    for line in results["files"]:
+        out.print(line, markup=False)
+    out.print(
         f"recovered {results['recovered_shards']} shards ({results['recovered_spans']} spans); "
-        f"discarded {results['discarded_bytes']} bytes of torn tails"
+        f"set aside {results['quarantined_files']} files ({results['discarded_bytes']:,} unreadable bytes)"
+        + (f" in {opened.path / '_quarantine'}" if results["quarantined_files"] else "")
         + (
             f"; {results['live_partials']} files still being written were left alone"
             if results["live_partials"]

@@ -149,7 +149,12 @@ def record_command(
         f"{summary['spans']} spans, {summary['bytes_on_disk']:,} bytes on disk"
         + (f" ({bpt:.3f} bytes/token id)" if bpt else "")
         + f"; dropped {summary['dropped']}, spilled {summary['spilled']}, lost {summary['lost']}, "
-        f"recovered shards {recovered['recovered_shards']}",
+        f"recovered shards {recovered['recovered_shards']}"
+        + (
+            f", set aside {recovered['quarantined_files']} unreadable files in {run_dir / '_quarantine'}"
+            if recovered["quarantined_files"]
+            else ""
+        ),
         file=sys.stderr,
     )
     return code

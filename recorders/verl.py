@@ -314,19 +314,21 @@ def _make_trace_op(original_op: Callable[..., Any]) -> Callable[..., Any]:
 
 _in_flight = [0]  # agent loops open in this process
 _in_flight_lock = threading.Lock()
-BATCH_FLUSH_TIMEOUT_S = 1.0
 
 
 def _flush_batch() -> None:
-    """The last open agent loop of a batch ended: make the batch durable before it is returned.
+    """The last open agent loop of a batch ended: have the writer make the batch durable now.
 
-    Ray stops actors without running atexit handlers, so spans still queued when the trainer
-    shuts the job down would be lost. Runs once per batch (never while other loops are open).
+    Ray stops actors without running atexit handlers, so the batch must be on disk before the
+    trainer may kill this worker. The calling thread (the rollout's event loop) only signals: the
+    writer thread writes the finished trajectories at once, while verl post-processes the batch.
     """
-    from rlreplay.recorder import flush
+    from rlreplay.recorder import get_recorder
 
     try:
-        flush(timeout=BATCH_FLUSH_TIMEOUT_S)
+        recorder = get_recorder()
+        if recorder is not None:
+            recorder.request_flush()
     except Exception as exc:
         log.warning("rlreplay: flush at the end of a batch failed: %s", exc)
 

@@ -35,10 +35,11 @@ from rlreplay.schema import (
     KIND_OP,
     KIND_TRAJECTORY,
 )
-from rlreplay.shards import Lease, PartialWriter, partition_dir, safe_name, seal
+from rlreplay.shards import LIVE_ZSTD_LEVEL, Lease, PartialWriter, partition_dir, safe_name, seal
+from rlreplay.signals import record_signals  # contract C1: rlreplay.recorder.record_signals
 from rlreplay.workers import ENV_WORKER, resolve_worker_name, set_worker_resolver
 
-__all__ = ["set_worker_resolver"]
+__all__ = ["record_signals", "set_worker_resolver"]
 
 log = logging.getLogger("rlreplay")
 
@@ -156,12 +157,19 @@ class RecorderConfig:
     experiment: str | None = None
     worker: str | None = None
     policy: str = POLICY_SPILL
-    max_queue_bytes: int = 256 << 20
+    max_queue_bytes: int = 32 << 20  # what queued spans keep alive (see _nbytes), not list lengths
     flush_interval_s: float = 0.2
     max_batch_age_s: float = 1.0
     max_batch_bytes: int = 8 << 20
     fsync_interval_s: float = 1.0
     max_field_bytes: int | None = 4 << 20
+    # A live file is closed and sealed (on the sealing thread) once it holds this many bytes of
+    # Arrow data or is this old, so a step that never ends (step -1) never grows one file, and
+    # sealing one needs at most ~3x this in memory. A finished step is sealed once idle this long.
+    max_partial_bytes: int = 16 << 20
+    max_partial_age_s: float = 600.0
+    seal_idle_s: float = 30.0
+    spill_batch_rows: int = 256
 
 
 # Queue events; the last item of every event is its estimated size in bytes.
@@ -189,8 +197,14 @@ class Recorder:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._spill_lock = threading.Lock()
-        self._spill_writers: dict[int | None, PartialWriter] = {}
+        self._spill_bufs: dict[int | None, _StepBuffer] = {}  # spans the calling threads wrote
         self._steps: dict[int | None, _StepBuffer] = {}
+        self._last_write: dict[int | None, float] = {}
+        self._seal_queue: deque[PartialWriter] = deque()
+        self._seal_wake = threading.Event()
+        self._sealer: threading.Thread | None = None
+        self._sealing = 0  # files queued for the sealer and not yet sealed
+        self._sealed_cond = threading.Condition()
         self._prefixes = PrefixCache()
         self._max_step: int | None = None
         self._orphans: list[PartialWriter] = []  # writers given up after an error; sealed at close
@@ -199,6 +213,7 @@ class Recorder:
         self._counters_dirty = False
         self._warned: set[str] = set()
         self._closed = False
+        self._urgent = False
         self.worker: str | None = safe_name(config.worker) if config.worker else None
         self._pid = os.getpid()
         try:
@@ -234,8 +249,6 @@ class Recorder:
             self._warn_once("spilled", "queue full: the calling thread writes spans itself (policy=spill)")
             try:
                 self._spill(event)
-                self.counters["spilled"] += 1
-                self._counters_dirty = True
             except Exception as exc:
                 self._count_loss("lost", 1, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
         if event[3] is None and traj.explicit:
@@ -244,22 +257,50 @@ class Recorder:
                 self._start()
 
     def _spill(self, event: tuple) -> None:
-        row, _ = self._encode_row(event)
-        buf = _StepBuffer()
-        buf.append(row, 0)
-        batch = buf.take_batch(self._encode_problem)
+        """Encode the span here; write spilled spans in batches (the writer flushes what is left)."""
+        row, nbytes = self._encode_row(event)
         step = event[1].step
         with self._spill_lock:
-            writer = self._spill_writers.get(step)
-            if writer is None:
-                writer = PartialWriter(partition_dir(self.config.run_dir, step, self._worker()))
-                self._spill_writers[step] = writer
-            try:
-                writer.write(batch)
-            except Exception:
-                del self._spill_writers[step]
-                self._orphans.append(writer)
-                raise
+            buf = self._spill_bufs.get(step)
+            if buf is None:
+                buf = self._spill_bufs[step] = _StepBuffer()
+            buf.append(row, nbytes)
+            if buf.rows >= self.config.spill_batch_rows or buf.nbytes >= self.config.max_batch_bytes:
+                self._write_spilled(step, buf)
+
+    def _write_spilled(self, step: int | None, buf: _StepBuffer) -> None:
+        """Write a spill buffer (the spill lock is held); its rows count as spilled, or as lost."""
+        rows = buf.rows
+        try:
+            batch = buf.take_batch(self._encode_problem)
+            if buf.writer is None:
+                buf.writer = PartialWriter(self._partition(step))
+            buf.writer.write(batch)
+            self.counters["spilled"] += rows
+            self._counters_dirty = True
+        except Exception as exc:
+            self._count_loss("lost", rows, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
+            if buf.writer is not None:
+                self._orphans.append(buf.writer)
+                buf.writer = None
+            return
+        if self._rotate_due(buf.writer):
+            self._to_sealer(buf.writer)
+            buf.writer = None
+
+    def _flush_spilled(self, steps: list | None = None, seal: bool = False) -> None:
+        """Write what the calling threads spilled (all steps, or ``steps``); optionally seal it."""
+        with self._spill_lock:
+            for step in list(self._spill_bufs) if steps is None else steps:
+                buf = self._spill_bufs.get(step)
+                if buf is None:
+                    continue
+                if buf.rows:
+                    self._write_spilled(step, buf)
+                if seal:
+                    if buf.writer is not None:
+                        self._to_sealer(buf.writer)
+                    del self._spill_bufs[step]
 
     def _start(self) -> None:
         with self._start_lock:
@@ -285,6 +326,11 @@ class Recorder:
             self.worker = safe_name(resolve_worker_name())
         return self.worker
 
+    def _partition(self, step: int | None) -> Path:
+        """This worker's folder for ``step``; refused if it resolves outside the run (a symlink)."""
+        folder = partition_dir(self.config.run_dir, step, self._worker())
+        return manifest.safe_run_path(self.config.run_dir, folder.relative_to(self.config.run_dir))
+
     def _run(self) -> None:
         _warm_up()
         while True:
@@ -298,9 +344,10 @@ class Recorder:
                 return
 
     def _cycle(self, force: bool = False) -> None:
-        flushes: list[threading.Event] = []
+        flushes: list[threading.Event | None] = []
         queue = self._queue
-        on_writer = threading.current_thread() is self._thread
+        # yield the GIL between slices, unless a batch ended and waits to be made durable
+        on_writer = threading.current_thread() is self._thread and not self._urgent
         clock = time.perf_counter
         slice_end = clock() + _WORK_SLICE_S
         for _ in range(len(queue)):  # what is there now; later events wait for the next cycle
@@ -320,6 +367,7 @@ class Recorder:
                 buf.root_ended = True
             else:
                 flushes.append(event[1])
+                self._urgent = False
         now = time.monotonic()
         force = force or bool(flushes)
         for step, buf in list(self._steps.items()):
@@ -330,13 +378,16 @@ class Recorder:
                 or buf.nbytes >= self.config.max_batch_bytes
             ):
                 self._write(step, buf)
+        if self._spill_bufs and (force or self._enqueued - self._written <= self.config.max_queue_bytes):
+            self._flush_spilled()
         if force or now - self._last_fsync >= self.config.fsync_interval_s:
             self._fsync_all()
         self._seal_finished_steps()
         if (self._counters_dirty and now - self._last_counters >= 1.0) or now - self._last_counters > 10:
             self._save_counters()
         for done in flushes:
-            done.set()
+            if done is not None:
+                done.set()
 
     def _buffer(self, step: int | None) -> _StepBuffer:
         buf = self._steps.get(step)
@@ -385,12 +436,23 @@ class Recorder:
         try:
             batch = buf.take_batch(self._encode_problem)
             if buf.writer is None:
-                buf.writer = PartialWriter(partition_dir(self.config.run_dir, step, self._worker()))
+                buf.writer = PartialWriter(self._partition(step))
             buf.writer.write(batch)
             self.counters["spans"] += rows
+            self._last_write[step] = time.monotonic()
         except Exception as exc:
             self._count_loss("lost", rows, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
             self._give_up(buf)
+            return
+        if self._rotate_due(buf.writer):
+            self._to_sealer(buf.writer)
+            buf.writer = None
+
+    def _rotate_due(self, writer: PartialWriter) -> bool:
+        return (
+            writer.nbytes >= self.config.max_partial_bytes
+            or time.monotonic() - writer.opened_at >= self.config.max_partial_age_s
+        )
 
     def _give_up(self, buf: _StepBuffer) -> None:
         """Stop appending to a file after an error (its tail may be torn); try to seal it at close."""
@@ -429,50 +491,87 @@ class Recorder:
                 except OSError as exc:
                     self._warn_once("fsync", f"fsync failed: {exc}")
         with self._spill_lock:
-            for step, writer in list(self._spill_writers.items()):
-                try:
-                    writer.fsync()
-                except OSError as exc:
-                    self._warn_once("fsync", f"fsync failed: {exc}")
-                    del self._spill_writers[step]
-                    self._orphans.append(writer)
+            for buf in self._spill_bufs.values():
+                if buf.writer is not None:
+                    try:
+                        buf.writer.fsync()
+                    except OSError as exc:
+                        self._warn_once("fsync", f"fsync failed: {exc}")
+                        self._orphans.append(buf.writer)
+                        buf.writer = None
 
     def _seal_finished_steps(self, all_steps: bool = False) -> None:
+        """Hand finished steps' files to the sealing thread: a step is finished when none of its
+        trajectories is open and nothing is waiting, and a newer step began or it was idle a while."""
+        now = time.monotonic()
         for step, buf in list(self._steps.items()):
             newer_exists = step is not None and self._max_step is not None and step < self._max_step
-            if all_steps or (newer_exists and buf.open <= 0 and not buf.rows):
+            idle = now - self._last_write.get(step, now) >= self.config.seal_idle_s
+            if all_steps or ((newer_exists or idle) and buf.open <= 0 and not buf.rows):
                 if buf.rows:
                     self._write(step, buf)
                 self._seal_buffer(buf)
-                with self._spill_lock:
-                    spilled = self._spill_writers.pop(step, None)
-                if spilled is not None:
-                    self._seal_writer(spilled)
+                self._flush_spilled([step], seal=True)
                 del self._steps[step]
+                self._last_write.pop(step, None)
         if all_steps:
-            with self._spill_lock:
-                writers = list(self._spill_writers.values())
-                self._spill_writers.clear()
-            for writer in writers:
-                self._seal_writer(writer)
+            self._flush_spilled(seal=True)
             orphans, self._orphans = self._orphans, []
             for writer in orphans:
-                self._seal_writer(writer)
+                self._to_sealer(writer)
 
     def _seal_buffer(self, buf: _StepBuffer) -> None:
         if buf.writer is not None:
             if not self._gone(buf.writer):
-                self._seal_writer(buf.writer)
+                self._to_sealer(buf.writer)
             buf.writer = None
 
-    def _seal_writer(self, writer: PartialWriter) -> None:
+    def _to_sealer(self, writer: PartialWriter) -> None:
+        """Close a live file and queue it for the sealing thread (the writer never waits for a seal)."""
         try:
             writer.close()
-            if writer.path.exists():
-                seal(writer.path)
         except Exception as exc:
-            self._warn_once("seal", f"could not seal {writer.path.name} ({exc}); it stays recoverable")
-        self._save_counters()
+            self._warn_once("seal", f"could not close {writer.path.name} ({exc}); it stays recoverable")
+            return
+        with self._sealed_cond:
+            self._sealing += 1
+        self._seal_queue.append(writer)
+        if self._sealer is None and not self._closed:
+            thread = threading.Thread(target=self._seal_loop, name="rlreplay-sealer", daemon=True)
+            try:
+                thread.start()
+                self._sealer = thread
+            except RuntimeError:
+                pass  # at interpreter shutdown: close() seals what is queued
+        self._seal_wake.set()
+
+    def _seal_loop(self) -> None:
+        while True:
+            self._seal_wake.wait(1.0)
+            self._seal_wake.clear()
+            self._seal_queued()
+            if self._closed and self._thread_done():
+                self._seal_queued()
+                return
+
+    def _thread_done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def _seal_queued(self) -> None:
+        queue = self._seal_queue
+        while queue:
+            writer = queue.popleft()
+            try:
+                if writer.path.exists():
+                    seal(writer.path)
+            except Exception as exc:
+                self._warn_once("seal", f"could not seal {writer.path.name} ({exc}); it stays recoverable")
+            with contextlib.suppress(Exception):
+                pa.default_memory_pool().release_unused()  # a seal's buffers go back to the system
+            with self._sealed_cond:
+                self._sealing -= 1
+                self._sealed_cond.notify_all()
+            self._save_counters()
 
     def _save_counters(self) -> None:
         self._last_counters = time.monotonic()
@@ -489,13 +588,25 @@ class Recorder:
     # ---- control ----------------------------------------------------------------------------
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Write and fsync everything recorded so far; True when done within ``timeout``."""
+        """Write and fsync everything recorded so far, and finish sealing the files of finished
+        steps; True when done within ``timeout``."""
         if self._thread is None or not self._thread.is_alive():
             return True
+        deadline = time.monotonic() + timeout
         done = threading.Event()
         self._queue.append((_FLUSH, done, 0))
         self._wake.set()
-        return done.wait(timeout)
+        if not done.wait(timeout):
+            return False
+        with self._sealed_cond:
+            return self._sealed_cond.wait_for(lambda: self._sealing <= 0, deadline - time.monotonic())
+
+    def request_flush(self) -> None:
+        """Have the writer write and fsync everything queued so far, at once, without waiting for it."""
+        if self._thread is not None and not self._closed:
+            self._urgent = True
+            self._queue.append((_FLUSH, None, 0))
+            self._wake.set()
 
     def close(self, timeout: float = 60.0) -> None:
         """Drain the queue and seal every open step; idempotent, never raises."""
@@ -510,6 +621,12 @@ class Recorder:
             if thread is None or not thread.is_alive():
                 self._cycle(force=True)
                 self._seal_finished_steps(all_steps=True)
+            sealer = self._sealer
+            if sealer is not None and sealer.is_alive():
+                self._seal_wake.set()
+                sealer.join(timeout)
+            if sealer is None or not sealer.is_alive():
+                self._seal_queued()
             self._save_counters()
             self._report()
         except Exception as exc:
@@ -528,11 +645,32 @@ class Recorder:
             print(f"rlreplay: worker {self._worker()}: {detail}", file=sys.stderr)
 
 
+_warmed_up = False
+
+
 def _warm_up() -> None:
-    """Pay pyarrow's lazy one-time imports (it looks for pandas on its first conversion) here, not on
-    the first batch: that may come at interpreter exit, when imports fail, or mid-rollout."""
+    """Pay every one-time cost of a first write here: pyarrow's lazy imports (it imports pandas on its
+    first conversion, 0.3-2 s), the row encoder, the zstd codec and the stream writer. Done at
+    ``init``, before any trajectory can end, so the first batch is as quick to reach disk as later
+    ones (a worker killed right after its first trajectories keeps them), and never at exit."""
+    global _warmed_up
+    if _warmed_up:
+        return
+    _warmed_up = True
     with contextlib.suppress(Exception):
-        pa.array([0], type=pa.int64())
+        meta = OpMeta(name="warm-up")
+        traj = _Trajectory.__new__(_Trajectory)
+        traj.id, traj.step, traj.sample_index, traj.rollout_n = 0, 0, 0, 0
+        traj.validate, traj.experiment, traj.attributes, traj.explicit = False, "x", {"a": 1}, False
+        event = (_SPAN, traj, 1, None, meta, 0, 1, None, ([1, 2],), {"k": "v"}, {"token_ids": [3]}, 0)
+        config = RecorderConfig(run_dir=Path("."))
+        row, nbytes = encode_row(event, config, "w", lambda *_: None, format_trajectory_id, format_span_id)
+        buf = _StepBuffer()
+        buf.append(row, nbytes)
+        options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", LIVE_ZSTD_LEVEL))
+        batch = buf.take_batch()
+        with pa.ipc.new_stream(pa.BufferOutputStream(), batch.schema, options=options) as writer:
+            writer.write_batch(batch)
 
 
 _mp_finalizer_pid: int | None = None
@@ -574,7 +712,7 @@ def init(
     policy = policy or os.environ.get(ENV_POLICY) or POLICY_SPILL
     if policy not in (POLICY_SPILL, POLICY_DROP):
         raise ValueError(f"policy must be {POLICY_SPILL!r} or {POLICY_DROP!r}, not {policy!r}")
-    queue_mb = max_queue_mb if max_queue_mb is not None else float(os.environ.get(ENV_MAX_QUEUE_MB, 256))
+    queue_mb = max_queue_mb if max_queue_mb is not None else float(os.environ.get(ENV_MAX_QUEUE_MB, 32))
     config = RecorderConfig(
         run_dir=Path(run_dir),
         experiment=experiment or os.environ.get(ENV_EXPERIMENT),
@@ -588,12 +726,13 @@ def init(
             _recorder.close()
         try:
             manifest.ensure_manifest(config.run_dir, config.experiment)
-        except OSError as exc:  # recording goes on; every span that cannot be written is counted
+        except Exception as exc:  # recording goes on; every span that cannot be written is counted
             log.warning("rlreplay: cannot write to %s (%s); spans will be counted as lost", run_dir, exc)
         _recorder = Recorder(config)
         _env_checked = True
     _install_exit_hooks()
-    _recorder._start()  # now, so its one-time imports overlap the caller's setup
+    _warm_up()
+    _recorder._start()
     return _recorder
 
 
@@ -674,26 +813,35 @@ os.register_at_fork(after_in_child=_after_fork)
 # ---- the public tracing API -----------------------------------------------------------------------
 
 
+# What a queued span keeps alive per item of a list it holds: the copy's 8-byte pointer and the item
+# itself (an int id is a 28-byte object in a 32-byte slot; the caller may have dropped its own list).
+_ITEM_BYTES = 40
+
+
 def _nbytes(args: tuple, kwargs: dict, result: Any) -> int:
-    """A cheap estimate of what a span holds on to: 8 bytes per item of its top-level lists."""
+    """A cheap estimate of the memory a queued span holds: its top-level lists, and the lists directly
+    inside a dict or object result (``{"token_ids": [...]}``, a pydantic output)."""
     size = 256
     for value in args:
         if type(value) is list:
-            size += len(value) << 3
+            size += len(value) * _ITEM_BYTES
     for value in kwargs.values():
         if type(value) is list:
-            size += len(value) << 3
+            size += len(value) * _ITEM_BYTES
     if type(result) is list:
-        size += len(result) << 3
+        size += len(result) * _ITEM_BYTES
     elif result is not None:
-        try:
-            fields = getattr(result, "__dict__", None)  # e.g. a pydantic output carrying token ids
-        except Exception:
-            fields = None
+        if type(result) is dict:
+            fields = result
+        else:
+            try:
+                fields = getattr(result, "__dict__", None)
+            except Exception:
+                fields = None
         if type(fields) is dict and len(fields) < 64:
             for value in list(fields.values()):
                 if type(value) is list:
-                    size += len(value) << 3
+                    size += len(value) * _ITEM_BYTES
     return size
 
 

@@ -415,8 +415,8 @@ class Run:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.manifest = manifest.read_manifest(path)
         self.warnings: list[str] = []
+        self.manifest = manifest.read_manifest(path, self.warnings)
         self._indexes: dict[Path, tuple[float, int, pa.Table]] = {}
         self._partials: dict[Path, tuple[float, int, pa.Table]] = {}
         version = self.manifest.get("format_version", FORMAT_VERSION)
@@ -652,7 +652,7 @@ class Run:
 
     def counters(self) -> dict[str, int]:
         """Spans dropped, spilled, lost or not encodable in the recording processes, and recoveries."""
-        totals = manifest.total_counters(self.path)
+        totals = manifest.total_counters(self.path, self.warnings)
         totals["recovered_shards"] = int(self.manifest.get("recovered_shards", 0) or 0)
         return totals
 

@@ -38,22 +38,50 @@ def run_summary(run: Run) -> dict[str, Any]:
     }
 
 
-def recover(run_dir: Path, wait_s: float = 0.0) -> dict[str, int]:
-    """Seal partials whose writers are gone and add what was recovered to the manifest."""
-    results, live = recover_run(run_dir, wait_s)
-    recovered = [r for r in results if r.sealed is not None]
-    totals = {
-        "recovered_shards": len(recovered),
-        "recovered_spans": sum(r.rows for r in recovered),
-        "discarded_bytes": sum(r.discarded_bytes for r in results),
-        "live_partials": len(live),
+def recover(run_dir: Path, wait_s: float = 0.0) -> dict[str, Any]:
+    """Seal partials whose writers are gone and add what was recovered to the manifest.
+
+    ``files`` lists one line per file dealt with: what was kept, and what was set aside in
+    ``RUN/_quarantine/`` (never deleted) or left alone, and why.
+    """
+    recovery = recover_run(run_dir, wait_s)
+    sealed = recovery.sealed
+    set_aside = [p for r in recovery.files for p in (r.set_aside or [])]
+    totals: dict[str, Any] = {
+        "recovered_shards": len(sealed),
+        "recovered_spans": sum(r.rows for r in sealed),
+        "discarded_bytes": sum(r.set_aside_bytes for r in recovery.files),
+        "quarantined_files": len(set_aside),
+        "live_partials": len(recovery.live),
+        "files": [_describe(Path(run_dir), r) for r in recovery.files],
     }
-    if results and (Path(run_dir) / manifest.MANIFEST).exists():
+    if recovery.files and (Path(run_dir) / manifest.MANIFEST).exists():
         current = manifest.read_manifest(run_dir)
         manifest.update_manifest(
             run_dir,
-            recovered_shards=int(current.get("recovered_shards", 0) or 0) + totals["recovered_shards"],
-            recovered_spans=int(current.get("recovered_spans", 0) or 0) + totals["recovered_spans"],
-            discarded_bytes=int(current.get("discarded_bytes", 0) or 0) + totals["discarded_bytes"],
+            **{
+                key: int(current.get(key, 0) or 0) + totals[key]
+                for key in ("recovered_shards", "recovered_spans", "discarded_bytes", "quarantined_files")
+            },
         )
     return totals
+
+
+def _describe(run_dir: Path, r: Any) -> str:
+    def rel(path: Path) -> str:
+        try:
+            return str(path.relative_to(run_dir))
+        except ValueError:
+            return str(path)
+
+    parts = [rel(r.path) + ":"]
+    if r.sealed is not None:
+        parts.append(f"kept {r.rows} spans in {r.sealed.name}")
+    elif r.removed:
+        parts.append("removed (every row already sealed)")
+    if r.set_aside:
+        size = f" ({r.set_aside_bytes:,} bytes)" if r.set_aside_bytes else ""
+        parts.append(f"set aside{size} in " + ", ".join(rel(p) for p in r.set_aside))
+    if r.note:
+        parts.append(f"[{r.note}]")
+    return " ".join(parts)

@@ -110,4 +110,6 @@ def test_garbage_partial_does_not_block_the_run(tmp_path: Path, capsys) -> None:
     out, err = capsys.readouterr()
     assert out.strip() and "_part-bad.partial" in err
     assert main(["recover", str(run_dir)]) == 0
-    assert bad.exists()  # left in place for inspection, never deleted
+    assert "_part-bad.partial" in capsys.readouterr().out
+    kept = run_dir / "_quarantine" / bad.relative_to(run_dir)  # set aside for inspection, never deleted
+    assert not bad.exists() and kept.read_bytes() == b"\x00garbage" * 50
