@@ -38,6 +38,18 @@ def _on_verl_trace(module: ModuleType) -> None:
     verl.install(module)
 
 
+def _on_verl_agent_loop(module: ModuleType) -> None:
+    from rlreplay.recorders import verl
+
+    verl.install_agent_loop(module)
+
+
+def _on_verl_trainer(module: ModuleType) -> None:
+    from rlreplay.recorders import verl_trainer
+
+    verl_trainer.install(module)
+
+
 def _on_ray(module: ModuleType) -> None:
     init = getattr(module, "init", None)
     if init is None or getattr(init, "__rlreplay_wrapped__", False):
@@ -56,7 +68,12 @@ def _on_ray(module: ModuleType) -> None:
     module.init = rlreplay_ray_init  # type: ignore[attr-defined]
 
 
-HOOKS: dict[str, Callable[[ModuleType], None]] = {VERL_TRACE_MODULE: _on_verl_trace, "ray": _on_ray}
+HOOKS: dict[str, Callable[[ModuleType], None]] = {
+    VERL_TRACE_MODULE: _on_verl_trace,
+    "verl.experimental.agent_loop.agent_loop": _on_verl_agent_loop,
+    "verl.trainer.ppo.ray_trainer": _on_verl_trainer,
+    "ray": _on_ray,
+}
 
 
 def recording_env() -> dict[str, str]:

@@ -315,6 +315,50 @@ def _make_trace_op(original_op: Callable[..., Any]) -> Callable[..., Any]:
     return rollout_trace_op
 
 
+#: The trajectory being recorded in this task: {"trajectory_id", "step", "sample_index",
+#: "rollout_n", "validate"}, carried into verl's batch so that the trainer's signals join it.
+_TRAJECTORY_KEY: ContextVar[dict[str, Any] | None] = ContextVar("rlreplay_verl_trajectory", default=None)
+
+#: The ``AgentLoopOutput.extra_fields`` key (and so the ``DataProto.non_tensor_batch`` key) holding it.
+EXTRA_FIELD = "rlreplay_trajectory"
+AGENT_LOOP_MODULE = "verl.experimental.agent_loop.agent_loop"
+
+
+def _root_span_id(traj: Any) -> str | None:
+    from rlreplay.recorder import format_span_id
+
+    number = getattr(traj, "_span_id", 0)
+    return format_span_id(number) if number else None
+
+
+def current_trajectory_key() -> dict[str, Any] | None:
+    return _TRAJECTORY_KEY.get()
+
+
+def install_agent_loop(module: ModuleType) -> None:
+    """Make ``AgentLoopWorker._agent_loop_postprocess`` put the trajectory key into ``extra_fields``.
+
+    verl copies ``extra_fields`` into the batch's ``non_tensor_batch``, which follows every row
+    through ``balance_batch`` and the trainer, so driver-side signals join the exact trajectory.
+    """
+    worker = getattr(module, "AgentLoopWorker", None)
+    original = getattr(worker, "_agent_loop_postprocess", None)
+    if original is None or getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    async def _agent_loop_postprocess(self: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
+        key = _TRAJECTORY_KEY.get()
+        if key is not None:
+            extra = getattr(output, "extra_fields", None)
+            if isinstance(extra, dict):
+                extra[EXTRA_FIELD] = key
+        return await original(self, output, *args, **kwargs)
+
+    setattr(_agent_loop_postprocess, _MARK, True)
+    worker._agent_loop_postprocess = _agent_loop_postprocess
+
+
 _in_flight = [0]  # agent loops open in this process
 _in_flight_lock = threading.Lock()
 BATCH_FLUSH_TIMEOUT_S = 1.0
@@ -351,8 +395,17 @@ def _make_trace_attr(original_attr: Callable[..., Any], config_cls: Any) -> Call
         """
         config = config_cls.get_instance()
         record = trace or config.max_samples_per_step_per_worker is None
-        from rlreplay.recorder import trajectory
+        from rlreplay.recorder import get_recorder, trajectory
 
+        traj = trajectory(
+            step=step,
+            sample_index=sample_index,
+            rollout_n=rollout_n,
+            validate=validate,
+            experiment=config.experiment_name,
+            name=name,
+            trace=record,
+        )
         with _in_flight_lock:
             _in_flight[0] += 1
         try:
@@ -365,17 +418,23 @@ def _make_trace_attr(original_attr: Callable[..., Any], config_cls: Any) -> Call
                     validate=validate,
                     trace=trace,
                 ),
-                trajectory(
-                    step=step,
-                    sample_index=sample_index,
-                    rollout_n=rollout_n,
-                    validate=validate,
-                    experiment=config.experiment_name,
-                    name=name,
-                    trace=record,
-                ),
+                traj,
             ):
-                yield
+                key = None
+                if record and get_recorder() is not None:
+                    key = {
+                        "trajectory_id": traj.id,
+                        "root_span_id": _root_span_id(traj),
+                        "step": step,
+                        "sample_index": sample_index,
+                        "rollout_n": rollout_n,
+                        "validate": bool(validate),
+                    }
+                token = _TRAJECTORY_KEY.set(key)
+                try:
+                    yield
+                finally:
+                    _TRAJECTORY_KEY.reset(token)
         finally:
             with _in_flight_lock:
                 _in_flight[0] -= 1

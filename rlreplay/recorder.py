@@ -105,12 +105,16 @@ def _id_source() -> tuple[itertools.count, itertools.count, int]:
 _trajectory_ids, _span_ids, _id_salt = _id_source()
 
 
-def format_trajectory_id(n: int) -> str:
+def format_trajectory_id(n: int | str) -> str:
     """32 hex digits, unique per process counter, with well-spread prefixes (like git ids)."""
+    if type(n) is str:  # a trajectory recorded by another process (signals)
+        return n
     return f"{((n * _MIX128) & _MASK128) ^ _id_salt:032x}"
 
 
-def format_span_id(n: int) -> str:
+def format_span_id(n: int | str) -> str:
+    if type(n) is str:  # a span recorded by another process (the parent of a signals row)
+        return n
     return f"{((n * _MIX64) & _MASK64) ^ (_id_salt & _MASK64):016x}"
 
 
@@ -427,7 +431,7 @@ class Recorder:
         output_text = payload.dumps(output_data, cap) if output_data is not None else None
         attributes = (
             payload.dumps(payload.to_jsonable(traj.attributes))
-            if traj.attributes and parent_id is None
+            if traj.attributes and (parent_id is None or meta.kind == "signals")
             else None
         )
         row = (
@@ -998,6 +1002,57 @@ class trajectory:
     @property
     def id(self) -> str:
         return format_trajectory_id(self._traj.id)
+
+
+KIND_SIGNALS = "signals"
+SIGNAL_FIELDS = ("reward", "advantage", "logprob_diff_mean", "logprob_diff_max", "importance_ratio")
+
+
+def record_signals(
+    trajectory_id: str,
+    *,
+    step: Any,
+    sample_index: Any,
+    rollout_n: Any,
+    validate: Any,
+    reward: float | None = None,
+    advantage: float | None = None,
+    logprob_diff_mean: float | None = None,
+    logprob_diff_max: float | None = None,
+    importance_ratio: float | None = None,
+    attributes: dict[str, Any] | None = None,
+    output: Any = None,
+    parent_id: str | None = None,
+) -> None:
+    """Record trainer/reward-side signals for a trajectory another process recorded (a ``signals`` span).
+
+    The row shares ``trajectory_id`` and the keys with that trajectory; ``parent_id`` is that
+    trajectory's root span id when known. Until the span schema
+    has signal columns, ``reward`` is the row's reward and the other figures are in ``attributes``.
+    """
+    rec = _recorder if _env_checked else _from_env()
+    if rec is None:
+        return
+    try:
+        values = dict(
+            reward=reward,
+            advantage=advantage,
+            logprob_diff_mean=logprob_diff_mean,
+            logprob_diff_max=logprob_diff_max,
+            importance_ratio=importance_ratio,
+        )
+        attrs = {k: v for k, v in values.items() if v is not None}
+        attrs.update(attributes or {})
+        traj = _Trajectory(
+            _as_int(step), _as_int(sample_index), _as_int(rollout_n), bool(validate), None, attrs, False
+        )
+        traj.id = str(trajectory_id)
+        meta = OpMeta(name=KIND_SIGNALS, kind=KIND_SIGNALS, reward=lambda _result: reward)
+        now = time.time_ns()
+        parent = str(parent_id) if parent_id else None
+        rec.submit((_SPAN, traj, next(_span_ids), parent, meta, now, now, None, (), {}, output, 512))
+    except Exception as exc:  # never into the trainer
+        _untraced_failure(rec, exc)
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,0 +1,253 @@
+"""Trainer-side signals for every verl trajectory: reward, reward extras, advantage, log-prob mismatch.
+
+:func:`install` runs when ``verl.trainer.ppo.ray_trainer`` is imported in the driver (see
+``rlreplay.recorders.activate``). It wraps two functions of that module, without editing verl:
+
+- ``compute_advantage`` (called by ``RayPPOTrainer.fit`` on the driver, after rewards and
+  ``old_log_probs``): per row, the reward verl trains on (``token_level_scores`` summed), the
+  reward function's extra fields (``meta_info["reward_extra_keys"]``), the advantage (the
+  advantage of the row's first model token: GRPO's per-trajectory scalar), and, when both
+  ``old_log_probs`` and ``rollout_log_probs`` exist, mean and max ``|old - rollout|`` over model
+  tokens (``response_mask``) and the sequence importance ratio ``exp(sum(old - rollout))``.
+- ``extract_reward`` on validation batches (``RayPPOTrainer._validate``): rewards and extras.
+
+Each row is joined to its agent-loop trajectory by the key the agent loop put into
+``non_tensor_batch["rlreplay_trajectory"]`` (see ``rlreplay.recorders.verl.install_agent_loop``),
+which travels with the row through ``balance_batch`` and any reordering. Per-token trainer
+log-probs are kept only when ``RLREPLAY_TOKEN_SIGNALS=1`` (``rlreplay record --token-signals``).
+Nothing here raises into the trainer: a failure is logged once and counted as lost.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+from rlreplay.recorders.verl import EXTRA_FIELD
+
+log = logging.getLogger("rlreplay")
+
+TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
+ENV_TOKEN_SIGNALS = "RLREPLAY_TOKEN_SIGNALS"
+_MARK = "__rlreplay_verl_trainer__"
+_warned: set[str] = set()
+unmatched_rows = [0]  # rows without a recorded trajectory (e.g. verl's per-worker trace sampling)
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("rlreplay: %s", message)
+
+
+def token_signals_wanted() -> bool:
+    return os.environ.get(ENV_TOKEN_SIGNALS, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@functools.lru_cache(maxsize=1)
+def _record_signals() -> tuple[Any, bool]:
+    """The recorder's ``record_signals`` (``rlreplay.signals`` when present, else ``rlreplay.recorder``)
+    and whether it takes ``parent_id`` (the trajectory's root span)."""
+    import inspect
+
+    try:
+        from rlreplay.signals import record_signals  # type: ignore[import-not-found]
+    except ImportError:
+        from rlreplay.recorder import record_signals
+    try:
+        takes_parent = "parent_id" in inspect.signature(record_signals).parameters
+    except (TypeError, ValueError):
+        takes_parent = False
+    return record_signals, takes_parent
+
+
+def _extras(data: Any, keys: list[str], n: int) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [{} for _ in range(n)]
+    for key in keys:
+        values = data.non_tensor_batch.get(key)
+        if values is None or len(values) != n:
+            continue
+        values = values.tolist() if hasattr(values, "tolist") else list(values)
+        for row, value in zip(out, values):
+            row[key] = value
+    return out
+
+
+def _keys(data: Any) -> list[Any] | None:
+    keys = getattr(data, "non_tensor_batch", {}).get(EXTRA_FIELD)
+    return None if keys is None else list(keys)
+
+
+def _send(
+    keys: list[Any], columns: dict[str, list[Any] | None], extras: list[dict], outputs: list | None
+) -> int:
+    """One ``signals`` row per recorded trajectory (the first occurrence of each); returns rows sent."""
+    record_signals, takes_parent = _record_signals()
+    seen: set[str] = set()
+    sent = 0
+    for i, key in enumerate(keys):
+        if not isinstance(key, dict) or not key.get("trajectory_id"):
+            unmatched_rows[0] += 1
+            continue
+        if key["trajectory_id"] in seen:  # a row resampled by the estimator (e.g. PF-PPO)
+            continue
+        seen.add(key["trajectory_id"])
+        values = {name: (col[i] if col is not None else None) for name, col in columns.items()}
+        attributes = {"reward_extra": extras[i]} if extras[i] else {}
+        for name in list(values):
+            if name.startswith("_"):
+                value = values.pop(name)
+                if value is not None:
+                    attributes[name[1:]] = value
+        if takes_parent:
+            values["parent_id"] = key.get("root_span_id")
+        record_signals(
+            key["trajectory_id"],
+            step=key.get("step"),
+            sample_index=key.get("sample_index"),
+            rollout_n=key.get("rollout_n"),
+            validate=bool(key.get("validate")),
+            attributes=attributes or None,
+            output=outputs[i] if outputs is not None else None,
+            **values,
+        )
+        sent += 1
+    return sent
+
+
+def _floats(tensor: Any) -> list[float | None]:
+    return [None if v != v else v for v in tensor.double().tolist()]  # NaN: not computed
+
+
+def training_signals(data: Any, token_signals: bool | None = None) -> int:
+    """Record reward, extras, advantage and log-prob mismatch for every row of a trained batch."""
+    keys = _keys(data)
+    if keys is None:
+        unmatched_rows[0] += len(data)
+        return 0
+    import torch
+
+    batch = data.batch
+    n = len(keys)
+    mask = batch["response_mask"].bool()
+    maskf = mask.to(torch.float64)
+    has_tokens = mask.any(-1)
+    present = set(batch.keys())
+    scores = batch["token_level_scores"] if "token_level_scores" in present else None
+    rewards = batch["token_level_rewards"] if "token_level_rewards" in present else None
+    source = scores if scores is not None else rewards
+    columns: dict[str, list[Any] | None] = {
+        "reward": _floats(source.double().sum(-1)) if source is not None else None
+    }
+    if scores is not None and rewards is not None and not torch.equal(scores, rewards):
+        columns["_reward_with_kl"] = _floats(rewards.double().sum(-1))
+    if "advantages" in present:
+        first = mask.to(torch.int8).argmax(-1, keepdim=True)
+        adv = batch["advantages"].double().gather(1, first).squeeze(1)
+        columns["advantage"] = _floats(torch.where(has_tokens, adv, torch.nan))
+    if "old_log_probs" in present and "rollout_log_probs" in present:
+        delta = (batch["old_log_probs"].double() - batch["rollout_log_probs"].double()) * maskf
+        count = maskf.sum(-1)
+        absolute = delta.abs()
+        nan = torch.full_like(count, torch.nan)
+        columns["logprob_diff_mean"] = _floats(
+            torch.where(has_tokens, absolute.sum(-1) / count.clamp(min=1), nan)
+        )
+        columns["logprob_diff_max"] = _floats(torch.where(has_tokens, absolute.max(-1).values, nan))
+        columns["importance_ratio"] = _floats(torch.where(has_tokens, torch.exp(delta.sum(-1)), nan))
+    if "uid" in data.non_tensor_batch:
+        columns["_uid"] = [str(u) for u in data.non_tensor_batch["uid"]]
+    extras = _extras(data, list(data.meta_info.get("reward_extra_keys", []) or []), n)
+    outputs = None
+    if (token_signals_wanted() if token_signals is None else token_signals) and "old_log_probs" in present:
+        length = batch["attention_mask"][:, -mask.shape[1] :].sum(-1).tolist()
+        old = batch["old_log_probs"].float().tolist()
+        outputs = [{"old_log_probs": row[:k]} for row, k in zip(old, length)]
+    return _send(keys, columns, extras, outputs)
+
+
+def validation_signals(data: Any, reward_tensor: Any, reward_extra_info: dict[str, Any]) -> int:
+    """Record reward and extras for every row of a validation batch (verl computes no advantage there)."""
+    keys = _keys(data)
+    if keys is None:
+        unmatched_rows[0] += len(data)
+        return 0
+    n = len(keys)
+    columns: dict[str, list[Any] | None] = {"reward": _floats(reward_tensor.double().sum(-1))}
+    extras: list[dict[str, Any]] = [{} for _ in range(n)]
+    for key, values in (reward_extra_info or {}).items():
+        values = values.tolist() if hasattr(values, "tolist") else list(values)
+        if len(values) == n:
+            for row, value in zip(extras, values):
+                row[key] = value
+    return _send(keys, columns, extras, None)
+
+
+def _guarded(what: str, fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:
+        _warn_once(what, f"could not record {what} signals: {type(exc).__name__}: {exc}")
+        try:
+            from rlreplay.recorder import _untraced_failure, get_recorder
+
+            rec = get_recorder()
+            if rec is not None:
+                _untraced_failure(rec, exc)
+        except Exception:
+            pass
+
+
+def wrap_compute_advantage(original: Any) -> Any:
+    @functools.wraps(original)
+    def compute_advantage(data: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(data, *args, **kwargs)
+        _guarded("training", training_signals, result)
+        return result
+
+    setattr(compute_advantage, _MARK, True)
+    return compute_advantage
+
+
+def wrap_extract_reward(original: Any) -> Any:
+    @functools.wraps(original)
+    def extract_reward(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(batch, *args, **kwargs)
+        if getattr(batch, "meta_info", {}).get("validate"):
+            _guarded("validation", validation_signals, batch, *result)
+        return result
+
+    setattr(extract_reward, _MARK, True)
+    return extract_reward
+
+
+def install(module: ModuleType) -> None:
+    """Wrap ``compute_advantage`` and ``extract_reward`` in the trainer module (idempotent) and
+    in verl modules that imported them by name before this ran."""
+    from rlreplay.recorder import get_recorder
+
+    if get_recorder() is None:  # this process does not record
+        return
+    replaced = {}
+    for name, wrap in (
+        ("compute_advantage", wrap_compute_advantage),
+        ("extract_reward", wrap_extract_reward),
+    ):
+        original = getattr(module, name, None)
+        if original is None or getattr(original, _MARK, False):
+            continue
+        replaced[id(original)] = wrap(original)
+        setattr(module, name, replaced[id(original)])
+    if not replaced:
+        return
+    for mod_name, mod in list(sys.modules.items()):
+        namespace = getattr(mod, "__dict__", None)
+        if mod is module or not mod_name.startswith("verl.") or not isinstance(namespace, dict):
+            continue
+        for key, value in list(namespace.items()):
+            if id(value) in replaced and callable(value):
+                namespace[key] = replaced[id(value)]
