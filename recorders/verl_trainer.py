@@ -15,15 +15,22 @@ Each row is joined to its agent-loop trajectory by the key the agent loop put in
 ``non_tensor_batch["rlreplay_trajectory"]`` (see ``rlreplay.recorders.verl.install_agent_loop``),
 which travels with the row through ``balance_batch`` and any reordering. Per-token trainer
 log-probs are kept only when ``RLREPLAY_TOKEN_SIGNALS=1`` (``rlreplay record --token-signals``).
-Nothing here raises into the trainer: a failure is logged once and counted as lost.
+The driver's thread only takes references to the batch's tensors; the figures are computed and
+queued to the recorder on a background thread (verl does not modify these tensors in place
+after ``compute_advantage``). Nothing here raises into the trainer: a failure is logged once
+and counted as lost.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
+import queue
 import sys
+import threading
+import time
 from types import ModuleType
 from typing import Any
 
@@ -63,23 +70,6 @@ def _record_signals() -> tuple[Any, bool]:
     except (TypeError, ValueError):
         takes_parent = False
     return record_signals, takes_parent
-
-
-def _extras(data: Any, keys: list[str], n: int) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = [{} for _ in range(n)]
-    for key in keys:
-        values = data.non_tensor_batch.get(key)
-        if values is None or len(values) != n:
-            continue
-        values = values.tolist() if hasattr(values, "tolist") else list(values)
-        for row, value in zip(out, values):
-            row[key] = value
-    return out
-
-
-def _keys(data: Any) -> list[Any] | None:
-    keys = getattr(data, "non_tensor_batch", {}).get(EXTRA_FIELD)
-    return None if keys is None else list(keys)
 
 
 def _send(
@@ -123,68 +113,161 @@ def _floats(tensor: Any) -> list[float | None]:
     return [None if v != v else v for v in tensor.double().tolist()]  # NaN: not computed
 
 
-def training_signals(data: Any, token_signals: bool | None = None) -> int:
-    """Record reward, extras, advantage and log-prob mismatch for every row of a trained batch."""
-    keys = _keys(data)
+_TENSORS = (
+    "response_mask",
+    "attention_mask",
+    "token_level_scores",
+    "token_level_rewards",
+    "advantages",
+    "old_log_probs",
+    "rollout_log_probs",
+)
+
+
+def _training_snapshot(data: Any, token_signals: bool | None = None) -> dict[str, Any] | None:
+    """References to what the signals need (no copies): cheap, on the driver's thread."""
+    keys = getattr(data, "non_tensor_batch", {}).get(EXTRA_FIELD)
     if keys is None:
         unmatched_rows[0] += len(data)
-        return 0
+        return None
+    present = set(data.batch.keys())
+    extra_keys = list(data.meta_info.get("reward_extra_keys", []) or [])
+    return {
+        "keys": keys,
+        "tensors": {k: data.batch[k] for k in _TENSORS if k in present},
+        "uid": data.non_tensor_batch.get("uid"),
+        "extras": {k: data.non_tensor_batch[k] for k in extra_keys if k in data.non_tensor_batch},
+        "tokens": token_signals_wanted() if token_signals is None else token_signals,
+    }
+
+
+def _training_rows(snap: dict[str, Any]) -> int:
+    """Reward, extras, advantage and log-prob mismatch per row, then one signals row each."""
     import torch
 
-    batch = data.batch
+    t = snap["tensors"]
+    keys = list(snap["keys"])
     n = len(keys)
-    mask = batch["response_mask"].bool()
-    maskf = mask.to(torch.float64)
+    mask = t["response_mask"].bool()
     has_tokens = mask.any(-1)
-    present = set(batch.keys())
-    scores = batch["token_level_scores"] if "token_level_scores" in present else None
-    rewards = batch["token_level_rewards"] if "token_level_rewards" in present else None
+    f64 = torch.float64
+    scores, rewards = t.get("token_level_scores"), t.get("token_level_rewards")
     source = scores if scores is not None else rewards
     columns: dict[str, list[Any] | None] = {
-        "reward": _floats(source.double().sum(-1)) if source is not None else None
+        "reward": _floats(source.sum(-1, dtype=f64)) if source is not None else None
     }
-    if scores is not None and rewards is not None and not torch.equal(scores, rewards):
-        columns["_reward_with_kl"] = _floats(rewards.double().sum(-1))
-    if "advantages" in present:
+    if (
+        scores is not None
+        and rewards is not None
+        and scores.data_ptr() != rewards.data_ptr()
+        and not torch.equal(scores, rewards)
+    ):
+        columns["_reward_with_kl"] = _floats(rewards.sum(-1, dtype=f64))
+    if "advantages" in t:
         first = mask.to(torch.int8).argmax(-1, keepdim=True)
-        adv = batch["advantages"].double().gather(1, first).squeeze(1)
+        adv = t["advantages"].gather(1, first).squeeze(1).to(f64)
         columns["advantage"] = _floats(torch.where(has_tokens, adv, torch.nan))
-    if "old_log_probs" in present and "rollout_log_probs" in present:
-        delta = (batch["old_log_probs"].double() - batch["rollout_log_probs"].double()) * maskf
-        count = maskf.sum(-1)
+    if "old_log_probs" in t and "rollout_log_probs" in t:
+        delta = torch.where(mask, t["old_log_probs"] - t["rollout_log_probs"], 0.0)
+        count = mask.sum(-1).to(f64)
         absolute = delta.abs()
         nan = torch.full_like(count, torch.nan)
-        columns["logprob_diff_mean"] = _floats(
-            torch.where(has_tokens, absolute.sum(-1) / count.clamp(min=1), nan)
-        )
-        columns["logprob_diff_max"] = _floats(torch.where(has_tokens, absolute.max(-1).values, nan))
-        columns["importance_ratio"] = _floats(torch.where(has_tokens, torch.exp(delta.sum(-1)), nan))
-    if "uid" in data.non_tensor_batch:
-        columns["_uid"] = [str(u) for u in data.non_tensor_batch["uid"]]
-    extras = _extras(data, list(data.meta_info.get("reward_extra_keys", []) or []), n)
+        mean = absolute.sum(-1, dtype=f64) / count.clamp(min=1)
+        columns["logprob_diff_mean"] = _floats(torch.where(has_tokens, mean, nan))
+        columns["logprob_diff_max"] = _floats(torch.where(has_tokens, absolute.max(-1).values.to(f64), nan))
+        ratio = torch.exp(delta.sum(-1, dtype=f64))
+        columns["importance_ratio"] = _floats(torch.where(has_tokens, ratio, nan))
+    if snap["uid"] is not None:
+        columns["_uid"] = [str(u) for u in snap["uid"]]
+    extras: list[dict[str, Any]] = [{} for _ in range(n)]
+    for key, values in snap["extras"].items():
+        values = values.tolist() if hasattr(values, "tolist") else list(values)
+        if len(values) == n:
+            for row, value in zip(extras, values):
+                row[key] = value
     outputs = None
-    if (token_signals_wanted() if token_signals is None else token_signals) and "old_log_probs" in present:
-        length = batch["attention_mask"][:, -mask.shape[1] :].sum(-1).tolist()
-        old = batch["old_log_probs"].float().tolist()
+    if snap["tokens"] and "old_log_probs" in t:
+        length = t["attention_mask"][:, -mask.shape[1] :].sum(-1).tolist()
+        old = t["old_log_probs"].float().tolist()
         outputs = [{"old_log_probs": row[:k]} for row, k in zip(old, length)]
     return _send(keys, columns, extras, outputs)
 
 
-def validation_signals(data: Any, reward_tensor: Any, reward_extra_info: dict[str, Any]) -> int:
-    """Record reward and extras for every row of a validation batch (verl computes no advantage there)."""
-    keys = _keys(data)
+def training_signals(data: Any, token_signals: bool | None = None) -> int:
+    """Record reward, extras, advantage and log-prob mismatch for every row of a trained batch, now."""
+    snap = _training_snapshot(data, token_signals)
+    return 0 if snap is None else _training_rows(snap)
+
+
+def _validation_snapshot(data: Any, reward_tensor: Any, extra: dict[str, Any]) -> dict[str, Any] | None:
+    keys = getattr(data, "non_tensor_batch", {}).get(EXTRA_FIELD)
     if keys is None:
         unmatched_rows[0] += len(data)
-        return 0
+        return None
+    return {"keys": keys, "reward": reward_tensor, "extras": dict(extra or {})}
+
+
+def _validation_rows(snap: dict[str, Any]) -> int:
+    import torch
+
+    keys = list(snap["keys"])
     n = len(keys)
-    columns: dict[str, list[Any] | None] = {"reward": _floats(reward_tensor.double().sum(-1))}
+    columns: dict[str, list[Any] | None] = {"reward": _floats(snap["reward"].sum(-1, dtype=torch.float64))}
     extras: list[dict[str, Any]] = [{} for _ in range(n)]
-    for key, values in (reward_extra_info or {}).items():
+    for key, values in snap["extras"].items():
         values = values.tolist() if hasattr(values, "tolist") else list(values)
         if len(values) == n:
             for row, value in zip(extras, values):
                 row[key] = value
     return _send(keys, columns, extras, None)
+
+
+def validation_signals(data: Any, reward_tensor: Any, reward_extra_info: dict[str, Any]) -> int:
+    """Record reward and extras for every row of a validation batch (verl computes no advantage there)."""
+    snap = _validation_snapshot(data, reward_tensor, reward_extra_info)
+    return 0 if snap is None else _validation_rows(snap)
+
+
+# ---- off the driver's path ----------------------------------------------------------------------
+
+_queue: queue.SimpleQueue = queue.SimpleQueue()
+_pending = [0]
+_idle = threading.Condition()
+_thread: list[threading.Thread] = []
+
+
+def _work() -> None:
+    while True:
+        what, fn, snap = _queue.get()
+        _guarded(what, fn, snap)
+        with _idle:
+            _pending[0] -= 1
+            _idle.notify_all()
+
+
+def _submit(what: str, fn: Any, snap: dict[str, Any] | None) -> None:
+    """Compute and record on rlreplay's signals thread; the batch's tensors are read, never copied."""
+    if snap is None:
+        return
+    with _idle:
+        _pending[0] += 1
+        if not _thread or not _thread[0].is_alive():
+            _thread[:] = [threading.Thread(target=_work, name="rlreplay-signals", daemon=True)]
+            _thread[0].start()
+            atexit.register(drain)  # after the recorder's own exit hook was registered: runs first
+    _queue.put((what, fn, snap))
+
+
+def drain(timeout: float = 30.0) -> bool:
+    """Wait until every batch handed to the signals thread is recorded (queued to the recorder)."""
+    deadline = time.monotonic() + timeout
+    with _idle:
+        while _pending[0]:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            _idle.wait(left)
+    return True
 
 
 def _guarded(what: str, fn: Any, *args: Any) -> None:
@@ -202,11 +285,18 @@ def _guarded(what: str, fn: Any, *args: Any) -> None:
             pass
 
 
+def _raise(exc: Exception) -> None:
+    raise exc
+
+
 def wrap_compute_advantage(original: Any) -> Any:
     @functools.wraps(original)
     def compute_advantage(data: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(data, *args, **kwargs)
-        _guarded("training", training_signals, result)
+        try:
+            _submit("training", _training_rows, _training_snapshot(result))
+        except Exception as exc:
+            _guarded("training", _raise, exc)
         return result
 
     setattr(compute_advantage, _MARK, True)
@@ -217,8 +307,11 @@ def wrap_extract_reward(original: Any) -> Any:
     @functools.wraps(original)
     def extract_reward(batch: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(batch, *args, **kwargs)
-        if getattr(batch, "meta_info", {}).get("validate"):
-            _guarded("validation", validation_signals, batch, *result)
+        try:
+            if getattr(batch, "meta_info", {}).get("validate"):
+                _submit("validation", _validation_rows, _validation_snapshot(batch, *result))
+        except Exception as exc:
+            _guarded("validation", _raise, exc)
         return result
 
     setattr(extract_reward, _MARK, True)

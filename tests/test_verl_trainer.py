@@ -120,6 +120,10 @@ def balance(ray_trainer: Any, batch: Any) -> None:
 
 def signals(run_dir: Path) -> dict[str, dict]:
     """trajectory id → the signals row, its figures from columns (v2) or attributes (v1)."""
+    from rlreplay.recorders import verl_trainer
+
+    assert verl_trainer.drain()
+    rlreplay.flush()
     run = rlreplay.open_run(run_dir)
     table = run.spans()
     out = {}
