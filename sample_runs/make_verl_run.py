@@ -594,7 +594,8 @@ def record(args: argparse.Namespace) -> int:
     if code == 0:  # ship the tokenizer with the run, so that it decodes on a fresh checkout
         from rlreplay import manifest
 
-        (out / "tokenizer.json").write_bytes((path / "tokenizer.json").read_bytes())
+        tokenizer = json.loads((path / "tokenizer.json").read_text())  # the same, without indentation
+        (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False, separators=(",", ":")))
         (out / "TOKENIZER_LICENSE").write_text(TOKENIZER_LICENSE)
         manifest.update_manifest(out, tokenizer="tokenizer.json", tokenizer_source=TOKENIZER_NAME)
     return code

@@ -126,3 +126,20 @@ def test_prompt_without_recorded_messages_is_one_user_message(sample) -> None:
     assert messages[0]["role"] == "user"
     assert "<|im_start|>" not in messages[0]["content"]
     assert "step by step" in messages[0]["content"]
+
+
+def test_record_with_an_unknown_framework_fails_cleanly(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlreplay", "record", "--framework", "nope", "--out", str(out), "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "unknown framework 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not out.exists()

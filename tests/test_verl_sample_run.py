@@ -25,7 +25,10 @@ def run() -> rlreplay.Run:
 @pytest.fixture(scope="module")
 def rows() -> list[dict]:
     proc = subprocess.run(
-        [sys.executable, "-m", "rlreplay", "ls", str(RUN), "--json"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "rlreplay", "ls", str(RUN), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
