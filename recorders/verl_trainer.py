@@ -56,9 +56,9 @@ def token_signals_wanted() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _record_signals() -> tuple[Any, bool]:
+def _record_signals() -> tuple[Any, str | None]:
     """The recorder's ``record_signals`` (``rlreplay.signals`` when present, else ``rlreplay.recorder``)
-    and whether it takes ``parent_id`` (the trajectory's root span)."""
+    and the name of its argument for the trajectory's root span id, if it has one."""
     import inspect
 
     try:
@@ -66,17 +66,17 @@ def _record_signals() -> tuple[Any, bool]:
     except ImportError:
         from rlreplay.recorder import record_signals
     try:
-        takes_parent = "parent_id" in inspect.signature(record_signals).parameters
+        params = inspect.signature(record_signals).parameters
     except (TypeError, ValueError):
-        takes_parent = False
-    return record_signals, takes_parent
+        params = {}
+    return record_signals, next((p for p in ("root_span_id", "parent_id") if p in params), None)
 
 
 def _send(
     keys: list[Any], columns: dict[str, list[Any] | None], extras: list[dict], outputs: list | None
 ) -> int:
     """One ``signals`` row per recorded trajectory (the first occurrence of each); returns rows sent."""
-    record_signals, takes_parent = _record_signals()
+    record_signals, root_arg = _record_signals()
     seen: set[str] = set()
     sent = 0
     for i, key in enumerate(keys):
@@ -93,8 +93,8 @@ def _send(
                 value = values.pop(name)
                 if value is not None:
                     attributes[name[1:]] = value
-        if takes_parent:
-            values["parent_id"] = key.get("root_span_id")
+        if root_arg is not None:
+            values[root_arg] = key.get("root_span_id")
         record_signals(
             key["trajectory_id"],
             step=key.get("step"),
