@@ -60,8 +60,9 @@ def test_every_training_rollout_has_reward_and_advantage(rows: list[dict], signa
     assert len(steps) >= 4 and len(train) >= 4 * 8 * 4
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in train:
+        assert r["reward"] is not None and r["advantage"] is not None  # the listing's columns
         sig = signals[r["id"]]
-        assert sig["reward"] is not None and sig["advantage"] is not None
+        assert (sig["reward"], sig["advantage"]) == (r["reward"], r["advantage"])
         assert sig["reward_extra"]["acc"] == sig["reward"]  # verl's GSM8K score
         assert sig["logprob_diff_mean"] is not None and sig["importance_ratio"] is not None
         groups[(r["step"], r["sample_index"])].append(sig)
@@ -78,8 +79,8 @@ def test_validation_rollouts_have_rewards_not_advantages(rows: list[dict], signa
     val = [r for r in rows if r["validate"]]
     assert len(val) >= 8
     for r in val:
-        assert signals[r["id"]]["reward"] is not None
-        assert signals[r["id"]].get("advantage") is None
+        assert r["reward"] is not None and r["advantage"] is None
+        assert signals[r["id"]]["reward"] == r["reward"]
 
 
 def test_rollouts_of_a_prompt_differ(run: rlreplay.Run, rows: list[dict]) -> None:
