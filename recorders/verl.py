@@ -215,7 +215,8 @@ def _note_tokenizer(owner: Any) -> None:
 
 
 def infer_kind(func: Callable[..., Any]) -> str:
-    return KIND_BY_NAME.get(getattr(func, "__name__", ""), "op")
+    """The span kind of a decorated method: the verl adapter's answer for its name."""
+    return ADAPTER.span_kind(getattr(func, "__name__", ""))
 
 
 def _wrap(verl_wrapper: Callable[..., Any], func: Callable[..., Any]) -> Callable[..., Any]:
@@ -618,3 +619,6 @@ class VerlAdapter(GenericAdapter):
             if m := _HYDRA_EXPERIMENT.match(arg):
                 experiment = m.group(1).strip("'\"")
         return experiment
+
+
+ADAPTER = VerlAdapter()
