@@ -24,6 +24,8 @@ log = logging.getLogger("rlreplay")
 
 ENV_PREFIX = "RLREPLAY_"
 ENV_CHAINED_HOOK = "RLREPLAY_CHAINED_SETUP_HOOK"
+ENV_FRAMEWORK = "RLREPLAY_FRAMEWORK"
+BUILTIN_FRAMEWORKS = ("verl", "generic")  # hooked by HOOKS below, no entry-point lookup
 SETUP_HOOK = "rlreplay.recorders.activate.worker_setup"
 VERL_TRACE_MODULE = "verl.utils.rollout_trace"
 
@@ -34,6 +36,18 @@ def _on_verl_trace(module: ModuleType) -> None:
     from rlreplay.recorders import verl
 
     verl.install(module)
+
+
+def _on_verl_agent_loop(module: ModuleType) -> None:
+    from rlreplay.recorders import verl
+
+    verl.install_agent_loop(module)
+
+
+def _on_verl_trainer(module: ModuleType) -> None:
+    from rlreplay.recorders import verl_trainer
+
+    verl_trainer.install(module)
 
 
 def _on_ray(module: ModuleType) -> None:
@@ -54,7 +68,12 @@ def _on_ray(module: ModuleType) -> None:
     module.init = rlreplay_ray_init  # type: ignore[attr-defined]
 
 
-HOOKS: dict[str, Callable[[ModuleType], None]] = {VERL_TRACE_MODULE: _on_verl_trace, "ray": _on_ray}
+HOOKS: dict[str, Callable[[ModuleType], None]] = {
+    VERL_TRACE_MODULE: _on_verl_trace,
+    "verl.experimental.agent_loop.agent_loop": _on_verl_agent_loop,
+    "verl.trainer.ppo.ray_trainer": _on_verl_trainer,
+    "ray": _on_ray,
+}
 
 
 def recording_env() -> dict[str, str]:
@@ -131,6 +150,14 @@ def activate() -> None:
                 callback(module)
             except Exception as exc:
                 log.warning("rlreplay: could not hook %s: %s", name, exc)
+    framework = os.environ.get(ENV_FRAMEWORK, "").strip().lower()
+    if framework and framework not in BUILTIN_FRAMEWORKS:
+        try:
+            from rlreplay.adapters import get_adapter
+
+            get_adapter(framework).install()
+        except Exception as exc:
+            log.warning("rlreplay: could not install the %s adapter: %s", framework, exc)
 
 
 def worker_setup() -> None:

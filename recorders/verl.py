@@ -19,12 +19,15 @@ import functools
 import inspect
 import logging
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from types import ModuleType
 from typing import Any
+
+from rlreplay.adapters import GenericAdapter
 
 log = logging.getLogger("rlreplay")
 
@@ -212,7 +215,8 @@ def _note_tokenizer(owner: Any) -> None:
 
 
 def infer_kind(func: Callable[..., Any]) -> str:
-    return KIND_BY_NAME.get(getattr(func, "__name__", ""), "op")
+    """The span kind of a decorated method: the verl adapter's answer for its name."""
+    return ADAPTER.span_kind(getattr(func, "__name__", ""))
 
 
 def _wrap(verl_wrapper: Callable[..., Any], func: Callable[..., Any]) -> Callable[..., Any]:
@@ -312,6 +316,50 @@ def _make_trace_op(original_op: Callable[..., Any]) -> Callable[..., Any]:
     return rollout_trace_op
 
 
+#: The trajectory being recorded in this task: {"trajectory_id", "step", "sample_index",
+#: "rollout_n", "validate"}, carried into verl's batch so that the trainer's signals join it.
+_TRAJECTORY_KEY: ContextVar[dict[str, Any] | None] = ContextVar("rlreplay_verl_trajectory", default=None)
+
+#: The ``AgentLoopOutput.extra_fields`` key (and so the ``DataProto.non_tensor_batch`` key) holding it.
+EXTRA_FIELD = "rlreplay_trajectory"
+AGENT_LOOP_MODULE = "verl.experimental.agent_loop.agent_loop"
+
+
+def _root_span_id(traj: Any) -> str | None:
+    from rlreplay.recorder import format_span_id
+
+    number = getattr(traj, "_span_id", 0)
+    return format_span_id(number) if number else None
+
+
+def current_trajectory_key() -> dict[str, Any] | None:
+    return _TRAJECTORY_KEY.get()
+
+
+def install_agent_loop(module: ModuleType) -> None:
+    """Make ``AgentLoopWorker._agent_loop_postprocess`` put the trajectory key into ``extra_fields``.
+
+    verl copies ``extra_fields`` into the batch's ``non_tensor_batch``, which follows every row
+    through ``balance_batch`` and the trainer, so driver-side signals join the exact trajectory.
+    """
+    worker = getattr(module, "AgentLoopWorker", None)
+    original = getattr(worker, "_agent_loop_postprocess", None)
+    if original is None or getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    async def _agent_loop_postprocess(self: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
+        key = _TRAJECTORY_KEY.get()
+        if key is not None:
+            extra = getattr(output, "extra_fields", None)
+            if isinstance(extra, dict):
+                extra[EXTRA_FIELD] = key
+        return await original(self, output, *args, **kwargs)
+
+    setattr(_agent_loop_postprocess, _MARK, True)
+    worker._agent_loop_postprocess = _agent_loop_postprocess
+
+
 _in_flight = [0]  # agent loops open in this process
 _in_flight_lock = threading.Lock()
 
@@ -350,8 +398,17 @@ def _make_trace_attr(original_attr: Callable[..., Any], config_cls: Any) -> Call
         """
         config = config_cls.get_instance()
         record = trace or config.max_samples_per_step_per_worker is None
-        from rlreplay.recorder import trajectory
+        from rlreplay.recorder import get_recorder, trajectory
 
+        traj = trajectory(
+            step=step,
+            sample_index=sample_index,
+            rollout_n=rollout_n,
+            validate=validate,
+            experiment=config.experiment_name,
+            name=name,
+            trace=record,
+        )
         with _in_flight_lock:
             _in_flight[0] += 1
         try:
@@ -364,17 +421,23 @@ def _make_trace_attr(original_attr: Callable[..., Any], config_cls: Any) -> Call
                     validate=validate,
                     trace=trace,
                 ),
-                trajectory(
-                    step=step,
-                    sample_index=sample_index,
-                    rollout_n=rollout_n,
-                    validate=validate,
-                    experiment=config.experiment_name,
-                    name=name,
-                    trace=record,
-                ),
+                traj,
             ):
-                yield
+                key = None
+                if record and get_recorder() is not None:
+                    key = {
+                        "trajectory_id": traj.id,
+                        "root_span_id": _root_span_id(traj),
+                        "step": step,
+                        "sample_index": sample_index,
+                        "rollout_n": rollout_n,
+                        "validate": bool(validate),
+                    }
+                token = _TRAJECTORY_KEY.set(key)
+                try:
+                    yield
+                finally:
+                    _TRAJECTORY_KEY.reset(token)
         finally:
             with _in_flight_lock:
                 _in_flight[0] -= 1
@@ -519,3 +582,45 @@ def patch_already_imported() -> list[str]:
             ", ..." if len(found) > 4 else "",
         )
     return found
+
+
+# ---- the verl framework adapter -------------------------------------------------------------------
+
+_HYDRA_EXPERIMENT = re.compile(r"^\+*trainer\.experiment_name=(.+)$")
+_HYDRA_MODEL = re.compile(r"^\+*actor_rollout_ref\.model\.(tokenizer_path|path)=(.+)$")
+
+
+class VerlAdapter(GenericAdapter):
+    """verl 0.9: ``AgentLoopOutput`` fields, Hermes tool calls, Hydra overrides, the rollout-trace hook.
+
+    Turns follow the agent span's ``response_mask``; the prompt's chat messages are the
+    ``raw_prompt`` verl passes to ``AgentLoopBase.run``; tool responses are ``ToolResponse.text``.
+    """
+
+    name = "verl"
+    kind_by_name = KIND_BY_NAME
+    prompt_message_fields = ("raw_prompt",)
+
+    def install(self) -> None:
+        """Hook verl's tracing module (now if imported, else when imported) and its trainer."""
+        from rlreplay.recorders import activate
+
+        activate.activate()
+
+    def tokenizer_from_argv(self, argv: list[str]) -> str | None:
+        """``actor_rollout_ref.model.tokenizer_path=`` wins over ``actor_rollout_ref.model.path=``."""
+        found: dict[str, str] = {}
+        for arg in argv:
+            if m := _HYDRA_MODEL.match(arg):
+                found[m.group(1)] = m.group(2).strip("'\"")
+        return found.get("tokenizer_path") or found.get("path")
+
+    def experiment_from_argv(self, argv: list[str]) -> str | None:
+        experiment = None
+        for arg in argv:
+            if m := _HYDRA_EXPERIMENT.match(arg):
+                experiment = m.group(1).strip("'\"")
+        return experiment
+
+
+ADAPTER = VerlAdapter()

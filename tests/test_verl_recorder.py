@@ -64,7 +64,7 @@ def check_tool_agent_tree(traj: rlreplay.Trajectory) -> None:
         "HermesToolParser.extract_tool_calls",
     ]
     for span in traj.spans:
-        if span.parent_id is not None:
+        if span.parent_id is not None and span.kind != "signals":  # signals: the trainer's, later
             parent = by_id[span.parent_id]
             assert parent.start_ns <= span.start_ns <= span.end_ns <= parent.end_ns
     (tool,) = traj.by_kind("tool")
@@ -122,14 +122,32 @@ def test_ray_agent_loop_workers_recorded_without_touching_the_job(tmp_path: Path
     assert {r["experiment"] for r in step1 + step2} == {"ray-agent-loop"}  # verl's experiment_name
     for traj in opened.load([r["id"] for r in step1 + step2]):
         check_tool_agent_tree(traj)
+    # The driver's compute_advantage (verl's own, reached through the trainer module) joined its
+    # figures to the actors' trajectories through the key carried in the batch, after reordering.
+    spans = opened.spans().to_pylist()
+    signals = [s for s in spans if s["kind"] == "signals"]
+    train_a = {r["id"]: r for r in step1 if r["worker"] == worker_a}
+    assert {s["trajectory_id"] for s in signals} == set(train_a)
+    driver = {s["worker"] for s in signals}
+    assert len(driver) == 1 and driver.isdisjoint({worker_a, worker_b})
+    roots = {s["trajectory_id"]: s["span_id"] for s in spans if s["kind"] == "trajectory"}
+    for s in signals:
+        assert s["parent_id"] == roots[s["trajectory_id"]]  # the agent-loop root, from another process
+        assert s["reward"] == float(train_a[s["trajectory_id"]]["sample_index"])  # the row's own index
+        assert (s["step"], s["sample_index"], s["rollout_n"], s["validate"]) == (
+            1,
+            train_a[s["trajectory_id"]]["sample_index"],
+            train_a[s["trajectory_id"]]["rollout_n"],
+            False,
+        )
     # Each shard lies in its actor's folder and holds only that actor's spans.
     import pyarrow.parquet as pq
 
     shards = list((run / "spans").glob("step=*/worker=*/*.parquet"))
-    assert len(shards) == 3  # step 1: both actors; step 2: rollout-a
+    assert len(shards) == 4  # step 1: both actors and the driver; step 2: rollout-a
     for shard in shards:
         folder = shard.parent.name.split("=", 1)[1]
-        assert folder in (worker_a, worker_b)
+        assert folder in (worker_a, worker_b, *driver)
         assert set(pq.read_table(shard, columns=["worker"]).column("worker").to_pylist()) == {folder}
 
 

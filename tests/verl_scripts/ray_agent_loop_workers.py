@@ -9,6 +9,11 @@ Two actors, each with its own verl trace config (verl's RolloutTraceConfig is pe
 - an unnamed actor: trace.backend unset, max_samples_per_step_per_worker=1; step 1 (samples
   30, 31 and 32, n=2): verl's sampling keeps the rollouts of one sample only.
 
+The driver then does what verl's RayPPOTrainer.fit does with a step's batch: reorders it
+(balance_batch), puts the reward on the last response token and calls verl's real
+``compute_advantage`` (GRPO); the reward here is the row's sample index, so that a reader can
+check which trajectory each driver-side figure belongs to.
+
 The workers' PYTHONPATH comes from this job's runtime_env (it names only this folder), so
 recording there can only come from Ray's worker_process_setup_hook. Prints one
 ``ACTOR {json}`` line per actor with its name, id and pid, and ``DONE`` at the end.
@@ -47,10 +52,9 @@ class RolloutWorker:
             "pid": os.getpid(),
         }
 
-    async def generate(self, indices: list[int], n: int, step: int, validate: bool) -> int:
+    async def generate(self, indices: list[int], n: int, step: int, validate: bool) -> object:
         batch = self.parts.make_batch(indices, n, step, validate)
-        output = await self.worker.generate_sequences(batch)
-        return len(output)
+        return await self.worker.generate_sequences(batch)
 
     async def run_untraced(self, step: int, sample_index: int) -> int:
         """One agent loop through verl's own _run_agent_loop, entered with trace=False."""
@@ -60,6 +64,23 @@ class RolloutWorker:
         sampling_params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
         output = await self.worker._run_agent_loop(sampling_params, trajectory, trace=False, **kwargs)
         return int(output.num_turns)
+
+
+def train_like_fit(batch: object, n: int) -> None:
+    import numpy as np
+    import torch
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    index = batch.non_tensor_batch["index"]
+    batch.non_tensor_batch["uid"] = np.array([f"uid-{i}" for i in index], dtype=object)
+    batch.reorder(torch.tensor([3, 0, 2, 1]))
+    mask = batch.batch["response_mask"]
+    last = mask.shape[1] - 1 - torch.flip(mask, dims=[1]).argmax(-1)
+    scores = torch.zeros_like(mask, dtype=torch.float32)
+    scores[torch.arange(len(batch)), last] = torch.tensor([float(i) for i in batch.non_tensor_batch["index"]])
+    batch.batch["token_level_scores"] = batch.batch["token_level_rewards"] = scores
+    batch = compute_advantage(batch, adv_estimator="grpo", num_repeat=n)
+    print("ADVANTAGES " + json.dumps(batch.batch["advantages"].sum(-1).tolist()), flush=True)
 
 
 def main() -> None:
@@ -80,7 +101,10 @@ def main() -> None:
     for actor in (a, b):
         print("ACTOR " + json.dumps(ray.get(actor.identity.remote())), flush=True)
 
-    ray.get([a.generate.remote([10, 11], 2, 1, False), b.generate.remote([30, 31, 32], 2, 1, False)])
+    out_a, _ = ray.get(
+        [a.generate.remote([10, 11], 2, 1, False), b.generate.remote([30, 31, 32], 2, 1, False)]
+    )
+    train_like_fit(out_a, n=2)
     ray.get([a.generate.remote([10, 11], 1, 2, True), a.run_untraced.remote(2, 15)])
     ray.shutdown()
     print("DONE", flush=True)
