@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,7 +142,7 @@ class Lease:
     a dead one by the heartbeat's age.
     """
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, on_close_request: Callable[[], Any] | None = None) -> None:
         folder = Path(run_dir) / LEASE_DIR
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"_lease-{new_uid()}.lock"
@@ -152,22 +152,37 @@ class Lease:
         owner = {"host": host_name(), "pid": os.getpid(), "started_at": time.time()}
         self._file.write(json.dumps(owner).encode())
         self._file.flush()
+        self._on_close_request = on_close_request
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="rlreplay-lease", daemon=True)
         with contextlib.suppress(RuntimeError):  # at interpreter shutdown: no heartbeat, the lock holds
             self._heartbeat.start()
 
     def _beat(self) -> None:
-        interval = max(0.05, lease_ttl_s() / 4)
-        while not self._stop.wait(interval):
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
+        every = max(0.05, lease_ttl_s() / 4)
+        marker = close_marker(self.path)
+        last = time.monotonic()
+        while not self._stop.wait(min(every, 0.5)):
+            if self._on_close_request is not None and marker.exists():
+                with contextlib.suppress(Exception):
+                    self._on_close_request()
+                return
+            if time.monotonic() - last >= every:
+                last = time.monotonic()
+                with contextlib.suppress(OSError):
+                    os.utime(self.path)
 
     def release(self) -> None:
         self._stop.set()
         if not self._file.closed:
             self.path.unlink(missing_ok=True)
+            close_marker(self.path).unlink(missing_ok=True)
             self._file.close()
+
+
+def close_marker(lease: Path) -> Path:
+    """A file asking the lease's process to close its recorder (its job is ending)."""
+    return lease.with_name(lease.name + ".close")
 
 
 def lease_owner(path: Path) -> dict[str, Any] | None:
