@@ -55,6 +55,7 @@ _USERINFO = re.compile(r"(://)[^/@\s]+@")
 _QUERY_SECRET = re.compile(r"(?i)([?&][^=&\s]*(?:key|secret|token|password|credential)[^=&\s]*=)[^&\s]+")
 _LOCAL_SCHEMES = ("file", "local")
 MAX_BACKOFF_S = 30.0
+UPLOAD_THREADS = 8
 
 
 class StorageError(Exception):
@@ -313,6 +314,7 @@ class Publisher:
             pending = 0
             if not self._manifest_done:
                 pending += not self._publish_manifest(now, force)
+            due = []
             for rel, path, delete in self._candidates():
                 try:
                     stat = path.stat()
@@ -324,30 +326,40 @@ class Publisher:
                 if retry is not None and now < retry.next_at and not force:
                     pending += 1
                     continue
-                if self._upload(rel, path, now):
-                    if delete:
-                        path.unlink(missing_ok=True)
-                    else:
-                        self._uploaded[rel] = (stat.st_mtime, stat.st_size)
-                else:
+                due.append((rel, path, delete, stat))
+            for (rel, path, delete, stat), outcome in zip(due, self._upload_all(due)):
+                if isinstance(outcome, BaseException):
+                    self._failed(rel, now, outcome)
                     pending += 1
+                    continue
+                self._retry.pop(rel, None)
+                if outcome is not None:  # None: published by another process sharing this spool
+                    self.stats.published += 1
+                    self.stats.published_bytes += outcome
+                if delete:
+                    path.unlink(missing_ok=True)
+                else:
+                    self._uploaded[rel] = (stat.st_mtime, stat.st_size)
             if self.lease_name is not None and pending == 0 and now - self._last_beat > lease_ttl_s() / 4:
                 self._beat(now)
             self.stats.pending = pending
             return pending
 
-    def _upload(self, rel: str, path: Path, now: float) -> bool:
-        try:
-            size = upload_file(self.loc, path, rel)
-        except FileNotFoundError:
-            return True  # sealed and published by another process sharing this spool
-        except Exception as exc:
-            self._failed(rel, now, exc)
-            return False
-        self._retry.pop(rel, None)
-        self.stats.published += 1
-        self.stats.published_bytes += size
-        return True
+    def _upload_all(self, due: list[tuple[str, Path, bool, Any]]) -> list[int | BaseException | None]:
+        """Upload files concurrently (the store's latency, not bandwidth, bounds one at a time)."""
+
+        def one(item: tuple[str, Path, bool, Any]) -> int | BaseException | None:
+            try:
+                return upload_file(self.loc, item[1], item[0])
+            except FileNotFoundError:
+                return None
+            except Exception as exc:
+                return exc
+
+        if len(due) <= 1:
+            return [one(item) for item in due]
+        with ThreadPoolExecutor(max_workers=min(UPLOAD_THREADS, len(due))) as pool:
+            return list(pool.map(one, due))
 
     def _failed(self, rel: str, now: float, exc: BaseException) -> None:
         retry = self._retry.setdefault(rel, _Retry())
