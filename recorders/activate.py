@@ -47,7 +47,9 @@ def _on_ray(module: ModuleType) -> None:
             kwargs["runtime_env"] = job_runtime_env(kwargs.get("runtime_env"))
         except Exception as exc:  # never break the user's ray.init
             log.warning("rlreplay: could not extend ray's runtime_env: %s", exc)
+        global _closed_cluster
         context = init(*args, **kwargs)
+        _closed_cluster = False  # this session's recorders are asked to close at its shutdown
         _close_writers_at_shutdown(module)
         return context
 

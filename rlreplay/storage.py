@@ -113,7 +113,8 @@ class Location:
     @property
     def key(self) -> str:
         """A short stable name for this run's spool and cache folders (no credentials in it)."""
-        return hashlib.sha1(redact(self.uri).encode()).hexdigest()[:16]
+        bare = _USERINFO.sub(r"\1", self.uri.split("?", 1)[0]).rstrip("/")
+        return hashlib.sha1(bare.encode()).hexdigest()[:16]
 
     def __repr__(self) -> str:
         return f"Location({redact(self.uri)!r})"

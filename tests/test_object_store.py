@@ -411,3 +411,14 @@ def test_ray_cluster_of_three_nodes_records_into_one_run(s3: S3Server, ray_clust
         for row in rows:
             by_worker[row["worker"]] = by_worker.get(row["worker"], 0) + 1
         assert by_worker == {a["worker"]: 6 for a in actors}
+
+
+def test_a_uri_is_never_a_local_path() -> None:
+    from rlreplay.storage import as_uri, local_path, redact
+
+    assert as_uri(Path("s3://bucket/p/run")) == "s3://bucket/p/run"  # a Path folds "//" into "/"
+    assert as_uri("gs://bucket/run") == "gs://bucket/run"
+    assert as_uri("/data/run") is None and as_uri("runs/r1") is None and as_uri("C:/x") is None
+    assert as_uri("file:///data/run") is None and local_path("file:///data/run") == Path("/data/run")
+    shown = redact("s3://user:pw123@bucket/run?secret_key=abc123&region=x")
+    assert "pw123" not in shown and "abc123" not in shown and "region=x" in shown
