@@ -338,6 +338,8 @@ class Publisher:
                     self.stats.published += 1
                     self.stats.published_bytes += outcome
                 if delete:
+                    for sidecar in _sidecars(path):
+                        sidecar.unlink(missing_ok=True)
                     path.unlink(missing_ok=True)
                 else:
                     self._uploaded[rel] = (stat.st_mtime, stat.st_size)
@@ -350,17 +352,24 @@ class Publisher:
         """Upload files concurrently (the store's latency, not bandwidth, bounds one at a time)."""
 
         def one(item: tuple[str, Path, bool, Any]) -> int | BaseException | None:
+            rel, path = item[0], item[1]
             try:
-                return upload_file(self.loc, item[1], item[0])
+                size = 0
+                for sidecar in _sidecars(path):  # a shard's index goes first: readers find both
+                    size += upload_file(self.loc, sidecar, rel.rsplit("/", 1)[0] + "/" + sidecar.name)
+                return size + upload_file(self.loc, path, rel)
             except FileNotFoundError:
                 return None
             except Exception as exc:
                 return exc
 
-        if len(due) <= 1:
-            return [one(item) for item in due]
-        with ThreadPoolExecutor(max_workers=min(UPLOAD_THREADS, len(due))) as pool:
-            return list(pool.map(one, due))
+        if len(due) > 1:
+            try:
+                with ThreadPoolExecutor(max_workers=min(UPLOAD_THREADS, len(due))) as pool:
+                    return list(pool.map(one, due))
+            except RuntimeError:  # at interpreter exit no pool starts: one at a time
+                pass
+        return [one(item) for item in due]
 
     def _failed(self, rel: str, now: float, exc: BaseException) -> None:
         retry = self._retry.setdefault(rel, _Retry())
@@ -430,6 +439,14 @@ def _add_totals(stats: PublishStats) -> None:
 def upload_stats() -> PublishStats:
     """What this process's publishers uploaded, failed (retried) and left pending, once drained."""
     return PublishStats(**_totals.__dict__)
+
+
+def _sidecars(shard: Path) -> list[Path]:
+    """Files sealed with a shard (its trajectory index): ``part-X.*`` beside ``part-X.parquet``."""
+    if not shard.name.endswith(SEALED_SUFFIX):
+        return []
+    stem = shard.name.removesuffix(SEALED_SUFFIX)
+    return [p for p in shard.parent.glob(f"{stem}.*") if p != shard and not p.name.endswith(".tmp")]
 
 
 # ---- the recorder's hooks -----------------------------------------------------------------------
@@ -705,13 +722,20 @@ def _remote_run_class() -> type:
                     raise RunError(f"{redact(self.uri)}: {error_line(exc)}") from exc
                 self._fetched.add(prefix)
 
+        def _fetch_for(self, filters: Any) -> None:
+            single = getattr(filters, "single_step", None)
+            self.fetch(single() if callable(single) else None)
+
         def spans(self, filters: Any = None, columns: Any = None, **kw: Any) -> Any:
             from rlreplay.store import Filters
 
             filters = filters or Filters(**kw)
-            single = getattr(filters, "single_step", None)
-            self.fetch(single() if callable(single) else None)
+            self._fetch_for(filters)
             return super().spans(filters, columns)
+
+        def _files(self, filters: Any) -> Any:  # the trajectory indexes: listing, resolve, load
+            self._fetch_for(filters)
+            return super()._files(filters)
 
         def counters(self) -> dict[str, int]:
             try:
