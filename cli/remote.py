@@ -76,6 +76,8 @@ def record_to_uri(
             f"{summary['spans']} spans; dropped {summary['dropped']}, spilled {summary['spilled']}, "
             f"lost {summary['lost']}, recovered shards {recovered['recovered_shards']}"
         )
+    if recovered["live_partials"]:
+        _say(f"{recovered['live_partials']} spools of processes still running on this node were left alone")
     if recovered["pending"] or live:
         _say(
             f"{recovered['pending']} files wait in {spool_root} (not uploaded: {recovered['error']}); "

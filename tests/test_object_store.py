@@ -373,16 +373,21 @@ def test_bad_bucket_and_credentials(s3: S3Server, tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """A real 3-node Ray cluster on this machine; each node has its own simulated host name."""
+def ray_cluster(s3: S3Server, tmp_path_factory: pytest.TempPathFactory):
+    """A real 3-node Ray cluster on this machine; each node has its own simulated host name and,
+    like a real node, the store's credentials in its own environment (rlreplay never ships them)."""
     from ray.cluster_utils import Cluster
+
+    def node_env(i: int) -> dict[str, str]:
+        creds = {k: v for k, v in _env(s3, tmp_path_factory.getbasetemp()).items() if k.startswith("AWS_")}
+        return {**creds, "RLREPLAY_HOST": f"node-{i}"}
 
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "include_dashboard": False, "env_vars": {"RLREPLAY_HOST": "node-0"}},
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "env_vars": node_env(0)},
     )
     for i in (1, 2):
-        cluster.add_node(num_cpus=1, env_vars={"RLREPLAY_HOST": f"node-{i}"})
+        cluster.add_node(num_cpus=1, env_vars=node_env(i))
     cluster.wait_for_nodes()
     try:
         yield cluster
