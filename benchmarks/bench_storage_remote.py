@@ -9,7 +9,7 @@ A real S3 server (moto_server) is started on 127.0.0.1 for the run. Three measur
 3. ``ls --step K`` (the library's ``Run.trajectories(step=K)``) on a STEPS-step run on local disk
    and in S3 (cold: empty cache, so it lists and fetches ``spans/step=K/``; warm: cached).
 
-    python benchmarks/bench_storage_remote.py [--steps 200] [--samples 16] [--calls 3000]
+    python benchmarks/bench_storage_remote.py [--steps 200] [--samples 16] [--calls 3000] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
 
     moto, endpoint = start_moto()
@@ -143,8 +144,14 @@ def main() -> None:
         from rlreplay.store import open_run
 
         print(f"## 1. calling-thread cost of one token span ({args.calls} calls, 1,000 + 2,000 ids)")
-        local = caller_cost(str(tmp / "caller-local"), env, args.calls)
-        remote = caller_cost(f"s3://{BUCKET}/caller", env, args.calls)
+        runs: dict[str, list[tuple[float, float]]] = {"local": [], "s3": []}
+        for i in range(args.repeat):  # alternated, so that load changes hit both alike
+            runs["local"].append(caller_cost(str(tmp / f"caller-local-{i}"), env, args.calls))
+            runs["s3"].append(caller_cost(f"s3://{BUCKET}/caller-{i}", env, args.calls))
+        local, remote = (
+            tuple(statistics.median(r[k] for r in runs[t]) for k in (0, 1)) for t in ("local", "s3")
+        )
+        print(f"(median over {args.repeat} alternated runs of each)")
         print("| target | p50 µs | p99 µs |\n|---|---:|---:|")
         print(f"| local directory | {local[0]:.1f} | {local[1]:.1f} |")
         print(f"| s3:// (spool + publisher) | {remote[0]:.1f} | {remote[1]:.1f} |")
