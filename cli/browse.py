@@ -322,7 +322,13 @@ def recover_command(
     from rlreplay.summary import recover
 
     if uri := storage.as_uri(run_path) or storage.as_uri(run):  # push what this node's spool holds
-        console().print(storage.recover_message(uri, storage.recover(uri, spool)), markup=False)
+        try:
+            totals = storage.recover(uri, spool)
+        except storage.StorageError as exc:
+            from rlreplay.cli.app import fail
+
+            fail(str(exc))
+        console().print(storage.recover_message(uri, totals), markup=False)
         return
     opened = open_run_arg(run, run_path)
     results = recover(opened.path)
