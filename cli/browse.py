@@ -314,10 +314,23 @@ def info_command(
 def recover_command(
     run_path: Annotated[Path | None, typer.Argument(metavar="[RUN]", help="Run directory.")] = None,
     run: RunOption = None,
+    spool: Annotated[
+        Path | None, typer.Option("--spool", help="Spool folder of a URI run (default: $RLREPLAY_SPOOL).")
+    ] = None,
 ) -> None:
     """Seal the live files a killed recorder left behind (only once its processes are gone)."""
+    from rlreplay import storage
     from rlreplay.summary import recover
 
+    if uri := storage.as_uri(run_path) or storage.as_uri(run):  # push what this node's spool holds
+        try:
+            totals = storage.recover(uri, spool)
+        except storage.StorageError as exc:
+            from rlreplay.cli.app import fail
+
+            fail(str(exc))
+        console().print(storage.recover_message(uri, totals), markup=False)
+        return
     opened = open_run_arg(run, run_path)
     results = recover(opened.path)
     out = console()

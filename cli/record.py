@@ -98,8 +98,21 @@ def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
 def record_command(
     command: Annotated[list[str], typer.Argument(metavar="-- CMD...", help="The training command to run.")],
     out: Annotated[
+        str | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="New run directory, or a URI such as s3://bucket/prefix/run or gs://... "
+            "(default: ./rlreplay-runs/<time>-<name>).",
+        ),
+    ] = None,
+    spool: Annotated[
         Path | None,
-        typer.Option("--out", "-o", help="New run directory (default: ./rlreplay-runs/<time>-<name>)."),
+        typer.Option(
+            "--spool",
+            help="Local folder where processes keep files until uploaded, for a URI --out "
+            "(default: $RLREPLAY_SPOOL, else ~/.cache/rlreplay/spool).",
+        ),
     ] = None,
     experiment: Annotated[
         str | None, typer.Option("--experiment", help="Experiment name for the run.")
@@ -123,7 +136,7 @@ def record_command(
     ] = 15.0,
 ) -> int:
     """Run CMD with recording on in every Python process of the job, then seal and summarize the run."""
-    from rlreplay import manifest
+    from rlreplay import manifest, storage
     from rlreplay.store import open_run
     from rlreplay.summary import recover, run_summary
 
@@ -138,7 +151,11 @@ def record_command(
     except RunError as exc:
         fail(str(exc))
     experiment = experiment or guessed_experiment
-    run_dir = out or default_out(command, experiment)
+    if (uri := storage.as_uri(out)) is not None:  # never a local folder named "s3:"
+        from rlreplay.cli.remote import record_to_uri
+
+        return record_to_uri(uri, command, experiment, tokenizer or guessed_tokenizer, spool, grace)
+    run_dir = storage.local_path(out) if out else default_out(command, experiment)
     if run_dir.exists() and any(run_dir.iterdir()):
         fail(f"{run_dir} already exists and is not empty; recorded runs are never overwritten")
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ Nothing heavy is imported here: processes that never import verl pay one dict lo
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.abc
 import importlib.machinery
@@ -60,12 +61,72 @@ def _on_ray(module: ModuleType) -> None:
             kwargs["runtime_env"] = job_runtime_env(kwargs.get("runtime_env"))
         except Exception as exc:  # never break the user's ray.init
             log.warning("rlreplay: could not extend ray's runtime_env: %s", exc)
-        return init(*args, **kwargs)
+        global _closed_cluster
+        context = init(*args, **kwargs)
+        _closed_cluster = False  # this session's recorders are asked to close at its shutdown
+        _close_writers_at_shutdown(module)
+        return context
 
     rlreplay_ray_init.__wrapped__ = init  # type: ignore[attr-defined]
     rlreplay_ray_init.__rlreplay_wrapped__ = True  # type: ignore[attr-defined]
     rlreplay_ray_init.__doc__ = init.__doc__
     module.init = rlreplay_ray_init  # type: ignore[attr-defined]
+
+
+_shutdown_hooked = False
+CLOSE_WAIT_S = 30.0
+
+
+def _close_writers_at_shutdown(ray: ModuleType) -> None:
+    """In the driver: before Ray ends the job (whose actors are killed without closing), ask the
+    recording processes on every node to seal and upload their files."""
+    global _shutdown_hooked
+    if _shutdown_hooked or not os.environ.get("RLREPLAY_DIR"):
+        return
+    _shutdown_hooked = True
+    shutdown = ray.shutdown
+
+    def rlreplay_ray_shutdown(*args: Any, **kwargs: Any) -> Any:
+        close_cluster_writers()
+        return shutdown(*args, **kwargs)
+
+    rlreplay_ray_shutdown.__wrapped__ = shutdown  # type: ignore[attr-defined]
+    ray.shutdown = rlreplay_ray_shutdown  # type: ignore[attr-defined]
+    atexit.register(close_cluster_writers)  # after Ray's own exit hook was registered: runs before it
+
+
+_closed_cluster = False
+
+
+def close_cluster_writers(wait_s: float = CLOSE_WAIT_S) -> int:
+    """Run :func:`rlreplay.storage.close_node_writers` on every live node of the cluster."""
+    global _closed_cluster
+    ray = sys.modules.get("ray")
+    target = os.environ.get("RLREPLAY_DIR")
+    if _closed_cluster or ray is None or not target or not ray.is_initialized():
+        return 0
+    _closed_cluster = True
+    try:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        task = ray.remote(num_cpus=0, max_retries=0)(_close_node_writers)
+        refs = [
+            task.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+            ).remote(target, os.environ.get("RLREPLAY_SPOOL"), wait_s, os.getpid())
+            for node in ray.nodes()
+            if node.get("Alive")
+        ]
+        return sum(ray.get(refs, timeout=wait_s + 30))
+    except Exception as exc:
+        log.warning("rlreplay: could not ask the cluster's recorders to close: %s", exc)
+        return 0
+
+
+def _close_node_writers(target: str, spool: str | None, wait_s: float, exclude_pid: int) -> int:
+    from rlreplay.storage import close_node_writers
+
+    return close_node_writers(target, spool, wait_s, exclude_pid)
 
 
 HOOKS: dict[str, Callable[[ModuleType], None]] = {

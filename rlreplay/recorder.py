@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import pyarrow as pa
 
-from rlreplay import manifest, payload
+from rlreplay import manifest, payload, storage
 from rlreplay.rows import PrefixCache, encode_row, key_int
 from rlreplay.rows import StepBuffer as _StepBuffer
 from rlreplay.schema import (
@@ -217,7 +217,7 @@ class Recorder:
         self.worker: str | None = safe_name(config.worker) if config.worker else None
         self._pid = os.getpid()
         try:
-            self._lease: Lease | None = Lease(config.run_dir)
+            self._lease: Lease | None = Lease(config.run_dir, on_close_request=self.close)
         except OSError:
             self._lease = None  # an unwritable run directory is reported when spans are written
 
@@ -632,6 +632,8 @@ class Recorder:
         except Exception as exc:
             log.warning("rlreplay: close failed: %s", exc)
         finally:
+            with contextlib.suppress(Exception):
+                storage.recorder_closed(self.config.run_dir)  # uploads a URI run's spool
             if self._lease is not None:
                 with contextlib.suppress(OSError):
                     self._lease.release()
@@ -714,7 +716,7 @@ def init(
         raise ValueError(f"policy must be {POLICY_SPILL!r} or {POLICY_DROP!r}, not {policy!r}")
     queue_mb = max_queue_mb if max_queue_mb is not None else float(os.environ.get(ENV_MAX_QUEUE_MB, 32))
     config = RecorderConfig(
-        run_dir=Path(run_dir),
+        run_dir=storage.recording_dir(run_dir),  # a URI records into a local spool, published
         experiment=experiment or os.environ.get(ENV_EXPERIMENT),
         worker=worker or os.environ.get(ENV_WORKER),
         policy=policy,

@@ -745,7 +745,12 @@ def default_run_path() -> Path:
 
 def open_run(path: str | os.PathLike[str] | None = None) -> Run:
     """Open a recorded run directory (default: ``$RLREPLAY_DIR`` or the newest under ./rlreplay-runs/)."""
-    run_path = Path(path) if path is not None else default_run_path()
+    from rlreplay import storage
+
+    uri = storage.as_uri(path if path is not None else os.environ.get("RLREPLAY_DIR"))
+    if uri is not None:  # a run on an object store, read through a local cache
+        return storage.open_remote(uri)
+    run_path = storage.local_path(path) if path is not None else default_run_path()
     if not run_path.exists():
         raise RunError(f"no run at {run_path}")
     if not run_path.is_dir():

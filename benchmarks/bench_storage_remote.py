@@ -1,0 +1,221 @@
+"""Runs on an object store: calling-thread cost, shard upload throughput, `ls --step K` S3 vs disk.
+
+A real S3 server (moto_server) is started on 127.0.0.1 for the run. Three measurements:
+
+1. What one token span costs the calling thread when recording into a local directory and into
+   ``s3://`` (local spool + publisher thread), same workload, each in a fresh process.
+2. Shard upload throughput: a recorded run's sealed shards put in a spool and published to the
+   loopback server by the publisher (files/s, MB/s), against copying them on local disk.
+3. ``ls --step K`` (the library's ``Run.trajectories(step=K)``) on a STEPS-step run on local disk
+   and in S3 (cold: empty cache, so it lists and fetches ``spans/step=K/``; warm: cached).
+
+    python benchmarks/bench_storage_remote.py [--steps 200] [--samples 16] [--calls 3000] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+BUCKET = "rlreplay-bench"
+
+CALLER = textwrap.dedent(
+    """
+    import sys, time
+    import rlreplay
+
+    @rlreplay.trace_op(kind="llm", name="LLMServerClient.generate")
+    def generate(request_id, *, prompt_ids, sampling_params):
+        return {"token_ids": list(range(2000))}
+
+    prompt = list(range(1000))
+    calls, steps = int(sys.argv[1]), int(sys.argv[2])
+    per_step = max(1, calls // steps)
+    times = []
+    for i in range(calls):
+        with rlreplay.trajectory(step=i // per_step, sample_index=i % per_step, rollout_n=0):
+            t0 = time.perf_counter_ns()
+            generate("r", prompt_ids=prompt, sampling_params={"temperature": 1.0})
+            times.append(time.perf_counter_ns() - t0)
+    rlreplay.close()
+    times.sort()
+    print(times[len(times) // 2] / 1000, times[int(len(times) * 0.99)] / 1000)
+    """
+)
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    import rlreplay
+
+    @rlreplay.trace_op(kind="llm", name="LLMServerClient.generate")
+    def generate(prompt_ids):
+        return {"token_ids": [t + 1 for t in prompt_ids]}
+
+    steps, samples = int(sys.argv[1]), int(sys.argv[2])
+    for step in range(steps):
+        for sample in range(samples):
+            with rlreplay.trajectory(step=step, sample_index=sample, rollout_n=0):
+                generate(list(range(sample, sample + 512)))
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    moto = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
+    proc = subprocess.Popen(
+        [moto, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def caller_cost(target: str, env: dict[str, str], calls: int) -> tuple[float, float]:
+    out = subprocess.run(
+        [sys.executable, "-c", CALLER, str(calls), "10"],
+        env={**env, "RLREPLAY_DIR": target},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return float(out[0]), float(out[1])
+
+
+def median_ms(fn, repeat: int = 5) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+
+    moto, endpoint = start_moto()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-remote-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLREPLAY_")}
+    env.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        RLREPLAY_SPOOL=str(tmp / "spool"),
+        RLREPLAY_CACHE=str(tmp / "cache"),
+    )
+    os.environ.update({k: env[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
+    os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
+    os.environ["RLREPLAY_CACHE"] = env["RLREPLAY_CACHE"]
+    try:
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        from rlreplay import storage
+        from rlreplay.store import open_run
+
+        print(f"## 1. calling-thread cost of one token span ({args.calls} calls, 1,000 + 2,000 ids)")
+        runs: dict[str, list[tuple[float, float]]] = {"local": [], "s3": []}
+        for i in range(args.repeat):  # alternated, so that load changes hit both alike
+            runs["local"].append(caller_cost(str(tmp / f"caller-local-{i}"), env, args.calls))
+            runs["s3"].append(caller_cost(f"s3://{BUCKET}/caller-{i}", env, args.calls))
+        local, remote = (
+            tuple(statistics.median(r[k] for r in runs[t]) for k in (0, 1)) for t in ("local", "s3")
+        )
+        print(f"(median over {args.repeat} alternated runs of each)")
+        print("| target | p50 µs | p99 µs |\n|---|---:|---:|")
+        print(f"| local directory | {local[0]:.1f} | {local[1]:.1f} |")
+        print(f"| s3:// (spool + publisher) | {remote[0]:.1f} | {remote[1]:.1f} |")
+        print(f"s3 / local (p50): {remote[0] / local[0]:.2f}x\n")
+
+        run = tmp / "run"
+        subprocess.run(
+            [sys.executable, "-c", WRITER, str(args.steps), str(args.samples)],
+            env={**env, "RLREPLAY_DIR": str(run)},
+            check=True,
+        )
+        shards = sorted(run.glob("spans/step=*/worker=*/*.parquet"))
+        nbytes = sum(p.stat().st_size for p in shards)
+
+        copy_dir = tmp / "copy"
+        t0 = time.perf_counter()
+        shutil.copytree(run, copy_dir)
+        copy_s = time.perf_counter() - t0
+
+        uri = f"s3://{BUCKET}/runs/bench"
+        loc = storage.location(uri)
+        spool = tmp / "publish-spool"
+        shutil.copytree(run, spool)
+        publisher = storage.Publisher(loc, spool)
+        t0 = time.perf_counter()
+        stats = publisher.close(timeout_s=600)
+        upload_s = time.perf_counter() - t0
+        assert stats.pending == 0, stats
+        print(f"## 2. shard upload ({len(shards)} shards, {nbytes / 1e6:.2f} MB, {args.steps} steps)")
+        print("| what | s | shards/s | MB/s |\n|---|---:|---:|---:|")
+        for what, secs in (("publish to S3 (loopback moto)", upload_s), ("copy on local disk", copy_s)):
+            print(f"| {what} | {secs:.3f} | {len(shards) / secs:.0f} | {nbytes / 1e6 / secs:.1f} |")
+        print(f"S3 / disk time: {upload_s / copy_s:.0f}x\n")
+
+        step = args.steps // 2
+        local_run = open_run(run)
+        expected = local_run.trajectories(step=step).num_rows
+        local_ms = median_ms(lambda: local_run.trajectories(step=step))
+
+        def cold() -> None:
+            shutil.rmtree(tmp / "cache", ignore_errors=True)
+            assert open_run(uri).trajectories(step=step).num_rows == expected
+
+        cold_ms = median_ms(cold)
+        warm_run = open_run(uri)
+        warm_run.trajectories(step=step)
+        warm_ms = median_ms(lambda: warm_run.trajectories(step=step))
+        reopen_ms = median_ms(lambda: open_run(uri).trajectories(step=step))
+        fetched = sorted(p.name for p in (tmp / "cache").glob("*/*/spans/*"))
+        print(f"## 3. `ls --step {step}` on a {args.steps}-step run ({expected} trajectories), median of 5")
+        print("| where | ms | / local |\n|---|---:|---:|")
+        print(f"| local disk | {local_ms:.1f} | 1.0x |")
+        print(f"| S3, cold cache (open + list + fetch step) | {cold_ms:.1f} | {cold_ms / local_ms:.1f}x |")
+        for what, ms in (
+            ("S3, reopened (manifest + listing, shards cached)", reopen_ms),
+            ("S3, same Run again (all cached)", warm_ms),
+        ):
+            print(f"| {what} | {ms:.1f} | {ms / local_ms:.1f}x |")
+        print(f"cache holds only: {fetched}")
+    finally:
+        moto.terminate()
+        moto.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
