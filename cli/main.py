@@ -10,6 +10,7 @@ from rlreplay.cli import (  # noqa: F401 - registers commands
     browse,
     diff,
     record,
+    ui,
     upload,
 )
 from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app

