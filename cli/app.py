@@ -149,6 +149,48 @@ def selection_options(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+ForceOption = Annotated[bool, typer.Option("--force", help="Replace the output file if it exists.")]
+
+
+def _inside_run(path: Path) -> Path | None:
+    """The run directory ``path`` lies in, if any."""
+    for parent in path.parents:
+        if (parent / "run.json").is_file():
+            return parent
+        spans = parent / "spans"
+        if spans.is_dir() and any(p.name.startswith("step=") for p in spans.iterdir()):
+            return parent
+    return None
+
+
+def output_path(path: Path, force: bool, option: str = "--out") -> Path:
+    """A file to write: never inside a run directory, never over a file unless ``force``."""
+    target = Path(os.path.abspath(path))
+    resolved = target.resolve()
+    for candidate in {target, resolved}:
+        run_dir = _inside_run(candidate)
+        if run_dir is not None:
+            fail(f"{option} {path}: inside the run directory {run_dir}; write somewhere else")
+    if target.is_dir():
+        fail(f"{option} {path}: is a directory; give a file name")
+    if not target.parent.is_dir():
+        fail(f"{option} {path}: no directory {target.parent}")
+    if (target.exists() or target.is_symlink()) and not force:
+        fail(f"{option} {path}: exists; pass --force to replace it")
+    return target
+
+
+def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` next to ``target``, then rename over it: a failed write leaves nothing behind."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
 def open_run_arg(run: Path | None, positional: Path | None = None):
     """The run named by a positional argument or --run (not both), else the default run."""
     from rlreplay.store import open_run

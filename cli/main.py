@@ -9,7 +9,10 @@ import typer
 from rlreplay.cli import (  # noqa: F401 - registers commands
     browse,
     diff,
+    export,
     record,
+    sql,
+    stats,
     upload,
 )
 from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app
