@@ -228,9 +228,10 @@ def show_command(
     report_warnings(opened)
     decoder = _show_decoder(opened, text, tokenizer)
     if decoder is not None:
+        from rlreplay.adapters import adapter_for_run
         from rlreplay.token2text import add_text
 
-        add_text([traj], decoder, skip_special_tokens=skip_special_tokens)
+        add_text([traj], decoder, skip_special_tokens=skip_special_tokens, adapter=adapter_for_run(opened))
     if as_json:
         typer.echo(
             orjson.dumps(traj.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
