@@ -27,7 +27,11 @@ ID_FIELDS = ("prompt_ids", "response_ids", "response_mask")
 BATCH = 256
 
 _CALL = pa.struct(
-    [("type", pa.string()), ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))]
+    [
+        ("id", pa.string()),
+        ("type", pa.string()),
+        ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())])),
+    ]
 )
 MESSAGE = pa.struct(
     [
@@ -69,15 +73,17 @@ def records(
     run: Run, listing: pa.Table, ids: list[str], decoder: Any, with_ids: bool = False
 ) -> Iterator[list[dict[str, Any]]]:
     """Batches of export records for ``ids`` (rows of ``listing``), in the order of ``ids``."""
+    from rlreplay.adapters import adapter_for_run
     from rlreplay.messages import openai_messages
 
+    adapter = adapter_for_run(run)
     shown = merged(listing)
     by_id = {row["id"]: row for row in shown.select(list(RECORD_FIELDS)).to_pylist()}
     for batch in _batches(run, listing, ids):
         out = []
         for traj in batch:
             record = dict(by_id[traj.id])
-            record["messages"] = openai_messages(traj, decoder)
+            record["messages"] = openai_messages(traj, decoder, adapter)
             if with_ids:
                 record.update(token_ids(traj))
             out.append(record)
