@@ -9,7 +9,10 @@ import typer
 from rlreplay.cli import (  # noqa: F401 - registers commands
     browse,
     diff,
+    export,
     record,
+    sql,
+    stats,
     ui,
     upload,
 )
