@@ -39,14 +39,13 @@ LIST_COLUMNS = (
     "validate",
     "agent",
     "model_calls",
-    "num_turns",
     "tool_calls",
-    "num_tool_calls",
     "tool_errors",
     "response_tokens",
     "duration_s",
     "reward",
     "advantage",
+    "logprob_diff_max",
     "status",
     "worker",
 )
@@ -151,7 +150,7 @@ class UI:
             split_name = "val" if split else "train"
             charts_html = [
                 charts.line_chart(
-                    [(r["step"], r[key]) for r in rows],
+                    [(r["step"], r[key]) for r in rows if isinstance(r["step"], int)],
                     title,
                     href=lambda step, s=split_name: f"{base}?{urlencode({'step': step, 'split': s})}",
                 )
@@ -187,7 +186,9 @@ class UI:
         except RunError as exc:
             error, chosen = str(exc), table.slice(0, 0)
         page = paginate(chosen, q)
-        columns = [c for c in LIST_COLUMNS if c in table.column_names]
+        columns = [
+            c for c in LIST_COLUMNS if c in table.column_names and table[c].null_count < table.num_rows
+        ]
         return self.page(
             "list.html",
             status=400 if error else 200,
@@ -227,7 +228,7 @@ class UI:
             view=view,
             traj=traj,
             row=row,
-            messages=views.messages(traj, decoder),
+            messages=views.messages(traj, decoder, view.adapter()),
             spans=views.timeline(traj),
             tools=views.tool_calls(traj),
             tokens=views.tokens(traj, decoder),

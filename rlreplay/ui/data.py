@@ -18,15 +18,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rlreplay import manifest
+from rlreplay.selection import listing
 from rlreplay.store import Run, RunError, open_run
 
 SPANS_DIR = "spans"
 WORKERS_DIR = "_workers"
 PAGE_SIZES = (25, 50, 100, 200, 500)
 DEFAULT_PAGE_SIZE = 100
-KEY_COLUMNS = ("step", "sample_index", "rollout_n")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,200}$")
-_SORT_ITEM = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(asc|desc)?\s*$", re.IGNORECASE)
 
 
 class NotFound(RunError):
@@ -138,7 +137,7 @@ class RunView:
         with self._lock:
             if self._listing is not None and self._listing[0] == sig:
                 return self._listing[1]
-            table = self.run.trajectories()
+            table = listing(self.run)
             self._listing = (sig, table)
             return table
 
@@ -171,6 +170,11 @@ class RunView:
                     except RunError as exc:
                         self._decoder_error = f"{exc} (showing token ids)"
             return self._decoder
+
+    def adapter(self) -> Any:
+        from rlreplay.adapters import adapter_for_run
+
+        return adapter_for_run(self.run)
 
     @property
     def decoder_error(self) -> str | None:
@@ -220,109 +224,23 @@ class ListQuery:
         return {k: str(v) for k, v in values.items() if v not in ("", None) and v != getattr(defaults, k)}
 
 
-def parse_keys(text: str, known: list[Any] | None = None) -> tuple[list[Any], list[tuple[int, int]]]:
-    """Values and inclusive ranges from ``5``, ``3..7``, ``0..10,20,-1`` (negative: from the end of
-    ``known``) or non-int values such as ``s1-3``."""
-    values: list[Any] = []
-    ranges: list[tuple[int, int]] = []
-    ordered = sorted(v for v in (known or []) if isinstance(v, int))
-    for item in (p.strip() for p in text.split(",")):
-        if not item:
-            continue
-        if ".." in item:
-            lo, _, hi = item.partition("..")
-            try:
-                ranges.append((_int_key(lo, ordered), _int_key(hi, ordered)))
-            except ValueError:
-                raise RunError(f"not a range: {item!r} (expected e.g. 3..7)") from None
-            continue
-        try:
-            values.append(_int_key(item, ordered))
-        except ValueError:
-            values.append(item)
-    return values, ranges
-
-
-def _int_key(text: str, ordered: list[int]) -> int:
-    value = int(text.strip())
-    if value < 0 and ordered:
-        if -value > len(ordered):
-            raise RunError(f"{value}: the run has only {len(ordered)} values")
-        return ordered[value]
-    return value
-
-
-def _key_mask(table: pa.Table, column: str, text: str) -> pa.ChunkedArray | pa.Array:
-    known = pc.unique(table[column]).drop_null().to_pylist() if table.num_rows else []
-    values, ranges = parse_keys(text, known)
-    ints = [v for v in values if isinstance(v, int)]
-    strs = [v for v in values if not isinstance(v, int)]
-    col = table[column]
-    mask = pc.is_in(col, value_set=pa.array(ints, type=col.type))
-    for lo, hi in ranges:
-        mask = pc.or_(mask, pc.and_(pc.greater_equal(col, lo), pc.less_equal(col, hi)))
-    str_col = f"{column}_str"
-    if strs and str_col in table.column_names:
-        mask = pc.or_(mask, pc.is_in(table[str_col], value_set=pa.array(strs, type=pa.string())))
-    return pc.fill_null(mask, False)
-
-
-def _where(table: pa.Table, where: str) -> pa.Table:
-    """Rows for which the SQL boolean ``where`` holds (DuckDB, no file access)."""
-    import duckdb
-
-    if ";" in where:
-        raise RunError("the filter is one SQL condition (no ';')")
-    con = duckdb.connect(config={"enable_external_access": False, "lock_configuration": True})
-    try:
-        con.register("trajectories", table)
-        return con.sql(f"SELECT * FROM trajectories WHERE ({where})").to_arrow_table()
-    except duckdb.Error as exc:
-        raise RunError(f"bad filter: {' '.join(str(exc).split())[:300]}") from None
-    finally:
-        con.close()
-
-
-def sort_keys(text: str, columns: list[str]) -> list[tuple[str, str]]:
-    keys = []
-    for item in text.split(","):
-        if not item.strip():
-            continue
-        match = _SORT_ITEM.match(item)
-        if not match or match.group(1) not in columns:
-            raise RunError(f"cannot sort by {item.strip()!r}: columns are {', '.join(columns)}")
-        keys.append(
-            (match.group(1), "descending" if (match.group(2) or "").lower() == "desc" else "ascending")
-        )
-    return keys
-
-
 def select(table: pa.Table, q: ListQuery) -> pa.Table:
-    """The rows of the listing ``q`` asks for, in its order (not paginated)."""
-    mask = None
-    for column in KEY_COLUMNS:
-        text = getattr(q, column)
-        if text:
-            term = _key_mask(table, column, text)
-            mask = term if mask is None else pc.and_(mask, term)
-    if q.split:
-        if q.split not in ("train", "val"):
-            raise RunError(f"split is train or val, not {q.split!r}")
-        term = pc.fill_null(pc.equal(table["validate"], q.split == "val"), q.split == "train")
-        mask = term if mask is None else pc.and_(mask, term)
-    if q.experiment:
-        term = pc.fill_null(pc.equal(table["experiment"], q.experiment), False)
-        mask = term if mask is None else pc.and_(mask, term)
-    if q.status:
-        term = pc.fill_null(pc.equal(table["status"], q.status), False)
-        mask = term if mask is None else pc.and_(mask, term)
-    if mask is not None:
-        table = table.filter(mask)
-    if q.where:
-        table = _where(table, q.where)
-    if q.sort:
-        table = table.sort_by(sort_keys(q.sort, table.column_names))
-    return table
+    """The rows of the listing ``q`` asks for, in its order (not paginated): ``ls``'s selection."""
+    from rlreplay.selection import Selection
+
+    if q.split not in ("", "train", "val"):
+        raise RunError(f"split is train or val, not {q.split!r}")
+    selection = Selection(
+        step=q.step or None,
+        sample_index=q.sample_index or None,
+        rollout_n=q.rollout_n or None,
+        validate=None if not q.split else q.split == "val",
+        experiment=q.experiment or None,
+        status=q.status or None,
+        where=q.where or None,
+        sort=q.sort or None,
+    )
+    return selection.apply(table)
 
 
 @dataclass
@@ -346,60 +264,19 @@ def paginate(table: pa.Table, q: ListQuery) -> Page:
 
 STAT_SERIES = (
     ("reward_mean", "reward mean"),
-    ("zero_std_fraction", "zero-std group fraction"),
+    ("frac_groups_zero_std", "zero-std group fraction"),
     ("response_tokens_mean", "response length (tokens)"),
     ("tool_error_rate", "tool error rate"),
 )
 
 
 def step_stats(table: pa.Table) -> list[dict[str, Any]]:
-    """Per step and split: trajectories, reward mean, fraction of groups whose rewards all agree,
-    mean response length and tool error rate (where the listing has those columns)."""
+    """Per step and split: the columns of ``rlreplay stats`` (validation after training)."""
+    from rlreplay.query import stats_of
+
     if table.num_rows == 0:
         return []
-    cols = set(table.column_names)
-    t = table.select([c for c in table.column_names if not c.endswith("_str") or c == "step_str"])
-    t = t.append_column("split", pc.fill_null(t["validate"], False))
-    aggs: list[tuple[str, str]] = [("id", "count"), ("reward", "mean")]
-    if "response_tokens" in cols:
-        aggs.append(("response_tokens", "mean"))
-    tool_calls = (
-        "tool_calls" if "tool_calls" in cols else "num_tool_calls" if "num_tool_calls" in cols else None
-    )
-    if tool_calls:
-        aggs.append((tool_calls, "sum"))
-    if "tool_errors" in cols:
-        aggs.append(("tool_errors", "sum"))
-    per_step = t.group_by(["split", "step"]).aggregate(aggs)
-    groups = (
-        t.filter(pc.is_valid(t["sample_index"]))
-        .group_by(["split", "step", "sample_index"])
-        .aggregate([("reward", "min"), ("reward", "max"), ("reward", "count")])
-    )
-    zero: dict[tuple[Any, Any], list[int]] = {}
-    for split, step, lo, hi, n in zip(
-        *(groups[c].to_pylist() for c in ("split", "step", "reward_min", "reward_max", "reward_count"))
-    ):
-        if n < 2:
-            continue
-        entry = zero.setdefault((split, step), [0, 0])
-        entry[0] += int(lo == hi)
-        entry[1] += 1
-    out = []
-    for row in per_step.to_pylist():
-        key = (row["split"], row["step"])
-        item = {
-            "step": row["step"],
-            "validate": row["split"],
-            "trajectories": row["id_count"],
-            "reward_mean": row["reward_mean"],
-            "zero_std_fraction": zero[key][0] / zero[key][1] if key in zero else None,
-            "response_tokens_mean": row.get("response_tokens_mean"),
-            "tool_error_rate": None,
-        }
-        calls = row.get(f"{tool_calls}_sum") if tool_calls else None
-        if calls and "tool_errors_sum" in row:
-            item["tool_error_rate"] = (row["tool_errors_sum"] or 0) / calls
-        out.append(item)
-    out.sort(key=lambda r: (r["validate"], r["step"] is None, r["step"] if r["step"] is not None else 0))
-    return out
+    rows = stats_of(table).to_pylist()
+    for row in rows:
+        row["validate"] = bool(row["validate"])
+    return sorted(rows, key=lambda r: r["validate"])

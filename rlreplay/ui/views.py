@@ -43,35 +43,27 @@ class Message:
     tokens: int | None = None
 
 
-def messages(traj: Trajectory, decoder: Any) -> list[Message]:
-    """The conversation as chat messages: OpenAI-style when ``rlreplay.messages`` is there, else
-    the trajectory's turns (prompt, assistant, tool) with their decoded text or ids."""
-    try:
-        from rlreplay.messages import openai_messages  # type: ignore[import-not-found]
-    except ImportError:
-        openai_messages = None
-    if openai_messages is not None and decoder is not None:
-        out = []
-        for m in openai_messages(traj, decoder):
-            calls = [
-                {
-                    "name": c.get("function", {}).get("name"),
-                    "arguments": c.get("function", {}).get("arguments"),
-                }
-                for c in m.get("tool_calls") or []
-            ]
-            out.append(Message(str(m.get("role")), str(m.get("content") or ""), calls))
-        return out
-    from rlreplay.conversation import turns
+def messages(traj: Trajectory, decoder: Any, adapter: Any = None) -> list[Message]:
+    """The conversation as OpenAI-style chat messages (system, user, assistant, tool)."""
+    from rlreplay.messages import openai_messages
 
     out = []
-    for turn in turns(traj, decoder):
-        text = turn.text if turn.text is not None else " ".join(map(str, turn.token_ids))
-        calls = [
-            {"name": c.get("name"), "arguments": pretty(c.get("arguments"))} for c in turn.tool_calls or []
-        ]
-        out.append(Message(turn.role, text, calls, tokens=len(turn.token_ids)))
+    for m in openai_messages(traj, decoder, adapter):
+        calls = []
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function") or {}
+            calls.append({"name": fn.get("name"), "arguments": _pretty_arguments(fn.get("arguments"))})
+        out.append(Message(str(m.get("role")), str(m.get("content") or ""), calls))
     return out
+
+
+def _pretty_arguments(value: Any) -> str:
+    if isinstance(value, str):
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            return value
+    return pretty(value)
 
 
 # ---- span timeline -----------------------------------------------------------------------------
