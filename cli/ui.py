@@ -51,6 +51,7 @@ def ui_command(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(128)  # connections wait in the backlog until the server starts
     except OSError as exc:
         sock.close()
         fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
