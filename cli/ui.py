@@ -40,7 +40,7 @@ def ui_command(
     root = run_path if run_path is not None else default_run_path()
     loopback = host in LOOPBACK
     allowed = ["127.0.0.1", "localhost", "[::1]", "::1"] if loopback else None
-    application = create_app(root, allowed_hosts=allowed)
+    application = create_app(root, allowed_hosts=allowed, warm=True)
     if not loopback:
         print(
             f"rlreplay: warning: listening on {host}: anyone who can reach this address can read the run",

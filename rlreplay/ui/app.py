@@ -98,6 +98,16 @@ class UI:
         self.env = _env()
         self.poll_ms = poll_ms
 
+    def warm(self) -> None:
+        """Do the first request's work now: templates, query engine, a single run's listing."""
+        import rlreplay.query  # noqa: F401
+
+        for name in self.env.list_templates():
+            self.env.get_template(name)
+        if self.runs.single:
+            view = self.runs.get(self.runs.names()[0])
+            step_stats(view.listing())
+
     def page(self, template: str, status: int = 200, **context: Any) -> HTMLResponse:
         context.setdefault("view", None)
         context.setdefault("version", "")
@@ -295,10 +305,16 @@ def _traj_crumbs(view: RunView, traj: Any) -> list[tuple[str, str | None]]:
 
 
 def create_app(
-    root: str | os.PathLike[str], poll_ms: int = 1500, allowed_hosts: list[str] | None = None
+    root: str | os.PathLike[str],
+    poll_ms: int = 1500,
+    allowed_hosts: list[str] | None = None,
+    warm: bool = False,
 ) -> Starlette:
-    """The app over a run directory or a folder of runs; ``allowed_hosts`` guards the Host header."""
+    """The app over a run directory or a folder of runs; ``allowed_hosts`` guards the Host header;
+    ``warm``: read a single run's listing before returning, so that the first page is fast."""
     ui = UI(RunSet(root), poll_ms=poll_ms)
+    if warm:
+        ui.warm()
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return ui.page("error.html", status=404, message=str(exc) or "not found", crumbs=[])
