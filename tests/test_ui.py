@@ -253,6 +253,7 @@ def test_recorded_html_renders_as_text(server, page, ui_root: Path, tmp_path: Pa
     tools = page.inner_text("table.tools")
     assert HOSTILE_ERROR in tools and HOSTILE_ARG in tools
     assert HOSTILE_TEXT.split()[0] in page.inner_text("#tokens")
+    assert page.is_disabled("#overlay-switch input[value=mismatch]")  # no trainer log-probs here
     scripts = page.eval_on_selector_all("script", "els => els.map(e => e.getAttribute('src'))")
     assert scripts == ["/static/live.js"]
     assert page.locator("main img").count() == 0
@@ -273,6 +274,19 @@ def test_recorded_html_renders_as_text(server, page, ui_root: Path, tmp_path: Pa
         assert page.evaluate("typeof window.__xss") == "undefined"
     assert HOSTILE_EXPERIMENT in page.inner_text("#runs")
     assert page.errors == []  # type: ignore[attr-defined]
+
+
+def test_trainer_vs_rollout_mismatch_overlay(server, page, ui_root: Path) -> None:
+    run = open_run(ui_root / "hostile")
+    traj = next(run.trajectory(i) for i in _hostile_ids(ui_root) if run.trajectory(i).rollout_n == 0)
+    trainer = next(s.output["old_log_probs"] for s in traj.spans if s.kind == "signals")
+    page.goto(f"{server}/r/hostile/t/{traj.id}")
+    tokens = page.locator("#tokens .tk")
+    assert tokens.count() == len(trainer)
+    page.check("#overlay-switch input[value=mismatch]")
+    colours = [tokens.nth(i).evaluate("e => getComputedStyle(e).backgroundColor") for i in range(6)]
+    assert colours[0] != colours[1] and colours[1] == colours[2]  # token 0 drifted by 0.5, 1 and 2 did not
+    assert "trainer" in (tokens.nth(0).get_attribute("title") or "")
 
 
 def _raw_get(server: str, path: str, host: str | None = None, follow: int = 3) -> tuple[int, str]:

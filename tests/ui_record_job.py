@@ -83,9 +83,17 @@ class ToolAgentLoop:
         }
 
 
+@rlreplay.trace_op(name="trainer.signals", kind="signals")
+def trainer_signals(rollout_logprobs: list[float]) -> dict:
+    """What the trainer recomputed for the same tokens (``--token-signals``): drifts on some."""
+    return {"old_log_probs": [lp - (0.5 if i % 5 == 0 else 0.0) for i, lp in enumerate(rollout_logprobs)]}
+
+
 async def _one(tok, step: int, sample: int, rollout: int, text: str) -> None:
     async with rlreplay.trajectory(step=step, sample_index=sample, rollout_n=rollout, name="agent_loop"):
-        await ToolAgentLoop().run(tok, text, rollout)
+        out = await ToolAgentLoop().run(tok, text, rollout)
+        if rollout == 0:
+            trainer_signals(out["response_logprobs"])
 
 
 def hostile(run_dir: Path) -> None:
