@@ -174,6 +174,8 @@ def big_pages(steps: int, per_step: int) -> None:
             row("overview (per-step stats charts)", median(server, "/r/big/", 3), "median of 3")
             ids = rlreplay.open_run(run_dir).trajectories(step=0)["id"].to_pylist()
             row("trajectory page (step 0)", median(server, f"/r/big/t/{ids[0]}", 3), "median of 3")
+            row("group page (step 0)", median(server, f"/r/big/group/{ids[0]}", 3), "median of 3")
+            row("diff page (step 0)", median(server, f"/r/big/diff?a={ids[0]}&b={ids[1]}", 3), "median of 3")
 
             run = rlreplay.open_run(run_dir)
             t = time.perf_counter()

@@ -256,7 +256,10 @@ class UI:
         decoder = view.decoder()
         group = diff_group(view.run, traj, decoder)
         ids = [m.side.id for m in group.members]
-        loaded = {t.id: t for t in view.run.load(ids)}
+        from rlreplay.store import Filters
+
+        step = traj.step if isinstance(traj.step, int) else None
+        loaded = {t.id: t for t in view.run.load(ids, Filters(step=step))}
         columns = []
         for member in group.members:
             t = loaded.get(member.side.id)

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ SPANS_DIR = "spans"
 WORKERS_DIR = "_workers"
 PAGE_SIZES = (25, 50, 100, 200, 500)
 DEFAULT_PAGE_SIZE = 100
+SLOW_LISTING_S = 0.5  # re-read a listing that took longer than this in the background
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,200}$")
 
 
@@ -113,13 +115,18 @@ class RunView:
         self.run = run
         self.name = run.path.name
         self._lock = threading.Lock()
+        self._build_lock = threading.Lock()
         self._listing: tuple[tuple[Any, ...], pa.Table] | None = None
+        self._build_s = 0.0
+        self._refreshing = False
         self._decoder: Any = None
         self._decoder_error: str | None = None
         self._decoder_loaded = False
 
     def version(self) -> str:
-        sig = file_signature(self.run.path)
+        """Changes when the data the pages show changes (the files, once their listing is read)."""
+        self.listing()
+        sig = self._listing[0] if self._listing is not None else ()
         return f"{len(sig)}-{sum(s[1] for s in sig)}-{max((s[2] for s in sig), default=0)}"
 
     def manifest(self) -> dict[str, Any]:
@@ -132,14 +139,36 @@ class RunView:
         return self.run.counters()
 
     def listing(self) -> pa.Table:
-        """Every trajectory of the run (the ``ls`` columns), re-read only when files change."""
+        """Every trajectory of the run (the ``ls`` columns), re-read only when files change.
+
+        When re-reading took long (a big run being recorded), pages keep the previous listing
+        while a background thread reads the new one; ``version`` changes when it is ready.
+        """
         sig = file_signature(self.run.path)
-        with self._lock:
-            if self._listing is not None and self._listing[0] == sig:
-                return self._listing[1]
-            table = listing(self.run)
-            self._listing = (sig, table)
-            return table
+        cached = self._listing
+        if cached is not None and cached[0] == sig:
+            return cached[1]
+        if cached is not None and self._build_s > SLOW_LISTING_S:
+            with self._lock:
+                if not self._refreshing:
+                    self._refreshing = True
+                    threading.Thread(target=self._build, args=(sig,), daemon=True).start()
+            return cached[1]
+        return self._build(sig)
+
+    def _build(self, sig: tuple[Any, ...]) -> pa.Table:
+        with self._build_lock:
+            try:
+                cached = self._listing
+                if cached is not None and cached[0] == sig:
+                    return cached[1]
+                start = time.perf_counter()
+                table = listing(self.run)
+                self._build_s = time.perf_counter() - start
+                self._listing = (sig, table)
+                return table
+            finally:
+                self._refreshing = False
 
     def row(self, traj_id: str) -> dict[str, Any] | None:
         table = self.listing()
@@ -147,8 +176,19 @@ class RunView:
         return found.to_pylist()[0] if found.num_rows else None
 
     def trajectory(self, ref: str) -> Any:
+        """One trajectory by id or unique prefix; the cached listing tells its step, so only that
+        step's files are read."""
+        from rlreplay.store import Filters, trajectory_from_table
+
         if not re.fullmatch(r"[0-9a-fA-F]{1,64}", ref or ""):
             raise NotFound(f"not a trajectory id: {ref!r}")
+        ref = ref.lower()
+        table = self.listing()
+        found = table.filter(pc.starts_with(table["id"], ref)).select(["id", "step"]).to_pylist()
+        if len(found) == 1 and isinstance(found[0]["step"], int):
+            spans = self.run.spans(Filters(step=found[0]["step"], trajectory_id=found[0]["id"]))
+            if spans.num_rows:
+                return trajectory_from_table(spans)
         try:
             return self.run.trajectory(ref)
         except RunError as exc:
