@@ -9,6 +9,7 @@ query reads only the columns it names.
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any
 
 import pyarrow as pa
@@ -63,6 +64,17 @@ def connect() -> Any:
     return duckdb.connect(":memory:", config={"enable_external_access": False, "lock_configuration": True})
 
 
+_local = threading.local()
+
+
+def _shared() -> Any:
+    """This thread's connection for rlreplay's own queries (opening one costs tens of ms)."""
+    con = getattr(_local, "con", None)
+    if con is None:
+        con = _local.con = connect()
+    return con
+
+
 def _run_query(con: Any, text: str, what: str) -> pa.Table:
     duckdb = _duckdb()
     try:
@@ -76,18 +88,21 @@ def _run_query(con: Any, text: str, what: str) -> pa.Table:
 
 def filter_where(table: pa.Table, expr: str) -> pa.Table:
     """Rows of a listing for which the SQL boolean ``expr`` holds, in their order."""
-    con = connect()
-    view = merged(table)
-    con.register("_listing", view.append_column(_ROW, pa.array(range(view.num_rows), pa.int64())))
-    query = f"SELECT {_ROW} FROM _listing AS trajectories WHERE ({expr}\n) ORDER BY {_ROW}"
     duckdb = _duckdb()
+    con = _shared()
+    view = merged(table)
+    query = f"SELECT {_ROW} FROM _listing AS trajectories WHERE ({expr}\n) ORDER BY {_ROW}"
     try:
         statements = con.extract_statements(query)
     except duckdb.Error as exc:
         raise QueryError(f"--where {expr!r}: {one_line(exc)}") from None
     if len(statements) != 1:
         raise QueryError(f"--where {expr!r}: not a single expression")
-    rows = _run_query(con, query, f"--where {expr!r}")[_ROW]
+    con.register("_listing", view.append_column(_ROW, pa.array(range(view.num_rows), pa.int64())))
+    try:
+        rows = _run_query(con, query, f"--where {expr!r}")[_ROW]
+    finally:
+        con.unregister("_listing")
     return table.take(rows)
 
 
@@ -129,7 +144,7 @@ def register_spans(con: Any, run: Any) -> None:
     names = [row[0] for row in con.sql("DESCRIBE _spans").fetchall()]
     present = [(key, f"{key}_str") for key in KEYS if f"{key}_str" in names]
     if not present:
-        con.sql("CREATE VIEW spans AS SELECT * FROM _spans")
+        con.sql("CREATE OR REPLACE TEMP VIEW spans AS SELECT * FROM _spans")
         return
     probe = ", ".join(f"bool_or({s} IS NOT NULL)" for _, s in present)
     has_strings = con.sql(f"SELECT {probe} FROM _spans").fetchone()
@@ -140,7 +155,7 @@ def register_spans(con: Any, run: Any) -> None:
     ]
     drop = ", ".join(s for _, s in present)
     replaced = f" REPLACE ({', '.join(replace)})" if replace else ""
-    con.sql(f"CREATE VIEW spans AS SELECT * EXCLUDE ({drop}){replaced} FROM _spans")
+    con.sql(f"CREATE OR REPLACE TEMP VIEW spans AS SELECT * EXCLUDE ({drop}){replaced} FROM _spans")
 
 
 def register_trajectories(con: Any, table: pa.Table) -> None:
@@ -209,9 +224,12 @@ def stats(run: Any, selection: Selection | None = None) -> pa.Table:
 
 def stats_of(table: pa.Table) -> pa.Table:
     """:func:`stats` over a listing already read."""
-    con = connect()
+    con = _shared()
     register_trajectories(con, table)
-    out = _run_query(con, _STATS_SQL, "stats")
+    try:
+        out = _run_query(con, _STATS_SQL, "stats")
+    finally:
+        con.unregister("trajectories")
     return out.select(list(STATS_COLUMNS))
 
 
