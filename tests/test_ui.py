@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 import pytest
 
 from rlreplay.conversation import turns
+from rlreplay.selection import listing as c2_listing
 from rlreplay.store import open_run
 from rlreplay.token2text import Decoder
 
@@ -128,7 +129,7 @@ def save_readme_screenshot(page, dest: Path) -> Path:
 
 def test_click_from_overview_to_step_trajectory_group_and_diff(server, page, tmp_path: Path) -> None:
     run = open_run(SAMPLE)
-    listing = run.trajectories()
+    listing = c2_listing(run)
     step5 = listing.filter(pc.and_(pc.equal(listing["step"], 5), pc.invert(listing["validate"])))
 
     page.goto(server + "/")
@@ -154,7 +155,7 @@ def test_click_from_overview_to_step_trajectory_group_and_diff(server, page, tmp
     _shot(page, tmp_path / "2-step.png")
 
     # a trajectory with a tool call: chat bubbles, tool table, span timeline, tokens
-    with_tool = step5.filter(pc.greater(step5["num_tool_calls"], 0))["id"][0].as_py()
+    with_tool = step5.filter(pc.greater(step5["tool_calls"], 0))["id"][0].as_py()
     page.click(f"a.traj-link[href$='{with_tool}']")
     page.wait_for_selector("#chat")
     traj = run.trajectory(with_tool)
@@ -208,7 +209,7 @@ def test_click_from_overview_to_step_trajectory_group_and_diff(server, page, tmp
 
 
 def test_trajectory_list_selection_sort_and_pages(server, page) -> None:
-    listing = open_run(SAMPLE).trajectories()
+    listing = c2_listing(open_run(SAMPLE))
     base = f"{server}/r/{SAMPLE.name}/trajectories"
     page.goto(f"{base}?step=1..3,7&split=train&where=reward+>+0&sort=reward+desc,+duration_s&per=25")
     steps = pc.is_in(listing["step"], value_set=pa.array([1, 2, 3, 7]))
