@@ -282,6 +282,8 @@ def test_trainer_vs_rollout_mismatch_overlay(server, page, ui_root: Path) -> Non
     traj = next(run.trajectory(i) for i in _hostile_ids(ui_root) if run.trajectory(i).rollout_n == 0)
     trainer = next(s.output["old_log_probs"] for s in traj.spans if s.kind == "signals")
     page.goto(f"{server}/r/hostile/t/{traj.id}")
+    assert page.inner_text("#advantage") == "0.75"  # from the trainer's signals span
+    assert page.inner_text("#logprob-diff-max") == "0.5"
     tokens = page.locator("#tokens .tk")
     assert tokens.count() == len(trainer)
     page.check("#overlay-switch input[value=mismatch]")

@@ -83,17 +83,26 @@ class ToolAgentLoop:
         }
 
 
-@rlreplay.trace_op(name="trainer.signals", kind="signals")
-def trainer_signals(rollout_logprobs: list[float]) -> dict:
+def trainer_logprobs(rollout_logprobs: list[float]) -> list[float]:
     """What the trainer recomputed for the same tokens (``--token-signals``): drifts on some."""
-    return {"old_log_probs": [lp - (0.5 if i % 5 == 0 else 0.0) for i, lp in enumerate(rollout_logprobs)]}
+    return [lp - (0.5 if i % 5 == 0 else 0.0) for i, lp in enumerate(rollout_logprobs)]
 
 
 async def _one(tok, step: int, sample: int, rollout: int, text: str) -> None:
-    async with rlreplay.trajectory(step=step, sample_index=sample, rollout_n=rollout, name="agent_loop"):
+    keys = {"step": step, "sample_index": sample, "rollout_n": rollout}
+    async with rlreplay.trajectory(**keys, name="agent_loop") as traj:
         out = await ToolAgentLoop().run(tok, text, rollout)
-        if rollout == 0:
-            trainer_signals(out["response_logprobs"])
+    if rollout == 0:  # as the trainer does later, from its own process, for the same trajectory
+        from rlreplay.signals import record_signals
+
+        record_signals(
+            traj.id,
+            **keys,
+            validate=False,
+            advantage=0.75,
+            logprob_diff_max=0.5,
+            output={"old_log_probs": trainer_logprobs(out["response_logprobs"])},
+        )
 
 
 def hostile(run_dir: Path) -> None:
