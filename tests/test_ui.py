@@ -57,6 +57,8 @@ def ui_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root.mkdir()
     shutil.copytree(SAMPLE, root / SAMPLE.name)
     subprocess.run([sys.executable, str(JOB), "hostile", str(root / "hostile")], check=True, timeout=120)
+    shutil.copytree(root / "hostile", root / "lossy")
+    (root / "lossy" / "_workers" / "w9-99.json").write_text('{"spans": 5, "dropped": 3, "lost": 2}')
     outside = root.parent / "outside"
     shutil.copytree(root / "hostile", outside / "secret-run")
     (root / "escape").symlink_to(outside / "secret-run")
@@ -234,6 +236,16 @@ def test_trajectory_list_selection_sort_and_pages(server, page) -> None:
     assert page.inner_text("#count") == str(
         listing.filter(pc.and_(pc.equal(listing["sample_index"], 730), listing["validate"])).num_rows
     )
+
+
+def test_recording_losses_are_prominent(server, page) -> None:
+    page.goto(f"{server}/r/lossy/")
+    alarm = page.inner_text("#losses")
+    assert "dropped 3" in alarm and "lost 2" in alarm and "spilled" not in alarm
+    bad = page.locator(".card.bad").all_inner_texts()
+    assert any("dropped" in b for b in bad) and not any("spilled" in b for b in bad)
+    page.goto(f"{server}/r/hostile/")
+    assert page.locator("#losses").count() == 0 and page.locator(".card.bad").count() == 0
 
 
 # ---- safety -----------------------------------------------------------------------------------
