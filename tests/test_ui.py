@@ -263,6 +263,7 @@ def test_recorded_html_renders_as_text(server, page, ui_root: Path, tmp_path: Pa
     chat = page.inner_text("#chat")
     assert HOSTILE_TEXT in chat  # shown literally, as typed
     assert HOSTILE_ARG in chat  # the parsed tool call's argument
+    assert "1 calls, 1 errors" in page.inner_text("table.facts")  # the failed tool call, in the timings
     tools = page.inner_text("table.tools")
     assert HOSTILE_ERROR in tools and HOSTILE_ARG in tools
     assert HOSTILE_TEXT.split()[0] in page.inner_text("#tokens")

@@ -241,6 +241,7 @@ class UI:
             messages=views.messages(traj, decoder, view.adapter()),
             spans=views.timeline(traj),
             tools=views.tool_calls(traj),
+            timings=views.timings(traj),
             tokens=views.tokens(traj, decoder),
             siblings=siblings,
             decoder_error=view.decoder_error,

@@ -98,6 +98,18 @@ def timeline(traj: Trajectory) -> list[SpanRow]:
     return rows
 
 
+def timings(traj: Trajectory) -> dict[str, Any]:
+    """Time spent in model calls and in tools, and how many of each."""
+    llm, tools = traj.by_kind(KIND_LLM), traj.by_kind(KIND_TOOL)
+    return {
+        "llm": len(llm),
+        "llm_s": sum(s.duration_s for s in llm),
+        "tool": len(tools),
+        "tool_s": sum(s.duration_s for s in tools),
+        "tool_errors": sum(1 for s in tools if s.status == "error"),
+    }
+
+
 def tool_calls(traj: Trajectory) -> list[dict[str, Any]]:
     """Tool spans in call order: name, arguments, result, status, time."""
     out = []
