@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from rlreplay import manifest
 from rlreplay.conversation import turns
 from rlreplay.selection import listing as c2_listing
 from rlreplay.store import open_run
@@ -57,6 +58,8 @@ def ui_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root.mkdir()
     shutil.copytree(SAMPLE, root / SAMPLE.name)
     subprocess.run([sys.executable, str(JOB), "hostile", str(root / "hostile")], check=True, timeout=120)
+    shutil.copytree(root / "hostile", root / "no-tokenizer")
+    manifest.update_manifest(root / "no-tokenizer", tokenizer=str(root / "missing-tokenizer"))
     shutil.copytree(root / "hostile", root / "lossy")
     (root / "lossy" / "_workers" / "w9-99.json").write_text('{"spans": 5, "dropped": 3, "lost": 2}')
     outside = root.parent / "outside"
@@ -236,6 +239,16 @@ def test_trajectory_list_selection_sort_and_pages(server, page) -> None:
     assert page.inner_text("#count") == str(
         listing.filter(pc.and_(pc.equal(listing["sample_index"], 730), listing["validate"])).num_rows
     )
+
+
+def test_without_a_tokenizer_token_ids_are_shown(server, page, ui_root: Path) -> None:
+    run = open_run(ui_root / "no-tokenizer")
+    traj = run.trajectory(run.trajectories()["id"][0].as_py())
+    page.goto(f"{server}/r/no-tokenizer/t/{traj.id}")
+    assert "missing-tokenizer" in page.inner_text(".warn")
+    first = next(t for t in turns(traj) if t.role == "assistant")
+    assert " ".join(map(str, first.token_ids)) in page.inner_text("#chat .bubble.assistant >> nth=0")
+    assert page.locator("#tokens .tk").count() > 0
 
 
 def test_recording_losses_are_prominent(server, page) -> None:

@@ -44,9 +44,12 @@ class Message:
 
 
 def messages(traj: Trajectory, decoder: Any, adapter: Any = None) -> list[Message]:
-    """The conversation as OpenAI-style chat messages (system, user, assistant, tool)."""
+    """The conversation as OpenAI-style chat messages (system, user, assistant, tool); without a
+    tokenizer, the turns (prompt, assistant, tool) with their token ids."""
     from rlreplay.messages import openai_messages
 
+    if decoder is None:
+        return _id_messages(traj)
     out = []
     for m in openai_messages(traj, decoder, adapter):
         calls = []
@@ -54,6 +57,16 @@ def messages(traj: Trajectory, decoder: Any, adapter: Any = None) -> list[Messag
             fn = call.get("function") or {}
             calls.append({"name": fn.get("name"), "arguments": _pretty_arguments(fn.get("arguments"))})
         out.append(Message(str(m.get("role")), str(m.get("content") or ""), calls))
+    return out
+
+
+def _id_messages(traj: Trajectory) -> list[Message]:
+    from rlreplay.conversation import turns
+
+    out = []
+    for turn in turns(traj):
+        calls = [{"name": c.get("name"), "arguments": pretty(c.get("arguments"))} for c in turn.tool_calls]
+        out.append(Message(turn.role, " ".join(map(str, turn.token_ids)), calls, tokens=len(turn.token_ids)))
     return out
 
 
