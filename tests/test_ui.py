@@ -44,6 +44,7 @@ from ui_record_job import (  # noqa: E402
 )
 
 QWEN = tokenizer_dir()
+ODD_NAME = "odd <b>run #1?"
 
 
 def _free_port() -> int:
@@ -60,6 +61,7 @@ def ui_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, str(JOB), "hostile", str(root / "hostile")], check=True, timeout=120)
     shutil.copytree(root / "hostile", root / "no-tokenizer")
     manifest.update_manifest(root / "no-tokenizer", tokenizer=str(root / "missing-tokenizer"))
+    shutil.copytree(root / "hostile", root / ODD_NAME)
     shutil.copytree(root / "hostile", root / "lossy")
     (root / "lossy" / "_workers" / "w9-99.json").write_text('{"spans": 5, "dropped": 3, "lost": 2}')
     outside = root.parent / "outside"
@@ -249,6 +251,17 @@ def test_without_a_tokenizer_token_ids_are_shown(server, page, ui_root: Path) ->
     first = next(t for t in turns(traj) if t.role == "assistant")
     assert " ".join(map(str, first.token_ids)) in page.inner_text("#chat .bubble.assistant >> nth=0")
     assert page.locator("#tokens .tk").count() > 0
+
+
+def test_a_run_named_with_url_and_html_characters(server, page) -> None:
+    page.goto(server + "/")
+    page.click(f"#runs a:text-is('{ODD_NAME}')")
+    page.wait_for_selector("#total")
+    assert page.inner_text("h1") == ODD_NAME and page.inner_text("#total") == "3"
+    page.click("a.step-link >> nth=0")
+    page.click("a.traj-link >> nth=0")
+    page.wait_for_selector("#chat")
+    assert HOSTILE_TEXT in page.inner_text("#chat")
 
 
 def test_recording_losses_are_prominent(server, page) -> None:

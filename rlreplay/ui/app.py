@@ -26,6 +26,7 @@ from rlreplay.ui.data import (
     RunSet,
     RunView,
     paginate,
+    run_base,
     select,
     step_stats,
 )
@@ -125,14 +126,14 @@ class UI:
     def index(self, request: Request) -> Response:
         names = self.runs.names()
         if self.runs.single:
-            return RedirectResponse(f"/r/{names[0]}/", status_code=302)
+            return RedirectResponse(f"{run_base(names[0])}/", status_code=302)
         rows = []
         for name in names:
             try:
                 m = self.runs.get(name).manifest()
             except RunError as exc:
                 m = {"error": str(exc)}
-            rows.append({"name": name, "manifest": m})
+            rows.append({"name": name, "base": run_base(name), "manifest": m})
         return self.page("index.html", rows=rows, root=str(self.runs.root), version=self._root_version())
 
     def _root_version(self) -> str:
@@ -151,7 +152,7 @@ class UI:
         stats = step_stats(table)
         counters = view.counters()
         losses = {k: v for k, v in counters.items() if k in LOSS_COUNTERS and v}
-        base = f"/r/{view.name}/trajectories"
+        base = f"{view.base}/trajectories"
         sections = []
         for split, label in ((False, "training"), (True, "validation")):
             rows = [s for s in stats if s["validate"] == split]
@@ -297,7 +298,7 @@ class UI:
 
 
 def _traj_crumbs(view: RunView, traj: Any) -> list[tuple[str, str | None]]:
-    base = f"/r/{view.name}/trajectories"
+    base = f"{view.base}/trajectories"
     crumbs: list[tuple[str, str | None]] = []
     if traj.step is not None:
         split = "val" if traj.validate else "train"

@@ -27,7 +27,6 @@ WORKERS_DIR = "_workers"
 PAGE_SIZES = (25, 50, 100, 200, 500)
 DEFAULT_PAGE_SIZE = 100
 SLOW_LISTING_S = 0.5  # re-read a listing that took longer than this in the background
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,200}$")
 
 
 class NotFound(RunError):
@@ -66,12 +65,12 @@ class RunSet:
         for entry in os.scandir(self.root):
             path = Path(entry.path)
             # a symlink leading out of the folder is not one of its runs
-            if _NAME.match(entry.name) and _inside(path, self.root) and is_run_dir(path):
+            if not entry.name.startswith(".") and _inside(path, self.root) and is_run_dir(path):
                 found.append(entry.name)
         return sorted(found)
 
     def get(self, name: str) -> RunView:
-        if not _NAME.match(name) or name not in self.names():
+        if name not in self.names():
             raise NotFound(f"no run named {name!r}")
         with self._lock:
             view = self._views.get(name)
@@ -108,12 +107,20 @@ def file_signature(run_dir: Path) -> tuple[Any, ...]:
     return tuple(out)
 
 
+def run_base(name: str) -> str:
+    """The URL prefix of a run's pages."""
+    from urllib.parse import quote
+
+    return "/r/" + quote(name, safe="")
+
+
 class RunView:
     """A run with its listing cached until its files change, and its tokenizer loaded once."""
 
     def __init__(self, run: Run) -> None:
         self.run = run
         self.name = run.path.name
+        self.base = run_base(self.name)
         self._lock = threading.Lock()
         self._build_lock = threading.Lock()
         self._listing: tuple[tuple[Any, ...], pa.Table] | None = None
