@@ -133,6 +133,8 @@ def tool_calls(traj: Trajectory) -> list[dict[str, Any]]:
             result = result[0]
         if isinstance(result, dict) and "text" in result:
             result = result["text"]
+        if isinstance(result, dict) and result.get("__type__") == "exception":
+            result = None  # the error line says it; the traceback is in the span's output
         out.append(
             {
                 "name": span.name,
