@@ -18,6 +18,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rlreplay.index import LISTING_FIELDS
+from rlreplay.schema import KEY_STR, KEYS
 from rlreplay.store import Filters, RunError
 
 STATUSES = ("ok", "error", "incomplete")
@@ -123,36 +125,9 @@ def group_ids(selected: Iterable[Group]) -> list[str]:
 
 # --- the selection grammar -------------------------------------------------------------------
 
-KEYS = ("step", "sample_index", "rollout_n")
-
 #: The trajectory listing's columns (contract C2), in order; ``*_str`` hold non-int key values.
-LISTING_COLUMNS = (
-    "id",
-    "step",
-    "sample_index",
-    "rollout_n",
-    "validate",
-    "experiment",
-    "worker",
-    "name",
-    "agent",
-    "start_time",
-    "duration_s",
-    "num_spans",
-    "model_calls",
-    "tool_calls",
-    "tool_errors",
-    "prompt_tokens",
-    "response_tokens",
-    "status",
-    "error",
-    "reward",
-    "advantage",
-    "logprob_diff_mean",
-    "logprob_diff_max",
-    "importance_ratio",
-)
-STR_KEYS = tuple(f"{key}_str" for key in KEYS)
+LISTING_COLUMNS = tuple(f.name for f in LISTING_FIELDS if f.name not in KEY_STR.values())
+STR_KEYS = tuple(KEY_STR[key] for key in KEYS)
 
 _INT = re.compile(r"-?[0-9]+\Z")
 _SORT_ITEM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)(?:\s+(asc|desc))?\s*\Z", re.IGNORECASE)
@@ -261,33 +236,8 @@ def parse_sort(text: str, columns: Iterable[str] = LISTING_COLUMNS) -> list[tupl
 
 
 def listing(run: Any, filters: Any = None) -> pa.Table:
-    """``run.trajectories(filters)`` with every contract-C2 column, in order (absent ones null)."""
-    table = run.trajectories(filters)
-    renames = {"num_turns": "model_calls", "num_tool_calls": "tool_calls"}  # listings before C2
-    present = set(table.column_names)
-    table = table.rename_columns(
-        [renames[n] if n in renames and renames[n] not in present else n for n in table.column_names]
-    )
-    n = table.num_rows
-    columns, names = [], []
-    for name in (*LISTING_COLUMNS, *STR_KEYS):
-        if name in table.column_names:
-            columns.append(table[name])
-        else:
-            columns.append(pa.nulls(n, _MISSING_TYPES.get(name, pa.float64())))
-        names.append(name)
-    return pa.table(columns, names=names)
-
-
-_MISSING_TYPES = {
-    "tool_errors": pa.int64(),
-    "prompt_tokens": pa.int64(),
-    "response_tokens": pa.int64(),
-    "error": pa.string(),
-    "model_calls": pa.int64(),
-    "tool_calls": pa.int64(),
-    **{name: pa.string() for name in STR_KEYS},
-}
+    """``run.trajectories(filters)``: the contract-C2 listing with the ``*_str`` key columns."""
+    return run.trajectories(filters)
 
 
 def merged(table: pa.Table) -> pa.Table:

@@ -22,7 +22,17 @@ from rlreplay.selection import SelectionError, parse_keys, parse_sort
 ROOT = Path(__file__).resolve().parent.parent
 GSM8K = ROOT / "sample_runs" / "gsm8k-grpo-qwen3"
 SMOLLM = ROOT / "sample_runs" / "verl-toolagent-smollm2"
-META = ["trajectory_id", "span_id", "parent_id", "kind", "start_ns", "end_ns", "status", "reward"]
+META = [
+    "trajectory_id",
+    "span_id",
+    "parent_id",
+    "kind",
+    "start_ns",
+    "end_ns",
+    "status",
+    "reward",
+    "response_tokens",
+]
 KEYS = ["step", "sample_index", "rollout_n", "validate", "experiment", "worker"]
 
 
@@ -37,8 +47,13 @@ def json_lines(text: str) -> list[dict[str, Any]]:
 
 
 def span_rows(run_dir: Path, columns: list[str] | None = None) -> list[dict[str, Any]]:
-    files = sorted(run_dir.glob("spans/step=*/worker=*/*.parquet"))
-    return pa.concat_tables([pq.read_table(f, columns=columns) for f in files]).to_pylist()
+    """Every span row of the sealed files (columns a file lacks, e.g. in format 1, are None)."""
+    rows = []
+    for f in sorted(run_dir.glob("spans/step=*/worker=*/*.parquet")):
+        names = pq.read_schema(f).names
+        table = pq.read_table(f, columns=[c for c in columns if c in names] if columns else None)
+        rows += [{**dict.fromkeys(columns or []), **r} for r in table.to_pylist()]
+    return rows
 
 
 def expected_listing(run_dir: Path) -> list[dict[str, Any]]:
@@ -53,6 +68,10 @@ def expected_listing(run_dir: Path) -> list[dict[str, Any]]:
             s for s in spans if s["kind"] in ("signals", "agent", "trajectory") and s["reward"] is not None
         ]
         start = min(s["start_ns"] for s in spans)
+        agent = [
+            s["response_tokens"] for s in spans if s["kind"] == "agent" and s["response_tokens"] is not None
+        ]
+        llm = [s["response_tokens"] for s in spans if s["kind"] == "llm" and s["response_tokens"] is not None]
         out.append(
             {
                 "id": tid,
@@ -65,6 +84,7 @@ def expected_listing(run_dir: Path) -> list[dict[str, Any]]:
                 "tool_errors": sum(s["kind"] == "tool" and s["status"] == "error" for s in spans),
                 "status": "incomplete" if not roots else roots[0]["status"],
                 "reward": max(rewarded, key=lambda s: s["end_ns"])["reward"] if rewarded else None,
+                "response_tokens": agent[0] if agent else sum(llm) if llm else None,
             }
         )
     nulls_last = lambda v: (v is None, v if v is not None else 0)  # noqa: E731
@@ -338,6 +358,10 @@ def expected_stats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             groups[r["sample_index"]].append(r["reward"])
         multi = [g for g in groups.values() if len([x for x in g if x is not None]) >= 2]
         durations = np.array([r["duration_s"] for r in mine])
+        lengths = np.array(
+            [r["response_tokens"] for r in mine if r["response_tokens"] is not None], dtype=float
+        )
+        tool_calls = sum(r["tool_calls"] for r in mine)
         out.append(
             {
                 "step": step,
@@ -352,7 +376,10 @@ def expected_stats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     if multi
                     else None
                 ),
+                "response_tokens_mean": float(lengths.mean()) if len(lengths) else None,
+                "response_tokens_p95": float(np.percentile(lengths, 95)) if len(lengths) else None,
                 "model_calls_mean": float(np.mean([r["model_calls"] for r in mine])),
+                "tool_error_rate": sum(r["tool_errors"] for r in mine) / tool_calls if tool_calls else None,
                 "tool_calls_mean": float(np.mean([r["tool_calls"] for r in mine])),
                 "error_rate": sum(r["status"] == "error" for r in mine) / len(mine),
                 "duration_p50_s": float(np.percentile(durations, 50)),
@@ -417,17 +444,11 @@ def test_stats_with_tool_errors(recorded_run: Path, capsys: pytest.CaptureFixtur
     assert rc == 0, err
     rows = json_lines(out)
     wanted = expected_stats(expected_listing(recorded_run))
-    assert any(w["error_rate"] for w in wanted)
+    assert any(w["error_rate"] for w in wanted) and any(w["tool_error_rate"] for w in wanted)
+    assert all(w["response_tokens_mean"] for w in wanted)
     for got, exp in zip(rows, wanted, strict=True):
-        for key in (
-            "trajectories",
-            "groups",
-            "reward_mean",
-            "frac_groups_zero_std",
-            "error_rate",
-            "duration_p95_s",
-        ):
-            assert _close(got[key], exp[key]), key
+        for key, value in exp.items():
+            assert _close(got[key], value), (got["step"], got["validate"], key, got[key], value)
 
 
 def test_stats_table_trends_and_plots(
