@@ -657,3 +657,86 @@ def test_export_never_overwrites_without_force(tmp_path: Path, capsys: pytest.Ca
     rc, _, err = cli(capsys, "export", GSM8K, "--step", "1", "--out", out, "--force")
     assert rc == 0, err
     assert len(json_lines(out.read_text())) == sum(1 for r in expected_listing(GSM8K) if r["step"] == 1)
+
+
+# --- keys that are not integers -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def string_key_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run recorded with the real recorder whose sample_index is sometimes a string."""
+    import asyncio
+
+    import rlreplay
+
+    run_dir = tmp_path_factory.mktemp("strkeys") / "run"
+
+    @rlreplay.trace_op(name="Loop.run", kind="agent")
+    async def run(i: int) -> dict:
+        return {"reward_score": float(i % 2)}
+
+    async def go() -> None:
+        for step, sample in [(1, 0), (1, "s1-3"), (2, 7), (2, "s1-3"), (3, "b")]:
+            for n in range(2):
+                async with rlreplay.trajectory(step=step, sample_index=sample, rollout_n=n, validate=False):
+                    await run(n)
+
+    rlreplay.init(run_dir, experiment="strkeys", worker="w0")
+    try:
+        asyncio.run(go())
+    finally:
+        rlreplay.close()
+    return run_dir
+
+
+def test_string_keys(string_key_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = cli(capsys, "ls", string_key_run, "--sample-index", "s1-3,7", "--json")
+    assert rc == 0, err
+    rows = json_lines(out)
+    assert [(r["step"], r["sample_index"], r["rollout_n"]) for r in rows] == [
+        (1, "s1-3", 0),
+        (1, "s1-3", 1),
+        (2, 7, 0),
+        (2, 7, 1),
+        (2, "s1-3", 0),
+        (2, "s1-3", 1),
+    ]
+    rc, out, _ = cli(capsys, "ls", string_key_run, "--sample-index", "0..10", "--json")
+    assert {r["sample_index"] for r in json_lines(out)} == {0, 7}
+    rc, out, _ = cli(capsys, "ls", string_key_run, "--where", "sample_index = 'b'", "--json")
+    assert [(r["step"], r["sample_index"]) for r in json_lines(out)] == [(3, "b"), (3, "b")]
+    # in SQL the column holding a non-int value is VARCHAR; steps stay integers
+    query = "SELECT DISTINCT typeof(step) AS s, typeof(sample_index) AS i FROM trajectories"
+    rc, out, _ = cli(capsys, "sql", query, "--run", string_key_run, "--json")
+    assert json_lines(out) == [{"s": "BIGINT", "i": "VARCHAR"}]
+    rc, out, _ = cli(
+        capsys, "sql", "SELECT DISTINCT sample_index FROM spans ORDER BY 1", "--run", string_key_run, "--json"
+    )
+    assert [r["sample_index"] for r in json_lines(out)] == ["0", "7", "b", "s1-3"]
+    rc, out, _ = cli(capsys, "stats", string_key_run, "--json")
+    assert [(r["step"], r["groups"], r["trajectories"]) for r in json_lines(out)] == [
+        (1, 2, 4),
+        (2, 2, 4),
+        (3, 1, 2),
+    ]
+
+
+def test_string_keys_export_loads_with_datasets(
+    string_key_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import datasets
+    from conftest import qwen_tokenizer_dir
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    for fmt in ("jsonl", "parquet"):
+        out = tmp_path / f"x.{fmt}"
+        rc, _, err = cli(capsys, "export", string_key_run, "--out", out, "--tokenizer", qwen_tokenizer_dir())
+        assert rc == 0, err
+        data = datasets.load_dataset(
+            "json" if fmt == "jsonl" else fmt,
+            data_files=str(out),
+            split="train",
+            cache_dir=str(tmp_path / "hf"),
+        )
+        assert data.features["sample_index"].dtype == "string" and data.features["step"].dtype == "int64"
+        assert sorted(set(data["sample_index"])) == ["0", "7", "b", "s1-3"]
