@@ -12,14 +12,15 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rlreplay.index import LISTING_FIELDS
+from rlreplay.index import LISTING_FIELDS, LISTING_SCHEMA
 from rlreplay.schema import KEY_STR, KEYS
+from rlreplay.shards import step_dirs
 from rlreplay.store import Filters, RunError
 
 STATUSES = ("ok", "error", "incomplete")
@@ -298,9 +299,18 @@ class Selection:
         return Filters(step=step, validate=self.validate, experiment=self.experiment)
 
     def trajectories(self, run: Any) -> pa.Table:
-        """The run's listing (contract C2 columns), filtered, sorted and limited."""
+        """The run's listing (contract C2 columns), filtered, sorted and limited.
+
+        A step filter reads only the matching ``spans/step=N/`` partitions, one at a time.
+        """
         self.check()
-        return self.apply(listing(run, self.filters()))
+        filters = self.filters()
+        steps = _partition_steps(run, self.keys().get("step"))
+        if steps is None:
+            return self.apply(listing(run, filters))
+        parts = [listing(run, replace(filters, step=step)) for step in steps]
+        table = pa.concat_tables(parts) if parts else LISTING_SCHEMA.empty_table()
+        return self.apply(table)
 
     def apply(self, table: pa.Table) -> pa.Table:
         """This selection over a listing already read."""
@@ -328,6 +338,19 @@ class Selection:
         if self.limit is not None:
             table = table.slice(0, self.limit)
         return table
+
+
+def _partition_steps(run: Any, spec: KeySpec | None) -> list[int] | None:
+    """The run's step partitions that ``spec`` matches, in order (None: read without pruning)."""
+    path = getattr(run, "path", None)
+    if spec is None or path is None:
+        return None
+    steps = []
+    for folder in step_dirs(path):
+        value = folder.name.removeprefix("step=")
+        if _INT.match(value) and spec.matches(int(value)):
+            steps.append(int(value))
+    return sorted(steps)
 
 
 def sort_table(table: pa.Table, order: list[tuple[str, str]]) -> pa.Table:
