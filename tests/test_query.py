@@ -545,11 +545,15 @@ def test_sql_views(gsm8k: list[dict[str, Any]], capsys: pytest.CaptureFixture[st
 
 
 def _agent_outputs(run_dir: Path) -> dict[str, dict[str, Any]]:
-    return {
-        r["trajectory_id"]: json.loads(r["output"])
-        for r in span_rows(run_dir, ["trajectory_id", "kind", "output"])
-        if r["kind"] == "agent"
-    }
+    """Each trajectory's agent span output, token arrays restored by the store."""
+    import rlreplay
+
+    run = rlreplay.open_run(run_dir)
+    out = {}
+    for traj in run.load(run.trajectories()["id"].to_pylist()):
+        (agent,) = [s for s in traj.spans if s.kind == "agent"]
+        out[traj.id] = agent.output
+    return out
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
