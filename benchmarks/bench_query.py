@@ -48,6 +48,12 @@ def step_template(per_step: int) -> pa.Table:
             base = base.set_column(
                 base.column_names.index(name), name, pa.array(['{"n": 1}'] * base.num_rows, pa.large_string())
             )
+    rng = np.random.default_rng(1)
+    for name, kinds in (("response_tokens", ("agent", "llm")), ("prompt_tokens", ("agent", "llm"))):
+        if name in base.column_names:
+            counted = pc.is_in(base["kind"], pa.array(kinds)).to_numpy(zero_copy_only=False)
+            values = pa.array(rng.integers(50, 4000, base.num_rows), mask=~counted)
+            base = base.set_column(base.column_names.index(name), name, values)
     per_copy = len(set(base["trajectory_id"].to_pylist()))
     replicas = max(1, per_step // per_copy)
     parts = []

@@ -44,10 +44,10 @@ def ls_command(
     table = selection.trajectories(opened)
     report_warnings(opened)
     if as_json:
-        from rlreplay.selection import merged
+        from rlreplay.store import listing_rows
 
         write = sys.stdout.write
-        for row in merged(table).to_pylist():
+        for row in listing_rows(table):
             write(orjson.dumps(row).decode() + "\n")
         return
     shown = table.num_rows

@@ -26,6 +26,11 @@ def _bad_input() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:]
+    if argv is None and args and args[0] in ("ls", "show", "diff", "info", "stats", "sql", "export"):
+        from rlreplay.store import skip_pandas
+
+        skip_pandas()  # the command-line process of a reading command: no pandas import
     command = typer.main.get_command(app)
     try:
         result = command.main(args=argv, prog_name="rlreplay", standalone_mode=False)

@@ -107,39 +107,35 @@ def filter_where(table: pa.Table, expr: str) -> pa.Table:
 
 
 def _spans_table(run: Any) -> Any:
-    """The run's span rows as an Arrow dataset (sealed files scanned lazily, live files read)."""
+    """The run's span rows as an Arrow dataset: sealed files scanned lazily (format 1 files get
+    the format 2 columns as nulls), live files read."""
     import pyarrow.dataset as ds
     import pyarrow.parquet as pq
 
-    from rlreplay.schema import SPAN_SCHEMA, FormatError
-    from rlreplay.shards import list_files, read_partial
+    from rlreplay.schema import SPAN_SCHEMA, FormatError, file_version
+    from rlreplay.shards import list_files
 
     sealed, partials = list_files(run.path)
     good = []
     for path in sealed:
         try:
-            schema = pq.read_schema(path)
-            if schema.names != SPAN_SCHEMA.names:
-                raise FormatError("not an rlreplay span file (unexpected columns)")
+            file_version(pq.read_schema(path), "file")
             good.append(str(path))
         except (pa.ArrowException, OSError, FormatError) as exc:
             run._warn(f"skipped unreadable file {path.relative_to(run.path)}: {one_line(exc)}")
     parts = [ds.dataset(good, schema=SPAN_SCHEMA, format="parquet")] if good else []
-    live = []
-    for path in partials:
-        try:
-            live.append(read_partial(path).table.cast(SPAN_SCHEMA))
-        except (pa.ArrowException, OSError, FormatError, ValueError) as exc:
-            run._warn(f"skipped unreadable file {path.relative_to(run.path)}: {one_line(exc)}")
+    live = [t for t in (run._partial(path) for path in partials) if t is not None]
     if live:
-        parts.append(ds.dataset(live, schema=SPAN_SCHEMA))
+        parts.append(ds.dataset([t.cast(SPAN_SCHEMA) for t in live], schema=SPAN_SCHEMA))
     if not parts:
         return SPAN_SCHEMA.empty_table()
     return parts[0] if len(parts) == 1 else ds.dataset(parts)
 
 
 def register_spans(con: Any, run: Any) -> None:
-    """View ``spans``: every span row, key values merged as in the listing, payloads as JSON text."""
+    """View ``spans``: every span row, key values merged as in the listing; ``attributes``, ``inputs``,
+    ``output`` are the stored JSON text (token arrays stand there as placeholders pointing into the
+    typed ``token_*`` list columns)."""
     con.register("_spans", _spans_table(run))
     names = [row[0] for row in con.sql("DESCRIBE _spans").fetchall()]
     present = [(key, f"{key}_str") for key in KEYS if f"{key}_str" in names]
@@ -147,7 +143,7 @@ def register_spans(con: Any, run: Any) -> None:
         con.sql("CREATE OR REPLACE TEMP VIEW spans AS SELECT * FROM _spans")
         return
     probe = ", ".join(f"bool_or({s} IS NOT NULL)" for _, s in present)
-    has_strings = con.sql(f"SELECT {probe} FROM _spans").fetchone()
+    has_strings = con.sql(f"SELECT {probe} FROM _spans").fetchall()[0]
     replace = [
         f"coalesce(CAST({key} AS VARCHAR), {str_key}) AS {key}"
         for (key, str_key), strings in zip(present, has_strings)

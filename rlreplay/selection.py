@@ -12,12 +12,15 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rlreplay.index import LISTING_FIELDS, LISTING_SCHEMA
+from rlreplay.schema import KEY_STR, KEYS
+from rlreplay.shards import step_dirs
 from rlreplay.store import Filters, RunError
 
 STATUSES = ("ok", "error", "incomplete")
@@ -123,36 +126,9 @@ def group_ids(selected: Iterable[Group]) -> list[str]:
 
 # --- the selection grammar -------------------------------------------------------------------
 
-KEYS = ("step", "sample_index", "rollout_n")
-
 #: The trajectory listing's columns (contract C2), in order; ``*_str`` hold non-int key values.
-LISTING_COLUMNS = (
-    "id",
-    "step",
-    "sample_index",
-    "rollout_n",
-    "validate",
-    "experiment",
-    "worker",
-    "name",
-    "agent",
-    "start_time",
-    "duration_s",
-    "num_spans",
-    "model_calls",
-    "tool_calls",
-    "tool_errors",
-    "prompt_tokens",
-    "response_tokens",
-    "status",
-    "error",
-    "reward",
-    "advantage",
-    "logprob_diff_mean",
-    "logprob_diff_max",
-    "importance_ratio",
-)
-STR_KEYS = tuple(f"{key}_str" for key in KEYS)
+LISTING_COLUMNS = tuple(f.name for f in LISTING_FIELDS if f.name not in KEY_STR.values())
+STR_KEYS = tuple(KEY_STR[key] for key in KEYS)
 
 _INT = re.compile(r"-?[0-9]+\Z")
 _SORT_ITEM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)(?:\s+(asc|desc))?\s*\Z", re.IGNORECASE)
@@ -261,33 +237,8 @@ def parse_sort(text: str, columns: Iterable[str] = LISTING_COLUMNS) -> list[tupl
 
 
 def listing(run: Any, filters: Any = None) -> pa.Table:
-    """``run.trajectories(filters)`` with every contract-C2 column, in order (absent ones null)."""
-    table = run.trajectories(filters)
-    renames = {"num_turns": "model_calls", "num_tool_calls": "tool_calls"}  # listings before C2
-    present = set(table.column_names)
-    table = table.rename_columns(
-        [renames[n] if n in renames and renames[n] not in present else n for n in table.column_names]
-    )
-    n = table.num_rows
-    columns, names = [], []
-    for name in (*LISTING_COLUMNS, *STR_KEYS):
-        if name in table.column_names:
-            columns.append(table[name])
-        else:
-            columns.append(pa.nulls(n, _MISSING_TYPES.get(name, pa.float64())))
-        names.append(name)
-    return pa.table(columns, names=names)
-
-
-_MISSING_TYPES = {
-    "tool_errors": pa.int64(),
-    "prompt_tokens": pa.int64(),
-    "response_tokens": pa.int64(),
-    "error": pa.string(),
-    "model_calls": pa.int64(),
-    "tool_calls": pa.int64(),
-    **{name: pa.string() for name in STR_KEYS},
-}
+    """``run.trajectories(filters)``: the contract-C2 listing with the ``*_str`` key columns."""
+    return run.trajectories(filters)
 
 
 def merged(table: pa.Table) -> pa.Table:
@@ -348,9 +299,18 @@ class Selection:
         return Filters(step=step, validate=self.validate, experiment=self.experiment)
 
     def trajectories(self, run: Any) -> pa.Table:
-        """The run's listing (contract C2 columns), filtered, sorted and limited."""
+        """The run's listing (contract C2 columns), filtered, sorted and limited.
+
+        A step filter reads only the matching ``spans/step=N/`` partitions, one at a time.
+        """
         self.check()
-        return self.apply(listing(run, self.filters()))
+        filters = self.filters()
+        steps = _partition_steps(run, self.keys().get("step"))
+        if steps is None:
+            return self.apply(listing(run, filters))
+        parts = [listing(run, replace(filters, step=step)) for step in steps]
+        table = pa.concat_tables(parts) if parts else LISTING_SCHEMA.empty_table()
+        return self.apply(table)
 
     def apply(self, table: pa.Table) -> pa.Table:
         """This selection over a listing already read."""
@@ -378,6 +338,19 @@ class Selection:
         if self.limit is not None:
             table = table.slice(0, self.limit)
         return table
+
+
+def _partition_steps(run: Any, spec: KeySpec | None) -> list[int] | None:
+    """The run's step partitions that ``spec`` matches, in order (None: read without pruning)."""
+    path = getattr(run, "path", None)
+    if spec is None or path is None:
+        return None
+    steps = []
+    for folder in step_dirs(path):
+        value = folder.name.removeprefix("step=")
+        if _INT.match(value) and spec.matches(int(value)):
+            steps.append(int(value))
+    return sorted(steps)
 
 
 def sort_table(table: pa.Table, order: list[tuple[str, str]]) -> pa.Table:

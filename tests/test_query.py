@@ -22,7 +22,17 @@ from rlreplay.selection import SelectionError, parse_keys, parse_sort
 ROOT = Path(__file__).resolve().parent.parent
 GSM8K = ROOT / "sample_runs" / "gsm8k-grpo-qwen3"
 SMOLLM = ROOT / "sample_runs" / "verl-toolagent-smollm2"
-META = ["trajectory_id", "span_id", "parent_id", "kind", "start_ns", "end_ns", "status", "reward"]
+META = [
+    "trajectory_id",
+    "span_id",
+    "parent_id",
+    "kind",
+    "start_ns",
+    "end_ns",
+    "status",
+    "reward",
+    "response_tokens",
+]
 KEYS = ["step", "sample_index", "rollout_n", "validate", "experiment", "worker"]
 
 
@@ -37,8 +47,13 @@ def json_lines(text: str) -> list[dict[str, Any]]:
 
 
 def span_rows(run_dir: Path, columns: list[str] | None = None) -> list[dict[str, Any]]:
-    files = sorted(run_dir.glob("spans/step=*/worker=*/*.parquet"))
-    return pa.concat_tables([pq.read_table(f, columns=columns) for f in files]).to_pylist()
+    """Every span row of the sealed files (columns a file lacks, e.g. in format 1, are None)."""
+    rows = []
+    for f in sorted(run_dir.glob("spans/step=*/worker=*/*.parquet")):
+        names = pq.read_schema(f).names
+        table = pq.read_table(f, columns=[c for c in columns if c in names] if columns else None)
+        rows += [{**dict.fromkeys(columns or []), **r} for r in table.to_pylist()]
+    return rows
 
 
 def expected_listing(run_dir: Path) -> list[dict[str, Any]]:
@@ -53,6 +68,10 @@ def expected_listing(run_dir: Path) -> list[dict[str, Any]]:
             s for s in spans if s["kind"] in ("signals", "agent", "trajectory") and s["reward"] is not None
         ]
         start = min(s["start_ns"] for s in spans)
+        agent = [
+            s["response_tokens"] for s in spans if s["kind"] == "agent" and s["response_tokens"] is not None
+        ]
+        llm = [s["response_tokens"] for s in spans if s["kind"] == "llm" and s["response_tokens"] is not None]
         out.append(
             {
                 "id": tid,
@@ -65,6 +84,7 @@ def expected_listing(run_dir: Path) -> list[dict[str, Any]]:
                 "tool_errors": sum(s["kind"] == "tool" and s["status"] == "error" for s in spans),
                 "status": "incomplete" if not roots else roots[0]["status"],
                 "reward": max(rewarded, key=lambda s: s["end_ns"])["reward"] if rewarded else None,
+                "response_tokens": agent[0] if agent else sum(llm) if llm else None,
             }
         )
     nulls_last = lambda v: (v is None, v if v is not None else 0)  # noqa: E731
@@ -338,6 +358,10 @@ def expected_stats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             groups[r["sample_index"]].append(r["reward"])
         multi = [g for g in groups.values() if len([x for x in g if x is not None]) >= 2]
         durations = np.array([r["duration_s"] for r in mine])
+        lengths = np.array(
+            [r["response_tokens"] for r in mine if r["response_tokens"] is not None], dtype=float
+        )
+        tool_calls = sum(r["tool_calls"] for r in mine)
         out.append(
             {
                 "step": step,
@@ -352,7 +376,10 @@ def expected_stats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     if multi
                     else None
                 ),
+                "response_tokens_mean": float(lengths.mean()) if len(lengths) else None,
+                "response_tokens_p95": float(np.percentile(lengths, 95)) if len(lengths) else None,
                 "model_calls_mean": float(np.mean([r["model_calls"] for r in mine])),
+                "tool_error_rate": sum(r["tool_errors"] for r in mine) / tool_calls if tool_calls else None,
                 "tool_calls_mean": float(np.mean([r["tool_calls"] for r in mine])),
                 "error_rate": sum(r["status"] == "error" for r in mine) / len(mine),
                 "duration_p50_s": float(np.percentile(durations, 50)),
@@ -417,17 +444,11 @@ def test_stats_with_tool_errors(recorded_run: Path, capsys: pytest.CaptureFixtur
     assert rc == 0, err
     rows = json_lines(out)
     wanted = expected_stats(expected_listing(recorded_run))
-    assert any(w["error_rate"] for w in wanted)
+    assert any(w["error_rate"] for w in wanted) and any(w["tool_error_rate"] for w in wanted)
+    assert all(w["response_tokens_mean"] for w in wanted)
     for got, exp in zip(rows, wanted, strict=True):
-        for key in (
-            "trajectories",
-            "groups",
-            "reward_mean",
-            "frac_groups_zero_std",
-            "error_rate",
-            "duration_p95_s",
-        ):
-            assert _close(got[key], exp[key]), key
+        for key, value in exp.items():
+            assert _close(got[key], value), (got["step"], got["validate"], key, got[key], value)
 
 
 def test_stats_table_trends_and_plots(
@@ -524,11 +545,15 @@ def test_sql_views(gsm8k: list[dict[str, Any]], capsys: pytest.CaptureFixture[st
 
 
 def _agent_outputs(run_dir: Path) -> dict[str, dict[str, Any]]:
-    return {
-        r["trajectory_id"]: json.loads(r["output"])
-        for r in span_rows(run_dir, ["trajectory_id", "kind", "output"])
-        if r["kind"] == "agent"
-    }
+    """Each trajectory's agent span output, token arrays restored by the store."""
+    import rlreplay
+
+    run = rlreplay.open_run(run_dir)
+    out = {}
+    for traj in run.load(run.trajectories()["id"].to_pylist()):
+        (agent,) = [s for s in traj.spans if s.kind == "agent"]
+        out[traj.id] = agent.output
+    return out
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
@@ -636,3 +661,86 @@ def test_export_never_overwrites_without_force(tmp_path: Path, capsys: pytest.Ca
     rc, _, err = cli(capsys, "export", GSM8K, "--step", "1", "--out", out, "--force")
     assert rc == 0, err
     assert len(json_lines(out.read_text())) == sum(1 for r in expected_listing(GSM8K) if r["step"] == 1)
+
+
+# --- keys that are not integers -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def string_key_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run recorded with the real recorder whose sample_index is sometimes a string."""
+    import asyncio
+
+    import rlreplay
+
+    run_dir = tmp_path_factory.mktemp("strkeys") / "run"
+
+    @rlreplay.trace_op(name="Loop.run", kind="agent")
+    async def run(i: int) -> dict:
+        return {"reward_score": float(i % 2)}
+
+    async def go() -> None:
+        for step, sample in [(1, 0), (1, "s1-3"), (2, 7), (2, "s1-3"), (3, "b")]:
+            for n in range(2):
+                async with rlreplay.trajectory(step=step, sample_index=sample, rollout_n=n, validate=False):
+                    await run(n)
+
+    rlreplay.init(run_dir, experiment="strkeys", worker="w0")
+    try:
+        asyncio.run(go())
+    finally:
+        rlreplay.close()
+    return run_dir
+
+
+def test_string_keys(string_key_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = cli(capsys, "ls", string_key_run, "--sample-index", "s1-3,7", "--json")
+    assert rc == 0, err
+    rows = json_lines(out)
+    assert [(r["step"], r["sample_index"], r["rollout_n"]) for r in rows] == [
+        (1, "s1-3", 0),
+        (1, "s1-3", 1),
+        (2, 7, 0),
+        (2, 7, 1),
+        (2, "s1-3", 0),
+        (2, "s1-3", 1),
+    ]
+    rc, out, _ = cli(capsys, "ls", string_key_run, "--sample-index", "0..10", "--json")
+    assert {r["sample_index"] for r in json_lines(out)} == {0, 7}
+    rc, out, _ = cli(capsys, "ls", string_key_run, "--where", "sample_index = 'b'", "--json")
+    assert [(r["step"], r["sample_index"]) for r in json_lines(out)] == [(3, "b"), (3, "b")]
+    # in SQL the column holding a non-int value is VARCHAR; steps stay integers
+    query = "SELECT DISTINCT typeof(step) AS s, typeof(sample_index) AS i FROM trajectories"
+    rc, out, _ = cli(capsys, "sql", query, "--run", string_key_run, "--json")
+    assert json_lines(out) == [{"s": "BIGINT", "i": "VARCHAR"}]
+    rc, out, _ = cli(
+        capsys, "sql", "SELECT DISTINCT sample_index FROM spans ORDER BY 1", "--run", string_key_run, "--json"
+    )
+    assert [r["sample_index"] for r in json_lines(out)] == ["0", "7", "b", "s1-3"]
+    rc, out, _ = cli(capsys, "stats", string_key_run, "--json")
+    assert [(r["step"], r["groups"], r["trajectories"]) for r in json_lines(out)] == [
+        (1, 2, 4),
+        (2, 2, 4),
+        (3, 1, 2),
+    ]
+
+
+def test_string_keys_export_loads_with_datasets(
+    string_key_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import datasets
+    from conftest import qwen_tokenizer_dir
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    for fmt in ("jsonl", "parquet"):
+        out = tmp_path / f"x.{fmt}"
+        rc, _, err = cli(capsys, "export", string_key_run, "--out", out, "--tokenizer", qwen_tokenizer_dir())
+        assert rc == 0, err
+        data = datasets.load_dataset(
+            "json" if fmt == "jsonl" else fmt,
+            data_files=str(out),
+            split="train",
+            cache_dir=str(tmp_path / "hf"),
+        )
+        assert data.features["sample_index"].dtype == "string" and data.features["step"].dtype == "int64"
+        assert sorted(set(data["sample_index"])) == ["0", "7", "b", "s1-3"]
