@@ -483,7 +483,7 @@ class PrefixIndex:
                     continue
                 diff = np.flatnonzero(array[:n] != stream[start : start + n])
                 length = int(diff[0]) if len(diff) else n
-                if length >= MIN_PREFIX and (best is None or length > best[2]):
+                if length >= MIN_PREFIX and (best is None or length >= best[2]):  # ties: the latest
                     best = (span_id, start, length)
         return best
 

@@ -56,7 +56,7 @@ SORT_KEYS = [
     ("trajectory_id", "ascending"),
     ("start_ns", "ascending"),
 ]
-ROW_GROUP_BYTES = 1 << 20
+ROW_GROUP_BYTES = 512 << 10
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _DICTIONARY_COLUMNS = ["trajectory_id", "name", "kind", "status", "experiment", "worker"]
 
@@ -286,8 +286,9 @@ def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes
     fsync_dir(final.parent)
 
 
-def row_group_bounds(table: pa.Table, target: int = ROW_GROUP_BYTES) -> list[tuple[int, int]]:
+def row_group_bounds(table: pa.Table, target: int | None = None) -> list[tuple[int, int]]:
     """[start, stop) row ranges of about ``target`` payload bytes, cut between trajectories."""
+    target = ROW_GROUP_BYTES if target is None else target
     n = table.num_rows
     if n == 0:
         return []
