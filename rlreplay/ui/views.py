@@ -14,7 +14,7 @@ from rlreplay.store import Span, Trajectory
 
 KIND_SIGNALS = "signals"
 LOGPROB_KEYS = ("response_logprobs", "rollout_log_probs", "log_probs", "logprobs")
-TRAINER_LOGPROB_KEYS = ("trainer_log_probs", "old_log_probs", "log_probs", "logprobs")
+TRAINER_LOGPROB_KEYS = ("old_log_probs", "trainer_log_probs", "log_probs", "logprobs")
 MAX_TOKENS = 20_000
 
 
@@ -200,16 +200,23 @@ def _response(traj: Trajectory) -> tuple[list[int], list[int], list[float | None
     return ids, mask, lps if any(v is not None for v in lps) else None
 
 
+def _aligned(value: Any, n: int) -> list[float | None] | None:
+    """A list of numbers cut or padded (None) to ``n`` entries (the trainer may pad or trim)."""
+    if not isinstance(value, list) or not value or not isinstance(value[0], (int, float)):
+        return None
+    out = [float(v) if isinstance(v, (int, float)) else None for v in value[:n]]
+    return out + [None] * (n - len(out))
+
+
 def _trainer_logprobs(traj: Trajectory, n: int) -> list[float | None] | None:
+    """Per-token trainer log-probs from the latest ``signals`` span that holds them."""
     for span in sorted(traj.by_kind(KIND_SIGNALS), key=lambda s: s.end_ns, reverse=True):
         for value in (span.output, span.attributes):
-            if isinstance(value, dict):
-                found = _first(value, TRAINER_LOGPROB_KEYS, n)
+            candidates = [value.get(k) for k in TRAINER_LOGPROB_KEYS] if isinstance(value, dict) else [value]
+            for candidate in candidates:
+                found = _aligned(candidate, n)
                 if found is not None:
                     return found
-            found = _floats(value, n)
-            if found is not None:
-                return found
     return None
 
 
