@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import rlreplay
-from rlreplay.schema import PAYLOAD_COLUMNS, SPAN_SCHEMA
+from rlreplay.schema import FORMAT_VERSION, PAYLOAD_COLUMNS, SPAN_SCHEMA
 from rlreplay.shards import partition_dir, write_sealed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ def build_run(run_dir: Path, steps: int, per_step: int) -> int:
     bare = template
     for name in PAYLOAD_COLUMNS:
         bare = bare.set_column(
-            bare.schema.get_field_index(name), name, pa.nulls(bare.num_rows, pa.large_string())
+            bare.schema.get_field_index(name), name, pa.nulls(bare.num_rows, bare.schema.field(name).type)
         )
     workers = sorted(set(template["worker"].to_pylist()))
     for step in range(steps):
@@ -69,7 +69,7 @@ def build_run(run_dir: Path, steps: int, per_step: int) -> int:
             folder = partition_dir(run_dir, step, w)
             folder.mkdir(parents=True, exist_ok=True)
             write_sealed(part, folder / f"part-bench-{step}.parquet")
-    (run_dir / "run.json").write_text('{"experiment": "bench-ui", "format_version": 1}')
+    (run_dir / "run.json").write_text(f'{{"experiment": "bench-ui", "format_version": {FORMAT_VERSION}}}')
     return replicas * n_base
 
 
