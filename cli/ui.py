@@ -16,7 +16,11 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @app.command("ui")
 def ui_command(
     run_path: Annotated[
-        Path | None, typer.Argument(metavar="[RUN]", help="A run directory or a folder of runs.")
+        Path | None,
+        typer.Argument(
+            metavar="[RUN]",
+            help="A run directory or a folder of runs (default: $RLREPLAY_DIR, else ./rlreplay-runs/).",
+        ),
     ] = None,
     host: Annotated[
         str, typer.Option("--host", help="Address to listen on (default: this machine only).")
@@ -35,9 +39,7 @@ def ui_command(
         from rlreplay.ui.app import create_app
     except ImportError as exc:
         fail(f"rlreplay ui needs the 'ui' extra ({exc.name} is missing): pip install 'rlreplay[ui]'")
-    from rlreplay.store import default_run_path
-
-    root = run_path if run_path is not None else default_run_path()
+    root = run_path if run_path is not None else _default_root()
     loopback = host in LOOPBACK
     allowed = ["127.0.0.1", "localhost", "[::1]", "::1"] if loopback else None
     application = create_app(root, allowed_hosts=allowed, warm=True)
@@ -64,3 +66,13 @@ def ui_command(
         webbrowser.open(url)
     config = uvicorn.Config(application, log_level="warning", access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def _default_root() -> Path:
+    import os
+
+    from rlreplay.store import RUNS_DIR, default_run_path
+
+    if not os.environ.get("RLREPLAY_DIR") and Path(RUNS_DIR).is_dir():
+        return Path(RUNS_DIR)
+    return default_run_path()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,9 +16,12 @@ SAMPLE = Path(__file__).parent.parent / "sample_runs" / "verl-toolagent-smollm2"
 RLREPLAY = str(Path(sys.executable).with_name("rlreplay"))
 
 
-def _start(*args: str) -> tuple[subprocess.Popen, str]:
+def _start(*args: str, cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RLREPLAY_DIR"}
     proc = subprocess.Popen(
         [RLREPLAY, "ui", *args],
+        cwd=cwd,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -52,6 +56,18 @@ def test_ui_serves_the_run_on_loopback() -> None:
     finally:
         err = _stop(proc)
     assert "warning" not in err
+
+
+def test_ui_without_a_run_serves_the_runs_folder(tmp_path: Path) -> None:
+    shutil.copytree(SAMPLE, tmp_path / "rlreplay-runs" / "first")
+    shutil.copytree(SAMPLE, tmp_path / "rlreplay-runs" / "second")
+    proc, line = _start("--port", "0", cwd=tmp_path)
+    try:
+        with urllib.request.urlopen(line.split()[2], timeout=30) as resp:
+            page = resp.read().decode()
+        assert 'href="/r/first/"' in page and 'href="/r/second/"' in page
+    finally:
+        _stop(proc)
 
 
 def test_ui_warns_when_listening_beyond_this_machine() -> None:
