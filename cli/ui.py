@@ -42,7 +42,7 @@ def ui_command(
     root = run_path if run_path is not None else _default_root()
     loopback = host in LOOPBACK
     allowed = ["127.0.0.1", "localhost", "[::1]", "::1"] if loopback else None
-    application = create_app(root, allowed_hosts=allowed, warm=True)
+    application = create_app(root, allowed_hosts=allowed)
     if not loopback:
         print(
             f"rlreplay: warning: listening on {host}: anyone who can reach this address can read the run",
@@ -57,6 +57,7 @@ def ui_command(
     except OSError as exc:
         sock.close()
         fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    application.state.ui.warm()  # read a single run now, so that the first page is fast
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{sock.getsockname()[1]}/"
     print(f"rlreplay ui: {url}  (serving {Path(root).resolve()}; Ctrl-C to stop)", flush=True)

@@ -83,3 +83,18 @@ def test_ui_bad_run_is_one_line_and_exit_2(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "missing" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_ui_port_in_use_is_one_line_and_exit_2() -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [RLREPLAY, "ui", str(SAMPLE), "--port", str(port)], capture_output=True, text=True, timeout=60
+        )
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"rlreplay: error: cannot listen on 127.0.0.1:{port}")
+    assert result.stderr.count("\n") == 1

@@ -348,8 +348,10 @@ def create_app(
         from starlette.middleware.trustedhost import TrustedHostMiddleware
 
         middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts))
-    return Starlette(
+    app = Starlette(
         routes=routes,
         middleware=middleware,
         exception_handlers={NotFound: not_found, RunError: bad_input, HTTPException: http_error},
     )
+    app.state.ui = ui
+    return app
