@@ -67,7 +67,20 @@ def ui_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     outside = root.parent / "outside"
     shutil.copytree(root / "hostile", outside / "secret-run")
     (root / "escape").symlink_to(outside / "secret-run")
+    SNAPSHOT.update(_snapshot(root))
     return root
+
+
+SNAPSHOT: dict[str, tuple[int, int]] = {}
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under the runs (not following links) with its size and modification time."""
+    return {
+        str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime_ns)
+        for p in root.rglob("*")
+        if not p.is_symlink() and p.is_file() and p.relative_to(root).parts[0] != "live-run"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -429,3 +442,8 @@ def test_live_run_appears_and_new_trajectories_show_up(server, page, ui_root: Pa
         (control / "stop").touch()
         proc.wait(timeout=60)
     assert proc.returncode == 0
+
+
+def test_pages_never_write_to_the_runs(server, ui_root: Path) -> None:
+    """Runs last: every page above was served without adding, changing or removing a file."""
+    assert SNAPSHOT and _snapshot(ui_root) == SNAPSHOT
