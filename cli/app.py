@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -114,7 +115,7 @@ _SELECTION_PARAMS: list[tuple[str, Any]] = [
             str | None, typer.Option("--sort", help='Order: "COL [asc|desc], ...", e.g. "reward desc".')
         ],
     ),
-    ("limit", Annotated[int | None, typer.Option("--limit", min=1, help="At most N trajectories.")]),
+    ("limit", Annotated[str | None, typer.Option("--limit", metavar="N", help="At most N trajectories.")]),
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -137,7 +138,9 @@ def selection_options(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from rlreplay.selection import Selection
 
-        selection = Selection(**{name: kwargs.pop(name, None) for name in names})
+        chosen = {name: kwargs.pop(name, None) for name in names}
+        chosen["limit"] = whole_number("--limit", chosen["limit"], minimum=1)
+        selection = Selection(**chosen)
         selection.check()
         return func(*args, selection=selection, **kwargs)
 
@@ -147,6 +150,19 @@ def selection_options(func: F) -> F:
     if signature.return_annotation is not inspect.Signature.empty:
         wrapper.__annotations__["return"] = signature.return_annotation
     return wrapper  # type: ignore[return-value]
+
+
+def whole_number(option: str, text: str | None, minimum: int | None = None) -> int | None:
+    """An option's integer, written with ASCII digits only (``５`` is not 5)."""
+    if text is None:
+        return None
+    value = text.strip()
+    if not re.fullmatch(r"-?[0-9]+", value):
+        fail(f"{option}: {text!r} is not a whole number (digits 0-9)")
+    number = int(value)
+    if minimum is not None and number < minimum:
+        fail(f"{option} must be at least {minimum} (got {number})")
+    return number
 
 
 ForceOption = Annotated[bool, typer.Option("--force", help="Replace the output file if it exists.")]

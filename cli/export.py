@@ -19,6 +19,7 @@ from rlreplay.cli.app import (
     output_path,
     report_warnings,
     selection_options,
+    whole_number,
     write_atomically,
 )
 
@@ -38,14 +39,14 @@ def export_command(
         typer.Option("--format", help="jsonl or parquet (default: from the --out suffix)."),
     ] = None,
     max_samples: Annotated[
-        int | None,
+        str | None,
         typer.Option(
             "--max-samples",
-            min=1,
+            metavar="N",
             help="Per step and split, at most N samples (seeded choice), each with all of its rollouts.",
         ),
     ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the --max-samples choice.")] = 0,
+    seed: Annotated[str, typer.Option("--seed", metavar="S", help="Seed of the --max-samples choice.")] = "0",
     tokenizer: TokenizerOption = None,
     ids: Annotated[
         bool, typer.Option("--ids", help="Also write prompt_ids, response_ids and response_mask.")
@@ -59,6 +60,8 @@ def export_command(
     from rlreplay import selection as choosing
     from rlreplay.token2text import Decoder, resolve_tokenizer
 
+    samples = whole_number("--max-samples", max_samples, minimum=1)
+    seed_value = whole_number("--seed", seed)
     if out is None:
         fail("--out FILE is required (FILE.jsonl or FILE.parquet)")
     if fmt is None:
@@ -74,8 +77,8 @@ def export_command(
         fail("export writes decoded text and no tokenizer is known for this run; pass --tokenizer PATH")
     decoder = Decoder.load(name)
     listing = selection.trajectories(opened)
-    if max_samples is not None:
-        chosen = choosing.group_ids(choosing.sample_groups(listing, max_samples, seed))
+    if samples is not None:
+        chosen = choosing.group_ids(choosing.sample_groups(listing, samples, seed_value or 0))
     else:
         chosen = listing["id"].to_pylist()
     written = 0
