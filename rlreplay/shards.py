@@ -422,7 +422,7 @@ def rewrite_run(src: Path, dst: Path) -> RewriteResult:
         originals = {r["span_id"]: r for r in table.select(plain).to_pylist()}
         out_rows = []
         for traj in run.load(ids):
-            prefixes = payload.PrefixIndex()
+            prefixes = payload.SharedIndex()
             for span in sorted(traj.spans, key=lambda s: (s.end_ns, s.start_ns)):
                 arrays = payload.Arrays(prefixes)
                 inputs = None if span.inputs is None else payload.dumps(arrays.extract(span.inputs))

@@ -140,6 +140,10 @@ def test_token_arrays_and_20_turn_prefixes_read_back_exactly(tmp_path: Path) -> 
     stored_ids = len(stored.values)
     assert recorded_ids > 8 * final_context
     assert stored_ids <= 1.05 * final_context
+    generated = sum(len(ids) for _, script in expected.values() for ids, _, _ in script)
+    stored_log_probs = run.spans(columns=["token_logprobs"])["token_logprobs"].combine_chunks().values
+    nonzero = int(np.count_nonzero(stored_log_probs.to_numpy()))
+    assert nonzero <= 1.05 * generated  # the agent's response_logprobs are the calls'
     row = run.trajectories().to_pylist()[0]
     assert row["model_calls"] == 20 and row["tool_calls"] == 0 and row["reward"] == 1.0
 
