@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from rlreplay.cli.app import app, fail
+from rlreplay.cli.app import TokenizerOption, app, fail
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -29,6 +29,7 @@ def ui_command(
     open_browser: Annotated[
         bool, typer.Option("--open/--no-open", help="Open the page in a web browser.")
     ] = False,
+    tokenizer: TokenizerOption = None,
 ) -> None:
     """Browse a run in a web browser: overview, trajectories, conversations, groups, diffs, live."""
     import socket
@@ -42,7 +43,7 @@ def ui_command(
     root = run_path if run_path is not None else _default_root()
     loopback = host in LOOPBACK
     allowed = ["127.0.0.1", "localhost", "[::1]", "::1"] if loopback else None
-    application = create_app(root, allowed_hosts=allowed)
+    application = create_app(root, allowed_hosts=allowed, tokenizer=tokenizer)
     if not loopback:
         print(
             f"rlreplay: warning: listening on {host}: anyone who can reach this address can read the run",

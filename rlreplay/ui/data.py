@@ -47,8 +47,9 @@ def _inside(path: Path, root: Path) -> bool:
 class RunSet:
     """One run, or every run directly inside a folder (runs appear as they are created)."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], tokenizer: str | None = None) -> None:
         path = Path(root)
+        self.tokenizer = tokenizer
         if not path.is_dir():
             raise RunError(f"no run or folder of runs at {path}")
         self.root = path.resolve()
@@ -76,7 +77,7 @@ class RunSet:
             view = self._views.get(name)
             if view is None:
                 path = self.root if self.single else self.root / name
-                view = self._views[name] = RunView(open_run(path))
+                view = self._views[name] = RunView(open_run(path), self.tokenizer)
                 threading.Thread(target=view.decoder, daemon=True).start()  # load the tokenizer early
             return view
 
@@ -117,8 +118,9 @@ def run_base(name: str) -> str:
 class RunView:
     """A run with its listing cached until its files change, and its tokenizer loaded once."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: Run, tokenizer: str | None = None) -> None:
         self.run = run
+        self.tokenizer = tokenizer  # overrides the run's manifest
         self.name = run.path.name
         self.base = run_base(self.name)
         self._lock = threading.Lock()
@@ -208,7 +210,7 @@ class RunView:
                 from rlreplay.token2text import Decoder, resolve_tokenizer
 
                 self._decoder_loaded = True
-                name = resolve_tokenizer(self.run, None)
+                name = resolve_tokenizer(self.run, self.tokenizer)
                 if name is None:
                     self._decoder_error = "no tokenizer is named in the run's manifest: showing token ids"
                 else:
