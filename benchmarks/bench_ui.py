@@ -1,0 +1,208 @@
+"""``rlreplay ui`` page times: the sample runs, and a synthetic 200-step x 1,024-trajectory run.
+
+Pages are fetched over HTTP from the real app (uvicorn in a thread), whole response read.
+The synthetic run is the sample run's step 5 (32 trajectories, real span shapes) replicated to
+``--per-step`` trajectories per step and written as sealed shards for ``--steps`` steps; payloads
+are kept for step 0 only (the list pages read span metadata, never payloads).
+
+    python benchmarks/bench_ui.py [--steps 200] [--per-step 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlencode
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+import rlreplay
+from rlreplay.schema import FORMAT_VERSION, PAYLOAD_COLUMNS, SPAN_SCHEMA
+from rlreplay.shards import partition_dir, write_sealed
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = [ROOT / "sample_runs" / "gsm8k-grpo-qwen3", ROOT / "sample_runs" / "verl-toolagent-smollm2"]
+
+
+def build_run(run_dir: Path, steps: int, per_step: int) -> int:
+    base = rlreplay.open_run(SAMPLES[0]).spans(step=5)
+    n_base = len(pc.unique(base["trajectory_id"]))
+    replicas = max(1, per_step // n_base)
+    parts = []
+    for r in range(replicas):
+        ids = pc.binary_join_element_wise(
+            pa.scalar(f"{r:04x}"), pc.utf8_slice_codeunits(base["trajectory_id"], 4), ""
+        )
+        part = base.set_column(base.schema.get_field_index("trajectory_id"), "trajectory_id", ids)
+        part = part.set_column(
+            part.schema.get_field_index("sample_index"),
+            "sample_index",
+            pc.add(part["sample_index"], r * 1000),
+        )
+        parts.append(part)
+    template = pa.concat_tables(parts).cast(SPAN_SCHEMA)
+    bare = template
+    for name in PAYLOAD_COLUMNS:
+        bare = bare.set_column(
+            bare.schema.get_field_index(name), name, pa.nulls(bare.num_rows, bare.schema.field(name).type)
+        )
+    workers = sorted(set(template["worker"].to_pylist()))
+    for step in range(steps):
+        table = template if step == 0 else bare
+        stepped = table.set_column(
+            table.schema.get_field_index("step"), "step", pa.array([step] * table.num_rows, pa.int64())
+        )
+        ids = pc.binary_join_element_wise(
+            pa.scalar(f"{step:04x}"), pc.utf8_slice_codeunits(stepped["trajectory_id"], 4), ""
+        )
+        stepped = stepped.set_column(stepped.schema.get_field_index("trajectory_id"), "trajectory_id", ids)
+        for w in workers:
+            part = stepped.filter(pc.equal(stepped["worker"], w))
+            folder = partition_dir(run_dir, step, w)
+            folder.mkdir(parents=True, exist_ok=True)
+            write_sealed(part, folder / f"part-bench-{step}.parquet")
+    (run_dir / "run.json").write_text(f'{{"experiment": "bench-ui", "format_version": {FORMAT_VERSION}}}')
+    return replicas * n_base
+
+
+class Server:
+    def __init__(self, root: Path) -> None:
+        import uvicorn
+
+        from rlreplay.ui.app import create_app
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        t = time.perf_counter()
+        app = create_app(root, warm=True)  # as `rlreplay ui` starts: the run is read before serving
+        self.startup = time.perf_counter() - t
+        self.srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.srv.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        while not self.srv.started:
+            time.sleep(0.02)
+        self.base = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def get(self, path: str) -> tuple[float, int]:
+        t = time.perf_counter()
+        with urllib.request.urlopen(self.base + path, timeout=600) as resp:
+            body = resp.read()
+            assert resp.status == 200, (path, resp.status)
+        return time.perf_counter() - t, len(body)
+
+    def close(self) -> None:
+        self.srv.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+def best(server: Server, path: str, repeats: int = 5) -> float:
+    return min(server.get(path)[0] for _ in range(repeats))
+
+
+def median(server: Server, path: str, repeats: int = 5) -> float:
+    return statistics.median(server.get(path)[0] for _ in range(repeats))
+
+
+def row(label: str, seconds: float, note: str = "") -> None:
+    print(f"| {label} | {seconds * 1000:,.0f} | {note} |")
+
+
+def sample_pages() -> None:
+    print("\n## sample runs (fresh server per run, started as `rlreplay ui` starts it)\n")
+    print("| page | ms | |")
+    print("|---|---:|---|")
+    for run_dir in SAMPLES:
+        server = Server(run_dir)
+        try:
+            name = run_dir.name
+            row(f"{name}: server start (reads the run)", server.startup, "before the URL is printed")
+            row(f"{name}: overview, first request", server.get(f"/r/{name}/")[0], "first page")
+            row(f"{name}: overview, again", median(server, f"/r/{name}/"), "median of 5")
+            ids = rlreplay.open_run(run_dir).trajectories()["id"].to_pylist()
+            row(f"{name}: trajectory page, first", server.get(f"/r/{name}/t/{ids[0]}")[0], "tokenizer loaded")
+            row(f"{name}: trajectory page", median(server, f"/r/{name}/t/{ids[1]}"), "median of 5")
+            row(f"{name}: group page", median(server, f"/r/{name}/group/{ids[1]}"), "median of 5")
+            row(f"{name}: diff page", median(server, f"/r/{name}/diff?a={ids[0]}&b={ids[1]}"), "median of 5")
+        finally:
+            server.close()
+
+
+def big_pages(steps: int, per_step: int) -> None:
+    from rlreplay.selection import Selection
+
+    with tempfile.TemporaryDirectory(prefix="bench-ui-") as tmp:
+        run_dir = Path(tmp) / "big"
+        t = time.perf_counter()
+        n = build_run(run_dir, steps, per_step)
+        built = time.perf_counter() - t
+        total = n * steps
+        print(f"\n## synthetic run: {steps} steps x {n} trajectories = {total:,} ({built:.1f} s to write)\n")
+        server = Server(run_dir)
+        try:
+            base = "/r/big/trajectories"
+            print("| page | ms | |")
+            print("|---|---:|---|")
+            row("server start", server.startup, "reads and summarizes every span file")
+            row("list page 1, first request", server.get(base)[0], "")
+            pages = {
+                "list page 1": base,
+                "list page 1000 (100 per page)": base + "?page=1000",
+                "list step=150": base + "?step=150",
+                "list step=100..120, reward desc": base
+                + "?"
+                + urlencode({"step": "100..120", "sort": "reward desc"}),
+                "list where reward > 0 and duration_s < 1": base
+                + "?"
+                + urlencode({"where": "reward > 0 and duration_s < 1"}),
+                "list sort reward desc, duration_s, page 50": base
+                + "?"
+                + urlencode({"sort": "reward desc, duration_s", "page": 50}),
+            }
+            warm = {}
+            for label, path in pages.items():
+                warm[label] = median(server, path)
+                row(label, warm[label], "median of 5")
+            row("overview (per-step stats charts)", median(server, "/r/big/", 3), "median of 3")
+            ids = rlreplay.open_run(run_dir).trajectories(step=0)["id"].to_pylist()
+            row("trajectory page (step 0)", median(server, f"/r/big/t/{ids[0]}", 3), "median of 3")
+            row("group page (step 0)", median(server, f"/r/big/group/{ids[0]}", 3), "median of 3")
+            row("diff page (step 0)", median(server, f"/r/big/diff?a={ids[0]}&b={ids[1]}", 3), "median of 3")
+
+            run = rlreplay.open_run(run_dir)
+            t = time.perf_counter()
+            Selection(step="100..120", sort="reward desc").trajectories(run)
+            uncached = time.perf_counter() - t
+            page = warm["list step=100..120, reward desc"]
+            print(
+                "\nSide by side, `step=100..120, reward desc`: "
+                f"the app (cached listing) {page * 1000:,.0f} ms"
+                f" vs `Selection(...).trajectories(run)` re-reading the files {uncached * 1000:,.0f} ms"
+                f" ({uncached / page:.1f}x)."
+            )
+        finally:
+            server.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--per-step", type=int, default=1024)
+    parser.add_argument("--no-samples", action="store_true")
+    args = parser.parse_args()
+    print(f"python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M')}")
+    if not args.no_samples:
+        sample_pages()
+    big_pages(args.steps, args.per_step)
+
+
+if __name__ == "__main__":
+    main()

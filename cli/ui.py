@@ -1,0 +1,80 @@
+"""``rlreplay ui``: a read-only local web app over a run or a folder of runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rlreplay.cli.app import TokenizerOption, app, fail
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@app.command("ui")
+def ui_command(
+    run_path: Annotated[
+        Path | None,
+        typer.Argument(
+            metavar="[RUN]",
+            help="A run directory or a folder of runs (default: $RLREPLAY_DIR, else ./rlreplay-runs/).",
+        ),
+    ] = None,
+    host: Annotated[
+        str, typer.Option("--host", help="Address to listen on (default: this machine only).")
+    ] = ("127.0.0.1"),
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port (0: any free port).")] = 8765,
+    open_browser: Annotated[
+        bool, typer.Option("--open/--no-open", help="Open the page in a web browser.")
+    ] = False,
+    tokenizer: TokenizerOption = None,
+) -> None:
+    """Browse a run in a web browser: overview, trajectories, conversations, groups, diffs, live."""
+    import socket
+
+    try:
+        import uvicorn
+
+        from rlreplay.ui.app import create_app
+    except ImportError as exc:
+        fail(f"rlreplay ui needs the 'ui' extra ({exc.name} is missing): pip install 'rlreplay[ui]'")
+    root = run_path if run_path is not None else _default_root()
+    loopback = host in LOOPBACK
+    allowed = ["127.0.0.1", "localhost", "[::1]", "::1"] if loopback else None
+    application = create_app(root, allowed_hosts=allowed, tokenizer=tokenizer)
+    if not loopback:
+        print(
+            f"rlreplay: warning: listening on {host}: anyone who can reach this address can read the run",
+            file=sys.stderr,
+        )
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)  # connections wait in the backlog until the server starts
+    except OSError as exc:
+        sock.close()
+        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    application.state.ui.warm()  # read a single run now, so that the first page is fast
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{sock.getsockname()[1]}/"
+    print(f"rlreplay ui: {url}  (serving {Path(root).resolve()}; Ctrl-C to stop)", flush=True)
+    if open_browser:
+        import webbrowser
+
+        webbrowser.open(url)
+    config = uvicorn.Config(application, log_level="warning", access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _default_root() -> Path:
+    import os
+
+    from rlreplay.store import RUNS_DIR, default_run_path
+
+    if not os.environ.get("RLREPLAY_DIR") and Path(RUNS_DIR).is_dir():
+        return Path(RUNS_DIR)
+    return default_run_path()

@@ -1,0 +1,359 @@
+"""The read-only web app: Starlette routes rendering Jinja2 templates over a run or a folder of runs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+import jinja2
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from rlreplay.store import RunError
+from rlreplay.ui import charts, views
+from rlreplay.ui.data import (
+    PAGE_SIZES,
+    STAT_SERIES,
+    ListQuery,
+    NotFound,
+    RunSet,
+    RunView,
+    paginate,
+    run_base,
+    select,
+    step_stats,
+)
+
+HERE = Path(__file__).parent
+LOSS_COUNTERS = ("dropped", "spilled", "lost", "encode_errors")
+LIST_COLUMNS = (
+    "step",
+    "sample_index",
+    "rollout_n",
+    "validate",
+    "agent",
+    "model_calls",
+    "tool_calls",
+    "tool_errors",
+    "response_tokens",
+    "duration_s",
+    "reward",
+    "advantage",
+    "logprob_diff_max",
+    "status",
+    "worker",
+)
+HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+        "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(HERE / "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["num"] = _num
+    env.filters["when"] = _when
+    env.filters["pretty"] = views.pretty
+    env.globals["qs"] = lambda params: urlencode(params)
+    return env
+
+
+def _num(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "val" if value else "train"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _when(value: Any) -> str:
+    try:
+        return dt.datetime.fromtimestamp(float(value)).strftime("%Y-%m-%d %H:%M:%S")
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "–"
+
+
+class UI:
+    def __init__(self, runs: RunSet, poll_ms: int = 1500) -> None:
+        self.runs = runs
+        self.env = _env()
+        self.poll_ms = poll_ms
+
+    def warm(self) -> None:
+        """Do the first request's work now: templates, query engine, a single run's listing."""
+        import rlreplay.query  # noqa: F401
+
+        for name in self.env.list_templates():
+            self.env.get_template(name)
+        if self.runs.single:
+            view = self.runs.get(self.runs.names()[0])
+            step_stats(view.listing())
+
+    def page(self, template: str, status: int = 200, **context: Any) -> HTMLResponse:
+        context.setdefault("view", None)
+        context.setdefault("version", "")
+        context.setdefault("crumbs", [])
+        html = self.env.get_template(template).render(
+            poll_ms=self.poll_ms, single=self.runs.single, **context
+        )
+        return HTMLResponse(html, status_code=status, headers=HEADERS)
+
+    def view(self, request: Request) -> RunView:
+        return self.runs.get(request.path_params["run"])
+
+    # ---- pages --------------------------------------------------------------------------------
+
+    def index(self, request: Request) -> Response:
+        names = self.runs.names()
+        if self.runs.single:
+            return RedirectResponse(f"{run_base(names[0])}/", status_code=302)
+        rows = []
+        for name in names:
+            try:
+                m = self.runs.get(name).manifest()
+            except RunError as exc:
+                m = {"error": str(exc)}
+            rows.append({"name": name, "base": run_base(name), "manifest": m})
+        return self.page("index.html", rows=rows, root=str(self.runs.root), version=self._root_version())
+
+    def _root_version(self) -> str:
+        return "|".join(self.runs.names())
+
+    def root_version(self, request: Request) -> Response:
+        return JSONResponse({"version": self._root_version()}, headers=HEADERS)
+
+    def version(self, request: Request) -> Response:
+        return JSONResponse({"version": self.view(request).version()}, headers=HEADERS)
+
+    def overview(self, request: Request) -> Response:
+        view = self.view(request)
+        version = view.version()
+        table = view.listing()
+        stats = step_stats(table)
+        counters = view.counters()
+        losses = {k: v for k, v in counters.items() if k in LOSS_COUNTERS and v}
+        base = f"{view.base}/trajectories"
+        sections = []
+        for split, label in ((False, "training"), (True, "validation")):
+            rows = [s for s in stats if s["validate"] == split]
+            if not rows:
+                continue
+            split_name = "val" if split else "train"
+            charts_html = [
+                charts.line_chart(
+                    [(r["step"], r[key]) for r in rows if isinstance(r["step"], int)],
+                    title,
+                    href=lambda step, s=split_name: f"{base}?{urlencode({'step': step, 'split': s})}",
+                )
+                for key, title in STAT_SERIES
+                if any(r[key] is not None for r in rows)
+            ]
+            sections.append({"label": label, "split": split_name, "rows": rows, "charts": charts_html})
+        status_counts: dict[str, int] = {}
+        for s in table["status"].to_pylist():
+            status_counts[s] = status_counts.get(s, 0) + 1
+        return self.page(
+            "overview.html",
+            view=view,
+            version=version,
+            manifest=view.manifest(),
+            counters=counters,
+            losses=losses,
+            total=table.num_rows,
+            status_counts=status_counts,
+            sections=sections,
+            warnings=list(view.run.warnings),
+            crumbs=[],
+        )
+
+    def trajectories(self, request: Request) -> Response:
+        view = self.view(request)
+        version = view.version()
+        q = ListQuery.from_params(request.query_params)
+        table = view.listing()
+        error = None
+        try:
+            chosen = select(table, q)
+        except RunError as exc:
+            error, chosen = str(exc), table.slice(0, 0)
+        page = paginate(chosen, q)
+        columns = [
+            c for c in LIST_COLUMNS if c in table.column_names and table[c].null_count < table.num_rows
+        ]
+        return self.page(
+            "list.html",
+            status=400 if error else 200,
+            view=view,
+            version=version,
+            q=q,
+            page=page,
+            columns=columns,
+            error=error,
+            page_sizes=PAGE_SIZES,
+            all_columns=[c for c in table.column_names if not c.endswith("_str")],
+            crumbs=[("trajectories", None)],
+        )
+
+    def trajectory(self, request: Request) -> Response:
+        view = self.view(request)
+        traj = view.trajectory(request.path_params["tid"])
+        decoder = view.decoder()
+        if decoder is not None:
+            from rlreplay.token2text import add_text
+
+            add_text([traj], decoder)
+        row = view.row(traj.id) or {}
+        siblings = []
+        if traj.sample_index is not None:
+            table = view.listing()
+            import pyarrow.compute as pc
+
+            mask = pc.and_(
+                pc.equal(table["sample_index"], traj.sample_index),
+                pc.equal(pc.fill_null(table["validate"], False), bool(traj.validate)),
+            )
+            mask = pc.and_(mask, pc.equal(table["step"], traj.step)) if traj.step is not None else mask
+            siblings = [r for r in table.filter(pc.fill_null(mask, False)).to_pylist() if r["id"] != traj.id]
+        return self.page(
+            "trajectory.html",
+            view=view,
+            traj=traj,
+            row=row,
+            messages=views.messages(traj, decoder, view.adapter()),
+            spans=views.timeline(traj),
+            tools=views.tool_calls(traj),
+            timings=views.timings(traj),
+            tokens=views.tokens(traj, decoder),
+            siblings=siblings,
+            decoder_error=view.decoder_error,
+            crumbs=_traj_crumbs(view, traj),
+        )
+
+    def group(self, request: Request) -> Response:
+        from rlreplay.conversation import turns
+        from rlreplay.diff import diff_group
+
+        view = self.view(request)
+        traj = view.trajectory(request.path_params["tid"])
+        decoder = view.decoder()
+        group = diff_group(view.run, traj, decoder)
+        ids = [m.side.id for m in group.members]
+        from rlreplay.store import Filters
+
+        step = traj.step if isinstance(traj.step, int) else None
+        loaded = {t.id: t for t in view.run.load(ids, Filters(step=step))}
+        columns = []
+        for member in group.members:
+            t = loaded.get(member.side.id)
+            conv = turns(t, decoder) if t is not None else []
+            columns.append({"member": member, "turns": conv})
+        return self.page(
+            "group.html",
+            view=view,
+            traj=traj,
+            group=group,
+            columns=columns,
+            decoder_error=view.decoder_error,
+            crumbs=[*_traj_crumbs(view, traj)[:-1], ("group", None)],
+        )
+
+    def diff(self, request: Request) -> Response:
+        from rlreplay.diff import diff_trajectories
+        from rlreplay.diff_html import render_html
+
+        view = self.view(request)
+        a_ref = request.query_params.get("a", "").strip()
+        b_ref = request.query_params.get("b", "").strip()
+        if not a_ref or not b_ref:
+            return self.page(
+                "diff_form.html", view=view, a=a_ref, b=b_ref, crumbs=[("diff", None)], status=200
+            )
+        a, b = view.trajectory(a_ref), view.trajectory(b_ref)
+        decoder = view.decoder()
+        report = render_html(diff_trajectories(a, b, decoder, view.run, view.run))
+        nav = self.env.get_template("diff_nav.html").render(view=view, a=a, b=b)
+        body = report.replace("<body>", "<body>" + nav, 1)
+        head = '<link rel="stylesheet" href="/static/style.css">'
+        return HTMLResponse(body.replace("</head>", head + "</head>", 1), headers=HEADERS)
+
+
+def _traj_crumbs(view: RunView, traj: Any) -> list[tuple[str, str | None]]:
+    base = f"{view.base}/trajectories"
+    crumbs: list[tuple[str, str | None]] = []
+    if traj.step is not None:
+        split = "val" if traj.validate else "train"
+        crumbs.append(
+            (f"step {traj.step} ({split})", f"{base}?{urlencode({'step': traj.step, 'split': split})}")
+        )
+    crumbs.append((traj.id[:12], None))
+    return crumbs
+
+
+def create_app(
+    root: str | os.PathLike[str],
+    poll_ms: int = 1500,
+    allowed_hosts: list[str] | None = None,
+    warm: bool = False,
+    tokenizer: str | None = None,
+) -> Starlette:
+    """The app over a run directory or a folder of runs; ``allowed_hosts`` guards the Host header;
+    ``warm``: read a single run's listing before returning, so that the first page is fast;
+    ``tokenizer``: decode with this tokenizer instead of the one each run's manifest names."""
+    ui = UI(RunSet(root, tokenizer), poll_ms=poll_ms)
+    if warm:
+        ui.warm()
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return ui.page("error.html", status=404, message=str(exc) or "not found", crumbs=[])
+
+    async def bad_input(request: Request, exc: Exception) -> Response:
+        return ui.page("error.html", status=400, message=str(exc), crumbs=[])
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return ui.page("error.html", status=exc.status_code, message=exc.detail, crumbs=[])
+
+    routes = [
+        Route("/", ui.index),
+        Route("/api/version", ui.root_version),
+        Route("/r/{run}/", ui.overview),
+        Route("/r/{run}/trajectories", ui.trajectories),
+        Route("/r/{run}/t/{tid}", ui.trajectory),
+        Route("/r/{run}/group/{tid}", ui.group),
+        Route("/r/{run}/diff", ui.diff),
+        Route("/r/{run}/api/version", ui.version),
+        Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+    middleware = []
+    if allowed_hosts:
+        from starlette.middleware import Middleware
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts))
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={NotFound: not_found, RunError: bad_input, HTTPException: http_error},
+    )
+    app.state.ui = ui
+    return app

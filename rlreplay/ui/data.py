@@ -1,0 +1,331 @@
+"""What the web app reads: the runs under its root, cached listings, selections, per-step stats.
+
+Every path the app touches comes from listing the root folder, never from a request: a request
+names a run by a name found there and a trajectory by its hex id.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rlreplay import manifest
+from rlreplay.selection import listing
+from rlreplay.store import Run, RunError, open_run
+
+SPANS_DIR = "spans"
+WORKERS_DIR = "_workers"
+PAGE_SIZES = (25, 50, 100, 200, 500)
+DEFAULT_PAGE_SIZE = 100
+SLOW_LISTING_S = 0.5  # re-read a listing that took longer than this in the background
+
+
+class NotFound(RunError):
+    """A run or trajectory the app does not have (answered with 404)."""
+
+
+def is_run_dir(path: Path) -> bool:
+    return path.is_dir() and ((path / manifest.MANIFEST).is_file() or (path / SPANS_DIR).is_dir())
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(root)
+    except OSError:
+        return False
+
+
+class RunSet:
+    """One run, or every run directly inside a folder (runs appear as they are created)."""
+
+    def __init__(self, root: str | os.PathLike[str], tokenizer: str | None = None) -> None:
+        path = Path(root)
+        self.tokenizer = tokenizer
+        if not path.is_dir():
+            raise RunError(f"no run or folder of runs at {path}")
+        self.root = path.resolve()
+        self.single = is_run_dir(self.root)
+        if self.single:
+            open_run(self.root)  # fails early on an unreadable manifest
+        self._views: dict[str, RunView] = {}
+        self._lock = threading.Lock()
+
+    def names(self) -> list[str]:
+        if self.single:
+            return [self.root.name]
+        found = []
+        for entry in os.scandir(self.root):
+            path = Path(entry.path)
+            # a symlink leading out of the folder is not one of its runs
+            if not entry.name.startswith(".") and _inside(path, self.root) and is_run_dir(path):
+                found.append(entry.name)
+        return sorted(found)
+
+    def get(self, name: str) -> RunView:
+        if name not in self.names():
+            raise NotFound(f"no run named {name!r}")
+        with self._lock:
+            view = self._views.get(name)
+            if view is None:
+                path = self.root if self.single else self.root / name
+                view = self._views[name] = RunView(open_run(path), self.tokenizer)
+                threading.Thread(target=view.decoder, daemon=True).start()  # load the tokenizer early
+            return view
+
+
+# ---- a run, cached by the files it holds ------------------------------------------------------
+
+
+def file_signature(run_dir: Path) -> tuple[Any, ...]:
+    """(name, size, mtime) of every span and counter file: changes whenever anything is written."""
+    out: list[tuple[str, int, int]] = []
+    stack = [run_dir / SPANS_DIR, run_dir / WORKERS_DIR]
+    while stack:
+        folder = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(Path(entry.path))
+                elif entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    out.append((entry.path, st.st_size, st.st_mtime_ns))
+            except OSError:
+                continue
+    out.sort()
+    return tuple(out)
+
+
+def run_base(name: str) -> str:
+    """The URL prefix of a run's pages."""
+    from urllib.parse import quote
+
+    return "/r/" + quote(name, safe="")
+
+
+class RunView:
+    """A run with its listing cached until its files change, and its tokenizer loaded once."""
+
+    def __init__(self, run: Run, tokenizer: str | None = None) -> None:
+        self.run = run
+        self.tokenizer = tokenizer  # overrides the run's manifest
+        self.name = run.path.name
+        self.base = run_base(self.name)
+        self._lock = threading.Lock()
+        self._build_lock = threading.Lock()
+        self._listing: tuple[tuple[Any, ...], pa.Table] | None = None
+        self._build_s = 0.0
+        self._refreshing = False
+        self._decoder: Any = None
+        self._decoder_error: str | None = None
+        self._decoder_loaded = False
+
+    def version(self) -> str:
+        """Changes when the data the pages show changes (the files, once their listing is read)."""
+        self.listing()
+        sig = self._listing[0] if self._listing is not None else ()
+        return f"{len(sig)}-{sum(s[1] for s in sig)}-{max((s[2] for s in sig), default=0)}"
+
+    def manifest(self) -> dict[str, Any]:
+        try:
+            return manifest.read_manifest(self.run.path)
+        except (OSError, ValueError):
+            return dict(self.run.manifest)
+
+    def counters(self) -> dict[str, int]:
+        return self.run.counters()
+
+    def listing(self) -> pa.Table:
+        """Every trajectory of the run (the ``ls`` columns), re-read only when files change.
+
+        When re-reading took long (a big run being recorded), pages keep the previous listing
+        while a background thread reads the new one; ``version`` changes when it is ready.
+        """
+        sig = file_signature(self.run.path)
+        cached = self._listing
+        if cached is not None and cached[0] == sig:
+            return cached[1]
+        if cached is not None and self._build_s > SLOW_LISTING_S:
+            with self._lock:
+                if not self._refreshing:
+                    self._refreshing = True
+                    threading.Thread(target=self._build, args=(sig,), daemon=True).start()
+            return cached[1]
+        return self._build(sig)
+
+    def _build(self, sig: tuple[Any, ...]) -> pa.Table:
+        with self._build_lock:
+            try:
+                cached = self._listing
+                if cached is not None and cached[0] == sig:
+                    return cached[1]
+                start = time.perf_counter()
+                table = listing(self.run)
+                self._build_s = time.perf_counter() - start
+                self._listing = (sig, table)
+                return table
+            finally:
+                self._refreshing = False
+
+    def row(self, traj_id: str) -> dict[str, Any] | None:
+        table = self.listing()
+        found = table.filter(pc.equal(table["id"], traj_id))
+        return found.to_pylist()[0] if found.num_rows else None
+
+    def trajectory(self, ref: str) -> Any:
+        """One trajectory by id or unique prefix; the cached listing tells its step, so only that
+        step's files are read."""
+        from rlreplay.store import Filters, trajectory_from_table
+
+        if not re.fullmatch(r"[0-9a-fA-F]{1,64}", ref or ""):
+            raise NotFound(f"not a trajectory id: {ref!r}")
+        ref = ref.lower()
+        table = self.listing()
+        found = table.filter(pc.starts_with(table["id"], ref)).select(["id", "step"]).to_pylist()
+        if len(found) == 1 and isinstance(found[0]["step"], int):
+            spans = self.run.spans(Filters(step=found[0]["step"], trajectory_id=found[0]["id"]))
+            if spans.num_rows:
+                return trajectory_from_table(spans)
+        try:
+            return self.run.trajectory(ref)
+        except RunError as exc:
+            raise NotFound(str(exc)) from None
+
+    def decoder(self) -> Any:
+        """The run's tokenizer, or None (``decoder_error`` says why)."""
+        with self._lock:
+            if not self._decoder_loaded:
+                from rlreplay.token2text import Decoder, resolve_tokenizer
+
+                self._decoder_loaded = True
+                name = resolve_tokenizer(self.run, self.tokenizer)
+                if name is None:
+                    self._decoder_error = "no tokenizer is named in the run's manifest: showing token ids"
+                else:
+                    try:
+                        self._decoder = Decoder.load(name)
+                    except RunError as exc:
+                        self._decoder_error = f"{exc} (showing token ids)"
+            return self._decoder
+
+    def adapter(self) -> Any:
+        from rlreplay.adapters import adapter_for_run
+
+        return adapter_for_run(self.run)
+
+    @property
+    def decoder_error(self) -> str | None:
+        return self._decoder_error
+
+
+# ---- selection: the grammar of ``ls`` ----------------------------------------------------------
+
+
+@dataclass
+class ListQuery:
+    """The trajectory list's query string; every field is a plain string as typed."""
+
+    step: str = ""
+    sample_index: str = ""
+    rollout_n: str = ""
+    split: str = ""  # "", "train", "val"
+    experiment: str = ""
+    status: str = ""  # "", "ok", "error", "incomplete"
+    where: str = ""
+    sort: str = ""
+    page: int = 1
+    per: int = DEFAULT_PAGE_SIZE
+
+    @classmethod
+    def from_params(cls, params: Any) -> ListQuery:
+        q = cls()
+        for f in fields(cls):
+            raw = params.get(f.name)
+            if raw is None:
+                continue
+            if f.type in ("int", int):
+                try:
+                    setattr(q, f.name, max(1, int(raw)))
+                except ValueError:
+                    raise RunError(f"{f.name} must be a whole number, not {raw!r}") from None
+            else:
+                setattr(q, f.name, str(raw).strip())
+        q.per = min(q.per, PAGE_SIZES[-1])
+        return q
+
+    def params(self, **override: Any) -> dict[str, str]:
+        """The non-default fields as query parameters (for links), with ``override`` applied."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(override)
+        defaults = ListQuery()
+        return {k: str(v) for k, v in values.items() if v not in ("", None) and v != getattr(defaults, k)}
+
+
+def select(table: pa.Table, q: ListQuery) -> pa.Table:
+    """The rows of the listing ``q`` asks for, in its order (not paginated): ``ls``'s selection."""
+    from rlreplay.selection import Selection
+
+    if q.split not in ("", "train", "val"):
+        raise RunError(f"split is train or val, not {q.split!r}")
+    selection = Selection(
+        step=q.step or None,
+        sample_index=q.sample_index or None,
+        rollout_n=q.rollout_n or None,
+        validate=None if not q.split else q.split == "val",
+        experiment=q.experiment or None,
+        status=q.status or None,
+        where=q.where or None,
+        sort=q.sort or None,
+    )
+    return selection.apply(table)
+
+
+@dataclass
+class Page:
+    rows: list[dict[str, Any]]
+    total: int
+    page: int
+    pages: int
+    per: int
+
+
+def paginate(table: pa.Table, q: ListQuery) -> Page:
+    pages = max(1, math.ceil(table.num_rows / q.per))
+    page = min(q.page, pages)
+    rows = table.slice((page - 1) * q.per, q.per).to_pylist()
+    return Page(rows, table.num_rows, page, pages, q.per)
+
+
+# ---- per-step statistics -----------------------------------------------------------------------
+
+
+STAT_SERIES = (
+    ("reward_mean", "reward mean"),
+    ("frac_groups_zero_std", "zero-std group fraction"),
+    ("response_tokens_mean", "response length (tokens)"),
+    ("tool_error_rate", "tool error rate"),
+)
+
+
+def step_stats(table: pa.Table) -> list[dict[str, Any]]:
+    """Per step and split: the columns of ``rlreplay stats`` (validation after training)."""
+    from rlreplay.query import stats_of
+
+    if table.num_rows == 0:
+        return []
+    rows = stats_of(table).to_pylist()
+    for row in rows:
+        row["validate"] = bool(row["validate"])
+    return sorted(rows, key=lambda r: r["validate"])

@@ -1,0 +1,260 @@
+"""One trajectory made ready for its page: chat messages, span timeline, tokens with overlays."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from markupsafe import Markup, escape
+
+from rlreplay.schema import KIND_AGENT, KIND_LLM, KIND_TOOL
+from rlreplay.store import Span, Trajectory
+
+KIND_SIGNALS = "signals"
+LOGPROB_KEYS = ("response_logprobs", "rollout_log_probs", "log_probs", "logprobs")
+TRAINER_LOGPROB_KEYS = ("old_log_probs", "trainer_log_probs", "log_probs", "logprobs")
+MAX_TOKENS = 20_000
+
+
+def pretty(value: Any, limit: int = 4000) -> str:
+    """JSON text of a value for display (strings as they are), cut at ``limit`` characters."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        text = value
+    else:
+        try:
+            text = orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
+        except TypeError:
+            text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text):,} characters)"
+
+
+# ---- conversation ------------------------------------------------------------------------------
+
+
+@dataclass
+class Message:
+    role: str
+    content: str
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments" (text)}
+    tokens: int | None = None
+
+
+def messages(traj: Trajectory, decoder: Any, adapter: Any = None) -> list[Message]:
+    """The conversation as OpenAI-style chat messages (system, user, assistant, tool); without a
+    tokenizer, the turns (prompt, assistant, tool) with their token ids."""
+    from rlreplay.messages import openai_messages
+
+    if decoder is None:
+        return _id_messages(traj)
+    out = []
+    for m in openai_messages(traj, decoder, adapter):
+        calls = []
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function") or {}
+            calls.append({"name": fn.get("name"), "arguments": _pretty_arguments(fn.get("arguments"))})
+        out.append(Message(str(m.get("role")), str(m.get("content") or ""), calls))
+    return out
+
+
+def _id_messages(traj: Trajectory) -> list[Message]:
+    from rlreplay.conversation import turns
+
+    out = []
+    for turn in turns(traj):
+        calls = [{"name": c.get("name"), "arguments": pretty(c.get("arguments"))} for c in turn.tool_calls]
+        out.append(Message(turn.role, " ".join(map(str, turn.token_ids)), calls, tokens=len(turn.token_ids)))
+    return out
+
+
+def _pretty_arguments(value: Any) -> str:
+    if isinstance(value, str):
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            return value
+    return pretty(value)
+
+
+# ---- span timeline -----------------------------------------------------------------------------
+
+
+@dataclass
+class SpanRow:
+    span: Span
+    depth: int
+    left: float  # percent of the trajectory's duration
+    width: float
+
+    @property
+    def ms(self) -> float:
+        return (self.span.end_ns - self.span.start_ns) / 1e6
+
+
+def timeline(traj: Trajectory) -> list[SpanRow]:
+    t0, t1 = traj.start_ns, traj.end_ns
+    total = max(t1 - t0, 1)
+    rows: list[SpanRow] = []
+
+    def walk(span: Span, depth: int) -> None:
+        left = (span.start_ns - t0) / total * 100
+        width = max((span.end_ns - span.start_ns) / total * 100, 0.4)
+        rows.append(SpanRow(span, depth, round(left, 3), round(min(width, 100 - left), 3)))
+        for child in sorted(span.children, key=lambda s: (s.start_ns, -s.end_ns)):
+            walk(child, depth + 1)
+
+    for root in sorted(traj.roots, key=lambda s: s.start_ns):
+        walk(root, 0)
+    return rows
+
+
+def timings(traj: Trajectory) -> dict[str, Any]:
+    """Time spent in model calls and in tools, and how many of each."""
+    llm, tools = traj.by_kind(KIND_LLM), traj.by_kind(KIND_TOOL)
+    return {
+        "llm": len(llm),
+        "llm_s": sum(s.duration_s for s in llm),
+        "tool": len(tools),
+        "tool_s": sum(s.duration_s for s in tools),
+        "tool_errors": sum(1 for s in tools if s.status == "error"),
+    }
+
+
+def tool_calls(traj: Trajectory) -> list[dict[str, Any]]:
+    """Tool spans in call order: name, arguments, result, status, time."""
+    out = []
+    for span in sorted(traj.by_kind(KIND_TOOL), key=lambda s: s.start_ns):
+        inputs = span.inputs if isinstance(span.inputs, dict) else {}
+        result = span.output
+        if isinstance(result, list) and result:
+            result = result[0]
+        if isinstance(result, dict) and "text" in result:
+            result = result["text"]
+        if isinstance(result, dict) and result.get("__type__") == "exception":
+            result = None  # the error line says it; the traceback is in the span's output
+        out.append(
+            {
+                "name": span.name,
+                "arguments": pretty(inputs.get("parameters", inputs.get("kwargs", inputs))),
+                "result": pretty(result),
+                "status": span.status,
+                "error": span.error,
+                "ms": span.duration_s * 1000,
+            }
+        )
+    return out
+
+
+# ---- tokens ------------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenView:
+    html: Markup
+    count: int
+    has_logprobs: bool
+    has_mismatch: bool
+    mismatch_note: str | None = None
+    truncated: bool = False
+
+
+def _floats(value: Any, n: int) -> list[float | None] | None:
+    if isinstance(value, list) and len(value) == n and all(isinstance(v, (int, float)) for v in value[:1]):
+        return [float(v) if isinstance(v, (int, float)) else None for v in value]
+    return None
+
+
+def _first(d: dict[str, Any], keys: tuple[str, ...], n: int) -> list[float | None] | None:
+    for key in keys:
+        found = _floats(d.get(key), n)
+        if found is not None:
+            return found
+    return None
+
+
+def _response(traj: Trajectory) -> tuple[list[int], list[int], list[float | None] | None]:
+    """Response ids, mask (1 model, 0 tool) and rollout log-probs, from the agent span or the turns."""
+    from rlreplay.conversation import ROLE_ASSISTANT, ROLE_PROMPT, turns
+
+    agents = [s for s in traj.by_kind(KIND_AGENT) if isinstance(s.output, dict)]
+    for agent in agents:
+        out = agent.output
+        ids, mask = out.get("response_ids"), out.get("response_mask")
+        if isinstance(ids, list) and isinstance(mask, list) and len(mask) >= len(ids):
+            return ids, [int(bool(m)) for m in mask[: len(ids)]], _first(out, LOGPROB_KEYS, len(ids))
+    by_span = {s.span_id: s for s in traj.by_kind(KIND_LLM)}
+    ids, mask, lps = [], [], []
+    for turn in turns(traj):
+        if turn.role == ROLE_PROMPT:
+            continue
+        n = len(turn.token_ids)
+        ids += turn.token_ids
+        model = turn.role == ROLE_ASSISTANT
+        mask += [int(model)] * n
+        span = by_span.get(turn.span_id) if turn.span_id else None
+        found = _first(span.output, LOGPROB_KEYS, n) if span and isinstance(span.output, dict) else None
+        lps += found if found is not None else [None] * n
+    return ids, mask, lps if any(v is not None for v in lps) else None
+
+
+def _aligned(value: Any, n: int) -> list[float | None] | None:
+    """A list of numbers cut or padded (None) to ``n`` entries (the trainer may pad or trim)."""
+    if not isinstance(value, list) or not value or not isinstance(value[0], (int, float)):
+        return None
+    out = [float(v) if isinstance(v, (int, float)) else None for v in value[:n]]
+    return out + [None] * (n - len(out))
+
+
+def _trainer_logprobs(traj: Trajectory, n: int) -> list[float | None] | None:
+    """Per-token trainer log-probs from the latest ``signals`` span that holds them."""
+    for span in sorted(traj.by_kind(KIND_SIGNALS), key=lambda s: s.end_ns, reverse=True):
+        for value in (span.output, span.attributes):
+            candidates = [value.get(k) for k in TRAINER_LOGPROB_KEYS] if isinstance(value, dict) else [value]
+            for candidate in candidates:
+                found = _aligned(candidate, n)
+                if found is not None:
+                    return found
+    return None
+
+
+def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
+    """Each response token as a ``<span>`` carrying its mask, log-prob and mismatch as data."""
+    ids, mask, lps = _response(traj)
+    if not ids:
+        return None
+    truncated = len(ids) > MAX_TOKENS
+    ids, mask = ids[:MAX_TOKENS], mask[:MAX_TOKENS]
+    lps = lps[:MAX_TOKENS] if lps else None
+    trainer = _trainer_logprobs(traj, len(ids))
+    pieces = decoder.decode_many([[i] for i in ids]) if decoder is not None else [f"{i} " for i in ids]
+    parts = []
+    for k, (tid, m, piece) in enumerate(zip(ids, mask, pieces)):
+        lp = lps[k] if lps else None
+        title = f"#{k} id {tid} · {'model' if m else 'tool'}"
+        style = []
+        if lp is not None and math.isfinite(lp):
+            title += f" · logprob {lp:.4f}"
+            style.append(f"--lp:{min(1.0, -lp / 5):.3f}")
+        if trainer is not None and trainer[k] is not None and lp is not None:
+            diff = abs(trainer[k] - lp)
+            title += f" · trainer {trainer[k]:.4f} (|Δ| {diff:.4f})"
+            style.append(f"--mm:{min(1.0, diff):.3f}")
+        parts.append(
+            f'<span class="tk m{m}" title="{escape(title)}"'
+            + (f' style="{";".join(style)}"' if style else "")
+            + f">{escape(piece)}</span>"
+        )
+    note = None
+    if trainer is None:
+        scalars = [
+            s.attributes
+            for s in traj.by_kind(KIND_SIGNALS)
+            if isinstance(s.attributes, dict) and "logprob_diff_max" in s.attributes
+        ]
+        note = "no per-token trainer log-probs recorded" + (
+            f" (logprob_diff_max {scalars[-1]['logprob_diff_max']})" if scalars else ""
+        )
+    return TokenView(Markup("".join(parts)), len(ids), lps is not None, trainer is not None, note, truncated)

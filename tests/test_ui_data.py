@@ -1,0 +1,97 @@
+"""The UI's data layer: listings cached until the files change, refreshed in the background when slow."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from conftest import qwen_tokenizer_dir
+
+from rlreplay.store import open_run
+from rlreplay.ui import data
+from rlreplay.ui.data import RunSet, RunView
+
+SAMPLE = Path(__file__).parent.parent / "sample_runs" / "gsm8k-grpo-qwen3"
+
+
+@pytest.fixture
+def growing_run(tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the sample run without its last step; the step is put back by the test."""
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run)
+    held = tmp_path / "held"
+    shutil.move(run / "spans" / "step=7", held)
+    return run, held
+
+
+def test_listing_is_cached_until_the_files_change(
+    growing_run: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run, held = growing_run
+    monkeypatch.setattr(data, "SLOW_LISTING_S", 1e9)  # re-read in the request, however long it takes
+    view = RunView(open_run(run))
+    first = view.listing()
+    assert view.listing() is first  # nothing changed: the same table
+    version = view.version()
+    shutil.move(held, run / "spans" / "step=7")
+    second = view.listing()
+    assert second.num_rows == first.num_rows + 40  # step 7: 32 training + 8 validation
+    assert view.version() != version
+
+
+def test_a_slow_listing_is_refreshed_in_the_background(
+    growing_run: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run, held = growing_run
+    monkeypatch.setattr(data, "SLOW_LISTING_S", -1.0)  # every re-read counts as slow
+    view = RunView(open_run(run))
+    first = view.listing()
+    version = view.version()
+    shutil.move(held, run / "spans" / "step=7")
+    assert view.listing() is first  # served at once from the last listing
+    deadline = time.monotonic() + 30
+    while view.version() == version:
+        assert time.monotonic() < deadline, "the background refresh never finished"
+        time.sleep(0.05)
+    assert view.listing().num_rows == first.num_rows + 40
+
+
+def test_a_folder_lists_only_runs_inside_it(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    root.mkdir()
+    shutil.copytree(SAMPLE, root / "a")
+    (root / "not-a-run").mkdir()
+    (root / ".hidden").mkdir()
+    shutil.copytree(SAMPLE, tmp_path / "elsewhere")
+    (root / "link-out").symlink_to(tmp_path / "elsewhere")
+    (root / "link-in").symlink_to(root / "a")
+    runs = RunSet(root)
+    assert runs.names() == ["a", "link-in"]
+    with pytest.raises(data.NotFound):
+        runs.get("link-out")
+    with pytest.raises(data.NotFound):
+        runs.get("..")
+
+
+def test_a_tokenizer_given_to_the_app_overrides_the_manifest(tmp_path: Path) -> None:
+    from rlreplay import manifest
+    from rlreplay.token2text import TOKENIZER_FILE
+
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run)
+    manifest.update_manifest(run, tokenizer=str(tmp_path / "gone"), tokenizer_files=str(tmp_path / "gone"))
+    plain = RunView(open_run(run))
+    assert plain.decoder() is None and "gone" in (plain.decoder_error or "")
+    qwen = qwen_tokenizer_dir()
+    assert (qwen / TOKENIZER_FILE).exists()
+    given = RunSet(run, tokenizer=str(qwen)).get("run")
+    assert given.decoder() is not None and given.decoder_error is None
+    assert given.decoder().decode_many([[9707]]) == plain_decode(qwen, 9707)
+
+
+def plain_decode(folder: Path, token: int) -> list[str]:
+    from tokenizers import Tokenizer
+
+    return [Tokenizer.from_file(str(folder / "tokenizer.json")).decode([token], skip_special_tokens=False)]

@@ -1,0 +1,143 @@
+"""Records runs for the UI tests with the real recorder, in its own process.
+
+``python ui_record_job.py hostile RUN``: one group of trajectories whose text, tool arguments,
+tool error and experiment name hold HTML (the page must show it as text).
+``python ui_record_job.py live RUN CONTROL``: one trajectory, then ``CONTROL/ready``; on
+``CONTROL/go`` one more (step 1, sample_index 7); then ``CONTROL/written``; stops on ``CONTROL/stop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+from conftest import qwen_tokenizer_dir as tokenizer_dir
+
+import rlreplay
+from rlreplay import manifest
+
+HOSTILE_TEXT = '<script>window.__xss = 1</script> "><img src=x onerror="window.__xss = 2"> & done'
+HOSTILE_ARG = '"><img src=x onerror=window.__xss=3>'
+HOSTILE_ERROR = "<script>window.__xss = 4</script> tool failed"
+HOSTILE_EXPERIMENT = "<i>exp</i>"
+
+
+def _tok():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_dir() / "tokenizer.json"))
+
+
+class LLMServerClient:
+    @rlreplay.trace_op(name="LLMServerClient.generate", kind="llm")
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict) -> dict:
+        ids = sampling_params["ids"]
+        return {"token_ids": ids, "log_probs": [-0.05 * (i % 7) for i in range(len(ids))]}
+
+
+class HermesToolParser:
+    @rlreplay.trace_op(name="HermesToolParser.extract_tool_calls", kind="parser")
+    async def extract_tool_calls(self, responses_ids: list[int]) -> list[dict]:
+        return [{"name": "calc", "arguments": {"expression": HOSTILE_ARG}}]
+
+
+class CalcTool:
+    @rlreplay.trace_op(name="CalcTool.execute", kind="tool")
+    async def execute(self, instance_id: str, parameters: dict, **kwargs) -> tuple:
+        if parameters.get("fail"):
+            raise ValueError(HOSTILE_ERROR)
+        return ({"text": "4"}, 0.0, {})
+
+
+class ToolAgentLoop:
+    @rlreplay.trace_op(name="ToolAgentLoop.run", kind="agent")
+    async def run(self, tok, text: str, rollout: int) -> dict:
+        prompt = tok.encode("<|im_start|>user\nCompute 2+2 please.<|im_end|>\n<|im_start|>assistant\n").ids
+        first = tok.encode(f"{text} rollout {rollout}<|im_end|>").ids
+        await LLMServerClient().generate("r0", prompt_ids=prompt, sampling_params={"ids": first})
+        await HermesToolParser().extract_tool_calls(first)
+        with contextlib.suppress(ValueError):
+            await CalcTool().execute("t0", {"expression": HOSTILE_ARG, "fail": rollout == 1})
+        observation = tok.encode("\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n").ids
+        second = tok.encode(f"The answer is {4 + rollout}.<|im_end|>").ids
+        await LLMServerClient().generate(
+            "r1", prompt_ids=prompt + first + observation, sampling_params={"ids": second}
+        )
+        response = first + observation + second
+        mask = [1] * len(first) + [0] * len(observation) + [1] * len(second)
+        logprobs = [-0.05 * (i % 7) if m else 0.0 for i, m in enumerate(mask)]
+        return {
+            "prompt_ids": prompt,
+            "response_ids": response,
+            "response_mask": mask,
+            "response_logprobs": logprobs,
+            "reward_score": 1.0 if rollout == 0 else 0.0,
+        }
+
+
+def trainer_logprobs(rollout_logprobs: list[float]) -> list[float]:
+    """What the trainer recomputed for the same tokens (``--token-signals``): drifts on some."""
+    return [lp - (0.5 if i % 5 == 0 else 0.0) for i, lp in enumerate(rollout_logprobs)]
+
+
+async def _one(tok, step: int, sample: int, rollout: int, text: str) -> None:
+    keys = {"step": step, "sample_index": sample, "rollout_n": rollout}
+    async with rlreplay.trajectory(**keys, name="agent_loop") as traj:
+        out = await ToolAgentLoop().run(tok, text, rollout)
+    if rollout == 0:  # as the trainer does later, from its own process, for the same trajectory
+        from rlreplay.signals import record_signals
+
+        record_signals(
+            traj.id,
+            **keys,
+            validate=False,
+            advantage=0.75,
+            logprob_diff_max=0.5,
+            output={"old_log_probs": trainer_logprobs(out["response_logprobs"])},
+        )
+
+
+def hostile(run_dir: Path) -> None:
+    tok = _tok()
+    rlreplay.init(run_dir, experiment=HOSTILE_EXPERIMENT, worker="w0")
+
+    async def go() -> None:
+        await asyncio.gather(*(_one(tok, 0, 3, n, HOSTILE_TEXT) for n in range(3)))
+
+    asyncio.run(go())
+    rlreplay.close()
+    manifest.update_manifest(run_dir, tokenizer=str(tokenizer_dir()))
+
+
+def _wait(path: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {path}")
+        time.sleep(0.05)
+
+
+def live(run_dir: Path, control: Path) -> None:
+    tok = _tok()
+    rlreplay.init(run_dir, experiment="live", worker="w0")
+    manifest.update_manifest(run_dir, tokenizer=str(tokenizer_dir()))
+    asyncio.run(_one(tok, 0, 1, 0, "first answer"))
+    rlreplay.flush()
+    (control / "ready").touch()
+    _wait(control / "go")
+    asyncio.run(_one(tok, 1, 7, 0, "a brand new trajectory"))
+    rlreplay.flush()
+    (control / "written").touch()
+    _wait(control / "stop")
+    rlreplay.close()
+
+
+if __name__ == "__main__":
+    mode, target = sys.argv[1], Path(sys.argv[2])
+    if mode == "hostile":
+        hostile(target)
+    else:
+        live(target, Path(sys.argv[3]))
