@@ -570,11 +570,11 @@ def recover(
         if live_leases(spool_dir):
             totals["live_partials"] += 1
             continue
-        results, live = recover_run(spool_dir)
-        recovered = [r for r in results if r.sealed is not None]
+        recovery = recover_run(spool_dir)
+        recovered, live = recovery.sealed, recovery.live
         totals["recovered_shards"] += len(recovered)
         totals["recovered_spans"] += sum(r.rows for r in recovered)
-        totals["discarded_bytes"] += sum(r.discarded_bytes for r in results)
+        totals["discarded_bytes"] += sum(r.set_aside_bytes for r in recovery.files)
         totals["live_partials"] += len(live)
         publisher = Publisher(loc, spool_dir)
         stats = publisher.close(timeout_s)

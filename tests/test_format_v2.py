@@ -330,7 +330,8 @@ def test_format_1_runs_read_rewrite_and_recover_exactly(
     # the format 1 live file recovered into a format 2 shard
     copy = tmp_path / "copy"
     shutil.copytree(V1_RUN, copy)
-    results, live = recover_run(copy)
+    recovery = recover_run(copy)
+    results, live = recovery.sealed, recovery.live
     assert live == [] and len(results) == 1 and results[0].rows > 0
     assert list_files(copy)[1] == [] and _digests(copy) == expected
 
@@ -416,7 +417,8 @@ def test_live_format_2_files_survive_sigkill(tmp_path: Path) -> None:
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-    results, still_live = recover_run(run_dir)
+    recovery = recover_run(run_dir)
+    results, still_live = recovery.sealed, recovery.live
     assert still_live == [] and sum(r.rows for r in results) == 6 * 7
     run = rlreplay.open_run(run_dir)
     rows = run.trajectories().to_pylist()

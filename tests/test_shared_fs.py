@@ -58,7 +58,8 @@ def test_live_file_of_another_node_is_never_sealed(tmp_path: Path, node_a: None)
 
     assert is_live(partial) and is_live(lease)
     assert live_leases(run_dir) == [lease]  # not removed as stale
-    results, live = recover_run(run_dir)
+    recovery = recover_run(run_dir)
+    results, live = recovery.sealed, recovery.live
     assert results == [] and live == [partial]
     assert partial.exists() and lease.exists()
 
@@ -66,7 +67,8 @@ def test_live_file_of_another_node_is_never_sealed(tmp_path: Path, node_a: None)
     os.utime(lease, (old, old))
     assert not is_live(partial) and live_leases(run_dir) == []
     assert not lease.exists()
-    results, live = recover_run(run_dir)
+    recovery = recover_run(run_dir)
+    results, live = recovery.sealed, recovery.live
     assert live == [] and [r.rows for r in results] == [1]
     assert len(rlreplay.open_run(run_dir).trajectories()) == 1
 
@@ -77,7 +79,8 @@ def test_dead_process_of_this_node_is_recovered_at_once(tmp_path: Path, node_a: 
     (lease,) = (run_dir / LEASE_DIR).glob("_lease-*.lock")
     assert json.loads(lease.read_text())["host"] == "node-a"
     assert live_leases(run_dir) == []  # same host: the lock is authoritative, however fresh the file
-    results, live = recover_run(run_dir)
+    recovery = recover_run(run_dir)
+    results, live = recovery.sealed, recovery.live
     assert live == [] and [r.rows for r in results] == [1]
 
 
