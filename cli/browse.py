@@ -295,7 +295,8 @@ def info_command(
     run: RunOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Summarize a run: manifest, steps, trajectories, spans, bytes on disk, recording losses."""
+    """Summarize a run: manifest, steps, trajectories, spans and bytes on disk now, and what the
+    recording processes reported (spans written, dropped, spilled, lost)."""
     from rlreplay.summary import run_summary
 
     opened = open_run_arg(run, run_path)
@@ -305,7 +306,11 @@ def info_command(
         typer.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
         return
     out = console()
+    recorder = summary.pop("recorder")
     for key, value in summary.items():
+        out.print(f"{key:>18}: {value}", markup=False)
+    out.print(f"{'recorder':>18}: (counters the recording processes reported)", markup=False)
+    for key, value in recorder.items():
         out.print(f"{key:>18}: {value}", markup=False)
 
 

@@ -113,11 +113,9 @@ class Trajectory:
 
     @property
     def roots(self) -> list[Span]:
-        return [s for s in self.spans if s.parent_id is None or s.parent_id not in self._by_id]
-
-    @property
-    def _by_id(self) -> dict[str, Span]:
-        return {s.span_id: s for s in self.spans}
+        """Spans whose parent is not in the trajectory (normally the one root span)."""
+        ids = {s.span_id for s in self.spans}
+        return [s for s in self.spans if s.parent_id is None or s.parent_id not in ids]
 
     @property
     def start_ns(self) -> int:
@@ -127,16 +125,42 @@ class Trajectory:
     def end_ns(self) -> int:
         return max(s.end_ns for s in self.spans)
 
+    def _rule(self) -> tuple[float | None, str]:
+        table = pa.table(
+            {
+                "kind": pa.array([s.kind for s in self.spans], pa.string()),
+                "parent_id": pa.array([s.parent_id for s in self.spans], pa.string()),
+                "status": pa.array([s.status for s in self.spans], pa.string()),
+                "reward": pa.array([s.reward for s in self.spans], pa.float64()),
+                "end_ns": pa.array([s.end_ns for s in self.spans], pa.int64()),
+            }
+        )
+        import numpy as np
+
+        rewards, statuses = reward_and_status(table, np.zeros(len(self.spans), np.int64), 1)
+        return (None if np.isnan(rewards[0]) else float(rewards[0])), statuses[0].as_py()
+
     @property
     def status(self) -> str:
-        return STATUS_ERROR if any(s.status == STATUS_ERROR for s in self.roots) else "ok"
+        """``incomplete`` without a root span, else ``error`` or ``ok`` (see ``reward_and_status``)."""
+        return self._rule()[1]
 
     @property
     def reward(self) -> float | None:
-        rewards = [
-            s.reward for s in self.spans if s.reward is not None and s.kind in (KIND_TRAJECTORY, KIND_AGENT)
-        ]
-        return rewards[-1] if rewards else None
+        """The reward the listing shows (see ``reward_and_status``)."""
+        return self._rule()[0]
+
+    @property
+    def model_calls(self) -> int:
+        return sum(1 for s in self.spans if s.kind == KIND_LLM)
+
+    @property
+    def tool_calls(self) -> int:
+        return sum(1 for s in self.spans if s.kind == KIND_TOOL)
+
+    @property
+    def tool_errors(self) -> int:
+        return sum(1 for s in self.spans if s.kind == KIND_TOOL and s.status == STATUS_ERROR)
 
     @property
     def attributes(self) -> dict[str, Any]:
@@ -165,8 +189,51 @@ class Trajectory:
             "duration_s": (self.end_ns - self.start_ns) / 1e9,
             "status": self.status,
             "reward": self.reward,
+            "model_calls": self.model_calls,
+            "tool_calls": self.tool_calls,
+            "tool_errors": self.tool_errors,
             "spans": [root.to_dict() for root in self.roots],
         }
+
+
+#: Span kind of rows another process (the trainer, the reward loop) adds to a trajectory.
+KIND_SIGNALS = "signals"
+STATUS_INCOMPLETE = "incomplete"
+_REWARD_PRIORITY = {KIND_SIGNALS: 2, KIND_AGENT: 1, KIND_TRAJECTORY: 1}
+
+
+def reward_and_status(spans: pa.Table, group: Any, n: int) -> tuple[Any, pa.Array]:
+    """The one rule for a trajectory's reward and status, over span rows grouped by ``group``
+    (trajectory number 0..n-1 of each row; columns kind, parent_id, status, reward, end_ns).
+
+    reward: of the latest-ending ``signals`` span with a reward, else of the latest-ending
+    ``agent`` or ``trajectory`` span with one (tool rewards never count); NaN when none.
+    status: ``incomplete`` when the root span (no parent, not ``signals``) is missing, else
+    ``error`` when it failed, else ``ok``.
+    """
+    import numpy as np
+
+    group = np.asarray(group, dtype=np.int64)
+    kind = spans["kind"]
+    priority = np.zeros(len(group), dtype=np.int64)
+    for name, rank in _REWARD_PRIORITY.items():
+        priority[pc.fill_null(pc.equal(kind, name), False).to_numpy(zero_copy_only=False)] = rank
+    reward_values = pc.fill_null(spans["reward"], np.nan).to_numpy(zero_copy_only=False)
+    eligible = np.nonzero((priority > 0) & ~np.isnan(reward_values))[0]
+    reward = np.full(n, np.nan)
+    if len(eligible):
+        end = spans["end_ns"].to_numpy(zero_copy_only=False)[eligible]
+        order = eligible[np.lexsort((end, priority[eligible], group[eligible]))]
+        last = np.append(group[order][1:] != group[order][:-1], True)
+        reward[group[order][last]] = reward_values[order][last]
+
+    is_root = pc.and_(pc.is_null(spans["parent_id"]), pc.not_equal(kind, KIND_SIGNALS))
+    is_root = pc.fill_null(is_root, False).to_numpy(zero_copy_only=False)
+    failed = pc.fill_null(pc.equal(spans["status"], STATUS_ERROR), False).to_numpy(zero_copy_only=False)
+    has_root = np.bincount(group[is_root], minlength=n) > 0
+    root_failed = np.bincount(group[is_root & failed], minlength=n) > 0
+    status = np.where(has_root, np.where(root_failed, STATUS_ERROR, "ok"), STATUS_INCOMPLETE)
+    return reward, pa.array(status.tolist(), pa.string())
 
 
 def _build_tree(spans: list[Span]) -> None:
@@ -350,10 +417,7 @@ def summarize(spans: pa.Table) -> pa.Table:
     np.minimum.at(start, group, spans["start_ns"].to_numpy())
     end = np.full(n, np.iinfo(np.int64).min)
     np.maximum.at(end, group, spans["end_ns"].to_numpy())
-    rewarded = pc.is_in(kind, value_set=pa.array([KIND_TRAJECTORY, KIND_AGENT]))
-    reward_values = pc.if_else(rewarded, spans["reward"], None)
-    reward = np.full(n, -np.inf)
-    np.maximum.at(reward, group, pc.fill_null(reward_values, -np.inf).to_numpy(zero_copy_only=False))
+    reward, statuses = reward_and_status(spans, group, n)
 
     is_root = pc.is_null(spans["parent_id"]).to_numpy(zero_copy_only=False)
     root_rows = np.full(n, -1)
@@ -361,7 +425,6 @@ def summarize(spans: pa.Table) -> pa.Table:
     has_root = root_rows >= 0
     root_take = pa.array(np.where(has_root, root_rows, 0))
     names = pc.if_else(pa.array(has_root), spans["name"].take(root_take), None)
-    statuses = pc.if_else(pa.array(has_root), spans["status"].take(root_take), "incomplete")
     root_span = spans["span_id"].take(root_take).take(pa.array(group))
     child_of_root = pc.and_(pc.equal(spans["parent_id"], root_span), pa.array(has_root[group]))
     children = np.nonzero(pc.fill_null(child_of_root, False).to_numpy(zero_copy_only=False))[0]
@@ -392,7 +455,7 @@ def summarize(spans: pa.Table) -> pa.Table:
             "num_turns": pa.array(count(pc.equal(kind, KIND_LLM))),
             "num_tool_calls": pa.array(count(pc.equal(kind, KIND_TOOL))),
             "status": statuses,
-            "reward": pa.array(np.where(np.isneginf(reward), np.nan, reward), from_pandas=True),
+            "reward": pa.array(reward, from_pandas=True),
         }
     )
     return table.cast(pa.schema(TRAJECTORY_COLUMNS)).sort_by(

@@ -17,6 +17,8 @@ def disk_bytes(run_dir: Path) -> int:
 
 
 def run_summary(run: Run) -> dict[str, Any]:
+    """Counts of what is on disk now (the same rows ``ls`` and ``Run.spans`` read, live files
+    included), and under ``recorder`` what the recording processes reported (their counters)."""
     spans = run.spans(columns=["trajectory_id", "step", "num_tokens"])
     steps = pc.unique(spans["step"]).drop_null() if spans.num_rows else []
     tokens = int(pc.sum(spans["num_tokens"]).as_py() or 0) if spans.num_rows else 0
@@ -34,7 +36,7 @@ def run_summary(run: Run) -> dict[str, Any]:
         "token_ids": tokens,
         "bytes_on_disk": size,
         "bytes_per_token": round(size / tokens, 3) if tokens else None,
-        **run.counters(),
+        "recorder": {("spans_written" if k == "spans" else k): v for k, v in run.counters().items()},
     }
 
 

@@ -1,0 +1,190 @@
+"""Every command tells the same truth: counts, rewards and statuses agree across info, ls, show,
+diff and the Python API; show prints text as text; the user's files are never overwritten."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+import rlreplay
+from rlreplay import manifest
+from rlreplay.cli.main import main
+from rlreplay.store import summarize, trajectory_from_table
+
+STATUS_INCOMPLETE = "incomplete"
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# ---- a run whose trajectories carry rewards in several places ------------------------------------
+
+
+class Loop:
+    @rlreplay.trace_op(name="ToolAgentLoop.run", kind="agent")
+    async def run(self, reward: float, pause: float) -> dict:
+        await asyncio.sleep(pause)
+        await self.execute({"x": 1})
+        return {"prompt_ids": [1, 2], "response_ids": [3, 4], "reward_score": reward}
+
+    @rlreplay.trace_op(name="Tool.execute", kind="tool")
+    async def execute(self, parameters: dict) -> tuple:
+        return ({"text": "ok"}, 5.0, {})  # a tool reward never counts
+
+
+def _record_rewards(run_dir: Path) -> None:
+    rlreplay.init(run_dir, experiment="rewards", worker="w0")
+
+    async def go() -> None:
+        # two agent spans: the first ends last, with the lower reward
+        async with rlreplay.trajectory(step=1, sample_index=0, rollout_n=0, validate=False):
+            await asyncio.gather(Loop().run(0.25, 0.03), Loop().run(1.0, 0.0))
+        async with rlreplay.trajectory(step=1, sample_index=0, rollout_n=1, validate=False):
+            await Loop().run(0.5, 0.0)
+
+    asyncio.run(go())
+    rlreplay.close()
+
+
+@pytest.fixture(scope="module")
+def reward_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("truth") / "rewards"
+    _record_rewards(path)
+    return path
+
+
+def _signals_row(table: pa.Table, reward: float) -> pa.Table:
+    """A ``signals`` row as another process writes it: same trajectory, later, its own span id."""
+    row = table.slice(0, 1).to_pylist()[0]
+    end = max(table["end_ns"].to_pylist())
+    row.update(
+        span_id="f" * 16,
+        parent_id=None,
+        name="signals",
+        kind="signals",
+        start_ns=end + 1,
+        end_ns=end + 2,
+        reward=reward,
+        inputs=None,
+        output=None,
+        attributes=None,
+    )
+    return pa.concat_tables([table, pa.Table.from_pylist([row], schema=table.schema)])
+
+
+def test_reward_is_the_latest_ending_agent_reward_in_listing_and_api(reward_run: Path) -> None:
+    run = rlreplay.open_run(reward_run)
+    rows = {r["rollout_n"]: r for r in run.trajectories().to_pylist()}
+    assert rows[0]["reward"] == 0.25  # the later-ending agent span, not the larger reward
+    assert rows[1]["reward"] == 0.5
+    for r in rows.values():
+        assert run.trajectory(r["id"]).reward == r["reward"]
+
+
+def test_listing_and_trajectory_agree_on_signals_and_missing_roots(reward_run: Path) -> None:
+    run = rlreplay.open_run(reward_run)
+    for tid in run.trajectories()["id"].to_pylist():
+        spans = run.spans(trajectory_id=tid)
+        signalled = _signals_row(spans, 0.75)
+        rootless = spans.filter(pa.compute.not_equal(spans["kind"], "trajectory"))
+        for table, reward, status in [
+            (signalled, 0.75, "ok"),  # a signals span wins over agent spans
+            (rootless, None, STATUS_INCOMPLETE),
+        ]:
+            listed = summarize(table).to_pylist()[0]
+            traj = trajectory_from_table(table)
+            assert (traj.status, listed["status"]) == (status, status)
+            if reward is not None:
+                assert traj.reward == listed["reward"] == reward
+            else:
+                assert traj.reward == listed["reward"]
+
+
+def test_roots_are_found_in_linear_time_on_a_wide_trajectory(reward_run: Path) -> None:
+    run = rlreplay.open_run(reward_run)
+    traj = run.trajectory(run.trajectories()["id"][1].as_py())
+    template = traj.spans[-1]
+    calls = 0
+
+    class CountingSpans(list):
+        def __iter__(self):
+            nonlocal calls
+            calls += 1
+            return super().__iter__()
+
+    from dataclasses import replace
+
+    wide = [replace(template, span_id=f"{i:016x}", children=[]) for i in range(2000)]
+    traj.spans = CountingSpans([*traj.spans, *wide])
+    roots = traj.roots
+    assert len(roots) == 1 and roots[0].kind == "trajectory"
+    assert calls <= 3  # a constant number of passes over the spans, not one per span
+
+
+# ---- info: counts equal the spans on disk ----------------------------------------------------------
+
+
+def _info(capsys: pytest.CaptureFixture[str], run_dir: Path) -> dict:
+    rc, out, err = cli(capsys, "info", run_dir, "--json")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def _truth(run_dir: Path) -> tuple[int, int, int]:
+    run = rlreplay.open_run(run_dir)
+    spans = run.spans()
+    return run.trajectories().num_rows, spans.num_rows, len(set(spans["step"].to_pylist()))
+
+
+def test_info_counts_the_spans_on_disk_not_the_workers_counters(
+    recorded_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(recorded_run, run_dir)
+    trajectories, spans, steps = _truth(run_dir)
+    for path in (run_dir / manifest.WORKERS_DIR).glob("*.json"):
+        counters = json.loads(path.read_text())
+        counters["spans"] = 4  # a counter file written before the last batches reached disk
+        path.write_text(json.dumps(counters))
+    info = _info(capsys, run_dir)
+    assert (info["trajectories"], info["spans"], info["steps"]) == (trajectories, spans, steps)
+    assert info["recorder"]["spans_written"] == 4
+    rc, out, _ = cli(capsys, "ls", run_dir, "--json")
+    assert len(out.splitlines()) == info["trajectories"]
+
+    shutil.rmtree(run_dir / manifest.WORKERS_DIR)  # a run copied without its counters
+    info = _info(capsys, run_dir)
+    assert (info["trajectories"], info["spans"]) == (trajectories, spans)
+    rc, out, _ = cli(capsys, "info", run_dir)
+    assert rc == 0
+    assert f"spans: {spans}" in " ".join(out.split())
+
+
+def test_info_mid_run_counts_what_the_live_files_hold(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "live"
+    rlreplay.init(run_dir, experiment="live", worker="w0")
+    try:
+
+        async def go() -> None:
+            for n in range(3):
+                async with rlreplay.trajectory(step=0, sample_index=0, rollout_n=n, validate=False):
+                    await Loop().run(0.1, 0.0)
+
+        asyncio.run(go())
+        assert rlreplay.flush()
+        trajectories, spans, _ = _truth(run_dir)
+        assert spans == 3 * 3
+        info = _info(capsys, run_dir)
+        assert (info["trajectories"], info["spans"]) == (trajectories, spans)
+    finally:
+        rlreplay.close()
