@@ -188,3 +188,47 @@ def test_info_mid_run_counts_what_the_live_files_hold(
         assert (info["trajectories"], info["spans"]) == (trajectories, spans)
     finally:
         rlreplay.close()
+
+
+# ---- show: the run first, text as text, counts named as everywhere ---------------------------------
+
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_runs" / "gsm8k-grpo-qwen3"
+TOOL_ROLLOUT = "step=5,sample_index=730,rollout_n=1"
+
+
+def test_show_takes_the_run_first_like_ls_and_info(capsys: pytest.CaptureFixture[str]) -> None:
+    run = rlreplay.open_run(SAMPLE)
+    tid = run.trajectories(step=5, sample_index=730, rollout_n=1)["id"][0].as_py()
+    shown = [
+        cli(capsys, *args)
+        for args in [
+            ("show", SAMPLE, tid[:10], "--no-text"),
+            ("show", tid[:10], "--run", SAMPLE, "--no-text"),
+            ("show", "-r", SAMPLE, tid, "--no-text"),
+            ("show", SAMPLE, TOOL_ROLLOUT, "--no-text"),  # a selector, as diff takes
+        ]
+    ]
+    for rc, out, err in shown:
+        assert rc == 0, err
+        assert out == shown[0][1]
+    rc, out, err = cli(capsys, "show", SAMPLE, tid, "--run", SAMPLE.parent)
+    assert rc == 2 and len(err.splitlines()) == 1 and "two runs given" in err
+
+
+def test_show_prints_text_as_text_and_the_listing_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = cli(capsys, "show", SAMPLE, TOOL_ROLLOUT)
+    assert rc == 0, err
+    assert "\\n" not in out  # line breaks are line breaks, in the tree and in the conversation
+    tree, conversation = out.split("conversation (")
+    tree_lines = [line.strip("│├└─ ") for line in tree.splitlines()]
+    assert "I will compute it step by step." in tree_lines  # one line of a decoded text, on its own
+    spans = rlreplay.open_run(SAMPLE).spans(step=5, sample_index=730, rollout_n=1).to_pylist()
+    llm = sum(s["kind"] == "llm" for s in spans)
+    tools = sum(s["kind"] == "tool" for s in spans)
+    errors = sum(s["kind"] == "tool" and s["status"] == "error" for s in spans)
+    assert f"model_calls={llm} tool_calls={tools} tool_errors={errors}" in tree
+    assert conversation.startswith(f"{llm} model calls, {tools} tool calls)")
+    assert " turns" not in out
+    rc, out, _ = cli(capsys, "show", SAMPLE, TOOL_ROLLOUT, "--json", "--no-text")
+    data = json.loads(out)
+    assert (data["model_calls"], data["tool_calls"], data["tool_errors"]) == (llm, tools, errors)
