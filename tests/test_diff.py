@@ -253,9 +253,9 @@ def test_token_level_diff_reconstructs_both_turns(runs, capsys) -> None:
             assert rebuilt_b == out_b["response_ids"][start : start + turn["tokens_b"]]
         else:
             assert rebuilt_b == []
-    # rollout 2 has one more assistant turn and one more tool turn, and its one tool error
-    assert got["b"]["model_turns"] - got["a"]["model_turns"] == 1
-    assert got["deltas"]["tool_turns"] == 1
+    # rollout 2 has one more model call and one more tool call, and its one tool error
+    assert got["b"]["model_calls"] - got["a"]["model_calls"] == 1
+    assert got["deltas"]["tool_calls"] == 1
     assert got["b"]["tool_errors"] == 1 and got["a"]["tool_errors"] == 0
     assert got["deltas"]["response_tokens"] == len(out_b["response_ids"]) - len(out_a["response_ids"])
     assert got["deltas"]["reward"] == REWARDS[2] - REWARDS[0]

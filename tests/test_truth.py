@@ -232,3 +232,101 @@ def test_show_prints_text_as_text_and_the_listing_counts(capsys: pytest.CaptureF
     rc, out, _ = cli(capsys, "show", SAMPLE, TOOL_ROLLOUT, "--json", "--no-text")
     data = json.loads(out)
     assert (data["model_calls"], data["tool_calls"], data["tool_errors"]) == (llm, tools, errors)
+
+
+# ---- diff: the same counts; the report never overwrites the user's files ---------------------------
+
+PAIR = ("step=5,sample_index=730,rollout_n=0", "rollout_n=1")
+
+
+def _span_counts(run_dir: Path, tid: str) -> tuple[int, int, int]:
+    spans = rlreplay.open_run(run_dir).spans(trajectory_id=tid).to_pylist()
+    tools = [s for s in spans if s["kind"] == "tool"]
+    return (
+        sum(s["kind"] == "llm" for s in spans),
+        len(tools),
+        sum(s["status"] == "error" for s in tools),
+    )
+
+
+def test_diff_counts_are_the_listing_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = cli(capsys, "diff", "--run", SAMPLE, *PAIR, "--json", "--ids")
+    assert rc == 0, err
+    got = json.loads(out)
+    for side in (got["a"], got["b"]):
+        counts = (side["model_calls"], side["tool_calls"], side["tool_errors"])
+        assert counts == _span_counts(SAMPLE, side["id"])
+        assert not {"turns", "model_turns", "tool_turns"} & side.keys()
+    rc, out, _ = cli(capsys, "diff", "--run", SAMPLE, *PAIR, "--ids")
+    rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines() if line.strip()}
+    assert rows["model_calls"] == [str(got["a"]["model_calls"]), str(got["b"]["model_calls"])]
+    assert rows["tool_calls"] == [str(got["a"]["tool_calls"]), str(got["b"]["tool_calls"])]
+    assert "turns (" not in out and "model turns" not in out
+    rc, out, _ = cli(capsys, "diff", "--run", SAMPLE, "--group", PAIR[0], "--ids", "--json")
+    for member in json.loads(out)["rollouts"]:
+        assert (member["model_calls"], member["tool_calls"], member["tool_errors"]) == _span_counts(
+            SAMPLE, member["id"]
+        )
+
+
+@pytest.fixture
+def sample_copy(tmp_path: Path) -> Path:
+    dest = tmp_path / "run"
+    shutil.copytree(SAMPLE, dest)
+    return dest
+
+
+def _bad(capsys: pytest.CaptureFixture[str], *args: object) -> str:
+    rc, out, err = cli(capsys, *args)
+    assert rc == 2, (out, err)
+    assert len(err.strip().splitlines()) == 1 and err.startswith("rlreplay: error: "), err
+    return err
+
+
+def test_html_report_never_writes_into_a_run_or_over_a_file(
+    sample_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = {p: p.read_bytes() for p in sample_copy.rglob("*") if p.is_file()}
+    shard = next(sample_copy.rglob("*.parquet"))
+    outside = tmp_path / "reports"
+    outside.mkdir()
+    (outside / "link-to-manifest.html").symlink_to(sample_copy / "run.json")
+    (outside / "link-to-run").symlink_to(sample_copy)
+    for target, words in [
+        (sample_copy / "run.json", "inside the run directory"),
+        (shard, "inside the run directory"),
+        (sample_copy / "new-report.html", "inside the run directory"),
+        (outside / "link-to-manifest.html", "inside the run directory"),
+        (outside / "link-to-run" / "report.html", "inside the run directory"),
+        (outside, "is a directory"),
+        (tmp_path / "missing" / "report.html", "no directory"),
+    ]:
+        for force in ([], ["--force"]):
+            err = _bad(capsys, "diff", "--run", sample_copy, *PAIR, "--ids", "--html", target, *force)
+            assert words in err, err
+    assert {p: p.read_bytes() for p in sample_copy.rglob("*") if p.is_file()} == before
+
+    report = outside / "report.html"
+    report.write_text("mine")
+    assert "--force" in _bad(capsys, "diff", "--run", sample_copy, *PAIR, "--ids", "--html", report)
+    assert report.read_text() == "mine"
+    rc, _, err = cli(capsys, "diff", "--run", sample_copy, *PAIR, "--ids", "--html", report, "--force")
+    assert rc == 0, err
+    assert report.read_text().startswith("<!DOCTYPE html>")
+    fresh = outside / "fresh.html"
+    rc, _, err = cli(capsys, "diff", "--run", sample_copy, *PAIR, "--ids", "--html", fresh)
+    assert rc == 0 and fresh.read_text().startswith("<!DOCTYPE html>")
+    assert sorted(p.name for p in outside.iterdir()) == [
+        "fresh.html",
+        "link-to-manifest.html",
+        "link-to-run",
+        "report.html",
+    ]
+
+
+@pytest.mark.parametrize(
+    "selector", ["step=５,sample_index=730", "step=5,sample_index=７３０", "rollout_n=٣"]
+)
+def test_selectors_take_ascii_digits_only(selector: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _bad(capsys, "diff", "--run", SAMPLE, "--group", selector, "--ids")
+    assert "ASCII digits" in err
