@@ -370,7 +370,10 @@ def test_bad_selector_as_a_subprocess_has_no_traceback(runs) -> None:
         timeout=60,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "rlreplay: error: selector 'step=x': step must be an integer (ASCII digits), not 'x'"
+    assert (
+        proc.stderr.strip()
+        == "rlreplay: error: selector 'step=x': step must be an integer (ASCII digits), not 'x'"
+    )
 
 
 def test_terminal_rendering_marks_changes_without_colour(runs, capsys, monkeypatch) -> None:

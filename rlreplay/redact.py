@@ -1,0 +1,174 @@
+"""Keeping secrets out of manifests, span payloads, ledgers and output: redaction by rule.
+
+A *secret name* is an option, argument, variable, header or keyword name whose words (split at
+``-``, ``_``, ``.``, ``:`` and camelCase) include ``secret``, ``password``, ``passwd``,
+``passphrase`` or ``credential(s)``, or end in ``key``, ``apikey``, ``token``, ``pat``, ``auth``
+or ``authorization``. A ``key`` that names data (``prompt_key``, ``image_key``: a dataset
+column) is not a secret; ``max_tokens`` and ``tokenizer_path`` are not either.
+
+What is hidden (replaced by ``***``):
+- the value of a secret name: ``--key X``, ``--api-key=X``, ``wandb_key=X``, ``KEY:X``,
+  ``Authorization: Bearer X``, ``{"api_key": X}``;
+- the value of the short option ``-p`` (``-p X``, ``-pX``): the password flag of mysql, docker
+  login and others (a port or a plugin name given with ``-p`` is hidden too);
+- the user and password of a URL (``https://user:pw@host`` → ``https://***@host``) and URL
+  query parameters with secret names;
+- ``Bearer``/``Basic`` credentials, and values shaped like well-known keys (``sk-…``, ``hf_…``,
+  ``ghp_…``, ``github_pat_…``, ``xox…-``, ``AKIA…``, JWTs, a standalone 40-hex string);
+- the value of every environment variable with a secret name (6 characters or more), wherever
+  it appears in the text.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+REDACTED = "***"
+
+_ANYWHERE = frozenset({"secret", "secrets", "password", "passwd", "passphrase", "credential", "credentials"})
+_LAST = frozenset({"key", "apikey", "token", "pat", "auth", "authorization"})
+#: ``<word>_key`` names a column or an entry, not a secret, after one of these words.
+_DATA_KEY = frozenset(
+    {
+        "prompt",
+        "response",
+        "image",
+        "video",
+        "audio",
+        "data",
+        "label",
+        "answer",
+        "text",
+        "message",
+        "messages",
+        "input",
+        "output",
+        "column",
+        "field",
+        "sort",
+        "cache",
+        "group",
+        "fn",
+        "teacher",
+        "reward",
+        "tool",
+        "sample",
+        "partition",
+        "primary",
+        "foreign",
+    }
+)
+_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+_SHORT_PASSWORD = "-p"
+
+_SECRET_VALUE = re.compile(
+    r"\b(?:sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{16,}|gh[pousr]_[A-Za-z0-9]{20,}"
+    r"|github_pat_[A-Za-z0-9_]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16}"
+    r"|eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})\b"
+    r"|(?<![/\w@.-])[0-9a-f]{40}(?![/\w])"
+)
+_SCHEME_AUTH = re.compile(r"(?i)\b(bearer|basic|token)(\s+)[A-Za-z0-9._~+/=-]{6,}")
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@?#]+@")
+_QUERY = re.compile(r"([?&])([^=&#\s]+)=([^&#\s]*)")
+# name=value / name: value inside a longer text (a header, an env assignment, a config line)
+_ASSIGNMENT = re.compile(
+    r"(?<![\w.-])([A-Za-z_][\w.-]*)(\s*[=:]\s*)(?!//)"
+    r"(\"[^\"]*\"|'[^']*'|(?:(?i:bearer|basic|token)\s+)?[^\s\"',;&]+)"
+)
+
+
+def secret_name(name: str) -> bool:
+    """Whether ``name`` (an option, variable, header or keyword name) names a secret."""
+    words = [w.lower() for w in _WORDS.findall(name)]
+    if not words:
+        return False
+    if any(w in _ANYWHERE for w in words):
+        return True
+    last = words[-1]
+    if last not in _LAST:
+        return False
+    return not (last == "key" and len(words) > 1 and words[-2] in _DATA_KEY)
+
+
+def _env_secrets() -> list[str]:
+    values = {v for k, v in os.environ.items() if len(v) >= 6 and secret_name(k)}
+    return sorted(values, key=len, reverse=True)
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its user and password and with secret query parameters hidden."""
+    out = _USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", url)
+    if "?" in out:
+        out = _QUERY.sub(
+            lambda m: f"{m.group(1)}{m.group(2)}={REDACTED}" if secret_name(m.group(2)) else m.group(0), out
+        )
+    return out
+
+
+def redact_value(text: str) -> str:
+    """``text`` with every secret the rules recognize hidden (see the module docstring)."""
+    for secret in _env_secrets():
+        text = text.replace(secret, REDACTED)
+    text = redact_url(text)
+    text = _ASSIGNMENT.sub(
+        lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}" if secret_name(m.group(1)) else m.group(0), text
+    )
+    text = _SCHEME_AUTH.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+    return _SECRET_VALUE.sub(REDACTED, text)
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """A command line with the values of secret options and arguments hidden."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next and not arg.startswith("--"):
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        hide_next = False
+        if arg == _SHORT_PASSWORD:
+            out.append(arg)
+            hide_next = True
+            continue
+        if arg.startswith(_SHORT_PASSWORD) and not arg.startswith("--") and len(arg) > 2:
+            out.append(_SHORT_PASSWORD + REDACTED)
+            continue
+        name, eq, _ = arg.partition("=")
+        if arg.startswith("-") and not eq and secret_name(name):
+            out.append(arg)
+            hide_next = True
+            continue
+        if eq and secret_name(name):
+            out.append(f"{name}={REDACTED}")
+            continue
+        out.append(redact_value(arg))
+    return out
+
+
+def redact_mapping(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``data`` with the value of every secret name hidden (numbers excepted), at any
+    depth, and URLs stripped of their user and password (other text is left as it is)."""
+    return {k: (REDACTED if _hides(k, v) else _redact_any(v)) for k, v in data.items()}
+
+
+def _hides(key: Any, value: Any) -> bool:
+    if value is None or value == "" or isinstance(value, (bool, int, float)):  # counts stay readable
+        return False
+    return isinstance(key, str) and secret_name(key)
+
+
+def _redact_any(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return redact_mapping(value)
+    if isinstance(value, (list, tuple)):
+        if value and isinstance(value[0], (int, float)):  # token ids, log-probs: no names, no URLs
+            return value
+        items = [_redact_any(v) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, str) and "@" in value and "://" in value:
+        return redact_url(value)
+    return value
