@@ -121,15 +121,24 @@ def record_command(
     guessed_experiment, guessed_tokenizer = guess_from_argv(command)
     experiment = experiment or guessed_experiment
     run_dir = out or default_out(command, experiment)
+    if run_dir.exists() and not run_dir.is_dir():
+        fail(f"--out {run_dir}: exists and is not a directory; give a new run directory")
     if run_dir.exists() and any(run_dir.iterdir()):
         fail(f"{run_dir} already exists and is not empty; recorded runs are never overwritten")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    manifest.write_json_atomic(
-        run_dir / manifest.MANIFEST,
-        manifest.new_manifest(
-            experiment, command, tokenizer=tokenizer or guessed_tokenizer, cwd=os.getcwd(), status="running"
-        ),
-    )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        manifest.write_json_atomic(
+            run_dir / manifest.MANIFEST,
+            manifest.new_manifest(
+                experiment,
+                command,
+                tokenizer=tokenizer or guessed_tokenizer,
+                cwd=os.getcwd(),
+                status="running",
+            ),
+        )
+    except OSError as exc:
+        fail(f"--out {run_dir}: cannot create the run there ({exc.strerror or exc})")
     print(f"rlreplay: recording into {run_dir}", file=sys.stderr)
     code = run_forwarding_signals(command, child_env(run_dir, experiment))
 

@@ -330,3 +330,22 @@ def test_html_report_never_writes_into_a_run_or_over_a_file(
 def test_selectors_take_ascii_digits_only(selector: str, capsys: pytest.CaptureFixture[str]) -> None:
     err = _bad(capsys, "diff", "--run", SAMPLE, "--group", selector, "--ids")
     assert "ASCII digits" in err
+
+
+# ---- bad input: one line, exit 2, nothing written ---------------------------------------------------
+
+
+def test_record_out_that_cannot_be_a_run_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    err = _bad(capsys, "record", "--out", a_file, "--", "true")
+    assert "not a directory" in err and a_file.read_text() == "mine"
+    err = _bad(capsys, "record", "--out", "/proc/rlreplay-run", "--", "true")
+    assert "/proc/rlreplay-run" in err
+
+
+def test_max_bytes_too_large_is_bad_input(sample_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _bad(capsys, "upload", sample_copy, "--backend", "mlflow", "--max-bytes", "9" * 400, "--dry-run")
+    assert "--max-bytes" in err and "too large" in err
