@@ -191,12 +191,17 @@ def show_command(
     first: Annotated[
         str,
         typer.Argument(
-            metavar="[RUN] TRAJECTORY",
-            help="Optionally the run directory, then a trajectory id (or unique prefix) or a selector "
-            "such as step=5,sample_index=12,rollout_n=0.",
+            metavar="RUN|TRAJECTORY",
+            help="The run directory (then TRAJECTORY follows), or the trajectory: an id (or unique "
+            "prefix) or a selector such as step=5,sample_index=12,rollout_n=0.",
         ),
     ],
-    second: Annotated[str | None, typer.Argument(metavar="", show_default=False)] = None,
+    second: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="TRAJECTORY", help="The trajectory, when the run comes first.", show_default=False
+        ),
+    ] = None,
     run: RunOption = None,
     text: Annotated[
         bool | None,

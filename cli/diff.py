@@ -398,6 +398,14 @@ def load_decoder(runs: list[Any], tokenizer: str | None, no_text: bool) -> Any:
         return None
 
 
+def _is_run_dir(text: str) -> bool:
+    from rlreplay.manifest import MANIFEST
+    from rlreplay.shards import SPANS_DIR
+
+    path = Path(text)
+    return path.is_dir() and ((path / MANIFEST).is_file() or (path / SPANS_DIR).is_dir())
+
+
 def _warn(runs: list[Any]) -> None:
     seen: set[str] = set()
     for run in runs:
@@ -412,18 +420,22 @@ def diff_command(
     a: Annotated[
         str,
         typer.Argument(
-            metavar="A",
-            help="Trajectory id (or unique prefix), or a selector: step=5,sample_index=12,rollout_n=0 "
-            "(keys: step, sample_index, rollout_n, validate, experiment).",
+            metavar="RUN|A",
+            help="The run directory (then A and B follow), or trajectory A: an id (or unique prefix), "
+            "or a selector: step=5,sample_index=12,rollout_n=0 (keys: step, sample_index, rollout_n, "
+            "validate, experiment).",
         ),
     ],
     b: Annotated[
         str | None,
         typer.Argument(
-            metavar="B",
-            help="Id or selector; keys not given are A's (e.g. rollout_n=1, or step=500). "
-            "Omitted with --run-b: the same keys in that run.",
+            metavar="A|B",
+            help="Trajectory B (A when the run comes first): an id or a selector; keys not given are "
+            "A's (e.g. rollout_n=1, or step=500). Omitted with --run-b: the same keys in that run.",
         ),
+    ] = None,
+    extra: Annotated[
+        str | None, typer.Argument(metavar="B", help="Trajectory B, when the run comes first.")
     ] = None,
     run: RunOption = None,
     run_b: Annotated[
@@ -455,7 +467,14 @@ def diff_command(
     """Compare two trajectories turn by turn: first divergence, changed text, reward, tools, timings."""
     from rlreplay import diff as diffing
 
-    run_a = open_run_arg(run)
+    run_path = None
+    if _is_run_dir(a):  # the run first, as on ls, show, info
+        run_path, a, b, extra = Path(a), b, extra, None
+        if a is None:
+            fail("give trajectory A after the run (an id or a selector such as step=5,sample_index=12)")
+    if extra is not None:
+        fail(f"unexpected argument {extra!r}: diff takes [RUN] A [B]")
+    run_a = open_run_arg(run, run_path)
     other = open_run_arg(run_b) if run_b is not None else run_a
     if group:
         if b is not None:

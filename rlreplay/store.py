@@ -371,11 +371,23 @@ class Run:
             raise RunError(f"ambiguous id prefix {ref!r}: matches {len(unique)} trajectories ({shown}...)")
         return unique[0], matches["step"][0].as_py()
 
-    def trajectory(self, ref: str) -> Trajectory:
-        """One trajectory, by id or unique prefix, with decoded inputs/outputs and its span tree."""
+    def trajectory(
+        self, ref: str, text: bool = False, tokenizer: str | None = None, skip_special_tokens: bool = False
+    ) -> Trajectory:
+        """One trajectory, by id or unique prefix: its span tree with inputs and outputs as recorded
+        (token ids). With ``text=True`` the ids are also decoded (``prompt_text``,
+        ``response_text``, the agent's ``conversation``) with ``tokenizer`` or the run's own."""
         traj_id, step = self.resolve(ref)
         table = self.spans(Filters(step=step, trajectory_id=traj_id))
-        return trajectory_from_table(table)
+        traj = trajectory_from_table(table)
+        if text:
+            from rlreplay.token2text import Decoder, add_text, resolve_tokenizer
+
+            name = resolve_tokenizer(self, tokenizer)
+            if name is None:
+                raise RunError(f"no tokenizer is known for {self.path}; pass tokenizer='/path/to/dir'")
+            add_text([traj], Decoder.load(name), skip_special_tokens=skip_special_tokens)
+        return traj
 
     def load(self, traj_ids: Iterable[str], filters: Filters | None = None) -> list[Trajectory]:
         """Several trajectories at once, in the order given."""

@@ -349,3 +349,38 @@ def test_record_out_that_cannot_be_a_run_directory(
 def test_max_bytes_too_large_is_bad_input(sample_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     err = _bad(capsys, "upload", sample_copy, "--backend", "mlflow", "--max-bytes", "9" * 400, "--dry-run")
     assert "--max-bytes" in err and "too large" in err
+
+
+# ---- the Python API as the README documents it -------------------------------------------------------
+
+
+def test_documented_modules_are_reachable_after_import_rlreplay() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, rlreplay\n"
+        "assert 'rlreplay.conversation' not in sys.modules\n"
+        "print(rlreplay.conversation.turns.__name__, rlreplay.token2text.Decoder.__name__)\n"
+        "assert not hasattr(rlreplay, 'no_such_module')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["turns", "Decoder"]
+
+
+def test_trajectory_text_true_decodes(tmp_path: Path) -> None:
+    run = rlreplay.open_run(SAMPLE)
+    tid = run.trajectories(step=5, sample_index=730, rollout_n=1)["id"][0].as_py()
+    plain = run.trajectory(tid)
+    agent = next(s for s in plain.spans if s.kind == "agent")
+    assert "response_text" not in agent.output
+    decoded = run.trajectory(tid, text=True)
+    agent = next(s for s in decoded.spans if s.kind == "agent")
+    assert agent.output["response_text"].startswith("<think>\nThe question asks:")
+    assert [t["role"] for t in agent.output["conversation"]][:2] == ["prompt", "assistant"]
+    other = tmp_path / "run"
+    shutil.copytree(SAMPLE, other)
+    manifest.update_manifest(other, tokenizer=None, tokenizer_files=None)
+    with pytest.raises(rlreplay.RunError, match="no tokenizer"):
+        rlreplay.open_run(other).trajectory(tid, text=True)
