@@ -384,3 +384,51 @@ def test_trajectory_text_true_decodes(tmp_path: Path) -> None:
     manifest.update_manifest(other, tokenizer=None, tokenizer_files=None)
     with pytest.raises(rlreplay.RunError, match="no tokenizer"):
         rlreplay.open_run(other).trajectory(tid, text=True)
+
+
+def test_info_text_and_json_agree(capsys: pytest.CaptureFixture[str]) -> None:
+    info = _info(capsys, SAMPLE)
+    rc, out, _ = cli(capsys, "info", SAMPLE)
+    assert rc == 0
+    shown = {k.strip(): v.strip() for k, _, v in (line.partition(": ") for line in out.splitlines())}
+    recorder = info.pop("recorder")
+    for key, value in {**info, **recorder}.items():
+        assert shown[key] == str(value), key
+
+
+def test_record_writes_the_on_disk_counts_into_the_manifest(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    job = tmp_path / "job.py"
+    job.write_text(
+        textwrap.dedent(
+            """
+            import rlreplay
+
+            @rlreplay.trace_op(kind="llm")
+            def generate(prompt_ids):
+                return {"token_ids": [x + 1 for x in prompt_ids]}
+
+            for n in range(3):
+                with rlreplay.trajectory(step=1, sample_index=0, rollout_n=n):
+                    generate([1, 2, 3])
+            """
+        )
+    )
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlreplay", "record", "--out", str(out), "--", sys.executable, str(job)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((out / manifest.MANIFEST).read_text())
+    run = rlreplay.open_run(out)
+    assert (
+        (data["trajectories"], data["spans"]) == (run.trajectories().num_rows, run.spans().num_rows) == (3, 6)
+    )
+    assert data["dropped"] == data["lost"] == 0
