@@ -21,6 +21,7 @@ What is hidden (replaced by ``***``):
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -80,6 +81,7 @@ _ASSIGNMENT = re.compile(
 )
 
 
+@functools.lru_cache(maxsize=4096)
 def secret_name(name: str) -> bool:
     """Whether ``name`` (an option, variable, header or keyword name) names a secret."""
     words = [w.lower() for w in _WORDS.findall(name)]
@@ -151,24 +153,36 @@ def redact_argv(argv: list[str]) -> list[str]:
 
 def redact_mapping(data: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of ``data`` with the value of every secret name hidden (numbers excepted), at any
-    depth, and URLs stripped of their user and password (other text is left as it is)."""
-    return {k: (REDACTED if _hides(k, v) else _redact_any(v)) for k, v in data.items()}
+    depth, and URLs stripped of their user and password (other text is left as it is). Values
+    that need no change are kept as they are (same objects, same types); cycles are fine."""
+    out = _redact_any(data, set())
+    return dict(out) if out is data or not isinstance(out, dict) else out
 
 
 def _hides(key: Any, value: Any) -> bool:
-    if value is None or value == "" or isinstance(value, (bool, int, float)):  # counts stay readable
-        return False
+    if value is None or isinstance(value, (bool, int, float)) or (isinstance(value, str) and not value):
+        return False  # nothing to hide, and counts stay readable
     return isinstance(key, str) and secret_name(key)
 
 
-def _redact_any(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return redact_mapping(value)
-    if isinstance(value, (list, tuple)):
-        if value and isinstance(value[0], (int, float)):  # token ids, log-probs: no names, no URLs
+def _redact_any(value: Any, seen: set[int]) -> Any:
+    if isinstance(value, str):
+        if "@" not in value or "://" not in value:
             return value
-        items = [_redact_any(v) for v in value]
+        new = redact_url(value)
+        return value if new == value else new
+    if isinstance(value, Mapping):
+        if id(value) in seen:
+            return value
+        seen.add(id(value))
+        out = {k: (REDACTED if _hides(k, v) else _redact_any(v, seen)) for k, v in value.items()}
+        return out if any(out[k] is not v for k, v in value.items()) else value
+    if isinstance(value, (list, tuple)):
+        if not value or isinstance(value[0], (int, float)) or id(value) in seen:
+            return value  # token ids, log-probs: no names, no URLs
+        seen.add(id(value))
+        items = [_redact_any(v, seen) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
         return items if isinstance(value, list) else tuple(items)
-    if isinstance(value, str) and "@" in value and "://" in value:
-        return redact_url(value)
     return value

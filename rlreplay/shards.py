@@ -4,6 +4,10 @@ Layout under a run directory::
 
     spans/step=5/worker=w0/_part-<uid>.partial   live Arrow IPC stream (zstd 1), ignored by scans
     spans/step=5/worker=w0/part-<uid>.parquet    sealed: sorted, Parquet zstd, queryable
+    spans/step=5/worker=w0/part-<uid>.index      its trajectory index (``rlreplay.index``)
+
+Sealed files are cut into row groups at trajectory boundaries (about ``ROW_GROUP_BYTES`` of
+payload each), so one trajectory is read without the rest of its step.
 
 A sealed file is written under a temporary name, fsynced and renamed; names are never reused,
 and the partial is deleted only once its sealed file is durable.
@@ -22,10 +26,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rlreplay.schema import NULL_PARTITION, SPAN_SCHEMA, FormatError, check_format
+from rlreplay import index as tindex
+from rlreplay.schema import (
+    KEY_STR,
+    NULL_PARTITION,
+    SPAN_SCHEMA,
+    TOKEN_COLUMNS,
+    FormatError,
+    file_version,
+    upgrade,
+)
 
 SPANS_DIR = "spans"
 PARTIAL_SUFFIX = ".partial"
@@ -34,10 +49,13 @@ LIVE_ZSTD_LEVEL = 1
 SEALED_ZSTD_LEVEL = 3
 SORT_KEYS = [
     ("sample_index", "ascending"),
+    (KEY_STR["sample_index"], "ascending"),
     ("rollout_n", "ascending"),
+    (KEY_STR["rollout_n"], "ascending"),
     ("trajectory_id", "ascending"),
     ("start_ns", "ascending"),
 ]
+ROW_GROUP_BYTES = 1 << 20
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _DICTIONARY_COLUMNS = ["trajectory_id", "name", "kind", "status", "experiment", "worker"]
 
@@ -48,7 +66,9 @@ def safe_name(name: str) -> str:
 
 
 def partition_dir(run_dir: Path, step: int | None, worker: str) -> Path:
-    step_part = NULL_PARTITION if step is None else str(step)
+    """A step's folder; a step that is not an integer shares the null partition."""
+    is_int = isinstance(step, int) and not isinstance(step, bool)
+    step_part = str(step) if is_int else NULL_PARTITION
     return Path(run_dir) / SPANS_DIR / f"step={step_part}" / f"worker={worker}"
 
 
@@ -185,7 +205,7 @@ def read_partial(path: Path) -> PartialContents:
             reader = pa.ipc.open_stream(f)
         except (pa.ArrowInvalid, OSError) as exc:
             raise FormatError(f"{path}: unreadable stream header ({exc})") from exc
-        check_format(reader.schema.metadata, str(path))
+        version = file_version(reader.schema, str(path))
         good_end = f.tell()
         while True:
             try:
@@ -198,7 +218,9 @@ def read_partial(path: Path) -> PartialContents:
                 break
             batches.append(batch)
             good_end = f.tell()
-    table = pa.Table.from_batches(batches, schema=SPAN_SCHEMA)
+    table = pa.Table.from_batches(batches, schema=reader.schema)
+    if version == 1:
+        table = upgrade(table)
     return PartialContents(table, len(batches), 0 if clean else max(0, size - good_end), clean)
 
 
@@ -233,26 +255,57 @@ def seal(partial: Path, *, recovered: bool = False) -> SealResult:
 
 
 def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes] | None = None) -> None:
-    """Sort and write a sealed shard durably: temp name, fsync, rename, directory fsync."""
+    """Sort and write a sealed shard and its index durably: temp names, fsync, rename, directory fsync."""
     if final.exists():
         raise FileExistsError(final)
     metadata = {**SPAN_SCHEMA.metadata, **(extra_metadata or {})}
-    table = table.sort_by(SORT_KEYS).replace_schema_metadata(metadata)
+    table = table.sort_by(SORT_KEYS).replace_schema_metadata(metadata).combine_chunks()
+    bounds = row_group_bounds(table)
+    row_group_of = [i for i, (a, b) in enumerate(bounds) for _ in range(b - a)]
     tmp = final.with_name("_" + final.name + ".tmp")
     with open(tmp, "xb") as f:
-        pq.write_table(
-            table,
+        writer = pq.ParquetWriter(
             f,
+            table.schema,
             compression="zstd",
             compression_level=SEALED_ZSTD_LEVEL,
             use_dictionary=_DICTIONARY_COLUMNS,
-            data_page_size=4 << 20,
-            row_group_size=64 * 1024,
+            data_page_size=1 << 20,
         )
+        for start, stop in bounds:
+            writer.write_table(table.slice(start, stop - start), row_group_size=stop - start)
+        writer.close()
         f.flush()
         os.fsync(f.fileno())
+        size = f.tell()
+    index = tindex.build(table.select(tindex.SPAN_COLUMNS), row_group_of)
+    tindex.write(index, tindex.index_path(final), size)
     os.rename(tmp, final)
     fsync_dir(final.parent)
+
+
+def row_group_bounds(table: pa.Table, target: int = ROW_GROUP_BYTES) -> list[tuple[int, int]]:
+    """[start, stop) row ranges of about ``target`` payload bytes, cut between trajectories."""
+    n = table.num_rows
+    if n == 0:
+        return []
+    size = np.full(n, 200, dtype=np.int64)
+    for name in ("attributes", "inputs", "output"):
+        size += pc.fill_null(pc.binary_length(table[name]), 0).to_numpy(zero_copy_only=False)
+    for name, typ in TOKEN_COLUMNS.items():
+        lengths = pc.fill_null(pc.list_value_length(table[name]), 0)
+        size += lengths.to_numpy(zero_copy_only=False).astype(np.int64) * typ.byte_width
+    ids = table["trajectory_id"].to_numpy(zero_copy_only=False)
+    cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1  # where a trajectory starts
+    bounds, start, total = [], 0, 0
+    cumulative = np.cumsum(size)
+    for cut in cuts:
+        total = cumulative[cut - 1] - (cumulative[start - 1] if start else 0)
+        if total >= target:
+            bounds.append((start, int(cut)))
+            start = int(cut)
+    bounds.append((start, n))
+    return bounds
 
 
 def step_dirs(run_dir: Path, step: int | None = None) -> Iterator[Path]:

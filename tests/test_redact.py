@@ -127,3 +127,25 @@ def test_manifest_fields_are_redacted(tmp_path: Path) -> None:
     data = json.loads(text)
     assert data["command"] == ["train.py", "--key", REDACTED]
     assert data["tracking_uri"] == f"http://{REDACTED}@h" and data["spans"] == 12
+
+
+def test_mappings_keep_what_needs_no_change_and_survive_odd_values() -> None:
+    import collections
+
+    import numpy as np
+
+    cyclic: list = [1, 2]
+    cyclic.append(cyclic)
+    point = collections.namedtuple("Point", "x y")(1, 2)
+    data = {
+        "ids": np.arange(4),
+        "cycle": cyclic,
+        "point": point,
+        "names": ("a", "b"),
+        "api_key": np.array([1, 2]),  # an array under a secret name is hidden too
+        "nested": {"client": {"secret": SECRET}},
+    }
+    out = redact_mapping(data)
+    assert out["ids"] is data["ids"] and out["cycle"] is cyclic and out["point"] is point
+    assert out["names"] is data["names"]
+    assert out["api_key"] == REDACTED and out["nested"] == {"client": {"secret": REDACTED}}
