@@ -127,18 +127,16 @@ def record_command(
         fail(f"{run_dir} already exists and is not empty; recorded runs are never overwritten")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        manifest.write_json_atomic(
-            run_dir / manifest.MANIFEST,
-            manifest.new_manifest(
-                experiment,
-                command,
-                tokenizer=tokenizer or guessed_tokenizer,
-                cwd=os.getcwd(),
-                status="running",
-            ),
-        )
+        if not os.access(run_dir, os.W_OK):
+            raise PermissionError(13, "Permission denied")
     except OSError as exc:
         fail(f"--out {run_dir}: cannot create the run there ({exc.strerror or exc})")
+    manifest.write_json_atomic(
+        run_dir / manifest.MANIFEST,
+        manifest.new_manifest(
+            experiment, command, tokenizer=tokenizer or guessed_tokenizer, cwd=os.getcwd(), status="running"
+        ),
+    )
     print(f"rlreplay: recording into {run_dir}", file=sys.stderr)
     code = run_forwarding_signals(command, child_env(run_dir, experiment))
 
