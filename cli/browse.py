@@ -332,7 +332,7 @@ def info_command(
 ) -> None:
     """Summarize a run: manifest, steps, trajectories, spans and bytes on disk now, and what the
     recording processes reported (spans written, dropped, spilled, lost)."""
-    from rlreplay.summary import run_summary
+    from rlreplay.summary import RECORDER_KEYS, run_summary
 
     opened = open_run_arg(run, run_path)
     summary = run_summary(opened)
@@ -341,11 +341,9 @@ def info_command(
         typer.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
         return
     out = console()
-    recorder = summary.pop("recorder")
     for key, value in summary.items():
-        out.print(f"{key:>18}: {value}", markup=False)
-    out.print(f"{'recorder':>18}: (counters the recording processes reported)", markup=False)
-    for key, value in recorder.items():
+        if key == RECORDER_KEYS[0]:
+            out.print(f"{'recorder':>18}: (counters the recording processes reported)", markup=False)
         out.print(f"{key:>18}: {value}", markup=False)
 
 

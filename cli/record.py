@@ -142,21 +142,20 @@ def record_command(
 
     recovered = recover(run_dir, wait_s=grace)
     summary = run_summary(open_run(run_dir))
-    counters = summary["recorder"]
     manifest.update_manifest(
         run_dir,
         ended_at=time.time(),
         exit_code=code,
         status="finished" if code == 0 else "failed",
         **{k: summary[k] for k in ("steps", "trajectories", "spans", "token_ids", "bytes_on_disk")},
-        **{k: counters[k] for k in ("dropped", "spilled", "lost", "encode_errors")},
+        **{k: summary[k] for k in ("dropped", "spilled", "lost", "encode_errors")},
     )
     bpt = summary["bytes_per_token"]
     print(
         f"rlreplay: {run_dir}: {summary['steps']} steps, {summary['trajectories']} trajectories, "
         f"{summary['spans']} spans, {summary['bytes_on_disk']:,} bytes on disk"
         + (f" ({bpt:.3f} bytes/token id)" if bpt else "")
-        + f"; dropped {counters['dropped']}, spilled {counters['spilled']}, lost {counters['lost']}, "
+        + f"; dropped {summary['dropped']}, spilled {summary['spilled']}, lost {summary['lost']}, "
         f"recovered shards {recovered['recovered_shards']}",
         file=sys.stderr,
     )

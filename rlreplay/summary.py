@@ -16,9 +16,14 @@ def disk_bytes(run_dir: Path) -> int:
     return sum(p.stat().st_size for p in Path(run_dir, SPANS_DIR).rglob("*") if p.is_file())
 
 
+#: Keys of ``run_summary`` that come from the recording processes' counters, not from the files.
+RECORDER_KEYS = ("spans_written", "dropped", "spilled", "lost", "encode_errors", "recovered_shards")
+
+
 def run_summary(run: Run) -> dict[str, Any]:
     """Counts of what is on disk now (the same rows ``ls`` and ``Run.spans`` read, live files
-    included), and under ``recorder`` what the recording processes reported (their counters)."""
+    included), then what the recording processes reported (their counters, ``RECORDER_KEYS``:
+    ``spans_written`` is their count of spans, which can lag behind or exceed what is on disk)."""
     spans = run.spans(columns=["trajectory_id", "step", "num_tokens"])
     steps = pc.unique(spans["step"]).drop_null() if spans.num_rows else []
     tokens = int(pc.sum(spans["num_tokens"]).as_py() or 0) if spans.num_rows else 0
@@ -36,7 +41,7 @@ def run_summary(run: Run) -> dict[str, Any]:
         "token_ids": tokens,
         "bytes_on_disk": size,
         "bytes_per_token": round(size / tokens, 3) if tokens else None,
-        "recorder": {("spans_written" if k == "spans" else k): v for k, v in run.counters().items()},
+        **{("spans_written" if k == "spans" else k): v for k, v in run.counters().items()},
     }
 
 

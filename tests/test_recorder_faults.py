@@ -110,7 +110,7 @@ def test_full_disk_training_continues_and_losses_are_counted(
     capsys.readouterr()
     assert main(["info", str(run_dir), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["recorder"]["lost"] == stats["lost"] and info["spans"] == stats["spans"]
+    assert info["lost"] == stats["lost"] and info["spans"] == stats["spans"]
     assert main(["ls", str(run_dir)]) == 0
     assert f"recording losses: lost={stats['lost']}" in capsys.readouterr().out
 
@@ -218,6 +218,6 @@ def test_full_queue_drop_or_spill_is_counted(
     capsys.readouterr()
     key = "dropped" if policy == "drop" else "spilled"
     assert main(["info", str(run_dir), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["recorder"][key] == stats[key]
+    assert json.loads(capsys.readouterr().out)[key] == stats[key]
     assert main(["ls", str(run_dir)]) == 0
     assert f"recording losses: {key}={stats[key]}" in capsys.readouterr().out
