@@ -186,6 +186,15 @@ def render_tree(traj: Any, text_lines: Any = None) -> Tree:
     return tree
 
 
+def is_run_dir(text: str) -> bool:
+    """Whether ``text`` names a run directory (it holds run.json or spans/)."""
+    from rlreplay.manifest import MANIFEST
+    from rlreplay.shards import SPANS_DIR
+
+    path = Path(text)
+    return path.is_dir() and ((path / MANIFEST).is_file() or (path / SPANS_DIR).is_dir())
+
+
 @app.command("show")
 def show_command(
     first: Annotated[
@@ -224,6 +233,10 @@ def show_command(
     from rlreplay import diff as diffing
 
     run_path, ref = (Path(first), second) if second is not None else (None, first)
+    if second is None and is_run_dir(first):
+        from rlreplay.cli.app import fail
+
+        fail(f"give a trajectory after the run: rlreplay show {first} ID_OR_SELECTOR")
     opened = open_run_arg(run, run_path)
     traj = opened.trajectory(diffing.resolve(opened, diffing.parse_selector(ref)))
     report_warnings(opened)

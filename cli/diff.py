@@ -398,14 +398,6 @@ def load_decoder(runs: list[Any], tokenizer: str | None, no_text: bool) -> Any:
         return None
 
 
-def _is_run_dir(text: str) -> bool:
-    from rlreplay.manifest import MANIFEST
-    from rlreplay.shards import SPANS_DIR
-
-    path = Path(text)
-    return path.is_dir() and ((path / MANIFEST).is_file() or (path / SPANS_DIR).is_dir())
-
-
 def _warn(runs: list[Any]) -> None:
     seen: set[str] = set()
     for run in runs:
@@ -466,9 +458,10 @@ def diff_command(
 ) -> None:
     """Compare two trajectories turn by turn: first divergence, changed text, reward, tools, timings."""
     from rlreplay import diff as diffing
+    from rlreplay.cli.browse import is_run_dir
 
     run_path = None
-    if _is_run_dir(a):  # the run first, as on ls, show, info
+    if is_run_dir(a):  # the run first, as on ls, show, info
         run_path, a, b, extra = Path(a), b, extra, None
         if a is None:
             fail("give trajectory A after the run (an id or a selector such as step=5,sample_index=12)")
