@@ -437,4 +437,5 @@ def test_record_writes_the_on_disk_counts_into_the_manifest(tmp_path: Path) -> N
 def test_show_with_only_a_run_asks_for_the_trajectory(capsys: pytest.CaptureFixture[str]) -> None:
     assert "give a trajectory after the run" in _bad(capsys, "show", SAMPLE)
     assert "give trajectory A after the run" in _bad(capsys, "diff", SAMPLE)
-    assert "unexpected argument" in _bad(capsys, "diff", SAMPLE, "step=5", "rollout_n=1", "rollout_n=2")
+    err = _bad(capsys, "diff", "--run", SAMPLE, "step=5", "rollout_n=1", "rollout_n=2")
+    assert "unexpected argument 'rollout_n=2'" in err
