@@ -160,25 +160,36 @@ def redact_mapping(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _hides(key: Any, value: Any) -> bool:
-    if value is None or isinstance(value, (bool, int, float)) or (isinstance(value, str) and not value):
+    if value is None or type(value) in _PLAIN or (type(value) is str and not value):
         return False  # nothing to hide, and counts stay readable
-    return isinstance(key, str) and secret_name(key)
+    return type(key) is str and secret_name(key)
+
+
+_PLAIN = frozenset({bool, int, float})
 
 
 def _redact_any(value: Any, seen: set[int]) -> Any:
-    if isinstance(value, str):
-        if "@" not in value or "://" not in value:
+    kind = type(value)
+    if kind in _PLAIN or value is None:
+        return value
+    if kind is str:
+        if "://" not in value or "@" not in value:
             return value
         new = redact_url(value)
         return value if new == value else new
-    if isinstance(value, Mapping):
+    if kind is dict or isinstance(value, Mapping):
         if id(value) in seen:
             return value
         seen.add(id(value))
-        out = {k: (REDACTED if _hides(k, v) else _redact_any(v, seen)) for k, v in value.items()}
-        return out if any(out[k] is not v for k, v in value.items()) else value
-    if isinstance(value, (list, tuple)):
-        if not value or isinstance(value[0], (int, float)) or id(value) in seen:
+        changed = False
+        out = {}
+        for k, v in value.items():
+            new = REDACTED if _hides(k, v) else _redact_any(v, seen)
+            changed = changed or new is not v
+            out[k] = new
+        return out if changed else value
+    if kind is list or kind is tuple or isinstance(value, (list, tuple)):
+        if not value or type(value[0]) in _PLAIN or id(value) in seen:
             return value  # token ids, log-probs: no names, no URLs
         seen.add(id(value))
         items = [_redact_any(v, seen) for v in value]
