@@ -34,7 +34,7 @@ def run_summary(run: Run) -> dict[str, Any]:
         "run_id": m.get("run_id"),
         "experiment": m.get("experiment"),
         "tokenizer": m.get("tokenizer"),
-        "command": " ".join(m.get("command") or []),
+        "command": " ".join(manifest.redact_argv([str(a) for a in m.get("command") or []])),  # older runs too
         "steps": len(steps),
         "trajectories": len(pc.unique(spans["trajectory_id"])) if spans.num_rows else 0,
         "spans": spans.num_rows,

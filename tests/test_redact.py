@@ -149,3 +149,19 @@ def test_mappings_keep_what_needs_no_change_and_survive_odd_values() -> None:
     assert out["ids"] is data["ids"] and out["cycle"] is cyclic and out["point"] is point
     assert out["names"] is data["names"]
     assert out["api_key"] == REDACTED and out["nested"] == {"client": {"secret": REDACTED}}
+
+
+def test_info_hides_secrets_of_runs_recorded_before_the_rules(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rlreplay.cli.main import main
+
+    run = tmp_path / "run"
+    data = manifest.new_manifest("exp")
+    data["command"] = ["train.py", "--key", SECRET, f"https://u:{SECRET}@host"]  # as an old version wrote it
+    manifest.write_json_atomic(run / manifest.MANIFEST, data)
+    (run / "spans").mkdir()
+    for args in (["info", str(run)], ["info", str(run), "--json"]):
+        assert main(args) == 0
+        out = capsys.readouterr().out
+        assert SECRET not in out and "train.py --key ***" in out
