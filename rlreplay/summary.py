@@ -24,8 +24,8 @@ def run_summary(run: Run) -> dict[str, Any]:
     """Counts of what is on disk now (the same rows ``ls`` and ``Run.spans`` read, live files
     included), then what the recording processes reported (their counters, ``RECORDER_KEYS``:
     ``spans_written`` is their count of spans, which can lag behind or exceed what is on disk)."""
-    spans = run.spans(columns=["trajectory_id", "step", "num_tokens"])
-    steps = pc.unique(spans["step"]).drop_null() if spans.num_rows else []
+    spans = run.spans(columns=["trajectory_id", "step", "step_str", "num_tokens"])
+    steps = {v for c in ("step", "step_str") for v in pc.unique(spans[c]).drop_null().to_pylist()}
     tokens = int(pc.sum(spans["num_tokens"]).as_py() or 0) if spans.num_rows else 0
     size = disk_bytes(run.path)
     m = run.manifest

@@ -439,3 +439,18 @@ def test_show_with_only_a_run_asks_for_the_trajectory(capsys: pytest.CaptureFixt
     assert "give trajectory A after the run" in _bad(capsys, "diff", SAMPLE)
     err = _bad(capsys, "diff", "--run", SAMPLE, "step=5", "rollout_n=1", "rollout_n=2")
     assert "unexpected argument 'rollout_n=2'" in err
+
+
+def test_info_counts_steps_recorded_as_strings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "keys"
+    rlreplay.init(run_dir, experiment="keys", worker="w0")
+
+    async def go() -> None:
+        for step in (1, "warmup", "warmup"):
+            async with rlreplay.trajectory(step=step, sample_index=0, rollout_n=0, validate=False):
+                await Loop().run(0.1, 0.0)
+
+    asyncio.run(go())
+    rlreplay.close()
+    info = _info(capsys, run_dir)
+    assert (info["steps"], info["trajectories"]) == (2, 3)
