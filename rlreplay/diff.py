@@ -22,7 +22,7 @@ from typing import Any
 
 from rlreplay.conversation import ROLE_ASSISTANT, ROLE_PROMPT, ROLE_TOOL, BatchDecoder, Turn, turns
 from rlreplay.schema import KIND_LLM, KIND_TOOL
-from rlreplay.store import Filters, Run, RunError, Trajectory
+from rlreplay.store import Filters, Run, RunError, Trajectory, listing_rows
 
 EQUAL = "equal"
 CHANGED = "changed"
@@ -109,9 +109,11 @@ def _parse_value(raw: str, name: str, value: str) -> Any:
         if low in _FALSE:
             return False
         raise SelectorError(f"selector {raw!r}: validate must be true or false, not {value!r}")
-    if not _ASCII_INT.fullmatch(value):  # int() would also read "５" (full-width) as 5
-        raise SelectorError(f"selector {raw!r}: {name} must be an integer (ASCII digits), not {value!r}")
-    return int(value)
+    if _ASCII_INT.fullmatch(value):
+        return int(value)
+    if value.lstrip("+-").isdigit():  # int() would read "５" (full-width) as 5: refused, not guessed
+        raise SelectorError(f"selector {raw!r}: {name} must be an integer in ASCII digits, not {value!r}")
+    return value  # a key recorded as a string, such as sample_index=s1-3
 
 
 def format_keys(keys: dict[str, Any]) -> str:
@@ -150,7 +152,7 @@ def resolve(
     keys = {**(inherit or {}), **selector.keys}
     wanted = format_keys(keys)
     step = keys.get("step")
-    listing = run.trajectories(Filters(step=step) if step is not None else None).to_pylist()
+    listing = listing_rows(run.trajectories(Filters(step=step) if step is not None else None))
     candidates = listing
     # apply keys one at a time so that the error names the one that left nothing
     for key in SELECTOR_KEYS:

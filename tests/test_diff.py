@@ -339,7 +339,8 @@ def test_selector_across_two_runs(runs, capsys) -> None:
         (["step=1,sample_index=7,rollout_n=0", "rollout_n=1"], "add validate"),  # train and validation
         (["step=0,sample_index=99,rollout_n=0", "rollout_n=1"], "no sample_index=99"),
         (["step=5,sample_index=7,rollout_n=0", "rollout_n=1"], "no step=5"),
-        (["step=zero,sample_index=7", "rollout_n=1"], "step must be an integer"),
+        (["step=zero,sample_index=7", "rollout_n=1"], "no step=zero"),
+        (["step=٣,sample_index=7", "rollout_n=1"], "step must be an integer in ASCII digits"),
         (["step=0,colour=red", "rollout_n=1"], "unknown key 'colour'"),
         (["step=0,,rollout_n=1", "rollout_n=1"], "empty item"),
         (["step=0,validate=maybe", "rollout_n=1"], "validate must be true or false"),
@@ -363,7 +364,7 @@ def test_bad_selectors_are_one_line_and_exit_2(runs, capsys, args: list[str], ne
 def test_bad_selector_as_a_subprocess_has_no_traceback(runs) -> None:
     run_a, _ = runs
     proc = subprocess.run(
-        [sys.executable, "-m", "rlreplay", "diff", "step=x", "rollout_n=1", "--run", str(run_a)],
+        [sys.executable, "-m", "rlreplay", "diff", "step=５", "rollout_n=1", "--run", str(run_a)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -371,7 +372,7 @@ def test_bad_selector_as_a_subprocess_has_no_traceback(runs) -> None:
     assert proc.returncode == 2
     assert (
         proc.stderr.strip()
-        == "rlreplay: error: selector 'step=x': step must be an integer (ASCII digits), not 'x'"
+        == "rlreplay: error: selector 'step=５': step must be an integer in ASCII digits, not '５'"
     )
 
 

@@ -454,3 +454,24 @@ def test_info_counts_steps_recorded_as_strings(tmp_path: Path, capsys: pytest.Ca
     rlreplay.close()
     info = _info(capsys, run_dir)
     assert (info["steps"], info["trajectories"]) == (2, 3)
+
+
+def test_selectors_pick_keys_recorded_as_strings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "keys"
+    rlreplay.init(run_dir, experiment="keys", worker="w0")
+
+    async def go() -> None:
+        for n, reward in ((0, 0.0), (1, 1.0)):
+            async with rlreplay.trajectory(step=2, sample_index="s1-3", rollout_n=n, validate=False):
+                await Loop().run(reward, 0.0)
+
+    asyncio.run(go())
+    rlreplay.close()
+    rc, out, err = cli(capsys, "diff", run_dir, "sample_index=s1-3,rollout_n=0", "rollout_n=1", "--json")
+    assert rc == 0, err
+    got = json.loads(out)
+    assert (got["a"]["sample_index"], got["b"]["sample_index"]) == ("s1-3", "s1-3")
+    assert got["deltas"]["reward"] == 1.0
+    rc, out, err = cli(capsys, "show", run_dir, "sample_index=s1-3,rollout_n=1", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["sample_index"] == "s1-3"
