@@ -4,7 +4,8 @@ A *secret name* is an option, argument, variable, header or keyword name whose w
 ``-``, ``_``, ``.``, ``:`` and camelCase) include ``secret``, ``password``, ``passwd``,
 ``passphrase`` or ``credential(s)``, or end in ``key``, ``apikey``, ``token``, ``pat``, ``auth``
 or ``authorization``. A ``key`` that names data (``prompt_key``, ``image_key``: a dataset
-column) is not a secret; ``max_tokens`` and ``tokenizer_path`` are not either.
+column) is not a secret, nor is a keyword argument named just ``key`` (a lookup key; ``--key``
+on a command line is a secret); ``max_tokens`` and ``tokenizer_path`` are not either.
 
 What is hidden (replaced by ``***``):
 - the value of a secret name: ``--key X``, ``--api-key=X``, ``wandb_key=X``, ``KEY:X``,
@@ -82,8 +83,11 @@ _ASSIGNMENT = re.compile(
 
 
 @functools.lru_cache(maxsize=4096)
-def secret_name(name: str) -> bool:
-    """Whether ``name`` (an option, variable, header or keyword name) names a secret."""
+def secret_name(name: str, bare_key: bool = True) -> bool:
+    """Whether ``name`` (an option, variable, header or keyword name) names a secret.
+
+    ``bare_key``: whether ``key`` alone counts (``--key X`` on a command line does; a Python
+    keyword argument ``key=`` is a lookup key, so ``redact_mapping`` passes False)."""
     words = [w.lower() for w in _WORDS.findall(name)]
     if not words:
         return False
@@ -92,7 +96,9 @@ def secret_name(name: str) -> bool:
     last = words[-1]
     if last not in _LAST:
         return False
-    return not (last == "key" and len(words) > 1 and words[-2] in _DATA_KEY)
+    if last == "key" and len(words) == 1:
+        return bare_key
+    return not (last == "key" and words[-2] in _DATA_KEY)
 
 
 def _env_secrets() -> list[str]:
@@ -162,7 +168,7 @@ def redact_mapping(data: Mapping[str, Any]) -> dict[str, Any]:
 def _hides(key: Any, value: Any) -> bool:
     if value is None or type(value) in _PLAIN or (type(value) is str and not value):
         return False  # nothing to hide, and counts stay readable
-    return type(key) is str and secret_name(key)
+    return type(key) is str and secret_name(key, bare_key=False)
 
 
 _PLAIN = frozenset({bool, int, float})

@@ -93,6 +93,7 @@ def test_mappings_hide_secret_names_at_any_depth() -> None:
         "max_tokens": 16,
         "bytes_per_token": 1.5,  # a number is never hidden
         "token": None,
+        "key": "p0-s0-i0-r0",  # a keyword argument named just key is a lookup key
     }
     out = redact_mapping(kwargs)
     assert SECRET not in json.dumps(out)
@@ -101,6 +102,7 @@ def test_mappings_hide_secret_names_at_any_depth() -> None:
     assert out["base_url"] == f"https://{REDACTED}@api.example.com/v1"
     assert out["messages"] == kwargs["messages"] and out["prompt_ids"] == [1, 2, 3]
     assert (out["max_tokens"], out["bytes_per_token"], out["token"]) == (16, 1.5, None)
+    assert out["key"] == "p0-s0-i0-r0"
     assert kwargs["api_key"] == SECRET  # the caller's mapping is not changed
 
 
