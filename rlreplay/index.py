@@ -372,7 +372,7 @@ def read(path: Path, shard_bytes: int) -> pa.Table | None:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        table = pq.ParquetFile(path).read()
     except (OSError, pa.ArrowException):
         return None
     metadata = table.schema.metadata or {}

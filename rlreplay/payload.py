@@ -331,10 +331,9 @@ TOKENS = "tokens"
 MIN_ARRAY = 8
 #: A prefix shorter than this is stored whole rather than referenced.
 MIN_PREFIX = 32
-_I8, _I32, _F32, _F64 = "i8", "i32", "f32", "f64"
+_I8, _I32, _F32 = "i8", "i32", "f32"
 #: Placeholder dtype → typed column (see ``rlreplay.schema.TOKEN_COLUMNS``).
-DTYPE_COLUMNS = {_I32: "token_ids", _I8: "token_masks", _F32: "token_logprobs", _F64: "token_floats"}
-_NP = {_I32: "int32", _I8: "int8", _F32: "float32", _F64: "float64"}
+DTYPE_COLUMNS = {_I32: "token_ids", _I8: "token_masks", _F32: "token_logprobs"}
 
 
 def _number_kind(types: set[type]) -> str | None:
@@ -355,7 +354,7 @@ class Arrays:
     """
 
     def __init__(self, prefixes: Any = None) -> None:
-        self.parts: dict[str, list[Any]] = {_I32: [], _I8: [], _F32: [], _F64: []}
+        self.parts: dict[str, list[Any]] = {_I32: [], _I8: [], _F32: []}
         self.sizes = dict.fromkeys(self.parts, 0)
         self.stream: list[Any] = []  # full id arrays in order: what later spans may reference
         self.stream_len = 0
@@ -395,7 +394,7 @@ class Arrays:
             single = array.astype(np.float32)
             if np.array_equal(single, array) and np.array_equal(np.signbit(single), np.signbit(array)):
                 return self._add(_F32, single)
-            return self._add(_F64, array)
+            return None  # float64 values: JSON keeps them exactly, and short decimals compactly
         except (OverflowError, ValueError, TypeError):
             return None
 
@@ -425,11 +424,11 @@ class Arrays:
         return placeholder
 
     def columns(self) -> tuple[Any, Any, Any, Any]:
-        """The span's values per typed column (token_ids, token_masks, token_logprobs, token_floats)."""
+        """The span's values per typed column (token_ids, token_masks, token_logprobs)."""
         import numpy as np
 
         out = []
-        for dtype in (_I32, _I8, _F32, _F64):
+        for dtype in (_I32, _I8, _F32):
             parts = self.parts[dtype]
             if not parts:
                 out.append(None)

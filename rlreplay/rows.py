@@ -31,7 +31,7 @@ from rlreplay.schema import (
 
 COLUMN_NAMES = tuple(SPAN_SCHEMA.names)
 _TOKEN_START = COLUMN_NAMES.index("token_ids")
-_NUMPY_TYPES = {"int32": np.int32, "int8": np.int8, "float": np.float32, "double": np.float64}
+_NUMPY_TYPES = {"int32": np.int32, "int8": np.int8, "float": np.float32}
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 Problem = Callable[[str, str], None]  # (key, message): count one value that was changed, warn once per key

@@ -43,8 +43,7 @@ TOKEN_COLUMNS = {
     "token_ids": pa.int32(),  # token ids (and other int lists within int32)
     "token_masks": pa.int8(),  # *mask* int lists within int8
     "token_logprobs": pa.float32(),  # float lists exact in float32 (log-probs as servers return them)
-    "token_floats": pa.float64(),  # other float lists
-}
+}  # other number lists (float64 values, big ints, mixed) stay in the JSON text
 
 SPAN_FIELDS: list[pa.Field] = [
     pa.field("trajectory_id", pa.string(), nullable=False),

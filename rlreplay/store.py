@@ -649,10 +649,13 @@ class Run:
         base = Filters(**{**base.__dict__, "trajectory_id": wanted})
         wanted_set = pa.array(sorted(set(wanted)), type=pa.string())
         tables = []
+        sources: dict[str, list[str]] = {}
         for f in self._files(base):
             hits = f.index.filter(pc.is_in(f.index["id"], value_set=wanted_set))
             if hits.num_rows == 0:
                 continue
+            for tid in hits["id"].to_pylist():
+                sources.setdefault(tid, []).append(str(f.path.relative_to(self.path)))
             if f.sealed:
                 groups = sorted({g for gs in hits["row_groups"].to_pylist() if gs for g in gs})
                 table = self._read_sealed(f.path, base, None, groups or None)
@@ -665,7 +668,13 @@ class Run:
         groups: dict[str, list[int]] = {}
         for i, tid in enumerate(table["trajectory_id"].to_pylist()):
             groups.setdefault(tid, []).append(i)
-        return [trajectory_from_table(table.take(groups[t]), self._warn) for t in wanted if t in groups]
+        return [
+            trajectory_from_table(
+                table.take(groups[t]), lambda m, t=t: self._warn(f"{', '.join(sources.get(t, []))}: {m}")
+            )
+            for t in wanted
+            if t in groups
+        ]
 
     def counters(self) -> dict[str, int]:
         """Spans dropped, spilled, lost or not encodable in the recording processes, and recoveries."""
@@ -724,6 +733,24 @@ def _concat(tables: list[pa.Table], columns: list[str] | None) -> pa.Table:
     schema = pa.schema([SPAN_SCHEMA.field(c) for c in columns]) if columns else SPAN_SCHEMA
     tables = [t.cast(schema) if t.schema != schema else t for t in tables]
     return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+class _NoPandas:
+    """An import finder refusing pandas (pyarrow then skips its pandas integration)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "pandas" or name.startswith("pandas."):
+            raise ModuleNotFoundError("pandas is not used by rlreplay's reading commands", name=name)
+
+
+def skip_pandas() -> None:
+    """Keep pandas out of this process: pyarrow imports it on its first conversion (0.2–0.8 s),
+    and reading a run never needs it. For the CLI's reading commands only (a process that may
+    need pandas later must not call this)."""
+    import sys
+
+    if "pandas" not in sys.modules and not any(isinstance(f, _NoPandas) for f in sys.meta_path):
+        sys.meta_path.insert(0, _NoPandas())
 
 
 def _one_line(exc: BaseException) -> str:
