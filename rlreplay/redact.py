@@ -77,8 +77,8 @@ _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@?#]+@")
 _QUERY = re.compile(r"([?&])([^=&#\s]+)=([^&#\s]*)")
 # name=value / name: value inside a longer text (a header, an env assignment, a config line)
 _ASSIGNMENT = re.compile(
-    r"(?<![\w.-])([A-Za-z_][\w.-]*)(\s*[=:]\s*)(?!//)"
-    r"(\"[^\"]*\"|'[^']*'|(?:(?i:bearer|basic|token)\s+)?[^\s\"',;&]+)"
+    r"(?<![\w.-])([\"']?)([A-Za-z_][\w.-]*)\1(\s*[=:]\s*)(?!//)"
+    r"(\"[^\"]*\"|'[^']*'|(?:(?i:bearer|basic|token)\s+)?[^\s\"',;&}\]]+)"
 )
 
 
@@ -121,11 +121,17 @@ def redact_value(text: str) -> str:
     for secret in _env_secrets():
         text = text.replace(secret, REDACTED)
     text = redact_url(text)
-    text = _ASSIGNMENT.sub(
-        lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}" if secret_name(m.group(1)) else m.group(0), text
-    )
+    text = _ASSIGNMENT.sub(_hide_assignment, text)
     text = _SCHEME_AUTH.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
     return _SECRET_VALUE.sub(REDACTED, text)
+
+
+def _hide_assignment(m: re.Match[str]) -> str:
+    quote, name, sep, value = m.groups()
+    if not secret_name(name):
+        return m.group(0)
+    hidden = f"{value[0]}{REDACTED}{value[0]}" if value[0] in "\"'" else REDACTED
+    return f"{quote}{name}{quote}{sep}{hidden}"
 
 
 def redact_argv(argv: list[str]) -> list[str]:

@@ -36,6 +36,8 @@ SECRET = "s3cr3t-Value-9f8e7d"
         ),
         (["--flag", f"header=Basic {SECRET}"], ["--flag", f"header=Basic {REDACTED}"]),
         (["--token", "--verbose"], ["--token", "--verbose"]),  # a flag is not the token's value
+        ([f'+x.extra={{"api_key": "{SECRET}", "n": 1}}'], ['+x.extra={"api_key": "***", "n": 1}']),
+        ([f"cfg={{'token': '{SECRET}'}}"], ["cfg={'token': '***'}"]),
     ],
 )
 def test_each_form_is_redacted(argv: list[str], expected: list[str]) -> None:
