@@ -323,23 +323,23 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
             parts.append(value)
         decoded.append(tuple(parts))  # type: ignore[arg-type]
     by_span = {r["span_id"]: i for i, r in enumerate(rows)}
-    streams: dict[str, Any] = {}
-    resolving: set[str] = set()
+    streams: dict[tuple[str, str], Any] = {}
+    resolving: set[tuple[str, str]] = set()
 
-    def resolve(span_id: str) -> Any:
-        if span_id in streams:
-            return streams[span_id]
+    def resolve(span_id: str, dtype: str) -> Any:
+        key = (span_id, dtype)
+        if key in streams:
+            return streams[key]
         i = by_span.get(span_id)
-        if i is None or span_id in resolving:
+        if i is None or key in resolving:
             return None
-        resolving.add(span_id)
-        found = restorer.stream(decoded[i][0], row_columns(i)) + restorer.stream(
-            decoded[i][1], row_columns(i)
-        )
+        resolving.add(key)
+        cols = row_columns(i)
+        found = restorer.stream(decoded[i][0], cols, dtype) + restorer.stream(decoded[i][1], cols, dtype)
         found.sort(key=lambda p: p[0])
-        stream = np.concatenate([a for _, a in found]) if found else np.zeros(0, np.int32)
-        streams[span_id] = stream
-        resolving.discard(span_id)
+        stream = np.concatenate([a for _, a in found]) if found else None
+        streams[key] = stream
+        resolving.discard(key)
         return stream
 
     restorer = payload.Restorer(resolve)
