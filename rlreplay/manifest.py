@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import os
-import re
 import secrets
 import socket
 import time
@@ -15,6 +14,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from rlreplay.redact import (  # noqa: F401 - redaction lives in rlreplay.redact; re-exported here
+    REDACTED,
+    redact_argv,
+    redact_mapping,
+    redact_url,
+    redact_value,
+)
 from rlreplay.schema import FORMAT_VERSION, FormatError
 
 log = logging.getLogger("rlreplay")
@@ -47,15 +53,6 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     **dict.fromkeys(("steps", "trajectories", "spans", "token_ids", "bytes_on_disk", *COUNTERS), (int,)),
 }
 
-# A secret-looking option or variable name: its last word is a key, token, secret or password.
-_SECRET_NAME = re.compile(
-    r"(?i)(^|[._-])(api[_-]?key|apikey|access[_-]?key|private[_-]?key|secret[_-]?key|token|secret|passw(or)?d|credentials?|auth)$"
-)
-_SECRET_VALUE = re.compile(
-    r"(?i)\b(sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|[0-9a-f]{40})\b"
-)
-REDACTED = "***"
-
 
 def version() -> str:
     from importlib.metadata import PackageNotFoundError
@@ -65,32 +62,6 @@ def version() -> str:
         return dist_version("rlreplay")
     except PackageNotFoundError:
         return "0+unknown"
-
-
-def redact_value(text: str) -> str:
-    return _SECRET_VALUE.sub(REDACTED, text)
-
-
-def redact_argv(argv: list[str]) -> list[str]:
-    """Hide values of secret-looking options and anything shaped like a key or token."""
-    out: list[str] = []
-    hide_next = False
-    for arg in argv:
-        if hide_next:
-            out.append(REDACTED)
-            hide_next = False
-            continue
-        name, eq, _value = arg.partition("=")
-        if _SECRET_NAME.search(name.lstrip("-+")):
-            if eq:
-                out.append(f"{name}={REDACTED}")
-                continue
-            if arg.startswith("-"):
-                out.append(arg)
-                hide_next = True
-                continue
-        out.append(redact_value(arg))
-    return out
 
 
 class UnsafePathError(FormatError):
@@ -236,7 +207,7 @@ def new_manifest(
         "host": socket.gethostname(),
         "started_at": time.time(),
         "ended_at": None,
-        **extra,
+        **redact_mapping(extra),
     }
 
 
@@ -279,7 +250,7 @@ def update_manifest(run_dir: Path, **fields: Any) -> dict[str, Any]:
     if data is None:
         _set_aside_unusable(Path(run_dir), problem or "unusable")
     data = read_manifest(run_dir) or new_manifest()
-    data.update(fields)
+    data.update(redact_mapping(fields))
     write_json_atomic(path, data)
     return data
 
@@ -320,8 +291,3 @@ def total_counters(run_dir: Path, warnings: list[str] | None = None) -> dict[str
         for name in COUNTERS:
             totals[name] += counters.get(name, 0)
     return totals
-
-
-def redact_mapping(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` with the values of secret-looking keys hidden (a call's keyword arguments)."""
-    return data
