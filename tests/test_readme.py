@@ -24,7 +24,7 @@ DOCS = [ROOT / "README.md", ROOT / "sample_runs" / "README.md"]
 FENCE = re.compile(r"^```(\S*)\s*$")
 SKIP = re.compile(r"^<!-- (not-run: .+|test-command) -->$")
 RUNNABLE = {"bash", "python"}
-NOT_CODE = {"text"}
+NOT_CODE = {"text", "toml"}
 INSTALL_PREFIX = re.compile(r"^python3 -m venv \.venv && (?:\.venv/bin/pip install [^&]*&& )+", re.M)
 
 
@@ -74,7 +74,7 @@ ALL = [b for doc in DOCS for b in blocks(doc)]
 def test_every_block_is_code_with_a_language_and_skips_are_few_and_explained() -> None:
     assert len(ALL) >= 10
     for b in ALL:
-        assert b.lang in RUNNABLE | NOT_CODE, f"{b.name}: fence needs a language (bash, python or text)"
+        assert b.lang in RUNNABLE | NOT_CODE, f"{b.name}: fence needs a language (bash, python, text or toml)"
     skipped = [b for b in ALL if b.skip]
     assert all(s.skip == "test-command" or len(s.skip) > len("not-run: ") + 10 for s in skipped)
     assert len(skipped) <= 6, [s.name for s in skipped]
