@@ -108,11 +108,15 @@ class UploadCommand(TyperCommand):
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         chosen = _peek_backend(args)
-        declared, broken = _declared(chosen)
+        everything = _declared(None)
+        declared, broken = everything
+        if chosen in declared or chosen in broken:  # help shows the chosen backend only
+            declared = {chosen: declared[chosen]} if chosen in declared else {}
+            broken = {chosen: broken[chosen]} if chosen in broken else {}
         ctx.meta[_META_BACKEND] = chosen
         ctx.meta[_META_DECLARED] = (declared, broken)
         if "--help" not in args:
-            rest, values = _take_backend_options(args, declared, chosen or "mlflow")
+            rest, values = _take_backend_options(args, everything[0], chosen or "mlflow")
             ctx.meta[_META_VALUES] = values
         else:
             rest = args
@@ -259,6 +263,13 @@ def upload_command(
             "OTLP/Phoenix project, Trackio project.",
         ),
     ] = None,
+    check_server: Annotated[
+        bool,
+        typer.Option(
+            "--check-server",
+            help="With --dry-run: ask the backend how many of the selected trajectories it already has.",
+        ),
+    ] = False,
     force: Annotated[
         bool,
         typer.Option(
@@ -343,6 +354,14 @@ def upload_command(
     finally:
         if bar is not None:
             bar.stop()
+    if check_server and dry_run:
+        try:
+            found = uploader.existing([i for g in groups[: summary.groups] for i in g.ids])
+        except UploadError as exc:
+            fail(str(exc))
+        summary.on_server = None if found is None else len(found)
+        if found is None:
+            print(f"rlreplay: warning: the {backend} backend cannot tell what it has", file=sys.stderr)
     if summary.error and summary.sent == 0 and summary.failed == 0 and not summary.resumable:
         fail(summary.error)  # nothing went out (unreachable server, bad credentials): one line
     if as_json:
@@ -374,6 +393,8 @@ def _print_summary(summary: Any, describe: str) -> None:
             f"dry run: would send {summary.to_send} trajectories ({_human(summary.bytes)}, "
             f"{summary.bytes} bytes) to {describe}; {summary.already_uploaded} already uploaded\n"
         )
+        if summary.on_server is not None:
+            out.write(f"the server has {summary.on_server} of the {summary.selected} selected\n")
         return
     rate = summary.sent / summary.seconds if summary.seconds else 0.0
     replaced = f" ({summary.replaced} replacing earlier uploads)" if summary.replaced else ""

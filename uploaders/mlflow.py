@@ -140,7 +140,7 @@ def encode_trajectory(traj: Trajectory, experiment: str) -> bytes:
 
 
 class MlflowUploader:
-    """Sends trajectories to MLflow as traces (see the module docstring)."""
+    """MLflow traces with their span trees ($MLFLOW_TRACKING_URI, else a sqlite store in the run)."""
 
     backend = "mlflow"
     options = ()

@@ -193,6 +193,7 @@ class UploadSummary:
     text: str | None = None  # tokenizer used for token2text, if any
     error: str | None = None  # why the upload stopped early
     resumable: bool = False  # stopped by the server (no answer in time): rerun later to resume
+    on_server: int | None = None  # dry run with --check-server: selected trajectories the server has
     failures: list[Failure] = field(default_factory=list)
     ids: list[str] | None = None  # dry run: the trajectories that would be sent
 

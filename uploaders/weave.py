@@ -307,7 +307,7 @@ class _Failed(Exception):
 
 
 class WeaveUploader:
-    """Sends trajectories to one Weave project (``entity/project``) as traces."""
+    """Weave traces in one project (--project ENTITY/PROJECT; WANDB_API_KEY)."""
 
     backend = "weave"
     options = ()
