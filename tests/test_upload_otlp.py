@@ -169,7 +169,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, s
 
 def phoenix_spans(url: str, project: str, expect: int) -> list[dict[str, Any]]:
     """The project's spans, once Phoenix has inserted ``expect`` of them (it inserts in the background)."""
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while True:
         spans = _all_spans(url, project)
         if len(spans) >= expect or time.monotonic() > deadline:
