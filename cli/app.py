@@ -46,9 +46,9 @@ RunOption = Annotated[
         "--run", "-r", help="Run directory (default: $RLREPLAY_DIR, else the newest under ./rlreplay-runs/)."
     ),
 ]
-StepOption = Annotated[int | None, typer.Option("--step", help="Only this training step.")]
-SampleOption = Annotated[int | None, typer.Option("--sample-index", help="Only this dataset sample.")]
-RolloutOption = Annotated[int | None, typer.Option("--rollout-n", help="Only this rollout of a sample.")]
+StepOption = Annotated[str | None, typer.Option("--step", help="Only this training step.")]
+SampleOption = Annotated[str | None, typer.Option("--sample-index", help="Only this dataset sample.")]
+RolloutOption = Annotated[str | None, typer.Option("--rollout-n", help="Only this rollout of a sample.")]
 ValidateOption = Annotated[
     bool | None, typer.Option("--validate/--train", help="Only validation (or only training) trajectories.")
 ]

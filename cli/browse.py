@@ -45,14 +45,14 @@ def ls_command(
     as_json: JsonOption = False,
 ) -> None:
     """List trajectories, one row each (with --json: one JSON object per line)."""
-    from rlreplay.store import Filters
+    from rlreplay.store import Filters, listing_rows
 
     opened = open_run_arg(run, run_path)
     filters = Filters(
         step=step, sample_index=sample_index, rollout_n=rollout_n, validate=validate, experiment=experiment
     )
     table = opened.trajectories(filters)
-    rows = table.to_pylist()[:limit] if limit else table.to_pylist()
+    rows = listing_rows(table.slice(0, limit) if limit else table)
     report_warnings(opened)
     out = console()
     if as_json:
@@ -69,7 +69,7 @@ def ls_command(
         ("rollout", "right"),
         ("split", "left"),
         ("agent", "left"),
-        ("turns", "right"),
+        ("calls", "right"),
         ("tools", "right"),
         ("spans", "right"),
         ("duration", "right"),
@@ -86,8 +86,8 @@ def ls_command(
             _cell(r["rollout_n"]),
             "val" if r["validate"] else "train",
             r["agent"] or r["name"] or "",
-            str(r["num_turns"]),
-            str(r["num_tool_calls"]),
+            str(r["model_calls"]),
+            str(r["tool_calls"]),
             str(r["num_spans"]),
             f"{r['duration_s']:.2f}s",
             "" if r["reward"] is None else f"{r['reward']:g}",

@@ -19,6 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     from rlreplay.schema import FormatError
     from rlreplay.store import RunError
 
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in ("ls", "show", "diff", "info"):
+        from rlreplay.store import skip_pandas
+
+        skip_pandas()  # reading commands: no pandas import
     command = typer.main.get_command(app)
     try:
         result = command.main(args=argv, prog_name="rlreplay", standalone_mode=False)

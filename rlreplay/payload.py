@@ -84,13 +84,31 @@ class _Simplifier:
     ``strict`` also walks number lists item by item, catching integers orjson cannot write.
     """
 
-    def __init__(self, strict: bool = False) -> None:
+    def __init__(self, strict: bool = False, issues: list[str] | None = None) -> None:
         self.active: set[int] = set()
         self.strict = strict
+        self.issues = issues if issues is not None else []
 
     def __call__(self, value: Any, depth: int = 0) -> Any:
+        try:
+            return self._simplify(value, depth)
+        except Exception as exc:  # a hostile value costs only itself
+            return self._failed(value, exc)
+
+    def _failed(self, value: Any, exc: Exception) -> dict[str, str]:
+        try:
+            name = _type_name(value)
+        except Exception:
+            name = "?"
+        message = f"{name}: {type(exc).__name__}: {_str(exc)}"[:REPR_CHARS]
+        self.issues.append(message)
+        return {"__type__": "error", "class": name, "error": message}
+
+    def _simplify(self, value: Any, depth: int) -> Any:
         cls = type(value)
-        if cls is str or cls is bool or value is None:
+        if cls is str:
+            return value if not self.strict else self._text(value)
+        if cls is bool or value is None:
             return value
         if cls is int:
             return value if not self.strict or _INT_MIN <= value <= _INT_MAX else _repr_marker(value)
@@ -118,10 +136,18 @@ class _Simplifier:
             items.sort(key=lambda v: orjson.dumps(v, default=str, option=orjson.OPT_NON_STR_KEYS))
         return {"__type__": "set", "items": items}
 
+    def _text(self, value: str) -> str:
+        safe = safe_text(value)
+        if safe is not value:
+            self.issues.append(f"a string that is not valid Unicode: {safe[:80]}")
+        return safe
+
     def _dict(self, value: Mapping, depth: int) -> dict:
         out = {}
         for k, v in value.items():
-            key = k if _plain_key(k) else "None" if k is None else repr(k)
+            key = k if _plain_key(k) else "None" if k is None else _safe_repr(k)
+            if self.strict and type(key) is str:
+                key = self._text(key)
             out[key] = self(v, depth + 1)
         return out
 
@@ -165,7 +191,8 @@ class _Simplifier:
         if isinstance(value, float):
             return self(float(value), depth + 1)
         if isinstance(value, str):
-            return str.__str__(value)
+            text = str.__str__(value)
+            return self._text(text) if self.strict else text
         return _repr_marker(value)
 
 
@@ -185,12 +212,39 @@ def _fallback(value: Any) -> Any:
     return _repr_marker(value)
 
 
-def to_jsonable(value: Any, strict: bool = False) -> Any:
-    """The JSON-compatible form of ``value`` (never raises)."""
+def _str(value: Any) -> str:
     try:
-        return _Simplifier(strict)(value)
+        return safe_text(str(value))
+    except Exception:
+        return "<str() failed>"
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        return safe_text(repr(value))
     except Exception as exc:
-        return {"__type__": "error", "error": f"{type(exc).__name__}: {exc}"[:REPR_CHARS]}
+        return f"<repr failed: {type(exc).__name__}>"
+
+
+def safe_text(text: str) -> str:
+    """``text`` itself when it is valid Unicode, else with lone surrogates written as ``\\udcff``."""
+    if text.isascii():
+        return text
+    try:
+        text.encode()
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+
+
+def to_jsonable(value: Any, strict: bool = False, issues: list[str] | None = None) -> Any:
+    """The JSON-compatible form of ``value`` (never raises).
+
+    A value that cannot be converted (its ``__iter__`` raises, a tensor without data) becomes an
+    ``error`` marker, alone; each is described in ``issues``. ``strict`` also checks every string
+    and integer (lone surrogates are written escaped).
+    """
+    return _Simplifier(strict, issues)(value)
 
 
 def encode(value: Any, max_field_bytes: int | None = None) -> str:
@@ -198,32 +252,35 @@ def encode(value: Any, max_field_bytes: int | None = None) -> str:
     return dumps(to_jsonable(value), max_field_bytes)
 
 
-def _dumps_bytes(data: Any) -> bytes:
+def _dumps_bytes(data: Any, issues: list[str] | None = None) -> bytes:
     try:
         return orjson.dumps(data, default=_fallback, option=_ORJSON_OPTS)
     except Exception:
-        # e.g. an integer beyond 64 bits inside a number list: walk everything, then retry once
-        return orjson.dumps(to_jsonable(data, strict=True), default=_fallback, option=_ORJSON_OPTS)
+        # a lone surrogate, an integer beyond 64 bits: walk everything, fixing only those values
+        return orjson.dumps(
+            to_jsonable(data, strict=True, issues=issues), default=_fallback, option=_ORJSON_OPTS
+        )
 
 
-def dumps(data: Any, max_field_bytes: int | None = None) -> str:
+def dumps(data: Any, max_field_bytes: int | None = None, issues: list[str] | None = None) -> str:
     """JSON text for data already made JSON-compatible by ``to_jsonable`` (never raises).
 
     With ``max_field_bytes``, a top-level field (or the whole value, if it is not an object)
     whose JSON is larger becomes a ``truncated`` marker carrying its size and a preview.
     """
     try:
-        text = _dumps_bytes(data)
+        text = _dumps_bytes(data, issues)
         if max_field_bytes is not None and len(text) > max_field_bytes:
             if isinstance(data, dict):
-                text = _dumps_bytes({k: cap_field(v, max_field_bytes) for k, v in data.items()})
+                text = _dumps_bytes({k: cap_field(v, max_field_bytes) for k, v in data.items()}, issues)
             else:
                 text = _dumps_bytes(_truncated(text, max_field_bytes))
         return text.decode()
     except Exception as exc:
-        return orjson.dumps(
-            {"__type__": "error", "error": f"{type(exc).__name__}: {exc}"[:REPR_CHARS]}
-        ).decode()
+        message = f"{type(exc).__name__}: {_str(exc)}"[:REPR_CHARS]
+        if issues is not None:
+            issues.append(message)
+        return orjson.dumps({"__type__": "error", "error": message}).decode()
 
 
 def _truncated(text: bytes, max_bytes: int) -> dict[str, Any]:
@@ -246,6 +303,15 @@ def decode(text: str | bytes | None) -> Any:
     return orjson.loads(text)
 
 
+def decode_safe(text: str | bytes | None) -> tuple[Any, str | None]:
+    """(decoded value, None), or (an ``error`` marker, why) when the text is not JSON."""
+    try:
+        return decode(text), None
+    except (orjson.JSONDecodeError, TypeError) as exc:
+        why = f"unreadable payload ({_str(exc)[:120]})"
+        return {"__type__": "error", "error": why}, why
+
+
 def count_token_ids(value: Any) -> int:
     """Integer ids in top-level token-looking lists of an encoded payload (``*_ids``, ``token_ids``)."""
     total = 0
@@ -256,3 +322,229 @@ def count_token_ids(value: Any) -> int:
             elif isinstance(v, dict):
                 total += count_token_ids(v)
     return total
+
+
+# ---- typed token arrays (format 2) ---------------------------------------------------------------
+
+TOKENS = "tokens"
+#: Number lists shorter than this stay in the JSON text.
+MIN_ARRAY = 8
+#: A prefix shorter than this is stored whole rather than referenced.
+MIN_PREFIX = 32
+_I8, _I32, _F32 = "i8", "i32", "f32"
+#: Placeholder dtype → typed column (see ``rlreplay.schema.TOKEN_COLUMNS``).
+DTYPE_COLUMNS = {_I32: "token_ids", _I8: "token_masks", _F32: "token_logprobs"}
+
+
+def _number_kind(types: set[type]) -> str | None:
+    import numpy as np
+
+    if all(t is int or (issubclass(t, np.integer)) for t in types):
+        return "int"
+    if all(issubclass(t, (float, np.floating)) for t in types):
+        return "float"
+    return None
+
+
+class Arrays:
+    """Collects a span's number lists as typed arrays, leaving placeholders in its JSON.
+
+    ``prefixes`` (a ``PrefixIndex`` of the trajectory, optional) lets an id list that starts with
+    a stretch of an earlier span's ids store only the rest and a reference ``[span, start, len]``.
+    """
+
+    def __init__(self, prefixes: Any = None) -> None:
+        self.parts: dict[str, list[Any]] = {_I32: [], _I8: [], _F32: []}
+        self.sizes = dict.fromkeys(self.parts, 0)
+        self.stream: list[Any] = []  # full id arrays in order: what later spans may reference
+        self.stream_len = 0
+        self.prefixes = prefixes
+        self._last: tuple[str, int] | None = None  # where the previous id array's reference ended
+        self.bytes = 0
+
+    def extract(self, data: Any, key: str = "") -> Any:
+        cls = type(data)
+        if cls is dict:
+            return {k: self.extract(v, k if type(k) is str else "") for k, v in data.items()}
+        if cls is list or cls is tuple:
+            if len(data) >= MIN_ARRAY:
+                placeholder = self._take(key, data)
+                if placeholder is not None:
+                    return placeholder
+            if any(type(v) in (dict, list, tuple) for v in data):
+                return [self.extract(v, key) for v in data]
+        return data
+
+    def _take(self, key: str, values: list | tuple) -> dict[str, Any] | None:
+        import numpy as np
+
+        kind = _number_kind(set(map(type, values)))
+        if kind is None:
+            return None
+        try:
+            if kind == "int":
+                array = np.array(values, dtype=np.int64)
+                lo, hi = int(array.min()), int(array.max())
+                if "mask" in key.lower() and lo >= -128 and hi <= 127:
+                    return self._add(_I8, array.astype(np.int8))
+                if lo >= -(1 << 31) and hi < (1 << 31):
+                    return self._ids(array.astype(np.int32))
+                return None
+            array = np.array(values, dtype=np.float64)
+            single = array.astype(np.float32)
+            if np.array_equal(single, array) and np.array_equal(np.signbit(single), np.signbit(array)):
+                return self._add(_F32, single)
+            return None  # float64 values: JSON keeps them exactly, and short decimals compactly
+        except (OverflowError, ValueError, TypeError):
+            return None
+
+    def _add(self, dtype: str, array: Any) -> dict[str, Any]:
+        placeholder = {"__type__": TOKENS, "t": dtype, "o": self.sizes[dtype], "n": len(array)}
+        self.parts[dtype].append(array)
+        self.sizes[dtype] += len(array)
+        self.bytes += array.nbytes
+        return placeholder
+
+    def _ids(self, array: Any) -> dict[str, Any]:
+        ref = None
+        if self.prefixes is not None and len(array) >= MIN_PREFIX:
+            ref = self.prefixes.match(array, self._last)
+        self._last = None
+        stored = array
+        if ref is not None:
+            span, start, length = ref
+            stored = array[length:]
+            self._last = (span, start + length)
+        placeholder = self._add(_I32, stored)
+        placeholder["s"] = self.stream_len
+        if ref is not None:
+            placeholder["r"] = [span, start, length]
+        self.stream.append(array)
+        self.stream_len += len(array)
+        return placeholder
+
+    def columns(self) -> tuple[Any, Any, Any, Any]:
+        """The span's values per typed column (token_ids, token_masks, token_logprobs)."""
+        import numpy as np
+
+        out = []
+        for dtype in (_I32, _I8, _F32):
+            parts = self.parts[dtype]
+            if not parts:
+                out.append(None)
+            else:
+                out.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        return tuple(out)  # type: ignore[return-value]
+
+    def full_stream(self) -> Any:
+        import numpy as np
+
+        if not self.stream:
+            return None
+        return self.stream[0] if len(self.stream) == 1 else np.concatenate(self.stream)
+
+
+class PrefixIndex:
+    """The id streams of a trajectory's latest spans, to find shared prefixes in the next ones."""
+
+    __slots__ = ("streams",)
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self.streams: list[tuple[str, Any, tuple[int, ...]]] = []  # (span id, ids, array starts)
+
+    def add(self, span_id: str, arrays: Arrays) -> None:
+        stream = arrays.full_stream()
+        if stream is None or len(stream) < MIN_PREFIX:
+            return
+        starts, pos = [], 0
+        for part in arrays.stream:
+            starts.append(pos)
+            pos += len(part)
+        self.streams.append((span_id, stream, tuple(starts)))
+        del self.streams[: -self.KEEP]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s[1].nbytes for s in self.streams)
+
+    def match(self, array: Any, after: tuple[str, int] | None) -> tuple[str, int, int] | None:
+        """The longest ``(span, start, length)`` such that ``array`` begins with that stretch."""
+        import numpy as np
+
+        best: tuple[str, int, int] | None = None
+        for span_id, stream, starts in self.streams:
+            offsets = set(starts)
+            if after is not None and after[0] == span_id:
+                offsets.add(after[1])
+            for start in offsets:
+                n = min(len(array), len(stream) - start)
+                if n < MIN_PREFIX:
+                    continue
+                diff = np.flatnonzero(array[:n] != stream[start : start + n])
+                length = int(diff[0]) if len(diff) else n
+                if length >= MIN_PREFIX and (best is None or length > best[2]):
+                    best = (span_id, start, length)
+        return best
+
+
+class Restorer:
+    """Puts typed arrays back where a span's JSON has placeholders; resolves prefix references."""
+
+    def __init__(self, resolve: Any) -> None:
+        self.resolve = resolve  # span id → that span's full id stream (numpy), or None
+        self.issues: list[str] = []
+
+    def restore(self, data: Any, columns: dict[str, Any]) -> Any:
+        cls = type(data)
+        if cls is dict:
+            if data.get("__type__") == TOKENS and "t" in data:
+                return self._array(data, columns)
+            return {k: self.restore(v, columns) for k, v in data.items()}
+        if cls is list:
+            return [self.restore(v, columns) for v in data]
+        return data
+
+    def _array(self, placeholder: dict[str, Any], columns: dict[str, Any]) -> Any:
+        import numpy as np
+
+        try:
+            values = columns[DTYPE_COLUMNS[placeholder["t"]]]
+            start, n = int(placeholder["o"]), int(placeholder["n"])
+            if values is None or start < 0 or start + n > len(values):
+                raise ValueError("values out of range")
+            array = values[start : start + n]
+            ref = placeholder.get("r")
+            if ref is not None:
+                span, rstart, length = ref[0], int(ref[1]), int(ref[2])
+                stream = self.resolve(span)
+                if stream is None or rstart + length > len(stream):
+                    raise ValueError(f"prefix from span {span} missing")
+                array = np.concatenate([stream[rstart : rstart + length], array])
+            return array.tolist()
+        except (KeyError, ValueError, TypeError, IndexError) as exc:
+            why = f"unreadable token array ({exc})"
+            self.issues.append(why)
+            return {"__type__": "error", "error": why}
+
+    def stream(self, data: Any, columns: dict[str, Any]) -> list[tuple[int, Any]]:
+        """(stream position, full ids) of every id array placeholder in ``data``."""
+        out: list[tuple[int, Any]] = []
+        self._walk(data, columns, out)
+        return out
+
+    def _walk(self, data: Any, columns: dict[str, Any], out: list[tuple[int, Any]]) -> None:
+        import numpy as np
+
+        cls = type(data)
+        if cls is dict:
+            if data.get("__type__") == TOKENS and data.get("t") == _I32 and "s" in data:
+                full = self._array(data, columns)
+                if type(full) is list:
+                    out.append((int(data["s"]), np.array(full, dtype=np.int32)))
+                return
+            for v in data.values():
+                self._walk(v, columns, out)
+        elif cls is list:
+            for v in data:
+                self._walk(v, columns, out)

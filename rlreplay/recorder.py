@@ -19,7 +19,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -30,12 +29,11 @@ from typing import Any, TypeVar
 import pyarrow as pa
 
 from rlreplay import manifest, payload
+from rlreplay.rows import PrefixCache, encode_row, key_int
+from rlreplay.rows import StepBuffer as _StepBuffer
 from rlreplay.schema import (
     KIND_OP,
     KIND_TRAJECTORY,
-    SPAN_SCHEMA,
-    STATUS_ERROR,
-    STATUS_OK,
 )
 from rlreplay.shards import Lease, PartialWriter, partition_dir, safe_name, seal
 from rlreplay.workers import ENV_WORKER, resolve_worker_name, set_worker_resolver
@@ -62,6 +60,7 @@ class _Trajectory:
         "experiment",
         "explicit",
         "id",
+        "keys",
         "rollout_n",
         "sample_index",
         "step",
@@ -86,6 +85,7 @@ class _Trajectory:
         self.experiment = experiment
         self.attributes = attributes
         self.explicit = explicit
+        self.keys: tuple[Any, Any, Any] | None = None  # as given, when not plain ints
 
 
 _OFF = object()  # tracing disabled in this context
@@ -164,40 +164,6 @@ class RecorderConfig:
     max_field_bytes: int | None = 4 << 20
 
 
-class _StepBuffer:
-    __slots__ = ("columns", "first_at", "nbytes", "open", "root_ended", "rows", "writer")
-
-    def __init__(self) -> None:
-        self.columns: list[list] = [[] for _ in _COLUMN_NAMES]
-        self.rows = 0
-        self.nbytes = 0
-        self.first_at = 0.0
-        self.root_ended = False
-        self.open = 0
-        self.writer: PartialWriter | None = None
-
-    def append(self, row: tuple, nbytes: int) -> None:
-        if not self.rows:
-            self.first_at = time.monotonic()
-        for column, value in zip(self.columns, row):
-            column.append(value)
-        self.rows += 1
-        self.nbytes += nbytes
-
-    def take_batch(self) -> pa.RecordBatch:
-        batch = pa.RecordBatch.from_arrays(
-            [pa.array(values, type=f.type) for values, f in zip(self.columns, SPAN_SCHEMA)],
-            schema=SPAN_SCHEMA,
-        )
-        for values in self.columns:
-            values.clear()
-        self.rows = self.nbytes = 0
-        self.root_ended = False
-        return batch
-
-
-_COLUMN_NAMES = tuple(SPAN_SCHEMA.names)
-
 # Queue events; the last item of every event is its estimated size in bytes.
 _SPAN = 0  # (_SPAN, traj, span_id, parent_id, meta, start, end, exc, args, kwargs, result, nbytes)
 _OPEN = 1  # (_OPEN, traj, nbytes): an explicit trajectory started
@@ -225,6 +191,7 @@ class Recorder:
         self._spill_lock = threading.Lock()
         self._spill_writers: dict[int | None, PartialWriter] = {}
         self._steps: dict[int | None, _StepBuffer] = {}
+        self._prefixes = PrefixCache()
         self._max_step: int | None = None
         self._orphans: list[PartialWriter] = []  # writers given up after an error; sealed at close
         self._last_fsync = time.monotonic()
@@ -280,7 +247,7 @@ class Recorder:
         row, _ = self._encode_row(event)
         buf = _StepBuffer()
         buf.append(row, 0)
-        batch = buf.take_batch()
+        batch = buf.take_batch(self._encode_problem)
         step = event[1].step
         with self._spill_lock:
             writer = self._spill_writers.get(step)
@@ -398,75 +365,25 @@ class Recorder:
             self._write(traj.step, buf)
 
     def _encode_row(self, event: tuple) -> tuple[tuple, int]:
-        """The span's row, in SPAN_SCHEMA column order, and its approximate encoded size."""
-        _, traj, span_id, parent_id, meta, start, end, exc, args, kwargs, result, _nbytes = event
-        cap = self.config.max_field_bytes
-        if meta.kind == KIND_TRAJECTORY:
-            inputs_text, inputs_data = None, None
-        else:
-            inputs_obj = meta.bind(args, kwargs)
-            if meta.reduce_inputs is not None:
-                inputs_obj = self._reduce(meta, "reduce_inputs", meta.reduce_inputs, inputs_obj)
-            inputs_data = payload.to_jsonable(inputs_obj)
-            inputs_text = payload.dumps(inputs_data, cap)
-        reward = None
-        if exc is not None:
-            output_data = _exception_data(exc)
-            error = f"{output_data['type']}: {output_data['message']}"
-        else:
-            out = result
-            if meta.reduce_output is not None:
-                out = self._reduce(meta, "reduce_output", meta.reduce_output, result)
-            output_data = payload.to_jsonable(out) if out is not None else None
-            error = None
-            if meta.reward is not None:
-                value = self._reduce(meta, "reward", meta.reward, result)
-                reward = _as_reward(value)
-            elif isinstance(output_data, dict):
-                reward = _as_reward(output_data.get("reward_score", output_data.get("reward")))
-        output_text = payload.dumps(output_data, cap) if output_data is not None else None
-        attributes = (
-            payload.dumps(payload.to_jsonable(traj.attributes))
-            if traj.attributes and parent_id is None
-            else None
-        )
-        row = (
-            format_trajectory_id(traj.id),
-            format_span_id(span_id),
-            None if parent_id is None else format_span_id(parent_id),
-            meta.name,
-            meta.kind,
-            start,
-            end,
-            STATUS_OK if exc is None else STATUS_ERROR,
-            error,
-            traj.step,
-            traj.sample_index,
-            traj.rollout_n,
-            traj.validate,
-            traj.experiment or self.config.experiment,
+        prefixes = self._prefixes if threading.current_thread() is self._thread else None
+        return encode_row(
+            event,
+            self.config,
             self._worker(),
-            reward,
-            payload.count_token_ids(inputs_data) + payload.count_token_ids(output_data),
-            attributes,
-            inputs_text,
-            output_text,
+            self._encode_problem,
+            format_trajectory_id,
+            format_span_id,
+            prefixes,
+            self._warn_once,
         )
-        return row, 200 + len(inputs_text or "") + len(output_text or "")
 
-    def _reduce(self, meta: OpMeta, what: str, fn: Callable[[Any], Any], value: Any) -> Any:
-        """A user-supplied reducer's result; if it raises, an error marker (the span is kept)."""
-        try:
-            return fn(value)
-        except Exception as exc:
-            message = f"{what} of {meta.name} raised {type(exc).__name__}: {exc}"
-            self._warn_once(f"reduce:{meta.name}:{what}", message)
-            return None if what == "reward" else {"__type__": "error", "error": message[:2000]}
+    def _encode_problem(self, key: str, message: str) -> None:
+        self._count_loss("encode_errors", 1, f"encode:{key}", message)
 
     def _write(self, step: int | None, buf: _StepBuffer) -> None:
         rows = buf.rows
         try:
-            batch = buf.take_batch()
+            batch = buf.take_batch(self._encode_problem)
             if buf.writer is None:
                 buf.writer = PartialWriter(partition_dir(self.config.run_dir, step, self._worker()))
             buf.writer.write(batch)
@@ -616,24 +533,6 @@ def _warm_up() -> None:
     the first batch: that may come at interpreter exit, when imports fail, or mid-rollout."""
     with contextlib.suppress(Exception):
         pa.array([0], type=pa.int64())
-
-
-def _exception_data(exc: BaseException) -> dict[str, str]:
-    try:
-        message = str(exc)
-    except Exception:
-        message = "<str() failed>"
-    try:
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    except Exception:
-        tb = ""
-    return {"__type__": "exception", "type": type(exc).__qualname__, "message": message, "traceback": tb}
-
-
-def _as_reward(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
 
 
 _mp_finalizer_pid: int | None = None
@@ -940,9 +839,9 @@ class trajectory:
 
     def __init__(
         self,
-        step: int | None = None,
-        sample_index: int | None = None,
-        rollout_n: int | None = None,
+        step: int | str | None = None,
+        sample_index: int | str | None = None,
+        rollout_n: int | str | None = None,
         validate: bool = False,
         experiment: str | None = None,
         name: str = "trajectory",
@@ -951,13 +850,14 @@ class trajectory:
     ) -> None:
         self._trace = trace
         self._traj = _Trajectory(
-            _as_int(step),
-            _as_int(sample_index),
-            _as_int(rollout_n),
+            key_int(step),
+            key_int(sample_index),
+            key_int(rollout_n),
             bool(validate),
             experiment,
             attributes or None,
         )
+        self._traj.keys = (step, sample_index, rollout_n)
         self._meta = _trajectory_meta(name)
         self._token: Any = None
         self._rec: Recorder | None = None
@@ -1003,16 +903,6 @@ class trajectory:
 @functools.lru_cache(maxsize=256)
 def _trajectory_meta(name: str) -> OpMeta:
     return OpMeta(name=name, kind=KIND_TRAJECTORY)
-
-
-def _as_int(value: Any) -> int | None:
-    if value is None:
-        return None
-    try:
-        number = int(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return number if -(1 << 63) <= number < (1 << 63) else None
 
 
 @contextlib.contextmanager

@@ -4,6 +4,10 @@ Layout under a run directory::
 
     spans/step=5/worker=w0/_part-<uid>.partial   live Arrow IPC stream (zstd 1), ignored by scans
     spans/step=5/worker=w0/part-<uid>.parquet    sealed: sorted, Parquet zstd, queryable
+    spans/step=5/worker=w0/part-<uid>.index      its trajectory index (``rlreplay.index``)
+
+Sealed files are cut into row groups at trajectory boundaries (about ``ROW_GROUP_BYTES`` of
+payload each), so one trajectory is read without the rest of its step.
 
 A sealed file is written under a temporary name, fsynced and renamed; names are never reused,
 and the partial is deleted only once its sealed file is durable.
@@ -22,10 +26,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rlreplay.schema import NULL_PARTITION, SPAN_SCHEMA, FormatError, check_format
+from rlreplay import index as tindex
+from rlreplay.schema import (
+    KEY_STR,
+    META_COLUMNS,
+    NULL_PARTITION,
+    SPAN_SCHEMA,
+    TOKEN_COLUMNS,
+    FormatError,
+    file_version,
+    upgrade,
+)
 
 SPANS_DIR = "spans"
 PARTIAL_SUFFIX = ".partial"
@@ -34,10 +50,13 @@ LIVE_ZSTD_LEVEL = 1
 SEALED_ZSTD_LEVEL = 3
 SORT_KEYS = [
     ("sample_index", "ascending"),
+    (KEY_STR["sample_index"], "ascending"),
     ("rollout_n", "ascending"),
+    (KEY_STR["rollout_n"], "ascending"),
     ("trajectory_id", "ascending"),
     ("start_ns", "ascending"),
 ]
+ROW_GROUP_BYTES = 1 << 20
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _DICTIONARY_COLUMNS = ["trajectory_id", "name", "kind", "status", "experiment", "worker"]
 
@@ -48,7 +67,9 @@ def safe_name(name: str) -> str:
 
 
 def partition_dir(run_dir: Path, step: int | None, worker: str) -> Path:
-    step_part = NULL_PARTITION if step is None else str(step)
+    """A step's folder; a step that is not an integer shares the null partition."""
+    is_int = isinstance(step, int) and not isinstance(step, bool)
+    step_part = str(step) if is_int else NULL_PARTITION
     return Path(run_dir) / SPANS_DIR / f"step={step_part}" / f"worker={worker}"
 
 
@@ -185,7 +206,7 @@ def read_partial(path: Path) -> PartialContents:
             reader = pa.ipc.open_stream(f)
         except (pa.ArrowInvalid, OSError) as exc:
             raise FormatError(f"{path}: unreadable stream header ({exc})") from exc
-        check_format(reader.schema.metadata, str(path))
+        version = file_version(reader.schema, str(path))
         good_end = f.tell()
         while True:
             try:
@@ -198,7 +219,9 @@ def read_partial(path: Path) -> PartialContents:
                 break
             batches.append(batch)
             good_end = f.tell()
-    table = pa.Table.from_batches(batches, schema=SPAN_SCHEMA)
+    table = pa.Table.from_batches(batches, schema=reader.schema)
+    if version == 1:
+        table = upgrade(table)
     return PartialContents(table, len(batches), 0 if clean else max(0, size - good_end), clean)
 
 
@@ -233,26 +256,58 @@ def seal(partial: Path, *, recovered: bool = False) -> SealResult:
 
 
 def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes] | None = None) -> None:
-    """Sort and write a sealed shard durably: temp name, fsync, rename, directory fsync."""
+    """Sort and write a sealed shard and its index durably: temp names, fsync, rename, directory fsync."""
     if final.exists():
         raise FileExistsError(final)
     metadata = {**SPAN_SCHEMA.metadata, **(extra_metadata or {})}
-    table = table.sort_by(SORT_KEYS).replace_schema_metadata(metadata)
+    table = table.sort_by(SORT_KEYS).replace_schema_metadata(metadata).combine_chunks()
+    bounds = row_group_bounds(table)
+    row_group_of = [i for i, (a, b) in enumerate(bounds) for _ in range(b - a)]
     tmp = final.with_name("_" + final.name + ".tmp")
     with open(tmp, "xb") as f:
-        pq.write_table(
-            table,
+        writer = pq.ParquetWriter(
             f,
+            table.schema,
             compression="zstd",
             compression_level=SEALED_ZSTD_LEVEL,
             use_dictionary=_DICTIONARY_COLUMNS,
-            data_page_size=4 << 20,
-            row_group_size=64 * 1024,
+            write_statistics=META_COLUMNS,
+            data_page_size=1 << 20,
         )
+        for start, stop in bounds:
+            writer.write_table(table.slice(start, stop - start), row_group_size=stop - start)
+        writer.close()
         f.flush()
         os.fsync(f.fileno())
+        size = f.tell()
+    index = tindex.build(table.select(tindex.SPAN_COLUMNS), row_group_of)
+    tindex.write(index, tindex.index_path(final), size)
     os.rename(tmp, final)
     fsync_dir(final.parent)
+
+
+def row_group_bounds(table: pa.Table, target: int = ROW_GROUP_BYTES) -> list[tuple[int, int]]:
+    """[start, stop) row ranges of about ``target`` payload bytes, cut between trajectories."""
+    n = table.num_rows
+    if n == 0:
+        return []
+    size = np.full(n, 200, dtype=np.int64)
+    for name in ("attributes", "inputs", "output"):
+        size += pc.fill_null(pc.binary_length(table[name]), 0).to_numpy(zero_copy_only=False)
+    for name, typ in TOKEN_COLUMNS.items():
+        lengths = pc.fill_null(pc.list_value_length(table[name]), 0)
+        size += lengths.to_numpy(zero_copy_only=False).astype(np.int64) * typ.byte_width
+    ids = table["trajectory_id"].to_numpy(zero_copy_only=False)
+    cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1  # where a trajectory starts
+    bounds, start, total = [], 0, 0
+    cumulative = np.cumsum(size)
+    for cut in cuts:
+        total = cumulative[cut - 1] - (cumulative[start - 1] if start else 0)
+        if total >= target:
+            bounds.append((start, int(cut)))
+            start = int(cut)
+    bounds.append((start, n))
+    return bounds
 
 
 def step_dirs(run_dir: Path, step: int | None = None) -> Iterator[Path]:
@@ -317,3 +372,89 @@ def recover_run(run_dir: Path, wait_s: float = 0.0) -> tuple[list[SealResult], l
         except (FormatError, OSError, pa.ArrowException):
             continue  # left in place; readers skip it with a warning
     return results, live
+
+
+@dataclass
+class RewriteResult:
+    files: int
+    spans: int
+    source_bytes: int
+    bytes: int
+
+
+def rewrite_run(src: Path, dst: Path) -> RewriteResult:
+    """Re-encode every span file of run ``src`` (format 1 or 2, sealed or live) into a new run
+    ``dst`` in the current format, sealed; the manifest and worker counters are copied.
+
+    Payloads are decoded and encoded again (typed token arrays, shared prefixes); every value
+    reads back as before. ``dst`` must not exist yet.
+    """
+    import json
+    import shutil
+
+    from rlreplay import manifest, payload, rows, store
+    from rlreplay.schema import FORMAT_VERSION
+
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise FileExistsError(f"{dst} exists")
+    run = store.open_run(src)
+    dst.mkdir(parents=True)
+    if (src / manifest.MANIFEST).exists():
+        data = json.loads((src / manifest.MANIFEST).read_text())
+        data["format_version"] = FORMAT_VERSION
+        manifest.write_json_atomic(dst / manifest.MANIFEST, data)
+    if (src / LEASE_DIR).is_dir():
+        (dst / LEASE_DIR).mkdir()
+        for path in (src / LEASE_DIR).glob("*.json"):
+            shutil.copy2(path, dst / LEASE_DIR / path.name)
+    sealed, partials = list_files(src)
+    result = RewriteResult(0, 0, 0, 0)
+    plain = [c for c in SPAN_SCHEMA.names if c not in TOKEN_COLUMNS and c not in ("inputs", "output")]
+    for path in sealed + partials:
+        is_sealed = path in sealed
+        table = run._read_sealed(path, store.Filters(), None) if is_sealed else run._partial(path)
+        if table is None:
+            raise FormatError(f"{path}: unreadable ({'; '.join(run.warnings)})")
+        here = set(table["span_id"].to_pylist())
+        ids = list(dict.fromkeys(table["trajectory_id"].to_pylist()))
+        originals = {r["span_id"]: r for r in table.select(plain).to_pylist()}
+        out_rows = []
+        for traj in run.load(ids):
+            prefixes = payload.PrefixIndex()
+            for span in sorted(traj.spans, key=lambda s: (s.end_ns, s.start_ns)):
+                arrays = payload.Arrays(prefixes)
+                inputs = None if span.inputs is None else payload.dumps(arrays.extract(span.inputs))
+                output = None if span.output is None else payload.dumps(arrays.extract(span.output))
+                prefixes.add(span.span_id, arrays)
+                if span.span_id not in here:
+                    continue
+                row = dict(originals[span.span_id])
+                prompt, response = rows._token_counts(span.kind, span.inputs, span.output)
+                if row["prompt_tokens"] is None:
+                    row["prompt_tokens"] = prompt
+                if row["response_tokens"] is None:
+                    row["response_tokens"] = response
+                row.update(inputs=inputs, output=output)
+                row.update(zip(TOKEN_COLUMNS, arrays.columns()))
+                out_rows.append(row)
+        buf = rows.StepBuffer()
+        for row in out_rows:
+            buf.append(tuple(row[c] for c in SPAN_SCHEMA.names), 0)
+        batch = buf.take_batch()
+        final = dst / (path.relative_to(src) if is_sealed else sealed_path_for(path).relative_to(src))
+        final.parent.mkdir(parents=True, exist_ok=True)
+        extra = {}
+        if is_sealed:
+            metadata = pq.read_schema(path).metadata or {}
+            extra = {
+                k: v
+                for k, v in metadata.items()
+                if k.startswith(b"rlreplay.") and k != b"rlreplay.format_version"
+            }
+        write_sealed(pa.Table.from_batches([batch]), final, extra)
+        result.files += 1
+        result.spans += batch.num_rows
+        result.source_bytes += path.stat().st_size
+        result.bytes += final.stat().st_size
+    return result

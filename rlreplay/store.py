@@ -12,18 +12,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from rlreplay import index as tindex
 from rlreplay import manifest, payload
 from rlreplay.schema import (
     FORMAT_VERSION,
-    KIND_AGENT,
-    KIND_LLM,
-    KIND_TOOL,
-    KIND_TRAJECTORY,
-    META_COLUMNS,
+    KEY_STR,
+    KEYS,
+    SIGNAL_COLUMNS,
     SPAN_SCHEMA,
-    STATUS_ERROR,
+    TOKEN_COLUMNS,
+    V1_COLUMNS,
     FormatError,
-    check_format,
+    file_version,
+    upgrade,
 )
 from rlreplay.shards import SPANS_DIR, list_files, read_partial
 
@@ -59,17 +60,62 @@ class Filters:
                 )
         return out
 
-    def apply(self, table: pa.Table) -> pa.Table:
-        """Rows of ``table`` that pass every filter (plain compute kernels: no dataset machinery)."""
+    def apply(self, table: pa.Table, id_column: str = "trajectory_id") -> pa.Table:
+        """Rows of ``table`` that pass every filter (plain compute kernels: no dataset machinery).
+
+        A key filter value matches the int column when it is an integer, else the ``_str`` column.
+        """
         mask = None
         for key, values in self.items():
-            column = table[key]
-            term = pc.is_in(column, value_set=pa.array(values, type=column.type))
+            if key in KEYS:
+                term = _key_term(table, key, values)
+            else:
+                column = table[id_column if key == "trajectory_id" else key]
+                term = pc.is_in(column, value_set=pa.array(values, type=column.type))
+            term = pc.fill_null(term, False)
             mask = term if mask is None else pc.and_(mask, term)
         return table if mask is None else table.filter(mask)
 
     def single_step(self) -> int | None:
-        return self.step if isinstance(self.step, int) and not isinstance(self.step, bool) else None
+        """The step's partition when the step filter is one integer."""
+        if isinstance(self.step, (list, tuple, set, frozenset)):
+            return None
+        return _as_key_int(self.step)
+
+
+def _key_term(table: pa.Table, key: str, values: list[Any]) -> Any:
+    ints, strs = [], []
+    for value in values:
+        number = _as_key_int(value)
+        if number is not None:
+            ints.append(number)
+        if isinstance(value, str) or (number is None and value is not None):
+            strs.append(str(value))
+    term = pc.is_in(table[key], value_set=pa.array(ints, type=pa.int64()))
+    if strs and KEY_STR[key] in table.column_names:
+        term = pc.or_(pc.fill_null(term, False), pc.is_in(table[KEY_STR[key]], value_set=pa.array(strs)))
+    return term
+
+
+def _as_key_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value) if value.strip().lstrip("-").isdigit() else None
+        except ValueError:
+            return None
+    try:
+        return int(value.__index__())
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def key_value(int_value: int | None, str_value: str | None) -> int | str | None:
+    """The one value of a key (step, sample_index, rollout_n) stored as an int and a string column."""
+    return int_value if int_value is not None else str_value
 
 
 @dataclass
@@ -88,6 +134,12 @@ class Span:
     output: Any
     attributes: dict[str, Any] | None
     children: list[Span] = field(default_factory=list)
+    advantage: float | None = None
+    logprob_diff_mean: float | None = None
+    logprob_diff_max: float | None = None
+    importance_ratio: float | None = None
+    prompt_tokens: int | None = None
+    response_tokens: int | None = None
 
     @property
     def duration_s(self) -> float:
@@ -103,13 +155,15 @@ class Span:
 @dataclass
 class Trajectory:
     id: str
-    step: int | None
-    sample_index: int | None
-    rollout_n: int | None
+    step: int | str | None
+    sample_index: int | str | None
+    rollout_n: int | str | None
     validate: bool | None
     experiment: str | None
     worker: str
     spans: list[Span]
+    _meta: pa.Table | None = field(default=None, repr=False, compare=False)
+    _row: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def roots(self) -> list[Span]:
@@ -128,15 +182,19 @@ class Trajectory:
         return max(s.end_ns for s in self.spans)
 
     @property
+    def row(self) -> dict[str, Any]:
+        """This trajectory's listing row (contract C2), by the rules of ``summarize``."""
+        if self._row is None:
+            self._row = trajectory_row(self)
+        return self._row
+
+    @property
     def status(self) -> str:
-        return STATUS_ERROR if any(s.status == STATUS_ERROR for s in self.roots) else "ok"
+        return self.row["status"]
 
     @property
     def reward(self) -> float | None:
-        rewards = [
-            s.reward for s in self.spans if s.reward is not None and s.kind in (KIND_TRAJECTORY, KIND_AGENT)
-        ]
-        return rewards[-1] if rewards else None
+        return self.row["reward"]
 
     @property
     def attributes(self) -> dict[str, Any]:
@@ -169,6 +227,43 @@ class Trajectory:
         }
 
 
+def trajectory_row(traj: Trajectory) -> dict[str, Any]:
+    """The C2 listing row of one trajectory (merged key values), computed by ``summarize``."""
+    meta = traj._meta if traj._meta is not None else _meta_of(traj)
+    rows = summarize(meta).to_pylist()
+    row = rows[0] if rows else {}
+    for key in KEYS:
+        row[key] = key_value(row.get(key), row.pop(KEY_STR[key], None))
+    return row
+
+
+def trajectory_status(traj: Trajectory) -> str:
+    """``incomplete`` without a root span, ``error`` if the root failed, else ``ok`` (C2)."""
+    return traj.row["status"]
+
+
+def _meta_of(traj: Trajectory) -> pa.Table:
+    """Span metadata rows rebuilt from a trajectory's spans (one made in memory)."""
+    keys = {}
+    for key in KEYS:
+        value = getattr(traj, key)
+        keys[key] = value if isinstance(value, int) and not isinstance(value, bool) else None
+        keys[KEY_STR[key]] = None if value is None or keys[key] is not None else str(value)
+    rows = [
+        {
+            "trajectory_id": traj.id,
+            "worker": traj.worker,
+            "experiment": traj.experiment,
+            "validate": traj.validate,
+            **keys,
+            **{c: getattr(s, c) for c in tindex.SPAN_COLUMNS if hasattr(s, c)},
+        }
+        for s in traj.spans
+    ]
+    schema = pa.schema([SPAN_SCHEMA.field(c) for c in tindex.SPAN_COLUMNS])
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
 def _build_tree(spans: list[Span]) -> None:
     by_id = {s.span_id: s for s in spans}
     for span in spans:
@@ -177,39 +272,142 @@ def _build_tree(spans: list[Span]) -> None:
             parent.children.append(span)
 
 
-def trajectory_from_table(table: pa.Table) -> Trajectory:
-    """One trajectory's spans (all rows share a trajectory_id) as a tree."""
-    rows = table.sort_by([("start_ns", "ascending"), ("end_ns", "descending")]).to_pylist()
-    spans = [
-        Span(
-            span_id=r["span_id"],
-            parent_id=r["parent_id"],
-            name=r["name"],
-            kind=r["kind"],
-            start_ns=r["start_ns"],
-            end_ns=r["end_ns"],
-            status=r["status"],
-            error=r["error"],
-            reward=r["reward"],
-            num_tokens=r["num_tokens"],
-            inputs=payload.decode(r["inputs"]),
-            output=payload.decode(r["output"]),
-            attributes=payload.decode(r["attributes"]),
+_SPAN_SCALARS = (*SIGNAL_COLUMNS[1:], "prompt_tokens", "response_tokens")
+
+
+def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
+    """One trajectory's spans (all rows share a trajectory_id, format 2 columns) as a tree.
+
+    Token arrays go back where they were recorded, prefixes resolved; a payload that cannot be
+    read becomes an ``error`` marker and is reported through ``warn(message)``.
+    """
+    import numpy as np
+
+    table = table.sort_by([("start_ns", "ascending"), ("end_ns", "descending")]).combine_chunks()
+    present = [c for c in TOKEN_COLUMNS if c in table.column_names]
+    plain = [c for c in table.column_names if c not in TOKEN_COLUMNS]
+    rows = table.select(plain).to_pylist()
+    tokens: dict[str, tuple[Any, Any]] = {}
+    for name in present:
+        column = table[name]
+        chunk = column.chunk(0) if column.num_chunks else pa.array([], column.type)
+        offsets = chunk.offsets.to_numpy()
+        values = chunk.values.to_numpy(zero_copy_only=False)
+        tokens[name] = (offsets, values)
+
+    def row_columns(i: int) -> dict[str, Any]:
+        return {n: v[o[i] : o[i + 1]] for n, (o, v) in tokens.items()}
+
+    issues: list[str] = []
+    decoded: list[tuple[Any, Any, Any]] = []
+    for r in rows:
+        parts = []
+        for name in ("inputs", "output", "attributes"):
+            value, why = payload.decode_safe(r.get(name))
+            if why:
+                issues.append(f"span {r['span_id']}: {name}: {why}")
+            parts.append(value)
+        decoded.append(tuple(parts))  # type: ignore[arg-type]
+    by_span = {r["span_id"]: i for i, r in enumerate(rows)}
+    streams: dict[str, Any] = {}
+    resolving: set[str] = set()
+
+    def resolve(span_id: str) -> Any:
+        if span_id in streams:
+            return streams[span_id]
+        i = by_span.get(span_id)
+        if i is None or span_id in resolving:
+            return None
+        resolving.add(span_id)
+        found = restorer.stream(decoded[i][0], row_columns(i)) + restorer.stream(
+            decoded[i][1], row_columns(i)
         )
-        for r in rows
-    ]
+        found.sort(key=lambda p: p[0])
+        stream = np.concatenate([a for _, a in found]) if found else np.zeros(0, np.int32)
+        streams[span_id] = stream
+        resolving.discard(span_id)
+        return stream
+
+    restorer = payload.Restorer(resolve)
+    spans = []
+    for i, r in enumerate(rows):
+        cols = row_columns(i)
+        inputs, output, attributes = decoded[i]
+        if tokens:
+            inputs = restorer.restore(inputs, cols)
+            output = restorer.restore(output, cols)
+        spans.append(
+            Span(
+                span_id=r["span_id"],
+                parent_id=r["parent_id"],
+                name=r["name"],
+                kind=r["kind"],
+                start_ns=r["start_ns"],
+                end_ns=r["end_ns"],
+                status=r["status"],
+                error=r["error"],
+                reward=r.get("reward"),
+                num_tokens=r.get("num_tokens"),
+                inputs=inputs,
+                output=output,
+                attributes=attributes if isinstance(attributes, dict) or attributes is None else None,
+                **{c: r.get(c) for c in _SPAN_SCALARS},
+            )
+        )
+    issues.extend(restorer.issues)
+    if warn is not None and issues:
+        warn(
+            f"trajectory {rows[0]['trajectory_id'][:12]}: {issues[0]}"
+            + (f" (+{len(issues) - 1} more)" if len(issues) > 1 else "")
+        )
     _build_tree(spans)
-    first = rows[0]
+    first = _owner_row(rows)
+    meta_columns = [c for c in tindex.SPAN_COLUMNS if c in table.column_names]
     return Trajectory(
         id=first["trajectory_id"],
-        step=first["step"],
-        sample_index=first["sample_index"],
-        rollout_n=first["rollout_n"],
+        **{k: key_value(first.get(k), first.get(KEY_STR[k])) for k in KEYS},
         validate=first["validate"],
         experiment=first["experiment"],
         worker=first["worker"],
         spans=spans,
+        _meta=table.select(meta_columns) if len(meta_columns) == len(tindex.SPAN_COLUMNS) else None,
     )
+
+
+def decoded_rows(spans: pa.Table, warn: Any = None) -> list[dict[str, Any]]:
+    """Span rows (all columns) as dicts with ``inputs``/``output``/``attributes`` decoded and token
+    arrays restored; the typed token columns are dropped."""
+    out: list[dict[str, Any]] = []
+    if spans.num_rows == 0:
+        return out
+    groups: dict[str, list[int]] = {}
+    for i, tid in enumerate(spans["trajectory_id"].to_pylist()):
+        groups.setdefault(tid, []).append(i)
+    plain = [c for c in spans.column_names if c not in TOKEN_COLUMNS]
+    for rows in groups.values():
+        part = spans.take(rows)
+        traj = trajectory_from_table(part, warn)
+        by_id = {s.span_id: s for s in traj.spans}
+        for r in part.select(plain).to_pylist():
+            span = by_id[r["span_id"]]
+            r.update(inputs=span.inputs, output=span.output, attributes=span.attributes)
+            out.append(r)
+    return out
+
+
+def _owner_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The root span's row (it carries the trajectory's worker), else the first."""
+    for r in rows:
+        if r["parent_id"] is None and r["kind"] != "signals":
+            return r
+    return rows[0]
+
+
+@dataclass
+class _File:
+    path: Path
+    sealed: bool
+    index: pa.Table  # its index rows (row_groups set for sealed files)
 
 
 class Run:
@@ -219,6 +417,8 @@ class Run:
         self.path = path
         self.manifest = manifest.read_manifest(path)
         self.warnings: list[str] = []
+        self._indexes: dict[Path, tuple[float, int, pa.Table]] = {}
+        self._partials: dict[Path, tuple[float, int, pa.Table]] = {}
         version = self.manifest.get("format_version", FORMAT_VERSION)
         if int(version) > FORMAT_VERSION:
             raise RunError(
@@ -245,26 +445,114 @@ class Run:
         if message not in self.warnings:
             self.warnings.append(message)
 
-    def _read_sealed(self, path: Path, filters: Filters, columns: list[str] | None) -> pa.Table | None:
-        """Matching rows of one sealed file, skipping row groups whose statistics exclude them."""
+    def _skip(self, path: Path, exc: BaseException) -> None:
+        self._warn(f"skipped unreadable file {path.relative_to(self.path)}: {_one_line(exc)}")
+
+    # ---- files ------------------------------------------------------------------------------
+
+    def _read_sealed(
+        self,
+        path: Path,
+        filters: Filters,
+        columns: list[str] | None,
+        row_groups: list[int] | None = None,
+    ) -> pa.Table | None:
+        """Matching rows of one sealed file (format 2 columns), reading only the row groups that may
+        match (``row_groups``, else those whose statistics do not exclude them)."""
         wanted = filters.items()
         try:
             pf = pq.ParquetFile(path)
-            if SPAN_SCHEMA.names != pf.schema_arrow.names:
-                check_format(pf.schema_arrow.metadata, "file")
-                raise FormatError("not an rlreplay span file (unexpected columns)")
-            groups = [
-                i for i in range(pf.num_row_groups) if _row_group_may_match(pf.metadata.row_group(i), wanted)
-            ]
-            if not groups:
+            version = file_version(pf.schema_arrow, "file")
+            if row_groups is None:
+                row_groups = [
+                    i
+                    for i in range(pf.num_row_groups)
+                    if _row_group_may_match(pf.metadata.row_group(i), wanted)
+                ]
+            if not row_groups:
                 return None
-            read_cols = None if columns is None else sorted(set(columns) | {k for k, _ in wanted})
-            table = pf.read_row_groups(groups, columns=read_cols)
+            need = None if columns is None else set(columns) | {k for k, _ in wanted}
+            if need is not None and any(k in KEYS for k in need):
+                need |= {KEY_STR[k] for k in KEYS if k in need}
+            if need is not None and "trajectory_id" in need:
+                need.add("trajectory_id")
+            names = V1_COLUMNS if version == 1 else SPAN_SCHEMA.names
+            read_cols = None if need is None else [c for c in names if c in need]
+            table = pf.read_row_groups(row_groups, columns=read_cols)
+            if version == 1:
+                table = upgrade(table, [c for c in SPAN_SCHEMA.names if need is None or c in need])
         except (pa.ArrowException, OSError, FormatError) as exc:
-            self._warn(f"skipped unreadable file {path.relative_to(self.path)}: {_one_line(exc)}")
+            self._skip(path, exc)
             return None
         table = filters.apply(table)
         return table.select(columns) if columns is not None else table
+
+    def _partial(self, path: Path) -> pa.Table | None:
+        """A live file's rows (format 2 columns), cached while it does not change."""
+        try:
+            stat = path.stat()
+            cached = self._partials.get(path)
+            if cached is not None and cached[:2] == (stat.st_mtime, stat.st_size):
+                return cached[2]
+            table = read_partial(path).table
+        except (pa.ArrowException, OSError, FormatError) as exc:
+            self._skip(path, exc)
+            return None
+        self._partials[path] = (stat.st_mtime, stat.st_size, table)
+        return table
+
+    def _index(self, path: Path, sealed: bool) -> pa.Table | None:
+        """A file's trajectory index: the sidecar of a sealed file, else built from its spans."""
+        try:
+            stat = path.stat()
+        except OSError as exc:
+            self._skip(path, exc)
+            return None
+        cached = self._indexes.get(path)
+        if cached is not None and cached[:2] == (stat.st_mtime, stat.st_size):
+            return cached[2]
+        index = None
+        if sealed:
+            index = tindex.read(tindex.index_path(path), stat.st_size)
+            if index is None:
+                index = self._build_index(path)
+        else:
+            table = self._partial(path)
+            if table is not None:
+                index = tindex.build(table.select(tindex.SPAN_COLUMNS))
+        if index is not None:
+            self._indexes[path] = (stat.st_mtime, stat.st_size, index)
+        return index
+
+    def _build_index(self, path: Path) -> pa.Table | None:
+        """The index of a sealed file without one (format 1, or its index lost)."""
+        import numpy as np
+
+        try:
+            pf = pq.ParquetFile(path)
+            version = file_version(pf.schema_arrow, "file")
+            names = V1_COLUMNS if version == 1 else SPAN_SCHEMA.names
+            cols = [c for c in names if c in tindex.SPAN_COLUMNS]
+            table = pf.read(columns=cols)
+            if version == 1:
+                table = upgrade(table, tindex.SPAN_COLUMNS)
+            sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
+        except (pa.ArrowException, OSError, FormatError) as exc:
+            self._skip(path, exc)
+            return None
+        groups = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
+        return tindex.build(table.select(tindex.SPAN_COLUMNS), groups)
+
+    def _files(self, filters: Filters) -> list[_File]:
+        sealed, partials = list_files(self.path, filters.single_step())
+        files = []
+        for path, is_sealed in [(p, True) for p in sealed] + [(p, False) for p in partials]:
+            index = self._index(path, is_sealed)
+            if index is not None:
+                files.append(_File(path, is_sealed, index))
+        return files
+
+    # ---- reading ----------------------------------------------------------------------------
 
     def spans(
         self, filters: Filters | None = None, columns: Sequence[str] | None = None, **kw: Any
@@ -275,28 +563,42 @@ class Run:
         sealed, partials = list_files(self.path, filters.single_step())
         tables = [t for t in (self._read_sealed(f, filters, cols) for f in sealed) if t is not None]
         for partial in partials:
-            try:
-                table = read_partial(partial).table
-            except (pa.ArrowException, OSError, FormatError) as exc:
-                self._warn(f"skipped unreadable file {partial.relative_to(self.path)}: {_one_line(exc)}")
+            table = self._partial(partial)
+            if table is None:
                 continue
             table = filters.apply(table)
             tables.append(table.select(cols) if cols else table)
         return _concat(tables, cols)
 
+    def index(self, filters: Filters | None = None, **kw: Any) -> pa.Table:
+        """Merged index rows (one per trajectory) passing the filters."""
+        filters = filters or Filters(**kw)
+        files = self._files(filters)
+        rows = (
+            tindex.merge(pa.concat_tables([f.index for f in files]))
+            if files
+            else tindex.INDEX_SCHEMA.empty_table()
+        )
+        return filters.apply(rows, id_column="id")
+
     def trajectories(self, filters: Filters | None = None, **kw: Any) -> pa.Table:
-        """One row per trajectory, sorted by step, sample_index, rollout_n, start."""
-        spans = self.spans(filters, columns=META_COLUMNS, **kw)
-        return summarize(spans)
+        """One row per trajectory (contract C2), sorted by step, sample_index, rollout_n, start.
+
+        Read from the trajectory indexes, not the spans (a span-name filter reads span rows).
+        """
+        filters = filters or Filters(**kw)
+        if filters.name is not None:
+            return summarize(self.spans(filters, columns=tindex.SPAN_COLUMNS))
+        return tindex.listing(self.index(filters))
 
     def resolve(self, ref: str) -> tuple[str, int | None]:
         """Full trajectory id and step for an id or a unique id prefix."""
         ref = ref.strip().lower()
         if not ref or any(c not in "0123456789abcdef" for c in ref):
             raise RunError(f"not a trajectory id: {ref!r} (expected hex characters)")
-        table = self.spans(columns=["trajectory_id", "step"])
-        matches = table.filter(pc.starts_with(table["trajectory_id"], ref))
-        unique = sorted(set(matches["trajectory_id"].to_pylist()))
+        table = self.index()
+        matches = table.filter(pc.starts_with(table["id"], ref))
+        unique = sorted(set(matches["id"].to_pylist()))
         if not unique:
             raise RunError(f"no trajectory {ref!r} in {self.path}")
         if len(unique) > 1:
@@ -307,20 +609,46 @@ class Run:
     def trajectory(self, ref: str) -> Trajectory:
         """One trajectory, by id or unique prefix, with decoded inputs/outputs and its span tree."""
         traj_id, step = self.resolve(ref)
-        table = self.spans(Filters(step=step, trajectory_id=traj_id))
-        return trajectory_from_table(table)
+        found = self.load([traj_id], Filters(step=step) if step is not None else None)
+        if not found:
+            raise RunError(f"no trajectory {ref!r} in {self.path}")
+        return found[0]
 
     def load(self, traj_ids: Iterable[str], filters: Filters | None = None) -> list[Trajectory]:
-        """Several trajectories at once, in the order given."""
+        """Several trajectories at once, in the order given, reading only the row groups that hold them."""
         wanted = list(traj_ids)
         if not wanted:
             return []
         base = filters or Filters()
-        table = self.spans(Filters(**{**base.__dict__, "trajectory_id": wanted}))
+        base = Filters(**{**base.__dict__, "trajectory_id": wanted})
+        wanted_set = pa.array(sorted(set(wanted)), type=pa.string())
+        tables = []
+        sources: dict[str, list[str]] = {}
+        for f in self._files(base):
+            hits = f.index.filter(pc.is_in(f.index["id"], value_set=wanted_set))
+            if hits.num_rows == 0:
+                continue
+            for tid in hits["id"].to_pylist():
+                sources.setdefault(tid, []).append(str(f.path.relative_to(self.path)))
+            if f.sealed:
+                groups = sorted({g for gs in hits["row_groups"].to_pylist() if gs for g in gs})
+                table = self._read_sealed(f.path, base, None, groups or None)
+            else:
+                table = self._partial(f.path)
+                table = base.apply(table) if table is not None else None
+            if table is not None and table.num_rows:
+                tables.append(table)
+        table = _concat(tables, None)
         groups: dict[str, list[int]] = {}
         for i, tid in enumerate(table["trajectory_id"].to_pylist()):
             groups.setdefault(tid, []).append(i)
-        return [trajectory_from_table(table.take(groups[t])) for t in wanted if t in groups]
+        return [
+            trajectory_from_table(
+                table.take(groups[t]), lambda m, t=t: self._warn(f"{', '.join(sources.get(t, []))}: {m}")
+            )
+            for t in wanted
+            if t in groups
+        ]
 
     def counters(self) -> dict[str, int]:
         """Spans dropped, spilled, lost or not encodable in the recording processes, and recoveries."""
@@ -330,99 +658,28 @@ class Run:
 
 
 def summarize(spans: pa.Table) -> pa.Table:
-    """The trajectory listing from span metadata rows (numpy segment reductions, no query engine)."""
-    import numpy as np
-
+    """The trajectory listing (contract C2) from span metadata rows: ``rlreplay.index`` rules."""
     if spans.num_rows == 0:
-        return pa.table({name: pa.array([], type=typ) for name, typ in TRAJECTORY_COLUMNS})
-    spans = spans.combine_chunks()
-    encoded = pc.dictionary_encode(spans["trajectory_id"]).chunk(0)
-    group = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-    ids = encoded.dictionary
-    n = len(ids)
-    _, first_row = np.unique(group, return_index=True)
-    kind = spans["kind"]
-
-    def count(mask: pa.ChunkedArray) -> np.ndarray:
-        return np.bincount(group, weights=mask.to_numpy(zero_copy_only=False), minlength=n).astype(np.int64)
-
-    start = np.full(n, np.iinfo(np.int64).max)
-    np.minimum.at(start, group, spans["start_ns"].to_numpy())
-    end = np.full(n, np.iinfo(np.int64).min)
-    np.maximum.at(end, group, spans["end_ns"].to_numpy())
-    rewarded = pc.is_in(kind, value_set=pa.array([KIND_TRAJECTORY, KIND_AGENT]))
-    reward_values = pc.if_else(rewarded, spans["reward"], None)
-    reward = np.full(n, -np.inf)
-    np.maximum.at(reward, group, pc.fill_null(reward_values, -np.inf).to_numpy(zero_copy_only=False))
-
-    is_root = pc.is_null(spans["parent_id"]).to_numpy(zero_copy_only=False)
-    root_rows = np.full(n, -1)
-    root_rows[group[is_root]] = np.nonzero(is_root)[0]
-    has_root = root_rows >= 0
-    root_take = pa.array(np.where(has_root, root_rows, 0))
-    names = pc.if_else(pa.array(has_root), spans["name"].take(root_take), None)
-    statuses = pc.if_else(pa.array(has_root), spans["status"].take(root_take), "incomplete")
-    root_span = spans["span_id"].take(root_take).take(pa.array(group))
-    child_of_root = pc.and_(pc.equal(spans["parent_id"], root_span), pa.array(has_root[group]))
-    children = np.nonzero(pc.fill_null(child_of_root, False).to_numpy(zero_copy_only=False))[0]
-    agent = [None] * n
-    if len(children):
-        order = children[np.argsort(spans["start_ns"].to_numpy()[children], kind="stable")]
-        groups_of, first = np.unique(group[order], return_index=True)
-        for g, name in zip(groups_of, spans["name"].take(pa.array(order[first])).to_pylist()):
-            agent[g] = name
-
-    firsts = spans.select(["step", "sample_index", "rollout_n", "validate", "experiment", "worker"]).take(
-        pa.array(first_row)
-    )
-    table = pa.table(
-        {
-            "id": ids,
-            "step": firsts["step"],
-            "sample_index": firsts["sample_index"],
-            "rollout_n": firsts["rollout_n"],
-            "validate": firsts["validate"],
-            "experiment": firsts["experiment"],
-            "worker": firsts["worker"],
-            "name": names,
-            "agent": pa.array(agent, pa.string()),
-            "start_time": pa.array(start / 1e9),
-            "duration_s": pa.array((end - start) / 1e9),
-            "num_spans": pa.array(np.bincount(group, minlength=n).astype(np.int64)),
-            "num_turns": pa.array(count(pc.equal(kind, KIND_LLM))),
-            "num_tool_calls": pa.array(count(pc.equal(kind, KIND_TOOL))),
-            "status": statuses,
-            "reward": pa.array(np.where(np.isneginf(reward), np.nan, reward), from_pandas=True),
-        }
-    )
-    return table.cast(pa.schema(TRAJECTORY_COLUMNS)).sort_by(
-        [
-            ("step", "ascending"),
-            ("sample_index", "ascending"),
-            ("rollout_n", "ascending"),
-            ("start_time", "ascending"),
-        ]
-    )
+        return tindex.LISTING_SCHEMA.empty_table()
+    missing = [c for c in tindex.SPAN_COLUMNS if c not in spans.column_names]
+    if missing:
+        for name in missing:
+            spans = spans.append_column(
+                SPAN_SCHEMA.field(name), pa.nulls(spans.num_rows, SPAN_SCHEMA.field(name).type)
+            )
+    return tindex.listing(tindex.merge(tindex.build(spans.select(tindex.SPAN_COLUMNS))))
 
 
-TRAJECTORY_COLUMNS = [
-    ("id", pa.string()),
-    ("step", pa.int64()),
-    ("sample_index", pa.int64()),
-    ("rollout_n", pa.int64()),
-    ("validate", pa.bool_()),
-    ("experiment", pa.string()),
-    ("worker", pa.string()),
-    ("name", pa.string()),
-    ("agent", pa.string()),
-    ("start_time", pa.float64()),
-    ("duration_s", pa.float64()),
-    ("num_spans", pa.int64()),
-    ("num_turns", pa.int64()),
-    ("num_tool_calls", pa.int64()),
-    ("status", pa.string()),
-    ("reward", pa.float64()),
-]
+TRAJECTORY_COLUMNS = [(f.name, f.type) for f in tindex.LISTING_FIELDS]
+
+
+def listing_rows(table: pa.Table) -> list[dict[str, Any]]:
+    """Listing rows as user-facing dicts: one merged value per key, no ``_str`` columns."""
+    rows = table.to_pylist()
+    for row in rows:
+        for key in KEYS:
+            row[key] = key_value(row.get(key), row.pop(KEY_STR[key], None))
+    return rows
 
 
 def _row_group_may_match(group: pq.RowGroupMetaData, wanted: list[tuple[str, list[Any]]]) -> bool:
@@ -430,10 +687,14 @@ def _row_group_may_match(group: pq.RowGroupMetaData, wanted: list[tuple[str, lis
         return True
     index = {group.column(i).path_in_schema: i for i in range(group.num_columns)}
     for key, values in wanted:
+        if key in KEYS and any(_as_key_int(v) is None for v in values if v is not None):
+            continue  # string keys live in the _str column
         stats = group.column(index[key]).statistics if key in index else None
         if stats is None or not stats.has_min_max:
             continue
         present = [v for v in values if v is not None]
+        if key in KEYS:
+            present = [_as_key_int(v) for v in present]
         try:
             if present and not any(stats.min <= v <= stats.max for v in present):
                 return False
@@ -446,6 +707,24 @@ def _concat(tables: list[pa.Table], columns: list[str] | None) -> pa.Table:
     schema = pa.schema([SPAN_SCHEMA.field(c) for c in columns]) if columns else SPAN_SCHEMA
     tables = [t.cast(schema) if t.schema != schema else t for t in tables]
     return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+class _NoPandas:
+    """An import finder refusing pandas (pyarrow then skips its pandas integration)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "pandas" or name.startswith("pandas."):
+            raise ModuleNotFoundError("pandas is not used by rlreplay's reading commands", name=name)
+
+
+def skip_pandas() -> None:
+    """Keep pandas out of this process: pyarrow imports it on its first conversion (0.2–0.8 s),
+    and reading a run never needs it. For the CLI's reading commands only (a process that may
+    need pandas later must not call this)."""
+    import sys
+
+    if "pandas" not in sys.modules and not any(isinstance(f, _NoPandas) for f in sys.meta_path):
+        sys.meta_path.insert(0, _NoPandas())
 
 
 def _one_line(exc: BaseException) -> str:

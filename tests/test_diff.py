@@ -156,9 +156,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def raw_agent_output(run_dir: Path, traj_id: str) -> dict:
-    table = rlreplay.open_run(run_dir).spans(trajectory_id=traj_id, name=AGENT, columns=["output"])
-    assert table.num_rows == 1
-    return json.loads(table["output"][0].as_py())
+    (span,) = [s for s in rlreplay.open_run(run_dir).trajectory(traj_id).spans if s.name == AGENT]
+    return span.output
 
 
 def expected_divergence(out_a: dict, out_b: dict) -> dict | None:

@@ -25,9 +25,9 @@ import pydantic
 import pytest
 
 import rlreplay
-from rlreplay import payload
 from rlreplay.cli.main import main
 from rlreplay.shards import list_files
+from rlreplay.store import decoded_rows
 
 
 @pytest.fixture
@@ -40,10 +40,8 @@ def run_dir(tmp_path: Path):
 
 def spans_of(run_dir: Path) -> list[dict[str, Any]]:
     """Every recorded span as a dict, inputs/output/attributes decoded, ordered by start."""
-    rows = rlreplay.open_run(run_dir).spans().to_pylist()
+    rows = decoded_rows(rlreplay.open_run(run_dir).spans())
     for r in rows:
-        for key in ("inputs", "output", "attributes"):
-            r[key] = payload.decode(r[key])
         r["short"] = r["name"].rsplit(".", 1)[-1]  # a local function's name without its qualname
     return sorted(rows, key=lambda r: (r["start_ns"], r["span_id"]))
 
@@ -368,20 +366,20 @@ def test_field_size_cap_leaves_a_visible_marker(tmp_path: Path, capsys: pytest.C
     rlreplay.init(run_dir, worker="w0", max_field_bytes=2000)
 
     @rlreplay.trace_op(kind="llm")
-    def generate(prompt_ids: list[int], note: str) -> list[int]:
-        return list(range(5000))
+    def generate(prompt_ids: list[str], note: str) -> list[str]:  # text: token arrays are never capped
+        return [str(i) for i in range(5000)]
 
     with rlreplay.trajectory(step=0, sample_index=0):
-        generate(list(range(3000)), "small")
+        generate([str(i) for i in range(3000)], "small")
     rlreplay.close()
     (span,) = [r for r in spans_of(run_dir) if r["kind"] == "llm"]
-    big = orjson.dumps(list(range(3000)))
+    big = orjson.dumps([str(i) for i in range(3000)])
     assert span["inputs"]["note"] == "small"
     marker = span["inputs"]["prompt_ids"]
     assert marker["__type__"] == "truncated" and marker["bytes"] == len(big)
     assert big.decode().startswith(marker["preview"]) and 0 < len(marker["preview"]) < 2000
     assert span["output"]["__type__"] == "truncated"
-    assert span["output"]["bytes"] == len(orjson.dumps(list(range(5000))))
+    assert span["output"]["bytes"] == len(orjson.dumps([str(i) for i in range(5000)]))
     traj_id = span["trajectory_id"]
     assert main(["show", traj_id[:10], "--run", str(run_dir), "--no-text"]) == 0
     assert "truncated" in capsys.readouterr().out

@@ -18,6 +18,7 @@ import pytest
 import rlreplay
 from rlreplay.cli.main import main
 from rlreplay.shards import list_files
+from rlreplay.store import decoded_rows
 from rlreplay.summary import recover
 
 FULL_DISK = textwrap.dedent(
@@ -101,9 +102,9 @@ def test_full_disk_training_continues_and_losses_are_counted(
     assert list_files(run_dir)[1] == []
     table = rlreplay.open_run(run_dir).spans()
     assert table.num_rows == stats["spans"]
-    for row in table.to_pylist():
+    for row in decoded_rows(table):
         if row["kind"] == "llm":
-            inputs, output = orjson.loads(row["inputs"]), orjson.loads(row["output"])
+            inputs, output = row["inputs"], row["output"]
             assert len(output["token_ids"]) == 50 and inputs["request_id"].startswith(f"{row['step']}-")
 
     capsys.readouterr()

@@ -83,7 +83,7 @@ def test_files_are_partitioned_sealed_and_versioned(run_dir: Path) -> None:
     assert {p.parent.parent.name for p in sealed} == {f"step={s}" for s in STEPS}
     for path in sealed:
         meta = pq.read_schema(path).metadata
-        assert meta[b"rlreplay.format_version"] == b"1"
+        assert meta[b"rlreplay.format_version"] == b"2"
         table = pq.read_table(path)
         assert set(table["step"].to_pylist()) == {int(path.parent.parent.name.split("=")[1])}
         assert set(table["worker"].to_pylist()) == {path.parent.name.split("=")[1]}
@@ -112,8 +112,8 @@ def test_trajectory_listing_counts_and_status(run_dir: Path) -> None:
     rows = rlreplay.open_run(run_dir).trajectories(step=3, validate=False).to_pylist()
     for row in rows:
         assert row["num_spans"] == 4
-        assert row["num_turns"] == 1
-        assert row["num_tool_calls"] == 1
+        assert row["model_calls"] == 1
+        assert row["tool_calls"] == 1
         assert row["name"] == "agent_loop"
         assert row["agent"] == "Agent.run"
         assert row["reward"] == (0.0 if row["rollout_n"] == 1 else 1.0)
@@ -164,7 +164,7 @@ def test_cli_ls_table_and_show(run_dir: Path, capsys: pytest.CaptureFixture[str]
     "args",
     [
         ["ls", "{missing}"],
-        ["ls", "{run}", "--step", "five"],
+        ["ls", "{run}", "--limit", "0"],
         ["show", "ffffffffffffffffffffffffffffffff", "--run", "{run}"],
         ["show", "not-hex", "--run", "{run}"],
         ["show", "{ambiguous}", "--run", "{run}"],
