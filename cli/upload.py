@@ -155,6 +155,8 @@ def _size(text: str | None) -> int | None:
         return parse_size(text)
     except ValueError as exc:
         fail(f"--max-bytes: {exc}")
+    except OverflowError:
+        fail(f"--max-bytes: too large: {text[:40]}{'...' if len(text) > 40 else ''}")
 
 
 def _human(nbytes: int) -> str:

@@ -33,7 +33,7 @@ from conftest import _free_port, qwen_tokenizer_dir
 import rlreplay
 from rlreplay.cli.main import main
 from rlreplay.uploaders.base import LEDGER_DIR
-from rlreplay.uploaders.otlp_proto import otel_trace_id
+from rlreplay.uploaders.otlp_proto import otel_span_id, otel_trace_id
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -203,7 +203,11 @@ def project_id(url: str, name: str) -> str:
 
 def expected_spans(run_dir: Path, ids: list[str], project: str) -> dict[tuple[str, str], Any]:
     run = rlreplay.open_run(run_dir)
-    return {(otel_trace_id(t.id, project), s.span_id): (t, s) for t in run.load(ids) for s in t.spans}
+    return {
+        (otel_trace_id(t.id, project), otel_span_id(s.span_id, project)): (t, s)
+        for t in run.load(ids)
+        for s in t.spans
+    }
 
 
 def test_phoenix_round_trip_dry_run_rerun_and_screenshot(
@@ -241,7 +245,9 @@ def test_phoenix_round_trip_dry_run_rerun_and_screenshot(
     kinds = {"trajectory": "CHAIN", "agent": "AGENT", "llm": "LLM", "tool": "TOOL", "parser": "CHAIN"}
     for key, (traj, span) in expected.items():
         pb = got[key]
-        assert pb["name"] == span.name and pb["parent_id"] == (span.parent_id or None)
+        parent = otel_span_id(span.parent_id, project) if span.parent_id else None
+        assert pb["name"] == span.name and pb["parent_id"] == parent
+        assert pb["attributes"]["rlreplay.span_id"] == span.span_id
         assert pb["span_kind"] == kinds[span.kind]
         assert pb["status_code"] == ("ERROR" if span.status == "error" else "OK")
         attrs = pb["attributes"]
@@ -264,7 +270,7 @@ def test_phoenix_round_trip_dry_run_rerun_and_screenshot(
         if span.kind == "tool":
             assert attrs["tool.name"]
     first = min(expected.values(), key=lambda ts: ts[1].start_ns)[1]
-    (pb_first,) = [s for k, s in got.items() if k[1] == first.span_id]
+    (pb_first,) = [s for k, s in got.items() if k[1] == otel_span_id(first.span_id, project)]
     assert pb_first["start_time"].startswith(
         time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(first.start_ns // 1_000_000_000))
     )  # recorded times

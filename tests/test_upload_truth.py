@@ -248,6 +248,13 @@ def test_ledger_line_that_is_not_a_record(
     assert ledger.read_bytes() == kept
 
 
+def test_huge_max_bytes_is_one_line(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(capsys, str(run_copy), "--max-bytes", "9" * 400, "--dry-run")
+    assert rc == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("rlreplay: error: --max-bytes") and "Traceback" not in err
+
+
 def test_max_samples_zero_is_refused(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = run_cli(capsys, str(run_copy), "--max-samples", "0", "--dry-run")
     assert rc == 2 and out == ""

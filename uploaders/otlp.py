@@ -7,8 +7,10 @@ the OpenInference conventions that Phoenix and Langfuse render: ``openinference.
 ``llm.output_messages.*`` (the conversation, decoded), ``llm.token_count.*``, ``tool.name``;
 plus the trajectory keys, reward and advantage (``rlreplay.*`` and ``metadata``). The trace id
 is derived from the trajectory id and the project, the span ids are the recorded ones, the
-times are the recorded times: sending again adds nothing new to a collector that keys spans by
-id (Phoenix ignores a span id it has). Headers (tokens) come from ``--header K=V`` or
+span ids are derived from the project and the recorded span ids (``rlreplay.span_id`` holds the
+recorded one: Phoenix keys spans by span id alone, so one run can go to two projects), the times
+are the recorded times: sending again adds nothing new to a collector that keys spans by id
+(Phoenix ignores a span id it has). Headers (tokens) come from ``--header K=V`` or
 ``OTEL_EXPORTER_OTLP_HEADERS`` and are never written anywhere.
 """
 
@@ -170,7 +172,8 @@ def span_attributes(traj: Trajectory, messages: list[dict[str, Any]]) -> Any:
         "rlreplay.experiment": traj.experiment,
     }
     reward = traj.reward
-    advantage = getattr(traj, "advantage", None)
+    with_advantage = [s for s in traj.spans if getattr(s, "advantage", None) is not None]
+    advantage = max(with_advantage, key=lambda s: s.end_ns).advantage if with_advantage else None
     first_user = next((m.get("content") for m in messages if m.get("role") == "user"), None)
     last_assistant = next(
         (m.get("content") for m in reversed(messages) if m.get("role") == "assistant"), None
@@ -178,7 +181,11 @@ def span_attributes(traj: Trajectory, messages: list[dict[str, Any]]) -> Any:
 
     def attributes(span: Span, is_root: bool) -> dict[str, Any]:
         kind = SPAN_KINDS.get(span.kind, "CHAIN")
-        attrs: dict[str, Any] = {"openinference.span.kind": kind, "rlreplay.kind": span.kind}
+        attrs: dict[str, Any] = {
+            "openinference.span.kind": kind,
+            "rlreplay.kind": span.kind,
+            "rlreplay.span_id": span.span_id,
+        }
         inputs, output = span.inputs, span.output
         if span.kind == KIND_LLM:
             k = turn_of[span.span_id]
@@ -319,7 +326,7 @@ class OtlpUploader:
         for traj in trajectories:
             hex_id = self.trace_id(traj.id)
             attributes = span_attributes(traj, _messages(traj, self.decoder))
-            body = encode_trajectory(traj, hex_id, attributes, resource)
+            body = encode_trajectory(traj, hex_id, attributes, resource, span_namespace=self.project)
             out.append(Prepared(traj.id, hex_id, body, len(body)))
         return out
 

@@ -108,14 +108,27 @@ def exception_attributes(span: Span) -> dict[str, str] | None:
     return None
 
 
+def otel_span_id(span_id: str, namespace: str) -> str:
+    """64-bit span id (16 hex) derived from a recorded span id and a namespace (a project).
+
+    For servers that key spans by span id alone (Phoenix): the same run sent to two projects
+    keeps two copies instead of the second being dropped as already there.
+    """
+    return hashlib.blake2b(f"{namespace}\n{span_id}".encode(), digest_size=8).hexdigest()
+
+
 def encode_trajectory(
     traj: Trajectory,
     trace_id_hex: str,
     span_attributes: SpanAttributes,
     resource_attributes: dict[str, Any] | None = None,
     scope_name: str = "rlreplay",
+    span_namespace: str | None = None,
 ) -> bytes:
-    """One trajectory as a serialized OTLP ``ExportTraceServiceRequest`` (one trace)."""
+    """One trajectory as a serialized OTLP ``ExportTraceServiceRequest`` (one trace).
+
+    Span ids are the recorded ones, or derived from them and ``span_namespace`` when given.
+    """
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
@@ -129,13 +142,17 @@ def encode_trajectory(
     scope.scope.name = scope_name
     trace_id = bytes.fromhex(trace_id_hex)
     known = {s.span_id for s in traj.spans}
+
+    def wire_id(span_id: str) -> bytes:
+        return bytes.fromhex(span_id if span_namespace is None else otel_span_id(span_id, span_namespace))
+
     for span in traj.spans:
         pb = scope.spans.add()
         pb.trace_id = trace_id
-        pb.span_id = bytes.fromhex(span.span_id)
+        pb.span_id = wire_id(span.span_id)
         is_root = span.parent_id is None or span.parent_id not in known
         if not is_root:
-            pb.parent_span_id = bytes.fromhex(span.parent_id)
+            pb.parent_span_id = wire_id(span.parent_id)
         pb.name = span.name
         pb.start_time_unix_nano = span.start_ns
         pb.end_time_unix_nano = span.end_ns
