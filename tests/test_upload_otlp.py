@@ -259,13 +259,17 @@ def test_phoenix_round_trip_dry_run_rerun_and_screenshot(
         if span.kind == "llm":
             reply = tok.decode(span.output["token_ids"], skip_special_tokens=False)
             assert attrs["llm.output_messages.0.message.role"] == "assistant"
-            assert attrs["llm.output_messages.0.message.content"] == reply
+            # the conversation, readable: decoded text (with or without the chat template's markers)
+            content = attrs.get("llm.output_messages.0.message.content", "")
+            called = "llm.output_messages.0.message.tool_calls.0.tool_call.function.name" in attrs
+            assert content.strip() in reply and (content.strip() or called)
             n = 0
             while f"llm.input_messages.{n}.message.role" in attrs:
                 n += 1
             contents = [attrs.get(f"llm.input_messages.{i}.message.content", "") for i in range(n)]
-            assert attrs["llm.input_messages.0.message.role"] == "user"
-            assert "".join(contents) == tok.decode(span.inputs["prompt_ids"], skip_special_tokens=False)
+            prompt = tok.decode(span.inputs["prompt_ids"], skip_special_tokens=False)
+            assert {"user"} <= {attrs[f"llm.input_messages.{i}.message.role"] for i in range(n)}
+            assert all(c.strip() in prompt for c in contents) and sum(map(len, contents)) > len(prompt) // 2
             assert attrs["llm.token_count.prompt"] == len(span.inputs["prompt_ids"])
         if span.kind == "tool":
             assert attrs["tool.name"]
