@@ -28,6 +28,7 @@ from typing import Any
 
 from rlreplay.schema import KIND_AGENT, KIND_LLM, KIND_TOOL, KIND_TRAJECTORY
 from rlreplay.store import Span, Trajectory
+from rlreplay.uploaders import chat
 from rlreplay.uploaders.base import (
     BackendOption,
     Prepared,
@@ -77,50 +78,6 @@ def traces_url(endpoint: str) -> str:
     if parts.path in ("", "/"):
         return endpoint.rstrip("/") + TRACES_PATH
     return endpoint
-
-
-def _messages(traj: Trajectory, decoder: Any) -> list[dict[str, Any]]:
-    """The conversation in OpenAI chat form (``rlreplay.messages`` when available)."""
-    try:
-        from rlreplay.messages import openai_messages  # type: ignore[import-not-found]
-    except ImportError:
-        openai_messages = None
-    if openai_messages is not None and decoder is not None:
-        try:
-            return list(openai_messages(traj, decoder))
-        except Exception:
-            pass
-    return _messages_from_text(traj)
-
-
-def _messages_from_text(traj: Trajectory) -> list[dict[str, Any]]:
-    """Messages from the decoded conversation token2text put on the agent span."""
-    for agent in traj.by_kind(KIND_AGENT)[:1]:
-        conversation = agent.output.get("conversation") if isinstance(agent.output, dict) else None
-        if not isinstance(conversation, list):
-            break
-        out = []
-        for turn in conversation:
-            role = {"prompt": "user"}.get(turn.get("role"), turn.get("role"))
-            message: dict[str, Any] = {"role": role, "content": turn.get("text") or ""}
-            calls = turn.get("tool_calls") or []
-            if calls:
-                message["tool_calls"] = [
-                    {
-                        "type": "function",
-                        "function": {
-                            "name": str(c.get("name", "")),
-                            "arguments": c["arguments"]
-                            if isinstance(c.get("arguments"), str)
-                            else json.dumps(c.get("arguments")),
-                        },
-                    }
-                    for c in calls
-                    if isinstance(c, dict)
-                ]
-            out.append(message)
-        return out
-    return []
 
 
 def _json(value: Any) -> str:
@@ -325,7 +282,7 @@ class OtlpUploader:
         out = []
         for traj in trajectories:
             hex_id = self.trace_id(traj.id)
-            attributes = span_attributes(traj, _messages(traj, self.decoder))
+            attributes = span_attributes(traj, chat.messages(traj, self.decoder))
             body = encode_trajectory(traj, hex_id, attributes, resource, span_namespace=self.project)
             out.append(Prepared(traj.id, hex_id, body, len(body)))
         return out

@@ -30,6 +30,7 @@ import orjson
 
 from rlreplay.schema import KIND_AGENT, KIND_TRAJECTORY, STATUS_ERROR
 from rlreplay.store import Span, Trajectory
+from rlreplay.uploaders import chat
 from rlreplay.uploaders.base import Prepared, SendResult, UploadError, within
 
 #: The metric key verl gives an op's traces (``_trackio_trace_key``).
@@ -65,29 +66,9 @@ def _exception(span: Span) -> tuple[str, str] | None:
     return (kind, message) if sep else ("Exception", kind)
 
 
-def _conversation(span: Span) -> list[dict[str, Any]] | None:
-    """An agent span's decoded conversation (token2text's) as chat messages."""
-    turns = span.output.get("conversation") if isinstance(span.output, dict) else None
-    if not isinstance(turns, list) or not turns:
-        return None
-    out = []
-    for turn in turns:
-        role = {"prompt": "user"}.get(turn.get("role"), turn.get("role"))
-        message: dict[str, Any] = {"role": role, "content": turn.get("text") or ""}
-        if turn.get("tool_calls"):
-            message["tool_calls"] = [
-                {
-                    "type": "function",
-                    "function": {"name": c.get("name"), "arguments": _json_content(c.get("arguments"))},
-                }
-                for c in turn["tool_calls"]
-                if isinstance(c, dict)
-            ]
-        out.append(message)
-    return out
-
-
-def span_trace(traj: Trajectory, span: Span, experiment: str | None) -> tuple[list[dict], dict[str, Any]]:
+def span_trace(
+    traj: Trajectory, span: Span, experiment: str | None, conversation: list[dict[str, Any]] | None = None
+) -> tuple[list[dict], dict[str, Any]]:
     """(messages, metadata) of one span, as verl's ``_log_trackio_trace`` builds them."""
     inputs = (
         span.inputs
@@ -124,10 +105,8 @@ def span_trace(traj: Trajectory, span: Span, experiment: str | None) -> tuple[li
     given = inputs.get("messages")
     if isinstance(given, list):
         messages = [dict(m) for m in given if isinstance(m, dict) and isinstance(m.get("role"), str)]
-    if span.kind == KIND_AGENT and not messages:
-        messages = _conversation(span) or []
-        if messages:
-            return messages, metadata
+    if span.kind == KIND_AGENT and not messages and conversation and span.status != STATUS_ERROR:
+        return conversation, metadata
     if not messages:
         messages = [
             {"role": "system", "content": f"verl rollout trace operation: {span.name}"},
@@ -202,6 +181,7 @@ class TrackioUploader:
         self.timeout = timeout
         self._recorded = run
         self._config = {"framework": "verl", "uploaded_by": "rlreplay", **(config or {})}
+        self.decoder: Any = None  # set by the pipeline: decodes the conversation of agent spans
         self._run: Any = None
         self._stats: dict[tuple[Any, bool], dict[str, float]] | None = None
         self._stats_logged: set[tuple[Any, bool]] = set()
@@ -239,8 +219,9 @@ class TrackioUploader:
         out = []
         for traj in trajectories:
             entries = []
+            conversation = chat.messages(traj, self.decoder)
             for span in _traced(traj):
-                messages, metadata = span_trace(traj, span, traj.experiment)
+                messages, metadata = span_trace(traj, span, traj.experiment, conversation)
                 payload = Trace(messages=messages, metadata=metadata)._to_dict(
                     project=self.project,
                     run=self.run_name,
