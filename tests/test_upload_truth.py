@@ -286,3 +286,45 @@ def test_tracking_uri_credentials_reach_no_file_and_no_output(
     for path in (run_copy / LEDGER_DIR).rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path
+
+
+# -- what a server already has -----------------------------------------------------------------------
+
+
+def test_check_server_counts_what_mlflow_has(
+    mlflow_server: str, run_copy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    project = f"has-{uuid.uuid4().hex[:8]}"
+    args = [str(run_copy), "--step", "2", "--project", project, "--json"]
+    rc, out, err = run_cli(capsys, *args, "--max-samples", "1")
+    assert rc == 0, err
+    sent = json.loads(out)["sent"]
+    for ledger in (run_copy / LEDGER_DIR).glob("mlflow-*.jsonl"):
+        ledger.unlink()
+    rc, out, err = run_cli(capsys, *args, "--dry-run", "--check-server")
+    report = json.loads(out)
+    assert rc == 0, err
+    assert report["on_server"] == sent < report["selected"] == report["to_send"]
+
+
+def test_check_server_counts_what_weave_has(
+    run_copy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from weave_loopback import WeaveLoopback
+
+    key = "wandb-key-0123456789abcdef0123456789abcdef"
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with WeaveLoopback(api_key=key) as lb:
+        monkeypatch.setenv("WF_TRACE_SERVER_URL", lb.url)
+        args = [str(run_copy), "--backend", "weave", "--project", "team/has", "--step", "2", "--json"]
+        rc, out, err = run_cli(capsys, *args, "--max-samples", "1")
+        assert rc == 0, err
+        sent = json.loads(out)["sent"]
+        for ledger in (run_copy / LEDGER_DIR).glob("weave-*.jsonl"):
+            ledger.unlink()
+        rc, out, err = run_cli(capsys, *args, "--dry-run", "--check-server")
+        assert rc == 0, err
+        report = json.loads(out)
+        assert report["on_server"] == sent < report["selected"]

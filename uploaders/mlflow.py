@@ -209,15 +209,15 @@ class MlflowUploader:
     # -- sending ---------------------------------------------------------------------------
     def existing(self, trajectory_ids: Sequence[str]) -> set[str] | None:
         """Those of ``trajectory_ids`` whose trace is in the experiment (looked up by trace id)."""
+        from mlflow.exceptions import MlflowException
+
         self.connect()
         found = set()
         for tid in trajectory_ids:
             trace_id = trace_id_for(tid, self.experiment_name)
             try:
-                info = within(self.timeout, self._where(), self._client.get_trace_info, trace_id)
-            except RequestTimeout:
-                raise
-            except Exception:
+                info = within(self.timeout, self._where(), self._store.get_trace_info, trace_id)
+            except MlflowException:  # not there
                 continue
             if info is not None and str(getattr(info, "experiment_id", "")) == str(self.experiment_id):
                 found.add(tid)
