@@ -70,7 +70,10 @@ def site(tmp_path: Path) -> Path:
     dist.mkdir(parents=True)
     (root / "tiny_uploader.py").write_text(TINY)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tiny-uploader\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[rlreplay.uploaders]\ntiny = tiny_uploader:TinyUploader\n")
+    (dist / "entry_points.txt").write_text(
+        "[rlreplay.uploaders]\ntiny = tiny_uploader:TinyUploader\nbroken = broken_uploader:Nope\n"
+    )
+    (root / "broken_uploader.py").write_text("raise RuntimeError('this plug-in is broken')\n")
     return root
 
 
@@ -123,8 +126,13 @@ def test_unknown_backend_lists_the_installed_ones(run_copy: Path, site: Path) ->
     assert done.returncode == 2 and done.stdout == ""
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("rlreplay: error: --backend must be one of: ")
-    for name in ("mlflow", "otlp", "tiny", "trackio", "weave"):
+    for name in ("mlflow", "otlp", "tiny", "trackio", "weave", "broken"):
         assert name in line
+    broken = cli(site, str(run_copy), "--backend", "broken")  # one line, no traceback
+    assert broken.returncode == 2 and broken.stderr.count("\n") == 1
+    assert (
+        "the broken backend (broken_uploader:Nope) failed to import: this plug-in is broken" in broken.stderr
+    )
 
 
 def test_help_lists_each_backends_options(site: Path, run_copy: Path) -> None:
@@ -136,6 +144,8 @@ def test_help_lists_each_backends_options(site: Path, run_copy: Path) -> None:
         "--endpoint URL",
         "--header K=V",
         "Backend trackio",
+        "Backend broken",
+        "failed to import",
     ):
         assert text in everything
     one = cli(site, "--backend", "tiny", "--help").stdout

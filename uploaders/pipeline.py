@@ -87,6 +87,8 @@ def backend_class(name: str) -> type:
     except ImportError as exc:
         hint = f"; pip install 'rlreplay[{EXTRAS[name]}]'" if name in EXTRAS else ""
         raise RunError(f"the {name} backend needs packages that are missing ({exc}){hint}") from None
+    except Exception as exc:  # a broken plug-in: one line, and the other backends still work
+        raise RunError(f"the {name} backend ({spec}) failed to import: {_one_line(exc)}") from None
     try:
         return getattr(module, class_name)
     except AttributeError:
