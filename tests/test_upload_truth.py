@@ -202,6 +202,37 @@ def test_silent_weave_server_stops_at_the_deadline(
     assert ledger_lines(run_copy, "weave") == []
 
 
+def test_silent_otlp_collector_stops_at_the_deadline(
+    silent_server: str, run_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started = time.monotonic()
+    rc, out, err = run_cli(
+        capsys,
+        str(run_copy),
+        "--backend",
+        "otlp",
+        "--endpoint",
+        silent_server,
+        "--max-samples",
+        "1",
+        "--timeout",
+        "2",
+        "--json",
+    )
+    assert rc == 1 and json.loads(out)["resumable"]
+    (line,) = err.strip().splitlines()
+    assert "no answer from the OTLP collector" in line and "2s" in line and "rerun" in line
+    assert time.monotonic() - started < 20
+    assert ledger_lines(run_copy, "otlp") == []
+
+
+def test_down_otlp_collector_is_one_line(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(capsys, str(run_copy), "--backend", "otlp", "--endpoint", closed_port())
+    assert rc == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("rlreplay: error: cannot reach the OTLP collector at http://127.0.0.1")
+
+
 def test_down_weave_server_is_one_line_on_stderr(
     run_copy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
