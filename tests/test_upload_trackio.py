@@ -120,10 +120,15 @@ def test_trackio_store_holds_verls_traces_and_step_stats(run_copy: Path, tmp_pat
             }
             saw_llm = True
         if span.kind == "agent" and span.status != "error":  # the whole conversation, decoded
-            assert messages[0]["role"] == "user" and messages[1]["role"] == "assistant"
-            assert "".join(m["content"] for m in messages[1:]) == tok.decode(
-                span.output["response_ids"], skip_special_tokens=False
+            # (decoded text, with or without the chat template's markers)
+            roles = [m["role"] for m in messages]
+            assert "user" in roles and roles.count("assistant") == len(
+                [s for s in traj.spans if s.kind == "llm"]
             )
+            response = tok.decode(span.output["response_ids"], skip_special_tokens=False)
+            after = messages[roles.index("assistant") :]
+            assert all(m["content"].strip() in response for m in after)
+            assert after[-1]["content"].strip() and response.rstrip().endswith(after[-1]["content"].strip())
             saw_agent = True
     assert saw_llm and saw_agent
 
