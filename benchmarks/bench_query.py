@@ -13,6 +13,7 @@ shards with the shard writer (2 workers, one file per worker and step).
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import statistics
 import subprocess
@@ -132,7 +133,8 @@ def direct_stats(con: Any, run_dir: Path) -> pa.Table:
               FROM t GROUP BY ALL),
         gs AS (SELECT step, validate, avg(CASE WHEN same THEN 1.0 ELSE 0.0 END) FILTER (n >= 2) AS z
                FROM g GROUP BY ALL)
-        SELECT t.step, t.validate, count(*), count(DISTINCT sample_index), avg(reward), stddev_pop(reward),
+        SELECT t.step, t.validate, count(*), count(DISTINCT sample_index), avg(reward) AS reward_mean,
+            stddev_pop(reward),
             avg(CASE WHEN reward > 0 THEN 1.0 WHEN reward IS NOT NULL THEN 0.0 END), any_value(gs.z),
             avg(model_calls), avg(tool_calls), sum(tool_errors) / nullif(sum(tool_calls), 0),
             avg(CASE WHEN status = 'error' THEN 1.0 ELSE 0.0 END),
@@ -278,9 +280,8 @@ def run_queries(root: Path, template: pa.Table, args: argparse.Namespace) -> lis
             if "--limit" in label:
                 assert got["reward"].to_pylist() == expect["reward"].to_pylist()
             elif label == "stats":
-                assert [round(v, 9) for v in got["reward_mean"].to_pylist()] == [
-                    round(v, 9) for v in expect["reward_mean"].to_pylist()
-                ]
+                pairs = zip(got["reward_mean"].to_pylist(), expect["reward_mean"].to_pylist())
+                assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in pairs)
             else:
                 assert sorted(got["id"].to_pylist()) == sorted(expect["id"].to_pylist())
             t_index = None
