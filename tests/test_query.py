@@ -324,6 +324,7 @@ BAD = [
     (["sql", "copy (select 1) to '{tmp}/x.csv'", "--run", "{run}"], "disabled"),
     (["sql", "select * from read_parquet('{tmp}/x.parquet')", "--run", "{run}"], "disabled"),
     (["sql", " ", "--run", "{run}"], "empty SQL"),
+    (["sql", "--run", "{run}"], "give the query"),
     (["export", "{run}", "--format", "jsonl"], "--out"),
     (["export", "{run}", "--out", "{tmp}/x.csv"], "--format"),
     (["export", "{run}", "--out", "{tmp}/x.jsonl", "--format", "xml"], "--format"),
@@ -546,6 +547,9 @@ def test_sql_views(gsm8k: list[dict[str, Any]], capsys: pytest.CaptureFixture[st
 
     rc, out, _ = cli(capsys, "sql", "SELECT count(*) AS n FROM trajectories", "--run", GSM8K)
     assert rc == 0 and out.splitlines()[1].strip() == str(len(gsm8k)) and out.endswith("(1 rows)\n")
+    # the run may come first, as on every command
+    rc, out_first, _ = cli(capsys, "sql", GSM8K, "SELECT count(*) AS n FROM trajectories")
+    assert rc == 0 and out_first == out
 
 
 # --- export -----------------------------------------------------------------------------------
