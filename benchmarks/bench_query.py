@@ -39,6 +39,7 @@ SAMPLE_RUN = ROOT / "sample_runs" / "gsm8k-grpo-qwen3"
 TEMPLATE_STEP = 5
 WHERE = "reward > 0 and model_calls >= 3"
 RANGE = (150, 160)
+RANGE_EARLY = (30, 40)  # in every run size: shows how a step range scales
 
 
 def step_template(per_step: int) -> pa.Table:
@@ -144,8 +145,8 @@ def direct_stats(con: Any, run_dir: Path) -> pa.Table:
     ).to_arrow_table()
 
 
-def direct_range(con: Any, run_dir: Path) -> pa.Table:
-    lo, hi = RANGE
+def direct_range(con: Any, run_dir: Path, bounds: tuple[int, int] = RANGE) -> pa.Table:
+    lo, hi = bounds
     per = _PER_TRAJECTORY.format(
         files=run_dir / "spans/step=*/worker=*/*.parquet",
         hive="true",
@@ -170,7 +171,7 @@ def direct_index(con: Any, run_dir: Path, label: str) -> pa.Table:
         per = _PER_TRAJECTORY_INDEX.format(files=run_dir / "spans/*/*/*.index", hive="false", where="")
         query = f"SELECT * FROM ({per}) WHERE {WHERE} ORDER BY step, sample_index, rollout_n, start_time"
     else:
-        lo, hi = RANGE
+        lo, hi = (int(x) for x in label.split()[2].split(".."))
         per = _PER_TRAJECTORY_INDEX.format(
             files=run_dir / "spans/step=*/worker=*/*.index",
             hive="true",
@@ -188,8 +189,8 @@ def ours_stats(run_dir: Path) -> pa.Table:
     return query.stats(rlreplay.open_run(run_dir))
 
 
-def ours_range(run_dir: Path) -> pa.Table:
-    lo, hi = RANGE
+def ours_range(run_dir: Path, bounds: tuple[int, int] = RANGE) -> pa.Table:
+    lo, hi = bounds
     return Selection(step=f"{lo}..{hi}", sort="reward desc", limit=20).trajectories(
         rlreplay.open_run(run_dir)
     )
@@ -273,6 +274,11 @@ def run_queries(root: Path, template: pa.Table, args: argparse.Namespace) -> lis
             (f'ls --where "{WHERE}"', ours_where, direct_where),
             ("stats", ours_stats, direct_stats),
             (f'ls --step {RANGE[0]}..{RANGE[1]} --sort "reward desc" --limit 20', ours_range, direct_range),
+            (
+                f'ls --step {RANGE_EARLY[0]}..{RANGE_EARLY[1]} --sort "reward desc" --limit 20',
+                lambda r: ours_range(r, RANGE_EARLY),
+                lambda c, r: direct_range(c, r, RANGE_EARLY),
+            ),
         ):
             t_direct, expect = best(lambda d=direct, c=con, r=run_dir: d(c, r), args.repeats)
             t_ours, got = best(lambda o=ours, r=run_dir: o(r), args.repeats)
