@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -60,6 +64,147 @@ TokenizerOption = Annotated[
         "--tokenizer", help="Tokenizer for token2text: a local directory or a hub name (default: the run's)."
     ),
 ]
+
+
+RunArgument = Annotated[Path | None, typer.Argument(metavar="[RUN]", help="Run directory.")]
+
+_KEYS_HELP = "(5, 3..7 inclusive, or a list such as 0..10,20,-1)"
+_SELECTION_PARAMS: list[tuple[str, Any]] = [
+    ("step", Annotated[str | None, typer.Option("--step", help=f"Only these steps {_KEYS_HELP}.")]),
+    (
+        "sample_index",
+        Annotated[
+            str | None,
+            typer.Option(
+                "--sample-index", help=f"Only these dataset samples {_KEYS_HELP}; non-int values too."
+            ),
+        ],
+    ),
+    (
+        "rollout_n",
+        Annotated[
+            str | None,
+            typer.Option(
+                "--rollout-n", help=f"Only these rollouts of a sample {_KEYS_HELP}; non-int values too."
+            ),
+        ],
+    ),
+    ("validate", ValidateOption),
+    ("experiment", ExperimentOption),
+    (
+        "status",
+        Annotated[
+            str | None,
+            typer.Option("--status", help="Only trajectories whose status is ok, error or incomplete."),
+        ],
+    ),
+    (
+        "where",
+        Annotated[
+            str | None,
+            typer.Option(
+                "--where",
+                help="SQL boolean over the listing columns (the ls --json keys), "
+                'e.g. "reward > 0 and model_calls >= 3".',
+            ),
+        ],
+    ),
+    (
+        "sort",
+        Annotated[
+            str | None, typer.Option("--sort", help='Order: "COL [asc|desc], ...", e.g. "reward desc".')
+        ],
+    ),
+    ("limit", Annotated[str | None, typer.Option("--limit", metavar="N", help="At most N trajectories.")]),
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def selection_options(func: F) -> F:
+    """Give a command the shared selection options; it receives them as ``selection: Selection``.
+
+    The options go after the command's own parameters, so the run stays first.
+    """
+    signature = inspect.signature(func, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != "selection"]
+    added = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hint)
+        for name, hint in _SELECTION_PARAMS
+    ]
+    names = [name for name, _ in _SELECTION_PARAMS]
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from rlreplay.selection import Selection
+
+        chosen = {name: kwargs.pop(name, None) for name in names}
+        chosen["limit"] = whole_number("--limit", chosen["limit"], minimum=1)
+        selection = Selection(**chosen)
+        selection.check()
+        return func(*args, selection=selection, **kwargs)
+
+    params = own + added
+    wrapper.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    if signature.return_annotation is not inspect.Signature.empty:
+        wrapper.__annotations__["return"] = signature.return_annotation
+    return wrapper  # type: ignore[return-value]
+
+
+def whole_number(option: str, text: str | None, minimum: int | None = None) -> int | None:
+    """An option's integer, written with ASCII digits only (``５`` is not 5)."""
+    if text is None:
+        return None
+    value = text.strip()
+    if not re.fullmatch(r"-?[0-9]+", value):
+        fail(f"{option}: {text!r} is not a whole number (digits 0-9)")
+    number = int(value)
+    if minimum is not None and number < minimum:
+        fail(f"{option} must be at least {minimum} (got {number})")
+    return number
+
+
+ForceOption = Annotated[bool, typer.Option("--force", help="Replace the output file if it exists.")]
+
+
+def _inside_run(path: Path) -> Path | None:
+    """The run directory ``path`` lies in, if any."""
+    for parent in path.parents:
+        if (parent / "run.json").is_file():
+            return parent
+        spans = parent / "spans"
+        if spans.is_dir() and any(p.name.startswith("step=") for p in spans.iterdir()):
+            return parent
+    return None
+
+
+def output_path(path: Path, force: bool, option: str = "--out") -> Path:
+    """A file to write: never inside a run directory, never over a file unless ``force``."""
+    target = Path(os.path.abspath(path))
+    resolved = target.resolve()
+    for candidate in {target, resolved}:
+        run_dir = _inside_run(candidate)
+        if run_dir is not None:
+            fail(f"{option} {path}: inside the run directory {run_dir}; write somewhere else")
+    if target.is_dir():
+        fail(f"{option} {path}: is a directory; give a file name")
+    if not target.parent.is_dir():
+        fail(f"{option} {path}: no directory {target.parent}")
+    if (target.exists() or target.is_symlink()) and not force:
+        fail(f"{option} {path}: exists; pass --force to replace it")
+    return target
+
+
+def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` next to ``target``, then rename over it: a failed write leaves nothing behind."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def open_run_arg(run: Path | None, positional: Path | None = None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -14,18 +15,15 @@ from rich.text import Text
 from rich.tree import Tree
 
 from rlreplay.cli.app import (
-    ExperimentOption,
     JsonOption,
-    RolloutOption,
+    RunArgument,
     RunOption,
-    SampleOption,
-    StepOption,
     TokenizerOption,
-    ValidateOption,
     app,
     console,
     open_run_arg,
     report_warnings,
+    selection_options,
 )
 
 PREVIEW_CHARS = 160
@@ -33,74 +31,109 @@ PREVIEW_IDS = 8
 
 
 @app.command("ls")
+@selection_options
 def ls_command(
-    run_path: Annotated[Path | None, typer.Argument(metavar="[RUN]", help="Run directory.")] = None,
+    run_path: RunArgument = None,
     run: RunOption = None,
-    step: StepOption = None,
-    sample_index: SampleOption = None,
-    rollout_n: RolloutOption = None,
-    validate: ValidateOption = None,
-    experiment: ExperimentOption = None,
-    limit: Annotated[int | None, typer.Option("--limit", min=1, help="Show at most this many rows.")] = None,
     as_json: JsonOption = False,
+    *,
+    selection: Any,
 ) -> None:
     """List trajectories, one row each (with --json: one JSON object per line)."""
-    from rlreplay.store import Filters, listing_rows
-
     opened = open_run_arg(run, run_path)
-    filters = Filters(
-        step=step, sample_index=sample_index, rollout_n=rollout_n, validate=validate, experiment=experiment
-    )
-    table = opened.trajectories(filters)
-    rows = listing_rows(table.slice(0, limit) if limit else table)
+    table = selection.trajectories(opened)
     report_warnings(opened)
-    out = console()
     if as_json:
-        import sys
+        from rlreplay.store import listing_rows
 
-        for row in rows:
-            sys.stdout.write(orjson.dumps(row).decode() + "\n")
+        write = sys.stdout.write
+        for row in listing_rows(table):
+            write(orjson.dumps(row).decode() + "\n")
         return
-    grid = Table(box=None, header_style="bold", pad_edge=False)
-    for col, justify in [
-        ("id", "left"),
-        ("step", "right"),
-        ("sample", "right"),
-        ("rollout", "right"),
-        ("split", "left"),
-        ("agent", "left"),
-        ("calls", "right"),
-        ("tools", "right"),
-        ("spans", "right"),
-        ("duration", "right"),
-        ("reward", "right"),
-        ("status", "left"),
-        ("worker", "left"),
-    ]:
-        grid.add_column(col, justify=justify, no_wrap=True)
-    for r in rows:
-        grid.add_row(
-            r["id"][:12],
-            _cell(r["step"]),
-            _cell(r["sample_index"]),
-            _cell(r["rollout_n"]),
-            "val" if r["validate"] else "train",
-            r["agent"] or r["name"] or "",
-            str(r["model_calls"]),
-            str(r["tool_calls"]),
-            str(r["num_spans"]),
-            f"{r['duration_s']:.2f}s",
-            "" if r["reward"] is None else f"{r['reward']:g}",
-            r["status"],
-            r["worker"],
-        )
-    out.print(grid)
-    shown = f"{len(rows)} of {table.num_rows}" if limit and len(rows) < table.num_rows else str(len(rows))
-    out.print(f"{shown} trajectories in {opened.path}")
+    shown = table.num_rows
+    total = f"{shown} trajectories" if selection.limit is None else f"{shown} trajectories (--limit)"
+    if sys.stdout.isatty() and shown <= RICH_ROWS:
+        out = console()
+        out.print(_rich_listing(table))
+        out.print(f"{total} in {opened.path}", markup=False)
+    else:
+        sys.stdout.write(_plain_listing(table))
+        sys.stdout.write(f"{total} in {opened.path}\n")
     counters = opened.counters()
     losses = {k: v for k, v in counters.items() if k != "spans" and v}
     if losses:
-        out.print("recording losses: " + ", ".join(f"{k}={v}" for k, v in losses.items()), style="yellow")
+        console().print(
+            "recording losses: " + ", ".join(f"{k}={v}" for k, v in losses.items()), style="yellow"
+        )
+
+
+#: Longer listings, and any listing not going to a terminal, are printed as plain columns.
+RICH_ROWS = 200
+_LS_COLUMNS = [
+    ("id", False),
+    ("step", True),
+    ("sample", True),
+    ("rollout", True),
+    ("split", False),
+    ("agent", False),
+    ("model_calls", True),
+    ("tool_calls", True),
+    ("spans", True),
+    ("duration", True),
+    ("reward", True),
+    ("status", False),
+    ("worker", False),
+]
+
+
+def _listing_cells(table: Any) -> list[list[str]]:
+    """The ls columns as strings, column by column."""
+    from rlreplay.selection import merged
+
+    cols = merged(table).to_pydict()
+
+    def text(values: list[Any]) -> list[str]:
+        return ["" if v is None else str(v) for v in values]
+
+    return [
+        [i[:12] for i in cols["id"]],
+        text(cols["step"]),
+        text(cols["sample_index"]),
+        text(cols["rollout_n"]),
+        ["val" if v else "train" for v in cols["validate"]],
+        [a or n or "" for a, n in zip(cols["agent"], cols["name"])],
+        text(cols["model_calls"]),
+        text(cols["tool_calls"]),
+        text(cols["num_spans"]),
+        [f"{d:.2f}s" for d in cols["duration_s"]],
+        ["" if r is None else f"{r:g}" for r in cols["reward"]],
+        text(cols["status"]),
+        text(cols["worker"]),
+    ]
+
+
+def _plain_listing(table: Any) -> str:
+    cells = _listing_cells(table)
+    widths = [max([len(name), *map(len, col)]) for (name, _), col in zip(_LS_COLUMNS, cells)]
+    lines = [
+        "  ".join(name.rjust(w) if right else name.ljust(w) for (name, right), w in zip(_LS_COLUMNS, widths))
+    ]
+    for row in zip(*cells):
+        lines.append(
+            "  ".join(
+                c.rjust(w) if right else c.ljust(w) for c, (_, right), w in zip(row, _LS_COLUMNS, widths)
+            )
+        )
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _rich_listing(table: Any) -> Table:
+    grid = Table(box=None, header_style="bold", pad_edge=False)
+    for name, right in _LS_COLUMNS:
+        grid.add_column(name, justify="right" if right else "left", no_wrap=True)
+    for row in zip(*_listing_cells(table)):
+        grid.add_row(*(Text(c) for c in row))
+    return grid
 
 
 def _cell(value: Any) -> str:
@@ -195,9 +228,10 @@ def show_command(
     report_warnings(opened)
     decoder = _show_decoder(opened, text, tokenizer)
     if decoder is not None:
+        from rlreplay.adapters import adapter_for_run
         from rlreplay.token2text import add_text
 
-        add_text([traj], decoder, skip_special_tokens=skip_special_tokens)
+        add_text([traj], decoder, skip_special_tokens=skip_special_tokens, adapter=adapter_for_run(opened))
     if as_json:
         typer.echo(
             orjson.dumps(traj.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()

@@ -9,25 +9,31 @@ import typer
 from rlreplay.cli import (  # noqa: F401 - registers commands
     browse,
     diff,
+    export,
     record,
+    sql,
+    stats,
     upload,
 )
 from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app
 
 
-def main(argv: list[str] | None = None) -> int:
-    from rlreplay.schema import FormatError
-    from rlreplay.store import RunError
+def _bad_input() -> tuple[type[BaseException], ...]:
+    """Bad-input errors of the modules loaded so far (``--help`` loads no pyarrow, so no store)."""
+    names = (("rlreplay.store", "RunError"), ("rlreplay.schema", "FormatError"))
+    return (CliError, *(getattr(sys.modules[m], n) for m, n in names if m in sys.modules))
 
-    args = sys.argv[1:] if argv is None else argv
-    if args and args[0] in ("ls", "show", "diff", "info"):
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:]
+    if argv is None and args and args[0] in ("ls", "show", "diff", "info", "stats", "sql", "export"):
         from rlreplay.store import skip_pandas
 
-        skip_pandas()  # reading commands: no pandas import
+        skip_pandas()  # the command-line process of a reading command: no pandas import
     command = typer.main.get_command(app)
     try:
         result = command.main(args=argv, prog_name="rlreplay", standalone_mode=False)
-    except (CliError, RunError, FormatError) as exc:
+    except CliError as exc:
         print(f"rlreplay: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
@@ -36,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except Exception as exc:
+        if isinstance(exc, _bad_input()):
+            print(f"rlreplay: error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         # typer vendors click in recent releases: match click's exceptions by their interface
         kind = type(exc).__name__
         if kind == "Exit":

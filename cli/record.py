@@ -18,8 +18,7 @@ import typer
 from rlreplay.cli.app import TokenizerOption, app, fail
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_HYDRA_EXPERIMENT = re.compile(r"^\+*trainer\.experiment_name=(.+)$")
-_HYDRA_MODEL = re.compile(r"^\+*actor_rollout_ref\.model\.(?:tokenizer_path|path)=(.+)$")
+DEFAULT_FRAMEWORK = "verl"
 
 
 def bootstrap_dir() -> Path:
@@ -28,15 +27,12 @@ def bootstrap_dir() -> Path:
     return Path(rlreplay.recorders.__file__).resolve().parent / "bootstrap"
 
 
-def guess_from_argv(command: list[str]) -> tuple[str | None, str | None]:
-    """(experiment, tokenizer) named by verl's Hydra overrides on the command line, if any."""
-    experiment = tokenizer = None
-    for arg in command:
-        if m := _HYDRA_EXPERIMENT.match(arg):
-            experiment = m.group(1).strip("'\"")
-        elif m := _HYDRA_MODEL.match(arg):
-            tokenizer = tokenizer if "tokenizer_path" not in arg and tokenizer else m.group(1).strip("'\"")
-    return experiment, tokenizer
+def guess_from_argv(command: list[str], framework: str = DEFAULT_FRAMEWORK) -> tuple[str | None, str | None]:
+    """(experiment, tokenizer) that the framework's adapter finds on the command line, if any."""
+    from rlreplay.adapters import get_adapter
+
+    adapter = get_adapter(framework)
+    return adapter.experiment_from_argv(command), adapter.tokenizer_from_argv(command)
 
 
 def default_out(command: list[str], experiment: str | None) -> Path:
@@ -54,9 +50,14 @@ def default_out(command: list[str], experiment: str | None) -> Path:
     return path
 
 
-def child_env(run_dir: Path, experiment: str | None) -> dict[str, str]:
+def child_env(
+    run_dir: Path, experiment: str | None, framework: str = DEFAULT_FRAMEWORK, token_signals: bool = False
+) -> dict[str, str]:
     env = dict(os.environ)
     env["RLREPLAY_DIR"] = str(run_dir.resolve())
+    env["RLREPLAY_FRAMEWORK"] = framework
+    if token_signals:
+        env["RLREPLAY_TOKEN_SIGNALS"] = "1"
     if experiment:
         env["RLREPLAY_EXPERIMENT"] = experiment
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(bootstrap_dir()), env.get("PYTHONPATH")) if p)
@@ -104,6 +105,18 @@ def record_command(
         str | None, typer.Option("--experiment", help="Experiment name for the run.")
     ] = None,
     tokenizer: TokenizerOption = None,
+    framework: Annotated[
+        str,
+        typer.Option(
+            "--framework", help="Framework adapter (entry-point group rlreplay.recorders): verl, generic, ..."
+        ),
+    ] = DEFAULT_FRAMEWORK,
+    token_signals: Annotated[
+        bool,
+        typer.Option(
+            "--token-signals", help="Also keep the trainer's per-token log-probs (verl: old_log_probs)."
+        ),
+    ] = False,
     grace: Annotated[
         float,
         typer.Option("--grace", min=0, help="Seconds to wait for worker processes to seal their files."),
@@ -118,7 +131,12 @@ def record_command(
         command = command[1:]
     if not command:
         fail("no command given: rlreplay record [OPTIONS] -- CMD ...")
-    guessed_experiment, guessed_tokenizer = guess_from_argv(command)
+    from rlreplay.store import RunError
+
+    try:
+        guessed_experiment, guessed_tokenizer = guess_from_argv(command, framework)
+    except RunError as exc:
+        fail(str(exc))
     experiment = experiment or guessed_experiment
     run_dir = out or default_out(command, experiment)
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -127,11 +145,18 @@ def record_command(
     manifest.write_json_atomic(
         run_dir / manifest.MANIFEST,
         manifest.new_manifest(
-            experiment, command, tokenizer=tokenizer or guessed_tokenizer, cwd=os.getcwd(), status="running"
+            experiment,
+            command,
+            tokenizer=tokenizer or guessed_tokenizer,
+            cwd=os.getcwd(),
+            status="running",
+            framework=framework.strip().lower(),
         ),
     )
     print(f"rlreplay: recording into {run_dir}", file=sys.stderr)
-    code = run_forwarding_signals(command, child_env(run_dir, experiment))
+    code = run_forwarding_signals(
+        command, child_env(run_dir, experiment, framework.strip().lower(), token_signals)
+    )
 
     recovered = recover(run_dir, wait_s=grace)
     summary = run_summary(open_run(run_dir))

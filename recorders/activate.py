@@ -24,6 +24,8 @@ log = logging.getLogger("rlreplay")
 
 ENV_PREFIX = "RLREPLAY_"
 ENV_CHAINED_HOOK = "RLREPLAY_CHAINED_SETUP_HOOK"
+ENV_FRAMEWORK = "RLREPLAY_FRAMEWORK"
+BUILTIN_FRAMEWORKS = ("verl", "generic")  # hooked by HOOKS below, no entry-point lookup
 SETUP_HOOK = "rlreplay.recorders.activate.worker_setup"
 VERL_TRACE_MODULE = "verl.utils.rollout_trace"
 
@@ -131,6 +133,14 @@ def activate() -> None:
                 callback(module)
             except Exception as exc:
                 log.warning("rlreplay: could not hook %s: %s", name, exc)
+    framework = os.environ.get(ENV_FRAMEWORK, "").strip().lower()
+    if framework and framework not in BUILTIN_FRAMEWORKS:
+        try:
+            from rlreplay.adapters import get_adapter
+
+            get_adapter(framework).install()
+        except Exception as exc:
+            log.warning("rlreplay: could not install the %s adapter: %s", framework, exc)
 
 
 def worker_setup() -> None:

@@ -19,12 +19,15 @@ import functools
 import inspect
 import logging
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from types import ModuleType
 from typing import Any
+
+from rlreplay.adapters import GenericAdapter
 
 log = logging.getLogger("rlreplay")
 
@@ -517,3 +520,42 @@ def patch_already_imported() -> list[str]:
             ", ..." if len(found) > 4 else "",
         )
     return found
+
+
+# ---- the verl framework adapter -------------------------------------------------------------------
+
+_HYDRA_EXPERIMENT = re.compile(r"^\+*trainer\.experiment_name=(.+)$")
+_HYDRA_MODEL = re.compile(r"^\+*actor_rollout_ref\.model\.(tokenizer_path|path)=(.+)$")
+
+
+class VerlAdapter(GenericAdapter):
+    """verl 0.9: ``AgentLoopOutput`` fields, Hermes tool calls, Hydra overrides, the rollout-trace hook.
+
+    Turns follow the agent span's ``response_mask``; the prompt's chat messages are the
+    ``raw_prompt`` verl passes to ``AgentLoopBase.run``; tool responses are ``ToolResponse.text``.
+    """
+
+    name = "verl"
+    kind_by_name = KIND_BY_NAME
+    prompt_message_fields = ("raw_prompt",)
+
+    def install(self) -> None:
+        """Hook verl's tracing module (now if imported, else when imported) and its trainer."""
+        from rlreplay.recorders import activate
+
+        activate.activate()
+
+    def tokenizer_from_argv(self, argv: list[str]) -> str | None:
+        """``actor_rollout_ref.model.tokenizer_path=`` wins over ``actor_rollout_ref.model.path=``."""
+        found: dict[str, str] = {}
+        for arg in argv:
+            if m := _HYDRA_MODEL.match(arg):
+                found[m.group(1)] = m.group(2).strip("'\"")
+        return found.get("tokenizer_path") or found.get("path")
+
+    def experiment_from_argv(self, argv: list[str]) -> str | None:
+        experiment = None
+        for arg in argv:
+            if m := _HYDRA_EXPERIMENT.match(arg):
+                experiment = m.group(1).strip("'\"")
+        return experiment

@@ -1,6 +1,8 @@
 """One trajectory as a conversation: the prompt, then alternating assistant and tool turns.
 
-The source of truth is the agent span's output (verl's ``AgentLoopOutput``): ``prompt_ids``,
+Turns and their counts are defined here, once, from the framework adapter's answer
+(``rlreplay.adapters``): which fields hold the prompt, the response and its mask. The source of
+truth is the agent span's output (e.g. verl's ``AgentLoopOutput``): ``prompt_ids``,
 ``response_ids`` and ``response_mask`` (1 = model token, 0 = tool/observation token). The
 response splits into contiguous runs of equal mask; runs of 1 are assistant turns, runs of 0
 tool turns. Assistant turns get the span id of their model call (``llm`` spans, in order) and
@@ -15,10 +17,13 @@ import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlreplay.schema import KIND_AGENT, KIND_LLM, KIND_PARSER
 from rlreplay.store import Span, Trajectory
+
+if TYPE_CHECKING:
+    from rlreplay.adapters import ConversationFields, FrameworkAdapter
 
 ROLE_PROMPT = "prompt"
 ROLE_ASSISTANT = "assistant"
@@ -53,26 +58,18 @@ class Turn:
         }
 
 
-def turns(traj: Trajectory, decoder: BatchDecoder | None = None) -> list[Turn]:
-    """The trajectory's turns in order; with ``decoder``, ``text`` is filled in one batched call."""
-    agent = _agent_span(traj)
-    llm_spans = _descendants(traj, agent, KIND_LLM)
-    parser_spans = _descendants(traj, agent, KIND_PARSER)
-    out = agent.output if agent is not None else None
-    result = None
-    if (
-        isinstance(out, dict)
-        and _is_ids(out.get("response_ids"))
-        and _is_ids(out.get("response_mask"))
-        and (out["response_mask"] or not out["response_ids"])
-    ):
-        prompt_ids = out.get("prompt_ids")
-        if not _is_ids(prompt_ids):
-            prompt_ids = _llm_prompt(llm_spans[0]) if llm_spans else []
-        result = _from_mask(prompt_ids or [], out["response_ids"], out["response_mask"], llm_spans)
-    if result is None:
-        result = _from_llm_spans(llm_spans)
-    _attach_tool_calls(result, llm_spans, parser_spans)
+def turns(
+    traj: Trajectory, decoder: BatchDecoder | None = None, adapter: FrameworkAdapter | None = None
+) -> list[Turn]:
+    """The trajectory's turns in order, as its framework adapter splits them (default: generic).
+
+    With ``decoder``, ``text`` is filled in one batched call.
+    """
+    if adapter is None:
+        from rlreplay.adapters import get_adapter
+
+        adapter = get_adapter()
+    result = adapter.turns(traj)
     if decoder is not None and result:
         texts = decoder.decode_many([t.token_ids for t in result], skip_special_tokens=False)
         for turn, text in zip(result, texts):
@@ -80,14 +77,47 @@ def turns(traj: Trajectory, decoder: BatchDecoder | None = None) -> list[Turn]:
     return result
 
 
+def segment(traj: Trajectory, fields: ConversationFields) -> list[Turn]:
+    """Turns from the agent span's prompt/response/mask fields, else from the llm spans alone."""
+    agent = _agent_span(traj, fields)
+    llm_spans = _descendants(traj, agent, KIND_LLM)
+    parser_spans = _descendants(traj, agent, KIND_PARSER)
+    out = agent.output if agent is not None else None
+    result = None
+    if isinstance(out, dict):
+        response = first_field(out, fields.response)
+        mask = first_field(out, fields.mask)
+        if _is_ids(response) and _is_ids(mask) and (mask or not response):
+            prompt_ids = first_field(out, fields.prompt)
+            if not _is_ids(prompt_ids):
+                prompt_ids = _llm_prompt(llm_spans[0], fields) if llm_spans else []
+            result = _from_mask(prompt_ids or [], response, mask, llm_spans, fields)
+    if result is None:
+        result = _from_llm_spans(llm_spans, fields)
+    _attach_tool_calls(result, llm_spans, parser_spans)
+    return result
+
+
+def first_field(source: dict[str, Any], names: tuple[str, ...]) -> Any:
+    for name in names:
+        if name in source:
+            return source[name]
+    return None
+
+
 # ---- span lookup ------------------------------------------------------------------------------
 
 
-def _agent_span(traj: Trajectory) -> Span | None:
+def conversation_span(traj: Trajectory, fields: ConversationFields) -> Span | None:
+    """The agent span holding the conversation: the first with a response mask, else the first."""
+    return _agent_span(traj, fields)
+
+
+def _agent_span(traj: Trajectory, fields: ConversationFields) -> Span | None:
     agents = traj.by_kind(KIND_AGENT)
     if not agents:
         return None
-    with_mask = [s for s in agents if isinstance(s.output, dict) and "response_mask" in s.output]
+    with_mask = [s for s in agents if isinstance(s.output, dict) and any(m in s.output for m in fields.mask)]
     return (with_mask or agents)[0]
 
 
@@ -112,22 +142,32 @@ def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(type(v) is int for v in value[:1])
 
 
-def _llm_output_ids(span: Span) -> list[int] | None:
-    out = span.output
-    if isinstance(out, dict):
-        ids = out.get("token_ids", out.get("output_ids"))
+def llm_output_ids(output: Any, fields: ConversationFields) -> list[int] | None:
+    """The ids an llm span generated (its output's id field, or the output itself)."""
+    if isinstance(output, dict):
+        ids = first_field(output, fields.llm_output)
         return ids if _is_ids(ids) else None
-    return out if _is_ids(out) else None
+    return output if _is_ids(output) else None
 
 
-def _llm_prompt(span: Span) -> list[int] | None:
-    inputs = span.inputs
+def llm_prompt_ids(inputs: Any, fields: ConversationFields) -> list[int] | None:
+    """The context an llm span was called with (top-level or ``**kwargs`` argument)."""
     if not isinstance(inputs, dict):
         return None
     for source in (inputs, inputs.get("kwargs")):
-        if isinstance(source, dict) and _is_ids(source.get("prompt_ids")):
-            return source["prompt_ids"]
+        if isinstance(source, dict):
+            ids = first_field(source, fields.llm_prompt)
+            if _is_ids(ids):
+                return ids
     return None
+
+
+def _llm_output_ids(span: Span, fields: ConversationFields) -> list[int] | None:
+    return llm_output_ids(span.output, fields)
+
+
+def _llm_prompt(span: Span, fields: ConversationFields) -> list[int] | None:
+    return llm_prompt_ids(span.inputs, fields)
 
 
 # ---- segmentation -----------------------------------------------------------------------------
@@ -148,10 +188,14 @@ def _mask_runs(mask: Sequence[int], length: int) -> list[tuple[int, int, int]]:
 
 
 def _from_mask(
-    prompt_ids: list[int], response_ids: list[int], mask: list[int], llm_spans: list[Span]
+    prompt_ids: list[int],
+    response_ids: list[int],
+    mask: list[int],
+    llm_spans: list[Span],
+    fields: ConversationFields,
 ) -> list[Turn]:
     result = [Turn(ROLE_PROMPT, list(prompt_ids), start=0)]
-    outputs = [_llm_output_ids(s) for s in llm_spans]
+    outputs = [_llm_output_ids(s, fields) for s in llm_spans]
     next_llm = 0
     for value, start, end in _mask_runs(mask, len(response_ids)):
         ids = response_ids[start:end]
@@ -188,15 +232,15 @@ def _split_count(ids: list[int], outputs: list[list[int] | None]) -> int:
     return 1
 
 
-def _from_llm_spans(llm_spans: list[Span]) -> list[Turn]:
+def _from_llm_spans(llm_spans: list[Span], fields: ConversationFields) -> list[Turn]:
     if not llm_spans:
         return []
-    prompt = _llm_prompt(llm_spans[0]) or []
+    prompt = _llm_prompt(llm_spans[0], fields) or []
     result = [Turn(ROLE_PROMPT, list(prompt), start=0)]
     context = list(prompt)
     offset = 0
     for span in llm_spans:
-        this_prompt = _llm_prompt(span)
+        this_prompt = _llm_prompt(span, fields)
         if (
             this_prompt is not None
             and len(this_prompt) > len(context)
@@ -206,7 +250,7 @@ def _from_llm_spans(llm_spans: list[Span]) -> list[Turn]:
             result.append(Turn(ROLE_TOOL, extra, start=offset))
             offset += len(extra)
             context = list(this_prompt)
-        ids = _llm_output_ids(span) or []
+        ids = _llm_output_ids(span, fields) or []
         result.append(Turn(ROLE_ASSISTANT, list(ids), span_id=span.span_id, start=offset))
         offset += len(ids)
         context.extend(ids)

@@ -723,6 +723,12 @@ def _durations(traj: Trajectory) -> dict[str, float]:
     return {s.span_id: s.duration_s for s in traj.by_kind(KIND_LLM)}
 
 
+def _adapter(run: Run | None) -> Any:
+    from rlreplay.adapters import adapter_for_run, get_adapter
+
+    return adapter_for_run(run) if run is not None else get_adapter()
+
+
 def diff_trajectories(
     a: Trajectory,
     b: Trajectory,
@@ -731,8 +737,8 @@ def diff_trajectories(
     run_b: Run | None = None,
 ) -> TrajectoryDiff:
     """Compare two trajectories; with ``decoder``, changed turns get a word-level text diff."""
-    conv_a = turns(a, decoder)
-    conv_b = turns(b, decoder)
+    conv_a = turns(a, decoder, _adapter(run_a))
+    conv_b = turns(b, decoder, _adapter(run_b or run_a))
     # span ids are unique per run, not across runs: look durations up per side
     pairs, divergence = diff_conversations(conv_a, conv_b)
     dur_a, dur_b = _durations(a), _durations(b)
@@ -815,7 +821,7 @@ def diff_group(run: Run, traj: Trajectory, decoder: BatchDecoder | None = None) 
     )
     ids = run.trajectories(filters)["id"].to_pylist()
     members = run.load(ids, filters)
-    convs = [turns(t) for t in members]
+    convs = [turns(t, adapter=_adapter(run)) for t in members]
     sides = [_side(t, c, run) for t, c in zip(members, convs)]
     order = sorted(range(len(members)), key=lambda i: _reward_rank(sides[i]))
     best = order[0]

@@ -1,7 +1,9 @@
-"""Choosing, after training, which trajectories are worth sending somewhere.
+"""Choosing trajectories: the selection grammar every command shares, and per-step sampling.
 
-Works on the listing from ``Run.trajectories()``: one row per trajectory. The unit of choice
-is a *group*, every rollout of one dataset sample at one step in one split (training or
+Works on the listing from ``Run.trajectories()``: one row per trajectory. Key filters take
+``5``, ``3..7`` (inclusive) or lists such as ``0..10,20,-1``; ``--where`` is an SQL boolean
+over the listing's columns (DuckDB, imported only when used). The unit of sampling is a
+*group*, every rollout of one dataset sample at one step in one split (training or
 validation), so GRPO groups always stay whole.
 """
 
@@ -10,13 +12,18 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-STATUSES = ("ok", "error")
+from rlreplay.index import LISTING_FIELDS, LISTING_SCHEMA
+from rlreplay.schema import KEY_STR, KEYS
+from rlreplay.shards import step_dirs
+from rlreplay.store import Filters, RunError
+
+STATUSES = ("ok", "error", "incomplete")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -49,7 +56,7 @@ def parse_size(text: str) -> int:
 
 
 def filter_status(table: pa.Table, status: str | None) -> pa.Table:
-    """Only trajectories that ended ``ok`` or with an ``error``."""
+    """Only trajectories that ended ``ok``, with an ``error``, or are ``incomplete`` (no root span)."""
     if status is None:
         return table
     if status not in STATUSES:
@@ -115,3 +122,245 @@ def select(
 
 def group_ids(selected: Iterable[Group]) -> list[str]:
     return [traj_id for group in selected for traj_id in group.ids]
+
+
+# --- the selection grammar -------------------------------------------------------------------
+
+#: The trajectory listing's columns (contract C2), in order; ``*_str`` hold non-int key values.
+LISTING_COLUMNS = tuple(f.name for f in LISTING_FIELDS if f.name not in KEY_STR.values())
+STR_KEYS = tuple(KEY_STR[key] for key in KEYS)
+
+_INT = re.compile(r"-?[0-9]+\Z")
+_SORT_ITEM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)(?:\s+(asc|desc))?\s*\Z", re.IGNORECASE)
+#: Key lists at most this long are pushed down to the file reader (row-group statistics).
+PUSHDOWN_VALUES = 4096
+_EXAMPLES = "examples: 5, 3..7, 0..10,20,-1"
+
+
+class SelectionError(RunError):
+    """A selection that cannot be applied: bad range, unknown column, bad expression."""
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """A parsed key filter: single ints, inclusive int ranges, and (where allowed) other values."""
+
+    option: str
+    ints: tuple[int, ...] = ()
+    ranges: tuple[tuple[int, int], ...] = ()
+    strings: tuple[str, ...] = ()
+
+    def int_values(self, cap: int = PUSHDOWN_VALUES) -> list[int] | None:
+        """Every int the spec matches, when it matches only ints and at most ``cap`` of them."""
+        if self.strings or sum(hi - lo + 1 for lo, hi in self.ranges) + len(self.ints) > cap:
+            return None
+        values = set(self.ints)
+        for lo, hi in self.ranges:
+            values.update(range(lo, hi + 1))
+        return sorted(values)
+
+    def matches(self, value: Any) -> bool:
+        if isinstance(value, bool) or value is None:
+            return False
+        if isinstance(value, int):
+            return value in self.ints or any(lo <= value <= hi for lo, hi in self.ranges)
+        return str(value) in self.strings
+
+    def mask(self, ints: pa.ChunkedArray | pa.Array, strings: pa.ChunkedArray | pa.Array | None) -> Any:
+        """Boolean mask over a key's int column and its string column (nulls never match)."""
+        terms = []
+        if self.ints:
+            terms.append(pc.is_in(ints, value_set=pa.array(self.ints, type=pa.int64())))
+        for lo, hi in self.ranges:
+            terms.append(pc.and_(pc.greater_equal(ints, lo), pc.less_equal(ints, hi)))
+        if self.strings and strings is not None:
+            terms.append(pc.is_in(strings, value_set=pa.array(self.strings, type=pa.string())))
+        if not terms:
+            return pa.array([False] * len(ints), type=pa.bool_())
+        mask = terms[0]
+        for term in terms[1:]:
+            mask = pc.or_(mask, term)
+        return pc.fill_null(mask, False)
+
+
+def _non_ascii_digits(text: str) -> bool:
+    return any(not c.isascii() and (c.isdigit() or c.isnumeric()) for c in text)
+
+
+def parse_keys(option: str, text: str, allow_strings: bool = False) -> KeySpec:
+    """``"5"``, ``"3..7"``, ``"0..10,20,-1"``; with ``allow_strings`` other values (``"s1-3"``) too.
+
+    Only ASCII digits make numbers: ``５`` is refused, never read as 5.
+    """
+    raw = str(text).strip()
+    if not raw:
+        raise SelectionError(f"{option}: empty value ({_EXAMPLES})")
+    ints: list[int] = []
+    ranges: list[tuple[int, int]] = []
+    strings: list[str] = []
+    for part in (p.strip() for p in raw.split(",")):
+        if not part:
+            raise SelectionError(f"{option} {raw!r}: empty item between commas ({_EXAMPLES})")
+        if _non_ascii_digits(part):
+            raise SelectionError(f"{option} {raw!r}: {part!r} has non-ASCII digits (write numbers with 0-9)")
+        if ".." in part:
+            lo, _, hi = (s.strip() for s in part.partition(".."))
+            if not (_INT.match(lo) and _INT.match(hi)):
+                raise SelectionError(
+                    f"{option} {raw!r}: bad range {part!r} (a range is START..END with integers, {_EXAMPLES})"
+                )
+            if int(lo) > int(hi):
+                raise SelectionError(f"{option} {raw!r}: bad range {part!r} (start is after end)")
+            ranges.append((int(lo), int(hi)))
+        elif _INT.match(part):
+            ints.append(int(part))
+        elif allow_strings:
+            strings.append(part)
+        else:
+            raise SelectionError(f"{option} {raw!r}: {part!r} is not an integer ({_EXAMPLES})")
+    return KeySpec(option, tuple(ints), tuple(ranges), tuple(strings))
+
+
+def parse_sort(text: str, columns: Iterable[str] = LISTING_COLUMNS) -> list[tuple[str, str]]:
+    """``"reward desc, duration_s"`` as ``[("reward", "descending"), ("duration_s", "ascending")]``."""
+    known = list(columns)
+    out = []
+    for part in str(text).split(","):
+        match = _SORT_ITEM.match(part)
+        if not match:
+            raise SelectionError(f"--sort {text!r}: {part.strip()!r} is not COLUMN [asc|desc]")
+        column, order = match.group(1), (match.group(2) or "asc").lower()
+        if column not in known:
+            raise SelectionError(f"--sort: unknown column {column!r} (columns: {', '.join(known)})")
+        out.append((column, "descending" if order == "desc" else "ascending"))
+    return out
+
+
+def listing(run: Any, filters: Any = None) -> pa.Table:
+    """``run.trajectories(filters)``: the contract-C2 listing with the ``*_str`` key columns."""
+    return run.trajectories(filters)
+
+
+def merged(table: pa.Table) -> pa.Table:
+    """The listing as users see it: one value per key (ints stay ints; a key holding any non-int
+    value becomes a string column), without the internal ``*_str`` columns."""
+    out = table
+    for key, str_key in zip(KEYS, STR_KEYS):
+        if str_key not in out.column_names:
+            continue
+        strings = out[str_key]
+        if key in out.column_names and strings.null_count < len(strings):
+            value = pc.coalesce(pc.cast(out[key], pa.string()), strings)
+            out = out.set_column(out.column_names.index(key), key, value)
+        out = out.drop_columns([str_key])
+    return out
+
+
+@dataclass
+class Selection:
+    """Which trajectories a command works on (contract C4); key filters use :func:`parse_keys`."""
+
+    step: str | None = None
+    sample_index: str | None = None
+    rollout_n: str | None = None
+    validate: bool | None = None
+    experiment: str | None = None
+    status: str | None = None
+    where: str | None = None
+    sort: str | None = None
+    limit: int | None = None
+
+    def keys(self) -> dict[str, KeySpec]:
+        """The parsed key filters; raises :class:`SelectionError` on bad input."""
+        out = {}
+        for key in KEYS:
+            text = getattr(self, key)
+            if text is not None:
+                option = "--" + key.replace("_", "-")
+                out[key] = parse_keys(option, str(text), allow_strings=key != "step")
+        return out
+
+    def check(self) -> None:
+        """Raise :class:`SelectionError` for anything malformed that needs no run to tell."""
+        self.keys()
+        if self.status is not None and self.status not in STATUSES:
+            raise SelectionError(f"--status must be one of: {', '.join(STATUSES)} (got {self.status!r})")
+        if self.sort is not None:
+            parse_sort(self.sort)
+        if self.limit is not None and (isinstance(self.limit, bool) or self.limit < 1):
+            raise SelectionError(f"--limit must be at least 1 (got {self.limit!r})")
+        if self.where is not None and not self.where.strip():
+            raise SelectionError("--where: empty expression")
+
+    def filters(self) -> Filters:
+        """What the file reader can apply itself: steps, split and experiment."""
+        keys = self.keys()
+        step = keys["step"].int_values() if "step" in keys else None
+        return Filters(step=step, validate=self.validate, experiment=self.experiment)
+
+    def trajectories(self, run: Any) -> pa.Table:
+        """The run's listing (contract C2 columns), filtered, sorted and limited.
+
+        A step filter reads only the matching ``spans/step=N/`` partitions, one at a time.
+        """
+        self.check()
+        filters = self.filters()
+        steps = _partition_steps(run, self.keys().get("step"))
+        if steps is None:
+            return self.apply(listing(run, filters))
+        parts = [listing(run, replace(filters, step=step)) for step in steps]
+        table = pa.concat_tables(parts) if parts else LISTING_SCHEMA.empty_table()
+        return self.apply(table)
+
+    def apply(self, table: pa.Table) -> pa.Table:
+        """This selection over a listing already read."""
+        self.check()
+        mask = None
+        for key, spec in self.keys().items():
+            str_key = f"{key}_str"
+            term = spec.mask(table[key], table[str_key] if str_key in table.column_names else None)
+            mask = term if mask is None else pc.and_(mask, term)
+        for column, value in (("validate", self.validate), ("experiment", self.experiment)):
+            if value is not None:
+                term = pc.fill_null(pc.equal(table[column], value), False)
+                mask = term if mask is None else pc.and_(mask, term)
+        if self.status is not None:
+            term = pc.fill_null(pc.equal(table["status"], self.status), False)
+            mask = term if mask is None else pc.and_(mask, term)
+        if mask is not None:
+            table = table.filter(mask)
+        if self.where is not None:
+            from rlreplay.query import filter_where
+
+            table = filter_where(table, self.where)
+        if self.sort is not None:
+            table = sort_table(table, parse_sort(self.sort))
+        if self.limit is not None:
+            table = table.slice(0, self.limit)
+        return table
+
+
+def _partition_steps(run: Any, spec: KeySpec | None) -> list[int] | None:
+    """The run's step partitions that ``spec`` matches, in order (None: read without pruning).
+
+    Only for a local run: a remote run's cache holds just what was fetched so far.
+    """
+    path = getattr(run, "path", None)
+    if spec is None or path is None or getattr(run, "uri", None) is not None:
+        return None
+    steps = []
+    for folder in step_dirs(path):
+        value = folder.name.removeprefix("step=")
+        if _INT.match(value) and spec.matches(int(value)):
+            steps.append(int(value))
+    return sorted(steps)
+
+
+def sort_table(table: pa.Table, order: list[tuple[str, str]]) -> pa.Table:
+    """A stable sort (ties keep the listing's order), nulls last; a key sorts ints, then strings."""
+    keys = []
+    for column, direction in order:
+        keys.append((column, direction))
+        if f"{column}_str" in table.column_names:
+            keys.append((f"{column}_str", direction))
+    return table.sort_by(keys)  # nulls sort last by default

@@ -263,26 +263,27 @@ def _ids(value: Any) -> list[int] | None:
     return None
 
 
-def _llm_prompt_ids(inputs: Any) -> list[int] | None:
-    if not isinstance(inputs, dict):
-        return None
-    found = _ids(inputs.get("prompt_ids"))
-    if found is None and isinstance(inputs.get("kwargs"), dict):
-        found = _ids(inputs["kwargs"].get("prompt_ids"))
-    return found
+def _fields(adapter: Any = None) -> Any:
+    """The adapter's conversation fields (an adapter without them: the generic ones)."""
+    from rlreplay.adapters import ConversationFields
+
+    return getattr(adapter, "fields", None) or ConversationFields()
 
 
-def _llm_output_ids(output: Any) -> list[int] | None:
+def _llm_prompt_ids(inputs: Any, fields: Any = None) -> list[int] | None:
+    from rlreplay.conversation import llm_prompt_ids
+
+    found = llm_prompt_ids(inputs, fields or _fields())
+    return found if _ids(found) is not None else None
+
+
+def _llm_output_ids(output: Any, fields: Any = None) -> list[int] | None:
+    from rlreplay.conversation import llm_output_ids
+
     if not isinstance(output, dict):
         return None
-    found = _ids(output.get("token_ids"))
-    return found if found is not None else _ids(output.get("output_ids"))
-
-
-def _conversation_span(traj: Trajectory) -> Any:
-    agents = [s for s in traj.by_kind(KIND_AGENT) if isinstance(s.output, dict)]
-    with_mask = [s for s in agents if "response_mask" in s.output]
-    return (with_mask or agents or [None])[0]
+    found = llm_output_ids(output, fields or _fields())
+    return found if _ids(found) is not None else None
 
 
 class _Plan:
@@ -368,41 +369,51 @@ class _Segments:
         return None
 
 
-def add_text(trajectories: list[Trajectory], decoder: Decoder, skip_special_tokens: bool = False) -> None:
+def add_text(
+    trajectories: list[Trajectory], decoder: Decoder, skip_special_tokens: bool = False, adapter: Any = None
+) -> None:
     """Add decoded text to trajectories in place, with one batched decode for all of them.
+
+    Which fields hold token ids, and how a trajectory splits into turns, is the framework
+    adapter's answer (``adapter``, default: generic; ``rlreplay.adapters.adapter_for_run``).
 
     ``llm`` spans get ``inputs["prompt_text"]`` and ``output["response_text"]`` (like verl's
     token2text); ``agent`` spans get ``output["prompt_text"]``, ``output["response_text"]`` and
     ``output["conversation"]``: ``[{"role", "text", "tool_calls"}, ...]``, one per turn.
     """
     from rlreplay import conversation
+    from rlreplay.adapters import get_adapter
 
+    adapter = adapter or get_adapter()
+    fields = _fields(adapter)
     plan = _Plan(decoder, skip_special_tokens)
     conversations: list[tuple[dict[str, Any], list[Any], list[int]]] = []
     for traj in trajectories:
-        agent = _conversation_span(traj)
+        agent = conversation.conversation_span(traj, fields)
+        if agent is not None and not isinstance(agent.output, dict):
+            agent = None
         segments = None
         if agent is not None:
-            turns = conversation.turns(traj)
+            turns = conversation.turns(traj, adapter=adapter)
             slots = [plan.add_seq(t.token_ids, dedupe=True) for t in turns]
             conversations.append((agent.output, turns, slots))
             if decoder.concatenative and turns:
                 segments = _Segments(turns, slots)
         for span in traj.spans:
             if span.kind == KIND_LLM:
-                prompt = _llm_prompt_ids(span.inputs)
+                prompt = _llm_prompt_ids(span.inputs, fields)
                 if prompt is not None:  # the context so far: turns 0, 1, ...
                     plan.want(span.inputs, "prompt_text", prompt, segments, 0)
-                response = _llm_output_ids(span.output)
+                response = _llm_output_ids(span.output, fields)
                 if response is not None:  # the assistant turn this call produced
                     first = segments.by_span.get(span.span_id) if segments is not None else None
                     plan.want(span.output, "response_text", response, segments, first)
             elif span.kind == KIND_AGENT and isinstance(span.output, dict):
                 own = segments if agent is not None and span.output is agent.output else None
-                prompt = _ids(span.output.get("prompt_ids"))
+                prompt = _ids(conversation.first_field(span.output, fields.prompt))
                 if prompt is not None:
                     plan.want(span.output, "prompt_text", prompt, own, 0)
-                response = _ids(span.output.get("response_ids"))
+                response = _ids(conversation.first_field(span.output, fields.response))
                 if response is not None:
                     plan.want(span.output, "response_text", response, own, 1)
     texts = plan.run()

@@ -412,9 +412,10 @@ def upload(
             trajs = run.load(missing, Filters(step=chunk[0].step)) if missing else []
             if decoder is not None and trajs and not text_failed:
                 try:
+                    from rlreplay.adapters import adapter_for_run
                     from rlreplay.token2text import add_text
 
-                    add_text(trajs, decoder)
+                    add_text(trajs, decoder, adapter=adapter_for_run(run))
                 except (ValueError, RunError) as exc:
                     text_failed = True
                     warn(f"token2text failed ({_one_line(exc)}); uploading token ids without text")

@@ -1,0 +1,92 @@
+"""``rlreplay export``: selected trajectories as a chat dataset (JSON lines or Parquet)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from rlreplay.cli.app import (
+    ForceOption,
+    RunArgument,
+    RunOption,
+    TokenizerOption,
+    app,
+    fail,
+    open_run_arg,
+    output_path,
+    report_warnings,
+    selection_options,
+    whole_number,
+    write_atomically,
+)
+
+_SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+
+
+@app.command("export")
+@selection_options
+def export_command(
+    run_path: RunArgument = None,
+    run: RunOption = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="File to write (never inside a run).")
+    ] = None,
+    fmt: Annotated[
+        str | None,
+        typer.Option("--format", help="jsonl or parquet (default: from the --out suffix)."),
+    ] = None,
+    max_samples: Annotated[
+        str | None,
+        typer.Option(
+            "--max-samples",
+            metavar="N",
+            help="Per step and split, at most N samples (seeded choice), each with all of its rollouts.",
+        ),
+    ] = None,
+    seed: Annotated[str, typer.Option("--seed", metavar="S", help="Seed of the --max-samples choice.")] = "0",
+    tokenizer: TokenizerOption = None,
+    ids: Annotated[
+        bool, typer.Option("--ids", help="Also write prompt_ids, response_ids and response_mask.")
+    ] = False,
+    force: ForceOption = False,
+    *,
+    selection: Any,
+) -> None:
+    """Write one record per trajectory: keys, reward, advantage, and messages in OpenAI chat format."""
+    from rlreplay import export
+    from rlreplay import selection as choosing
+    from rlreplay.token2text import Decoder, resolve_tokenizer
+
+    samples = whole_number("--max-samples", max_samples, minimum=1)
+    seed_value = whole_number("--seed", seed)
+    if out is None:
+        fail("--out FILE is required (FILE.jsonl or FILE.parquet)")
+    if fmt is None:
+        fmt = _SUFFIXES.get(out.suffix.lower())
+        if fmt is None:
+            fail(f"--format: give jsonl or parquet (no format for the suffix of {out})")
+    if fmt not in export.FORMATS:
+        fail(f"--format must be one of: {', '.join(export.FORMATS)} (got {fmt!r})")
+    target = output_path(out, force)
+    opened = open_run_arg(run, run_path)
+    name = resolve_tokenizer(opened, tokenizer)
+    if name is None:
+        fail("export writes decoded text and no tokenizer is known for this run; pass --tokenizer PATH")
+    decoder = Decoder.load(name)
+    listing = selection.trajectories(opened)
+    if samples is not None:
+        chosen = choosing.group_ids(choosing.sample_groups(listing, samples, seed_value or 0))
+    else:
+        chosen = listing["id"].to_pylist()
+    written = 0
+
+    def run_export(tmp: Path) -> None:
+        nonlocal written
+        written = export.write(tmp, fmt, opened, listing, chosen, decoder, with_ids=ids)
+
+    write_atomically(target, run_export)
+    report_warnings(opened)
+    print(f"wrote {written} trajectories to {target} ({fmt})", file=sys.stderr)

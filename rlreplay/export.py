@@ -1,0 +1,139 @@
+"""Trajectories as a dataset: one record per trajectory, messages in the OpenAI chat format.
+
+Records hold the keys (merged as in ``ls --json``: a key with any non-int value is a string
+column), ``validate``, ``experiment``, ``reward``, ``advantage`` (both from the listing) and
+``messages`` from :func:`rlreplay.messages.openai_messages`; with ``ids``, also the agent
+span's ``prompt_ids``, ``response_ids`` and ``response_mask``. JSON lines and Parquet files
+load as they are with ``datasets.load_dataset("json" | "parquet", data_files=...)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+
+from rlreplay.schema import KIND_AGENT
+from rlreplay.selection import KEYS, merged
+from rlreplay.store import Filters, Run, Trajectory
+
+FORMATS = ("jsonl", "parquet")
+RECORD_FIELDS = ("id", *KEYS, "validate", "experiment", "reward", "advantage")
+ID_FIELDS = ("prompt_ids", "response_ids", "response_mask")
+#: Trajectories read (with payloads) at a time.
+BATCH = 256
+
+_CALL = pa.struct(
+    [
+        ("id", pa.string()),
+        ("type", pa.string()),
+        ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())])),
+    ]
+)
+MESSAGE = pa.struct(
+    [
+        ("role", pa.string()),
+        ("content", pa.string()),
+        ("tool_calls", pa.list_(_CALL)),
+        ("tool_call_id", pa.string()),
+    ]
+)
+
+
+def token_ids(traj: Trajectory) -> dict[str, list[int] | None]:
+    """``prompt_ids``, ``response_ids``, ``response_mask`` as the agent span recorded them."""
+    found: dict[str, list[int] | None] = dict.fromkeys(ID_FIELDS)
+    for span in traj.by_kind(KIND_AGENT):
+        for payload in (span.output, span.inputs):
+            if not isinstance(payload, dict):
+                continue
+            for name in ID_FIELDS:
+                value = payload.get(name)
+                if found[name] is None and isinstance(value, list) and all(type(v) is int for v in value):
+                    found[name] = value
+    return found
+
+
+def _batches(run: Run, listing: pa.Table, ids: list[str]) -> Iterator[list[Trajectory]]:
+    """The trajectories ``ids`` (in that order), read a step at a time, ``BATCH`` at most."""
+    step_of = dict(zip(listing["id"].to_pylist(), listing["step"].to_pylist()))
+    for start in range(0, len(ids), BATCH):
+        chunk = ids[start : start + BATCH]
+        steps = sorted({step_of[i] for i in chunk if step_of.get(i) is not None})
+        only_ints = all(step_of.get(i) is not None for i in chunk)
+        filters = Filters(step=steps) if only_ints and steps else None
+        loaded = {t.id: t for t in run.load(chunk, filters)}
+        yield [loaded[i] for i in chunk if i in loaded]
+
+
+def records(
+    run: Run, listing: pa.Table, ids: list[str], decoder: Any, with_ids: bool = False
+) -> Iterator[list[dict[str, Any]]]:
+    """Batches of export records for ``ids`` (rows of ``listing``), in the order of ``ids``."""
+    from rlreplay.adapters import adapter_for_run
+    from rlreplay.messages import openai_messages
+
+    adapter = adapter_for_run(run)
+    shown = merged(listing)
+    by_id = {row["id"]: row for row in shown.select(list(RECORD_FIELDS)).to_pylist()}
+    for batch in _batches(run, listing, ids):
+        out = []
+        for traj in batch:
+            record = dict(by_id[traj.id])
+            record["messages"] = openai_messages(traj, decoder, adapter)
+            if with_ids:
+                record.update(token_ids(traj))
+            out.append(record)
+        yield out
+
+
+def schema(listing: pa.Table, with_ids: bool) -> pa.Schema:
+    """The Parquet schema of an export of ``listing``'s rows."""
+    shown = merged(listing)
+    fields = [shown.schema.field(name) for name in RECORD_FIELDS]
+    fields.append(pa.field("messages", pa.list_(MESSAGE)))
+    if with_ids:
+        fields += [
+            pa.field("prompt_ids", pa.list_(pa.int32())),
+            pa.field("response_ids", pa.list_(pa.int32())),
+            pa.field("response_mask", pa.list_(pa.int8())),
+        ]
+    return pa.schema(fields)
+
+
+def write(
+    path: Path,
+    fmt: str,
+    run: Run,
+    listing: pa.Table,
+    ids: list[str],
+    decoder: Any,
+    with_ids: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Write the records of ``ids`` to ``path`` as ``jsonl`` or ``parquet``; the number written."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    count = 0
+    batches = records(run, listing, ids, decoder, with_ids)
+    if fmt == "jsonl":
+        with open(path, "wb") as fh:
+            for batch in batches:
+                fh.write(b"".join(orjson.dumps(r, option=orjson.OPT_NON_STR_KEYS) + b"\n" for r in batch))
+                count += len(batch)
+                if progress is not None:
+                    progress(count)
+        return count
+    import pyarrow.parquet as pq
+
+    target = schema(listing, with_ids)
+    with pq.ParquetWriter(path, target, compression="zstd") as writer:
+        for batch in batches:
+            writer.write_table(pa.Table.from_pylist(batch, schema=target))
+            count += len(batch)
+            if progress is not None:
+                progress(count)
+    return count
