@@ -15,19 +15,15 @@ import typer
 from typer.core import TyperCommand
 
 from rlreplay.cli.app import (
-    ExperimentOption,
     JsonOption,
-    RolloutOption,
     RunOption,
-    SampleOption,
-    StepOption,
     TokenizerOption,
-    ValidateOption,
     app,
     err_console,
     fail,
     open_run_arg,
     report_warnings,
+    selection_options,
 )
 
 EXIT_FAILED = 1
@@ -221,6 +217,7 @@ class _Bar:
 
 
 @app.command("upload", cls=UploadCommand)
+@selection_options
 def upload_command(
     ctx: typer.Context,
     run_path: Annotated[Path | None, typer.Argument(metavar="[RUN]", help="Run directory.")] = None,
@@ -231,14 +228,6 @@ def upload_command(
         ),
     ] = "mlflow",
     run: RunOption = None,
-    step: StepOption = None,
-    sample_index: SampleOption = None,
-    rollout_n: RolloutOption = None,
-    validate: ValidateOption = None,
-    experiment: ExperimentOption = None,
-    status: Annotated[
-        str | None, typer.Option("--status", help="Only trajectories that ended ok, or with an error.")
-    ] = None,
     max_samples: Annotated[
         int | None,
         typer.Option(
@@ -291,6 +280,8 @@ def upload_command(
     ] = False,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Trajectories per request.")] = 100,
     as_json: JsonOption = False,
+    *,
+    selection: Any,
 ) -> int:
     """Upload trajectories (a chosen few, or all) as traces; reruns send only what is missing.
 
@@ -299,22 +290,16 @@ def upload_command(
     to any collector (--endpoint). Trackio writes to its local store ($TRACKIO_DIR). A rerun
     sends only what is missing, and replaces traces sent without text once it can decode.
     """
-    from rlreplay import selection
-    from rlreplay.store import Filters
+    from rlreplay.selection import select
     from rlreplay.uploaders.base import UploadError
     from rlreplay.uploaders.pipeline import backend_class, load_decoder, make_uploader, upload
 
     backend_class(backend)  # an unknown name lists the installed backends (exit 2)
     values = ctx.meta.get(_META_VALUES, {})
-    if status is not None and status not in selection.STATUSES:
-        fail(f"--status must be one of: {', '.join(selection.STATUSES)} (got {status!r})")
     budget = _size(max_bytes)
     opened = open_run_arg(run, run_path)
-    filters = Filters(
-        step=step, sample_index=sample_index, rollout_n=rollout_n, validate=validate, experiment=experiment
-    )
-    table = opened.trajectories(filters)
-    groups = selection.select(table, status=status, max_samples=max_samples, seed=seed)
+    # the shared selection (--step, --where, --sort, --limit, ...), then whole groups per step
+    groups = select(selection.trajectories(opened), max_samples=max_samples, seed=seed)
     report_warnings(opened)
 
     warned: set[str] = set()
