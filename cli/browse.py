@@ -141,7 +141,8 @@ def _cell(value: Any) -> str:
 
 
 def preview(value: Any, limit: int = PREVIEW_CHARS) -> str:
-    """A one-line summary of a decoded payload value: long id lists and strings are shortened."""
+    """A short view of a decoded payload value: long id lists and strings are shortened; strings
+    are shown as their text (no quotes, no escapes)."""
     if (
         isinstance(value, list)
         and len(value) > PREVIEW_IDS
@@ -149,21 +150,36 @@ def preview(value: Any, limit: int = PREVIEW_CHARS) -> str:
     ):
         head = " ".join(str(v) for v in value[:PREVIEW_IDS])
         return f"[{head} …] ({len(value):,} ids)"
-    if isinstance(value, str):
-        text = value.replace("\n", "\\n")
-        return repr(text if len(text) <= limit else text[:limit] + "…")
+    if isinstance(value, str):  # text as text: its line breaks are line breaks
+        return value if len(value) <= limit else value[:limit] + "…"
     text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def _payload_lines(label: str, value: Any) -> list[str]:
-    if value is None:
+def _payload_lines(label: str, value: Any, top: bool = True) -> list[str]:
+    """One line per field; lists and dicts holding multi-line text are opened up so that their
+    text shows as text, not as JSON with escaped line breaks."""
+    if value is None and top:
         return []
-    if isinstance(value, dict) and value.get("__type__") != "exception":
-        return [f"{label}.{k}: {preview(v)}" for k, v in value.items()]
-    if isinstance(value, dict):
+    if isinstance(value, dict) and value.get("__type__") == "exception":
         return [f"exception: {value.get('type')}: {value.get('message')}"]
+    if isinstance(value, dict) and "__type__" not in value and (top or _multiline(value)):
+        return [line for k, v in value.items() for line in _payload_lines(f"{label}.{k}", v, False)]
+    if isinstance(value, (list, tuple)) and _multiline(value):
+        return [line for i, v in enumerate(value) for line in _payload_lines(f"{label}[{i}]", v, False)]
     return [f"{label}: {preview(value)}"]
+
+
+def _multiline(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, str):
+        return "\n" in value
+    if depth > 4:
+        return False
+    if isinstance(value, dict):
+        return any(_multiline(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_multiline(v, depth + 1) for v in value[:64])
+    return False
 
 
 def span_label(span: Any) -> str:
@@ -180,9 +196,13 @@ def render_tree(traj: Any, text_lines: Any = None) -> Tree:
     """The span tree of a trajectory; ``text_lines(span)`` may add decoded text under a span."""
     when = datetime.fromtimestamp(traj.start_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
     split = "validate" if traj.validate else "train"
+    reward = "" if traj.reward is None else f"  reward={traj.reward:g}"
     title = (
         f"[bold]{traj.id}[/bold]  step={traj.step} sample_index={traj.sample_index} "
-        f"rollout_n={traj.rollout_n} {split}  experiment={traj.experiment} worker={traj.worker}  {when}"
+        f"rollout_n={traj.rollout_n} {split}  experiment={escape(str(traj.experiment))} "
+        f"worker={escape(traj.worker)}  {when}\n"
+        f"status={traj.status}{reward}  model_calls={traj.model_calls} tool_calls={traj.tool_calls} "
+        f"tool_errors={traj.tool_errors}"
     )
     tree = Tree(title)
 
@@ -199,11 +219,31 @@ def render_tree(traj: Any, text_lines: Any = None) -> Tree:
     return tree
 
 
+def is_run_dir(text: str) -> bool:
+    """Whether ``text`` names a run directory (it holds run.json or spans/)."""
+    from rlreplay.manifest import MANIFEST
+    from rlreplay.shards import SPANS_DIR
+
+    path = Path(text)
+    return path.is_dir() and ((path / MANIFEST).is_file() or (path / SPANS_DIR).is_dir())
+
+
 @app.command("show")
 def show_command(
-    trajectory_id: Annotated[
-        str, typer.Argument(metavar="TRAJECTORY_ID", help="Trajectory id or unique prefix.")
+    first: Annotated[
+        str,
+        typer.Argument(
+            metavar="RUN|TRAJECTORY",
+            help="The run directory (then TRAJECTORY follows), or the trajectory: an id (or unique "
+            "prefix) or a selector such as step=5,sample_index=12,rollout_n=0.",
+        ),
     ],
+    second: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="TRAJECTORY", help="The trajectory, when the run comes first.", show_default=False
+        ),
+    ] = None,
     run: RunOption = None,
     text: Annotated[
         bool | None,
@@ -223,8 +263,15 @@ def show_command(
     as_json: JsonOption = False,
 ) -> None:
     """Show one trajectory's span tree with timings, inputs and outputs, and its conversation as text."""
-    opened = open_run_arg(run)
-    traj = opened.trajectory(trajectory_id)
+    from rlreplay import diff as diffing
+
+    run_path, ref = (Path(first), second) if second is not None else (None, first)
+    if second is None and is_run_dir(first):
+        from rlreplay.cli.app import fail
+
+        fail(f"give a trajectory after the run: rlreplay show {first} ID_OR_SELECTOR")
+    opened = open_run_arg(run, run_path)
+    traj = opened.trajectory(diffing.resolve(opened, diffing.parse_selector(ref)))
     report_warnings(opened)
     decoder = _show_decoder(opened, text, tokenizer)
     if decoder is not None:
@@ -312,7 +359,8 @@ def _show_conversation(traj: Any) -> list[Any]:
     if not turns:
         return []
     styles = {"prompt": "bold blue", "assistant": "bold green", "tool": "bold yellow"}
-    items: list[Any] = [Rule(f"conversation: {len(turns)} turns", style="dim")]
+    counts = f"{traj.model_calls} model calls, {traj.tool_calls} tool calls"
+    items: list[Any] = [Rule(f"conversation ({counts})", style="dim")]
     for i, turn in enumerate(turns):
         role = str(turn.get("role"))
         items.append(Text(f"[{i}] {role}", style=styles.get(role, "bold")))
@@ -329,8 +377,9 @@ def info_command(
     run: RunOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Summarize a run: manifest, steps, trajectories, spans, bytes on disk, recording losses."""
-    from rlreplay.summary import run_summary
+    """Summarize a run: manifest, steps, trajectories, spans and bytes on disk now, and what the
+    recording processes reported (spans written, dropped, spilled, lost)."""
+    from rlreplay.summary import RECORDER_KEYS, run_summary
 
     opened = open_run_arg(run, run_path)
     summary = run_summary(opened)
@@ -340,6 +389,8 @@ def info_command(
         return
     out = console()
     for key, value in summary.items():
+        if key == RECORDER_KEYS[0]:
+            out.print(f"{'recorder':>18}: (counters the recording processes reported)", markup=False)
         out.print(f"{key:>18}: {value}", markup=False)
 
 

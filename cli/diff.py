@@ -47,19 +47,19 @@ def _num(value: Any, seconds: bool = False, signed: bool = False) -> str:
     return f"{value:+,}" if signed else f"{value:,}"
 
 
+#: (label, Side field, seconds): the labels are the --json names, as in ``ls`` and ``show``.
 SUMMARY_ROWS = [
     ("reward", "reward", False),
     ("status", "status", False),
-    ("turns (model+tool)", "turns", False),
-    ("model turns", "model_turns", False),
-    ("prompt tokens", "prompt_tokens", False),
-    ("response tokens", "response_tokens", False),
-    ("model tokens", "model_tokens", False),
-    ("tool calls", "tool_calls", False),
-    ("tool errors", "tool_errors", False),
-    ("duration", "duration_s", True),
-    ("model time", "llm_s", True),
-    ("tool time", "tool_s", True),
+    ("model_calls", "model_calls", False),
+    ("tool_calls", "tool_calls", False),
+    ("tool_errors", "tool_errors", False),
+    ("prompt_tokens", "prompt_tokens", False),
+    ("response_tokens", "response_tokens", False),
+    ("model_tokens", "model_tokens", False),
+    ("duration_s", "duration_s", True),
+    ("llm_s", "llm_s", True),
+    ("tool_s", "tool_s", True),
 ]
 
 
@@ -262,7 +262,7 @@ def render_diff(diff: Any, layout: str = "unified", full: bool = False) -> list[
     counts = diff.counts()
     parts.append(
         Text(
-            f"turns: {counts['equal']} equal, {counts['changed']} changed, "
+            f"conversation: {counts['equal']} equal, {counts['changed']} changed, "
             f"{counts['only_a']} only in A, {counts['only_b']} only in B"
             + ("" if diff.text else "  (compared as token ids)"),
             style="bold",
@@ -330,9 +330,9 @@ def render_group(group: Any, text: bool) -> list[RenderableType]:
         ("rollout", "right"),
         ("id", "left"),
         ("reward", "right"),
-        ("turns", "right"),
-        ("tokens", "right"),
-        ("tool err", "right"),
+        ("model_calls", "right"),
+        ("response_tokens", "right"),
+        ("tool_errors", "right"),
         ("diverges at", "left"),
         ("best says", "left"),
         ("this says", "left"),
@@ -352,7 +352,7 @@ def render_group(group: Any, text: bool) -> list[RenderableType]:
             _index(m.side.rollout_n),
             m.side.id[:12],
             _num(m.side.reward),
-            str(m.side.turns),
+            str(m.side.model_calls),
             f"{m.side.response_tokens:,}",
             str(m.side.tool_errors),
             where,
@@ -412,18 +412,22 @@ def diff_command(
     a: Annotated[
         str,
         typer.Argument(
-            metavar="A",
-            help="Trajectory id (or unique prefix), or a selector: step=5,sample_index=12,rollout_n=0 "
-            "(keys: step, sample_index, rollout_n, validate, experiment).",
+            metavar="RUN|A",
+            help="The run directory (then A and B follow), or trajectory A: an id (or unique prefix), "
+            "or a selector: step=5,sample_index=12,rollout_n=0 (keys: step, sample_index, rollout_n, "
+            "validate, experiment).",
         ),
     ],
     b: Annotated[
         str | None,
         typer.Argument(
-            metavar="B",
-            help="Id or selector; keys not given are A's (e.g. rollout_n=1, or step=500). "
-            "Omitted with --run-b: the same keys in that run.",
+            metavar="A|B",
+            help="Trajectory B (A when the run comes first): an id or a selector; keys not given are "
+            "A's (e.g. rollout_n=1, or step=500). Omitted with --run-b: the same keys in that run.",
         ),
+    ] = None,
+    extra: Annotated[
+        str | None, typer.Argument(metavar="B", help="Trajectory B, when the run comes first.")
     ] = None,
     run: RunOption = None,
     run_b: Annotated[
@@ -442,14 +446,28 @@ def diff_command(
         bool, typer.Option("--full", help="Show equal turns and all context, untrimmed.")
     ] = False,
     html: Annotated[
-        Path | None, typer.Option("--html", help="Also write a self-contained HTML report.")
+        Path | None,
+        typer.Option(
+            "--html",
+            help="Also write a self-contained HTML report to this file (never inside a run directory; "
+            "an existing file only with --force).",
+        ),
     ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Let --html replace an existing file.")] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Compare two trajectories turn by turn: first divergence, changed text, reward, tools, timings."""
     from rlreplay import diff as diffing
+    from rlreplay.cli.browse import is_run_dir
 
-    run_a = open_run_arg(run)
+    run_path = None
+    if is_run_dir(a):  # the run first, as on ls, show, info
+        run_path, a, b, extra = Path(a), b, extra, None
+        if a is None:
+            fail("give trajectory A after the run (an id or a selector such as step=5,sample_index=12)")
+    if extra is not None:
+        fail(f"unexpected argument {extra!r}: diff takes [RUN] A [B]")
+    run_a = open_run_arg(run, run_path)
     other = open_run_arg(run_b) if run_b is not None else run_a
     if group:
         if b is not None:
@@ -467,6 +485,10 @@ def diff_command(
             return
         print_parts(console(), render_group(result, decoder is not None))
         return
+    if html is not None:
+        from rlreplay.diff_html import check_report_path
+
+        check_report_path(html, force, [run_a.path, other.path])
     traj_a, traj_b = diffing.select_pair(run_a, a, other, b)
     decoder = load_decoder([run_a, other] if other is not run_a else [run_a], tokenizer, no_text)
     result = diffing.diff_trajectories(traj_a, traj_b, decoder, run_a, other)
@@ -474,7 +496,7 @@ def diff_command(
     if html is not None:
         from rlreplay.diff_html import write_html
 
-        write_html(result, html)
+        write_html(result, html, force, [run_a.path, other.path])
     if as_json:
         payload = result.to_dict()
         if decoder is not None:

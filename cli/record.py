@@ -139,9 +139,16 @@ def record_command(
         fail(str(exc))
     experiment = experiment or guessed_experiment
     run_dir = out or default_out(command, experiment)
+    if run_dir.exists() and not run_dir.is_dir():
+        fail(f"--out {run_dir}: exists and is not a directory; give a new run directory")
     if run_dir.exists() and any(run_dir.iterdir()):
         fail(f"{run_dir} already exists and is not empty; recorded runs are never overwritten")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(run_dir, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        fail(f"--out {run_dir}: cannot create the run there ({exc.strerror or exc})")
     manifest.write_json_atomic(
         run_dir / manifest.MANIFEST,
         manifest.new_manifest(

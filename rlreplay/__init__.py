@@ -7,6 +7,7 @@ nothing until recording or reading actually starts.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
@@ -47,6 +48,11 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
+        # submodules (rlreplay.conversation, rlreplay.token2text, ...) load on first use
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            value = importlib.import_module(f"{__name__}.{name}")
+            globals()[name] = value
+            return value
         raise AttributeError(f"module 'rlreplay' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value

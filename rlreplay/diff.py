@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlreplay.conversation import ROLE_ASSISTANT, ROLE_PROMPT, ROLE_TOOL, BatchDecoder, Turn, turns
-from rlreplay.schema import KIND_LLM, KIND_TOOL, STATUS_ERROR
-from rlreplay.store import Filters, Run, RunError, Trajectory
+from rlreplay.schema import KIND_LLM, KIND_TOOL
+from rlreplay.store import Filters, Run, RunError, Trajectory, listing_rows
 
 EQUAL = "equal"
 CHANGED = "changed"
@@ -46,6 +46,7 @@ _ALIASES = {
 _TRUE = {"true", "1", "yes", "val", "validate"}
 _FALSE = {"false", "0", "no", "train"}
 _HEX = set("0123456789abcdef")
+_ASCII_INT = re.compile(r"[+-]?[0-9]+")
 
 
 class SelectorError(RunError):
@@ -108,10 +109,11 @@ def _parse_value(raw: str, name: str, value: str) -> Any:
         if low in _FALSE:
             return False
         raise SelectorError(f"selector {raw!r}: validate must be true or false, not {value!r}")
-    try:
+    if _ASCII_INT.fullmatch(value):
         return int(value)
-    except ValueError:
-        raise SelectorError(f"selector {raw!r}: {name} must be an integer, not {value!r}") from None
+    if value.lstrip("+-").isdigit():  # int() would read "５" (full-width) as 5: refused, not guessed
+        raise SelectorError(f"selector {raw!r}: {name} must be an integer in ASCII digits, not {value!r}")
+    return value  # a key recorded as a string, such as sample_index=s1-3
 
 
 def format_keys(keys: dict[str, Any]) -> str:
@@ -150,7 +152,7 @@ def resolve(
     keys = {**(inherit or {}), **selector.keys}
     wanted = format_keys(keys)
     step = keys.get("step")
-    listing = run.trajectories(Filters(step=step) if step is not None else None).to_pylist()
+    listing = listing_rows(run.trajectories(Filters(step=step) if step is not None else None))
     candidates = listing
     # apply keys one at a time so that the error names the one that left nothing
     for key in SELECTOR_KEYS:
@@ -336,14 +338,12 @@ class Side:
     worker: str
     reward: float | None
     status: str
-    turns: int  # model and tool turns (the prompt not counted)
-    model_turns: int
-    tool_turns: int
+    model_calls: int  # counted as the listing counts them (``Trajectory.model_calls``)
+    tool_calls: int
+    tool_errors: int
     prompt_tokens: int
     response_tokens: int
     model_tokens: int
-    tool_calls: int
-    tool_errors: int
     duration_s: float
     llm_s: float
     tool_s: float
@@ -355,14 +355,12 @@ class Side:
 #: Fields of ``Side`` whose B − A difference is reported.
 DELTA_FIELDS = (
     "reward",
-    "turns",
-    "model_turns",
-    "tool_turns",
+    "model_calls",
+    "tool_calls",
+    "tool_errors",
     "prompt_tokens",
     "response_tokens",
     "model_tokens",
-    "tool_calls",
-    "tool_errors",
     "duration_s",
     "llm_s",
     "tool_s",
@@ -649,14 +647,12 @@ def _side(traj: Trajectory, conv: list[Turn], run: Run | None) -> Side:
         worker=traj.worker,
         reward=traj.reward,
         status=traj.status,
-        turns=len(model) + len(tool_turns),
-        model_turns=len(model),
-        tool_turns=len(tool_turns),
+        model_calls=traj.model_calls,
+        tool_calls=traj.tool_calls,
+        tool_errors=traj.tool_errors,
         prompt_tokens=len(_prompt(conv)),
         response_tokens=sum(len(t.token_ids) for t in model) + sum(len(t.token_ids) for t in tool_turns),
         model_tokens=sum(len(t.token_ids) for t in model),
-        tool_calls=len(tools),
-        tool_errors=sum(1 for s in tools if s.status == STATUS_ERROR),
         duration_s=(traj.end_ns - traj.start_ns) / 1e9 if traj.spans else 0.0,
         llm_s=sum(s.duration_s for s in llm),
         tool_s=sum(s.duration_s for s in tools),

@@ -7,11 +7,32 @@ turns the page into one unified column. Equal turns fold away under ``<details>`
 
 from __future__ import annotations
 
+import contextlib
 import html
+import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rlreplay.diff import EQUAL, TrajectoryDiff, TurnDiff, format_tool_calls
+from rlreplay.manifest import MANIFEST
+from rlreplay.shards import SPANS_DIR
+from rlreplay.store import RunError
+
+#: Rows of the summary table, named as in --json, ``ls`` and ``show``.
+SUMMARY_FIELDS = (
+    "reward",
+    "status",
+    "model_calls",
+    "tool_calls",
+    "tool_errors",
+    "prompt_tokens",
+    "response_tokens",
+    "model_tokens",
+    "duration_s",
+    "llm_s",
+    "tool_s",
+)
 
 STATUS_WORDS = {"equal": "equal", "changed": "changed", "only_a": "only in A", "only_b": "only in B"}
 
@@ -133,20 +154,7 @@ def _turn_html(turn: TurnDiff, first: bool) -> str:
 
 
 def _summary(diff: TrajectoryDiff) -> str:
-    rows = [
-        ("reward", "reward"),
-        ("status", "status"),
-        ("turns (model+tool)", "turns"),
-        ("model turns", "model_turns"),
-        ("prompt tokens", "prompt_tokens"),
-        ("response tokens", "response_tokens"),
-        ("model tokens", "model_tokens"),
-        ("tool calls", "tool_calls"),
-        ("tool errors", "tool_errors"),
-        ("duration (s)", "duration_s"),
-        ("model time (s)", "llm_s"),
-        ("tool time (s)", "tool_s"),
-    ]
+    rows = [(name, name) for name in SUMMARY_FIELDS]
     deltas = diff.deltas
     out = ['<table class="summary"><tr><th></th><th>A</th><th>B</th><th>B−A</th></tr>']
     for label, name in rows:
@@ -241,13 +249,73 @@ def render_html(diff: TrajectoryDiff) -> str:
         "<main><h1>rlreplay diff</h1>"
         f"{_side_line('A', diff.a)}{_side_line('B', diff.b)}"
         f'<p class="divergence">{where}</p>'
-        f"{_summary(diff)}<h2>Turns</h2><p>{_e(count_line)}</p>{turns}{_tools(diff)}"
+        f"{_summary(diff)}<h2>Conversation</h2><p>{_e(count_line)}</p>{turns}{_tools(diff)}"
         "</main></body></html>"
     )
 
 
-def write_html(diff: TrajectoryDiff, path: str | Path) -> Path:
-    """Write the report to ``path`` (UTF-8) and return it."""
+class ReportPathError(RunError):
+    """A report path that would overwrite the user's files or write into a recorded run."""
+
+
+def _inside_run(path: Path, runs: list[Path]) -> Path | None:
+    """The run directory that ``path`` (already resolved) lies in, if any."""
+    for run in runs:
+        if path.is_relative_to(run.resolve()):
+            return run
+    for parent in path.parents:
+        if (parent / MANIFEST).is_file() or (parent / SPANS_DIR).is_dir():
+            return parent
+    return None
+
+
+def check_report_path(path: str | Path, force: bool = False, runs: Sequence[Path] = ()) -> Path:
+    """``path`` if a report may be written there; else ReportPathError with a one-line reason.
+
+    Never inside a run directory (nor through a link into one), never over a directory, and over
+    an existing file only with ``force``.
+    """
     target = Path(path)
-    target.write_text(render_html(diff), encoding="utf-8")
+    if target.is_dir():
+        raise ReportPathError(f"--html {target}: is a directory; give a file name")
+    if not target.parent.is_dir():
+        raise ReportPathError(f"--html {target}: no directory {target.parent}")
+    real = target.parent.resolve() / target.name
+    for where in {real, target.resolve()}:
+        run = _inside_run(where, list(runs))
+        if run is not None:
+            raise ReportPathError(
+                f"--html {target}: inside the run directory {run}; recorded runs are never written to"
+            )
+    exists = target.exists() or target.is_symlink()
+    if exists and not force:
+        raise ReportPathError(f"--html {target}: exists; pass --force to replace it")
+    if exists and not (target.is_file() or target.is_symlink()):
+        raise ReportPathError(f"--html {target}: not a regular file")
+    return target
+
+
+def write_html(
+    diff: TrajectoryDiff, path: str | Path, force: bool = False, runs: Sequence[Path] = ()
+) -> Path:
+    """Write the report to ``path`` (UTF-8) and return it (see ``check_report_path``).
+
+    The file is written beside the target and renamed over it: a link at ``path`` is replaced,
+    never written through."""
+    target = check_report_path(path, force, runs)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            f.write(render_html(diff))
+        if force:
+            os.replace(tmp, target)
+        else:
+            os.link(tmp, target)  # fails if the name appeared meanwhile: nothing is overwritten
+    except FileExistsError:
+        raise ReportPathError(f"--html {target}: exists; pass --force to replace it") from None
+    except OSError as exc:
+        raise ReportPathError(f"--html {target}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
     return target

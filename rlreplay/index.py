@@ -395,7 +395,13 @@ def write(index: pa.Table, path: Path, shard_bytes: int) -> None:
     tmp = path.with_name("_" + path.name + ".tmp")
     metadata = {**INDEX_SCHEMA.metadata, SHARD_BYTES_KEY: str(shard_bytes).encode()}
     with open(tmp, "wb") as f:
-        pq.write_table(index.replace_schema_metadata(metadata), f, compression="zstd")
+        pq.write_table(
+            index.replace_schema_metadata(metadata),
+            f,
+            compression="zstd",
+            use_dictionary=False,
+            write_statistics=False,
+        )
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, path)

@@ -4,27 +4,24 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from rlreplay.redact import (  # noqa: F401 - redaction lives in rlreplay.redact; re-exported here
+    REDACTED,
+    redact_argv,
+    redact_mapping,
+    redact_url,
+    redact_value,
+)
 from rlreplay.schema import FORMAT_VERSION
 
 MANIFEST = "run.json"
 WORKERS_DIR = "_workers"
 COUNTERS = ("spans", "dropped", "spilled", "lost", "encode_errors")
-
-# A secret-looking option or variable name: its last word is a key, token, secret or password.
-_SECRET_NAME = re.compile(
-    r"(?i)(^|[._-])(api[_-]?key|apikey|access[_-]?key|private[_-]?key|secret[_-]?key|token|secret|passw(or)?d|credentials?|auth)$"
-)
-_SECRET_VALUE = re.compile(
-    r"(?i)\b(sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|[0-9a-f]{40})\b"
-)
-REDACTED = "***"
 
 
 def version() -> str:
@@ -35,32 +32,6 @@ def version() -> str:
         return dist_version("rlreplay")
     except PackageNotFoundError:
         return "0+unknown"
-
-
-def redact_value(text: str) -> str:
-    return _SECRET_VALUE.sub(REDACTED, text)
-
-
-def redact_argv(argv: list[str]) -> list[str]:
-    """Hide values of secret-looking options and anything shaped like a key or token."""
-    out: list[str] = []
-    hide_next = False
-    for arg in argv:
-        if hide_next:
-            out.append(REDACTED)
-            hide_next = False
-            continue
-        name, eq, _value = arg.partition("=")
-        if _SECRET_NAME.search(name.lstrip("-+")):
-            if eq:
-                out.append(f"{name}={REDACTED}")
-                continue
-            if arg.startswith("-"):
-                out.append(arg)
-                hide_next = True
-                continue
-        out.append(redact_value(arg))
-    return out
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -93,7 +64,7 @@ def new_manifest(
         "host": socket.gethostname(),
         "started_at": time.time(),
         "ended_at": None,
-        **extra,
+        **redact_mapping(extra),
     }
 
 
@@ -115,7 +86,7 @@ def ensure_manifest(run_dir: Path, experiment: str | None = None) -> dict[str, A
 
 def update_manifest(run_dir: Path, **fields: Any) -> dict[str, Any]:
     data = read_manifest(run_dir) or new_manifest()
-    data.update(fields)
+    data.update(redact_mapping(fields))
     write_json_atomic(Path(run_dir) / MANIFEST, data)
     return data
 
@@ -142,8 +113,3 @@ def total_counters(run_dir: Path) -> dict[str, int]:
         for name in COUNTERS:
             totals[name] += int(counters.get(name, 0) or 0)
     return totals
-
-
-def redact_mapping(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` with the values of secret-looking keys hidden (a call's keyword arguments)."""
-    return data

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections import deque
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -325,15 +325,26 @@ def count_token_ids(value: Any) -> int:
 
 
 # ---- typed token arrays (format 2) ---------------------------------------------------------------
+#
+# A number list of a span's inputs/output goes to a typed column; the JSON keeps a placeholder
+# ``{"__type__": "tokens", "t": dtype, "o": offset, "n": stored count, "s": stream position,
+# "r": [[span, start, length, at], ...]}``. ``r`` lists stretches copied from earlier spans of the
+# same trajectory (their "stream": all their arrays of that dtype, end to end): ``length`` values
+# of span ``span`` from ``start`` go at position ``at``; the stored values fill the rest in order.
+# That is how a model call's prompt (the previous prompt + response + an observation) and the
+# agent's response ids and log-probs (every turn's) are kept once.
 
 TOKENS = "tokens"
 #: Number lists shorter than this stay in the JSON text.
-MIN_ARRAY = 8
-#: A prefix shorter than this is stored whole rather than referenced.
-MIN_PREFIX = 32
+MIN_ARRAY = 64
+#: A stretch shorter than this is stored rather than referenced.
+MIN_SHARED = 64
+#: Tries to find a shared stretch per array, beyond those at the start of each earlier array.
+MAX_PROBES = 128
 _I8, _I32, _F32 = "i8", "i32", "f32"
 #: Placeholder dtype → typed column (see ``rlreplay.schema.TOKEN_COLUMNS``).
 DTYPE_COLUMNS = {_I32: "token_ids", _I8: "token_masks", _F32: "token_logprobs"}
+_SHARED = (_I32, _F32)  # dtypes whose stretches are shared between spans
 
 
 def _number_kind(types: set[type]) -> str | None:
@@ -349,17 +360,17 @@ def _number_kind(types: set[type]) -> str | None:
 class Arrays:
     """Collects a span's number lists as typed arrays, leaving placeholders in its JSON.
 
-    ``prefixes`` (a ``PrefixIndex`` of the trajectory, optional) lets an id list that starts with
-    a stretch of an earlier span's ids store only the rest and a reference ``[span, start, len]``.
+    ``shared`` (a ``SharedIndex`` of the trajectory, optional) lets a list store only what earlier
+    spans of the trajectory do not already hold.
     """
 
-    def __init__(self, prefixes: Any = None) -> None:
+    def __init__(self, shared: Any = None) -> None:
         self.parts: dict[str, list[Any]] = {_I32: [], _I8: [], _F32: []}
         self.sizes = dict.fromkeys(self.parts, 0)
-        self.stream: list[Any] = []  # full id arrays in order: what later spans may reference
-        self.stream_len = 0
-        self.prefixes = prefixes
-        self._last: tuple[str, int] | None = None  # where the previous id array's reference ended
+        self.streams: dict[str, list[Any]] = {_I32: [], _F32: []}  # full arrays, in order
+        self.stream_len = dict.fromkeys(self.streams, 0)
+        self.shared = shared
+        self._last: tuple[str, int] | None = None  # where the previous array's last stretch ended
         self.bytes = 0
 
     def extract(self, data: Any, key: str = "") -> Any:
@@ -383,17 +394,20 @@ class Arrays:
             return None
         try:
             if kind == "int":
-                array = np.array(values, dtype=np.int64)
-                lo, hi = int(array.min()), int(array.max())
+                if len(values) < 256:  # numpy's per-call cost dominates short lists
+                    lo, hi, array = min(values), max(values), None
+                else:
+                    array = np.array(values, dtype=np.int64)
+                    lo, hi = int(array.min()), int(array.max())
                 if "mask" in key.lower() and lo >= -128 and hi <= 127:
-                    return self._add(_I8, array.astype(np.int8))
+                    return self._add(_I8, np.array(values if array is None else array, dtype=np.int8))
                 if lo >= -(1 << 31) and hi < (1 << 31):
-                    return self._ids(array.astype(np.int32))
+                    return self._shared(_I32, np.array(values if array is None else array, dtype=np.int32))
                 return None
             array = np.array(values, dtype=np.float64)
             single = array.astype(np.float32)
             if np.array_equal(single, array) and np.array_equal(np.signbit(single), np.signbit(array)):
-                return self._add(_F32, single)
+                return self._shared(_F32, single)
             return None  # float64 values: JSON keeps them exactly, and short decimals compactly
         except (OverflowError, ValueError, TypeError):
             return None
@@ -405,25 +419,28 @@ class Arrays:
         self.bytes += array.nbytes
         return placeholder
 
-    def _ids(self, array: Any) -> dict[str, Any]:
-        ref = None
-        if self.prefixes is not None and len(array) >= MIN_PREFIX:
-            ref = self.prefixes.match(array, self._last)
-        self._last = None
+    def _shared(self, dtype: str, array: Any) -> dict[str, Any]:
+        import numpy as np
+
+        refs: list[list[Any]] = []
         stored = array
-        if ref is not None:
-            span, start, length = ref
-            stored = array[length:]
-            self._last = (span, start + length)
-        placeholder = self._add(_I32, stored)
-        placeholder["s"] = self.stream_len
-        if ref is not None:
-            placeholder["r"] = [span, start, length]
-        self.stream.append(array)
-        self.stream_len += len(array)
+        if self.shared is not None and len(array) >= MIN_SHARED:
+            refs, last = self.shared.cover(dtype, array, self._last)
+            self._last = last
+            if refs:
+                keep = np.ones(len(array), dtype=bool)
+                for _, _, length, at in refs:
+                    keep[at : at + length] = False
+                stored = array[keep]
+        placeholder = self._add(dtype, stored)
+        placeholder["s"] = self.stream_len[dtype]
+        if refs:
+            placeholder["r"] = refs
+        self.streams[dtype].append(array)
+        self.stream_len[dtype] += len(array)
         return placeholder
 
-    def columns(self) -> tuple[Any, Any, Any, Any]:
+    def columns(self) -> tuple[Any, Any, Any]:
         """The span's values per typed column (token_ids, token_masks, token_logprobs)."""
         import numpy as np
 
@@ -436,70 +453,106 @@ class Arrays:
                 out.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
         return tuple(out)  # type: ignore[return-value]
 
-    def full_stream(self) -> Any:
-        import numpy as np
 
-        if not self.stream:
-            return None
-        return self.stream[0] if len(self.stream) == 1 else np.concatenate(self.stream)
+class SharedIndex:
+    """The id and log-prob streams of a trajectory's latest spans, to share stretches with."""
 
-
-class PrefixIndex:
-    """The id streams of a trajectory's latest spans, to find shared prefixes in the next ones."""
-
-    __slots__ = ("streams",)
-    KEEP = 4
+    __slots__ = ("by_first", "streams")
+    #: streams kept per dtype: an id stream holds the ones before it; log-probs are per call
+    KEEP: ClassVar[dict[str, int]] = {_I32: 6, _F32: 32}
 
     def __init__(self) -> None:
-        self.streams: list[tuple[str, Any, tuple[int, ...]]] = []  # (span id, ids, array starts)
+        self.streams: dict[str, list[tuple[str, Any, Any]]] = {_I32: [], _F32: []}  # (span, values, starts)
+        # per dtype: first value of each kept array → (span, stream, start)
+        self.by_first: dict[str, dict[Any, list[tuple[str, Any, int]]]] = {_I32: {}, _F32: {}}
 
     def add(self, span_id: str, arrays: Arrays) -> None:
-        stream = arrays.full_stream()
-        if stream is None or len(stream) < MIN_PREFIX:
-            return
-        starts, pos = [], 0
-        for part in arrays.stream:
-            starts.append(pos)
-            pos += len(part)
-        self.streams.append((span_id, stream, tuple(starts)))
-        del self.streams[: -self.KEEP]
+        import numpy as np
+
+        for dtype, parts in arrays.streams.items():
+            if not parts or arrays.stream_len[dtype] < MIN_SHARED:
+                continue
+            stream = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            starts, pos = [], 0
+            for part in parts:
+                starts.append(pos)
+                pos += len(part)
+            kept = self.streams[dtype]
+            kept.append((span_id, stream, starts))
+            del kept[: -self.KEEP[dtype]]
+            by_first: dict[Any, list[tuple[str, Any, int]]] = {}
+            for kept_span, kept_stream, kept_starts in kept:
+                for start in kept_starts:
+                    if start < len(kept_stream):
+                        by_first.setdefault(kept_stream[start].item(), []).append(
+                            (kept_span, kept_stream, start)
+                        )
+            self.by_first[dtype] = by_first
 
     @property
     def nbytes(self) -> int:
-        return sum(s[1].nbytes for s in self.streams)
+        return sum(s[1].nbytes for kept in self.streams.values() for s in kept)
 
-    def match(self, array: Any, after: tuple[str, int] | None) -> tuple[str, int, int] | None:
-        """The longest ``(span, start, length)`` such that ``array`` begins with that stretch."""
+    def cover(
+        self, dtype: str, array: Any, after: tuple[str, int] | None
+    ) -> tuple[list[list[Any]], tuple[str, int] | None]:
+        """Stretches ``[span, start, length, at]`` of earlier streams that make up parts of ``array``
+        (greedy, longest first at each position), and where the last one ended."""
         import numpy as np
 
-        best: tuple[str, int, int] | None = None
-        for span_id, stream, starts in self.streams:
-            offsets = set(starts)
-            if after is not None and after[0] == span_id:
-                offsets.add(after[1])
-            for start in offsets:
-                n = min(len(array), len(stream) - start)
-                if n < MIN_PREFIX:
+        kept = self.streams[dtype]
+        if not kept:
+            return [], None
+        by_first = self.by_first[dtype]
+        maybe = None  # where an earlier array may begin again (computed at the first miss)
+        by_span = {span_id: stream for span_id, stream, _ in kept}
+        refs: list[list[Any]] = []
+        n, p, probes = len(array), 0, 0
+        while p < n and probes < MAX_PROBES:
+            probes += 1
+            options = list(by_first.get(array[p].item(), ()))
+            if after is not None and after[0] in by_span:
+                options.append((after[0], by_span[after[0]], after[1]))
+            best: tuple[str, int, int] | None = None
+            for span_id, stream, start in options:
+                m = min(n - p, len(stream) - start)
+                if m < MIN_SHARED or not np.array_equal(
+                    array[p : p + MIN_SHARED], stream[start : start + MIN_SHARED]
+                ):
                     continue
-                diff = np.flatnonzero(array[:n] != stream[start : start + n])
-                length = int(diff[0]) if len(diff) else n
-                if length >= MIN_PREFIX and (best is None or length > best[2]):
+                diff = np.flatnonzero(array[p : p + m] != stream[start : start + m])
+                length = int(diff[0]) if len(diff) else m
+                if best is None or length >= best[2]:  # ties: the latest
                     best = (span_id, start, length)
-        return best
+            if best is not None:
+                refs.append([best[0], best[1], best[2], p])
+                after = (best[0], best[1] + best[2])
+                p += best[2]
+                continue
+            after = None
+            if maybe is None:
+                firsts = np.fromiter(by_first, dtype=array.dtype, count=len(by_first))
+                maybe = np.flatnonzero(np.isin(array, firsts))
+            i = int(np.searchsorted(maybe, p + 1))
+            if i >= len(maybe):
+                break
+            p = int(maybe[i])
+        return refs, after
 
 
 class Restorer:
-    """Puts typed arrays back where a span's JSON has placeholders; resolves prefix references."""
+    """Puts typed arrays back where a span's JSON has placeholders; resolves shared stretches."""
 
     def __init__(self, resolve: Any) -> None:
-        self.resolve = resolve  # span id → that span's full id stream (numpy), or None
+        self.resolve = resolve  # (span id, dtype) → that span's full stream (numpy), or None
         self.issues: list[str] = []
 
     def restore(self, data: Any, columns: dict[str, Any]) -> Any:
         cls = type(data)
         if cls is dict:
             if data.get("__type__") == TOKENS and "t" in data:
-                return self._array(data, columns)
+                full = self._array(data, columns)
+                return full.tolist() if not isinstance(full, dict) else full
             return {k: self.restore(v, columns) for k, v in data.items()}
         if cls is list:
             return [self.restore(v, columns) for v in data]
@@ -509,42 +562,53 @@ class Restorer:
         import numpy as np
 
         try:
-            values = columns[DTYPE_COLUMNS[placeholder["t"]]]
+            dtype = placeholder["t"]
+            values = columns[DTYPE_COLUMNS[dtype]]
             start, n = int(placeholder["o"]), int(placeholder["n"])
             if values is None or start < 0 or start + n > len(values):
                 raise ValueError("values out of range")
-            array = values[start : start + n]
-            ref = placeholder.get("r")
-            if ref is not None:
-                span, rstart, length = ref[0], int(ref[1]), int(ref[2])
-                stream = self.resolve(span)
-                if stream is None or rstart + length > len(stream):
-                    raise ValueError(f"prefix from span {span} missing")
-                array = np.concatenate([stream[rstart : rstart + length], array])
-            return array.tolist()
+            stored = values[start : start + n]
+            refs = placeholder.get("r")
+            if not refs:
+                return stored
+            if isinstance(refs[0], str):  # early format 2 files: one prefix, [span, start, length]
+                refs = [[refs[0], refs[1], refs[2], 0]]
+            total = n + sum(int(r[2]) for r in refs)
+            out = np.empty(total, dtype=stored.dtype)
+            keep = np.ones(total, dtype=bool)
+            for span, rstart, length, at in refs:
+                rstart, length, at = int(rstart), int(length), int(at)
+                stream = self.resolve(span, dtype)
+                if stream is None or rstart + length > len(stream) or at + length > total:
+                    raise ValueError(f"shared values of span {span} missing")
+                out[at : at + length] = stream[rstart : rstart + length]
+                keep[at : at + length] = False
+            if int(keep.sum()) != n:
+                raise ValueError("stored values do not fit")
+            out[keep] = stored
+            return out
         except (KeyError, ValueError, TypeError, IndexError) as exc:
             why = f"unreadable token array ({exc})"
             self.issues.append(why)
             return {"__type__": "error", "error": why}
 
-    def stream(self, data: Any, columns: dict[str, Any]) -> list[tuple[int, Any]]:
-        """(stream position, full ids) of every id array placeholder in ``data``."""
+    def stream(self, data: Any, columns: dict[str, Any], dtype: str) -> list[tuple[int, Any]]:
+        """(stream position, full values) of every ``dtype`` array placeholder in ``data``."""
         out: list[tuple[int, Any]] = []
-        self._walk(data, columns, out)
+        self._walk(data, columns, dtype, out)
         return out
 
-    def _walk(self, data: Any, columns: dict[str, Any], out: list[tuple[int, Any]]) -> None:
-        import numpy as np
-
+    def _walk(self, data: Any, columns: dict[str, Any], dtype: str, out: list[tuple[int, Any]]) -> None:
         cls = type(data)
         if cls is dict:
-            if data.get("__type__") == TOKENS and data.get("t") == _I32 and "s" in data:
-                full = self._array(data, columns)
-                if type(full) is list:
-                    out.append((int(data["s"]), np.array(full, dtype=np.int32)))
+            if data.get("__type__") == TOKENS:
+                if data.get("t") == dtype and "s" in data:
+                    full = self._array(data, columns)
+                    if not isinstance(full, dict):
+                        out.append((int(data["s"]), full))
                 return
             for v in data.values():
-                self._walk(v, columns, out)
+                self._walk(v, columns, dtype, out)
         elif cls is list:
             for v in data:
-                self._walk(v, columns, out)
+                self._walk(v, columns, dtype, out)

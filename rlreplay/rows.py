@@ -117,13 +117,13 @@ class PrefixCache:
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
         self.max_bytes = max_bytes
-        self._by_trajectory: OrderedDict[Any, payload.PrefixIndex] = OrderedDict()
+        self._by_trajectory: OrderedDict[Any, payload.SharedIndex] = OrderedDict()
         self._bytes = 0
 
-    def get(self, trajectory: Any) -> payload.PrefixIndex:
+    def get(self, trajectory: Any) -> payload.SharedIndex:
         index = self._by_trajectory.get(trajectory)
         if index is None:
-            index = self._by_trajectory[trajectory] = payload.PrefixIndex()
+            index = self._by_trajectory[trajectory] = payload.SharedIndex()
         else:
             self._by_trajectory.move_to_end(trajectory)
         return index
@@ -233,7 +233,7 @@ def encode_row(
     if index is not None:
         if parent_id is None and meta.kind != KIND_SIGNALS:
             prefixes.drop(tid)  # the trajectory ended
-        elif not _truncated(inputs_text) and not _truncated(output_text):
+        elif any(arrays.stream_len.values()) and not (_truncated(inputs_text) or _truncated(output_text)):
             before = index.nbytes
             index.add(sid, arrays)
             prefixes.added(tid, before, index.nbytes)

@@ -51,8 +51,10 @@ def parse_size(text: str) -> int:
     number, prefix, binary, _b = match.groups()
     if binary and not prefix:
         raise ValueError(f"not a size: {text!r} (examples: 500k, 900MB, 1.5GiB)")
-    base = 1024 if binary else 1000
-    return int(float(number) * base ** _POWERS[prefix.lower()])
+    value = float(number) * (1024 if binary else 1000) ** _POWERS[prefix.lower()]
+    if value >= 2**63:  # also inf: int() of it would raise OverflowError
+        raise ValueError(f"size too large: {text[:20]!r}{'…' if len(text) > 20 else ''}")
+    return int(value)
 
 
 def filter_status(table: pa.Table, status: str | None) -> pa.Table:

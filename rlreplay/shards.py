@@ -56,7 +56,7 @@ SORT_KEYS = [
     ("trajectory_id", "ascending"),
     ("start_ns", "ascending"),
 ]
-ROW_GROUP_BYTES = 1 << 20
+ROW_GROUP_BYTES = 512 << 10
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _DICTIONARY_COLUMNS = ["trajectory_id", "name", "kind", "status", "experiment", "worker"]
 
@@ -272,6 +272,7 @@ def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes
             compression_level=SEALED_ZSTD_LEVEL,
             use_dictionary=_DICTIONARY_COLUMNS,
             write_statistics=META_COLUMNS,
+            use_byte_stream_split=["token_logprobs.list.element"],
             data_page_size=1 << 20,
         )
         for start, stop in bounds:
@@ -286,8 +287,9 @@ def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes
     fsync_dir(final.parent)
 
 
-def row_group_bounds(table: pa.Table, target: int = ROW_GROUP_BYTES) -> list[tuple[int, int]]:
+def row_group_bounds(table: pa.Table, target: int | None = None) -> list[tuple[int, int]]:
     """[start, stop) row ranges of about ``target`` payload bytes, cut between trajectories."""
+    target = ROW_GROUP_BYTES if target is None else target
     n = table.num_rows
     if n == 0:
         return []
@@ -361,8 +363,9 @@ def recover_run(run_dir: Path, wait_s: float = 0.0) -> tuple[list[SealResult], l
         if not live or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    for tmp in spans.glob("step=*/worker=*/_part-*.parquet.tmp"):
-        tmp.unlink(missing_ok=True)  # a compaction that died before its rename
+    for pattern in ("_part-*.parquet.tmp", "_part-*.index.tmp"):
+        for tmp in spans.glob(f"step=*/worker=*/{pattern}"):
+            tmp.unlink(missing_ok=True)  # a compaction that died before its rename
     results = []
     for partial in partials:
         if partial in live or not partial.exists():
@@ -421,7 +424,7 @@ def rewrite_run(src: Path, dst: Path) -> RewriteResult:
         originals = {r["span_id"]: r for r in table.select(plain).to_pylist()}
         out_rows = []
         for traj in run.load(ids):
-            prefixes = payload.PrefixIndex()
+            prefixes = payload.SharedIndex()
             for span in sorted(traj.spans, key=lambda s: (s.end_ns, s.start_ns)):
                 arrays = payload.Arrays(prefixes)
                 inputs = None if span.inputs is None else payload.dumps(arrays.extract(span.inputs))

@@ -167,11 +167,9 @@ class Trajectory:
 
     @property
     def roots(self) -> list[Span]:
-        return [s for s in self.spans if s.parent_id is None or s.parent_id not in self._by_id]
-
-    @property
-    def _by_id(self) -> dict[str, Span]:
-        return {s.span_id: s for s in self.spans}
+        """Spans whose parent is not in the trajectory (normally the one root span)."""
+        ids = {s.span_id for s in self.spans}
+        return [s for s in self.spans if s.parent_id is None or s.parent_id not in ids]
 
     @property
     def start_ns(self) -> int:
@@ -195,6 +193,19 @@ class Trajectory:
     @property
     def reward(self) -> float | None:
         return self.row["reward"]
+
+    @property
+    def model_calls(self) -> int:
+        """``llm`` spans, as the listing counts them."""
+        return self.row["model_calls"]
+
+    @property
+    def tool_calls(self) -> int:
+        return self.row["tool_calls"]
+
+    @property
+    def tool_errors(self) -> int:
+        return self.row["tool_errors"]
 
     @property
     def attributes(self) -> dict[str, Any]:
@@ -223,6 +234,9 @@ class Trajectory:
             "duration_s": (self.end_ns - self.start_ns) / 1e9,
             "status": self.status,
             "reward": self.reward,
+            "model_calls": self.model_calls,
+            "tool_calls": self.tool_calls,
+            "tool_errors": self.tool_errors,
             "spans": [root.to_dict() for root in self.roots],
         }
 
@@ -309,23 +323,23 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
             parts.append(value)
         decoded.append(tuple(parts))  # type: ignore[arg-type]
     by_span = {r["span_id"]: i for i, r in enumerate(rows)}
-    streams: dict[str, Any] = {}
-    resolving: set[str] = set()
+    streams: dict[tuple[str, str], Any] = {}
+    resolving: set[tuple[str, str]] = set()
 
-    def resolve(span_id: str) -> Any:
-        if span_id in streams:
-            return streams[span_id]
+    def resolve(span_id: str, dtype: str) -> Any:
+        key = (span_id, dtype)
+        if key in streams:
+            return streams[key]
         i = by_span.get(span_id)
-        if i is None or span_id in resolving:
+        if i is None or key in resolving:
             return None
-        resolving.add(span_id)
-        found = restorer.stream(decoded[i][0], row_columns(i)) + restorer.stream(
-            decoded[i][1], row_columns(i)
-        )
+        resolving.add(key)
+        cols = row_columns(i)
+        found = restorer.stream(decoded[i][0], cols, dtype) + restorer.stream(decoded[i][1], cols, dtype)
         found.sort(key=lambda p: p[0])
-        stream = np.concatenate([a for _, a in found]) if found else np.zeros(0, np.int32)
-        streams[span_id] = stream
-        resolving.discard(span_id)
+        stream = np.concatenate([a for _, a in found]) if found else None
+        streams[key] = stream
+        resolving.discard(key)
         return stream
 
     restorer = payload.Restorer(resolve)
@@ -606,13 +620,25 @@ class Run:
             raise RunError(f"ambiguous id prefix {ref!r}: matches {len(unique)} trajectories ({shown}...)")
         return unique[0], matches["step"][0].as_py()
 
-    def trajectory(self, ref: str) -> Trajectory:
-        """One trajectory, by id or unique prefix, with decoded inputs/outputs and its span tree."""
+    def trajectory(
+        self, ref: str, text: bool = False, tokenizer: str | None = None, skip_special_tokens: bool = False
+    ) -> Trajectory:
+        """One trajectory, by id or unique prefix: its span tree with inputs and outputs as recorded
+        (token ids). With ``text=True`` the ids are also decoded (``prompt_text``,
+        ``response_text``, the agent's ``conversation``) with ``tokenizer`` or the run's own."""
         traj_id, step = self.resolve(ref)
         found = self.load([traj_id], Filters(step=step) if step is not None else None)
         if not found:
             raise RunError(f"no trajectory {ref!r} in {self.path}")
-        return found[0]
+        traj = found[0]
+        if text:
+            from rlreplay.token2text import Decoder, add_text, resolve_tokenizer
+
+            name = resolve_tokenizer(self, tokenizer)
+            if name is None:
+                raise RunError(f"no tokenizer is known for {self.path}; pass tokenizer='/path/to/dir'")
+            add_text([traj], Decoder.load(name), skip_special_tokens=skip_special_tokens)
+        return traj
 
     def load(self, traj_ids: Iterable[str], filters: Filters | None = None) -> list[Trajectory]:
         """Several trajectories at once, in the order given, reading only the row groups that hold them."""

@@ -16,9 +16,16 @@ def disk_bytes(run_dir: Path) -> int:
     return sum(p.stat().st_size for p in Path(run_dir, SPANS_DIR).rglob("*") if p.is_file())
 
 
+#: Keys of ``run_summary`` that come from the recording processes' counters, not from the files.
+RECORDER_KEYS = ("spans_written", "dropped", "spilled", "lost", "encode_errors", "recovered_shards")
+
+
 def run_summary(run: Run) -> dict[str, Any]:
-    spans = run.spans(columns=["trajectory_id", "step", "num_tokens"])
-    steps = pc.unique(spans["step"]).drop_null() if spans.num_rows else []
+    """Counts of what is on disk now (the same rows ``ls`` and ``Run.spans`` read, live files
+    included), then what the recording processes reported (their counters, ``RECORDER_KEYS``:
+    ``spans_written`` is their count of spans, which can lag behind or exceed what is on disk)."""
+    spans = run.spans(columns=["trajectory_id", "step", "step_str", "num_tokens"])
+    steps = {v for c in ("step", "step_str") for v in pc.unique(spans[c]).drop_null().to_pylist()}
     tokens = int(pc.sum(spans["num_tokens"]).as_py() or 0) if spans.num_rows else 0
     size = disk_bytes(run.path)
     m = run.manifest
@@ -27,14 +34,14 @@ def run_summary(run: Run) -> dict[str, Any]:
         "run_id": m.get("run_id"),
         "experiment": m.get("experiment"),
         "tokenizer": m.get("tokenizer"),
-        "command": " ".join(m.get("command") or []),
+        "command": " ".join(manifest.redact_argv([str(a) for a in m.get("command") or []])),  # older runs too
         "steps": len(steps),
         "trajectories": len(pc.unique(spans["trajectory_id"])) if spans.num_rows else 0,
         "spans": spans.num_rows,
         "token_ids": tokens,
         "bytes_on_disk": size,
         "bytes_per_token": round(size / tokens, 3) if tokens else None,
-        **run.counters(),
+        **{("spans_written" if k == "spans" else k): v for k, v in run.counters().items()},
     }
 
 

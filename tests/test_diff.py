@@ -252,9 +252,9 @@ def test_token_level_diff_reconstructs_both_turns(runs, capsys) -> None:
             assert rebuilt_b == out_b["response_ids"][start : start + turn["tokens_b"]]
         else:
             assert rebuilt_b == []
-    # rollout 2 has one more assistant turn and one more tool turn, and its one tool error
-    assert got["b"]["model_turns"] - got["a"]["model_turns"] == 1
-    assert got["deltas"]["tool_turns"] == 1
+    # rollout 2 has one more model call and one more tool call, and its one tool error
+    assert got["b"]["model_calls"] - got["a"]["model_calls"] == 1
+    assert got["deltas"]["tool_calls"] == 1
     assert got["b"]["tool_errors"] == 1 and got["a"]["tool_errors"] == 0
     assert got["deltas"]["response_tokens"] == len(out_b["response_ids"]) - len(out_a["response_ids"])
     assert got["deltas"]["reward"] == REWARDS[2] - REWARDS[0]
@@ -339,7 +339,8 @@ def test_selector_across_two_runs(runs, capsys) -> None:
         (["step=1,sample_index=7,rollout_n=0", "rollout_n=1"], "add validate"),  # train and validation
         (["step=0,sample_index=99,rollout_n=0", "rollout_n=1"], "no sample_index=99"),
         (["step=5,sample_index=7,rollout_n=0", "rollout_n=1"], "no step=5"),
-        (["step=zero,sample_index=7", "rollout_n=1"], "step must be an integer"),
+        (["step=zero,sample_index=7", "rollout_n=1"], "no step=zero"),
+        (["step=٣,sample_index=7", "rollout_n=1"], "step must be an integer in ASCII digits"),
         (["step=0,colour=red", "rollout_n=1"], "unknown key 'colour'"),
         (["step=0,,rollout_n=1", "rollout_n=1"], "empty item"),
         (["step=0,validate=maybe", "rollout_n=1"], "validate must be true or false"),
@@ -363,13 +364,16 @@ def test_bad_selectors_are_one_line_and_exit_2(runs, capsys, args: list[str], ne
 def test_bad_selector_as_a_subprocess_has_no_traceback(runs) -> None:
     run_a, _ = runs
     proc = subprocess.run(
-        [sys.executable, "-m", "rlreplay", "diff", "step=x", "rollout_n=1", "--run", str(run_a)],
+        [sys.executable, "-m", "rlreplay", "diff", "step=５", "rollout_n=1", "--run", str(run_a)],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "rlreplay: error: selector 'step=x': step must be an integer, not 'x'"
+    assert (
+        proc.stderr.strip()
+        == "rlreplay: error: selector 'step=５': step must be an integer in ASCII digits, not '５'"
+    )
 
 
 def test_terminal_rendering_marks_changes_without_colour(runs, capsys, monkeypatch) -> None:

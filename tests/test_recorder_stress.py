@@ -253,7 +253,11 @@ def _key_from_inputs(row: dict[str, Any]) -> str:
 def group_by_trajectory(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
     t0 = time.perf_counter()
     groups: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
-    for r in rlreplay.open_run(run_dir).spans().to_pylist():
+    from rlreplay.store import decoded_rows  # here: the recording processes import this module
+
+    for r in decoded_rows(rlreplay.open_run(run_dir).spans()):
+        for k in ("inputs", "output", "attributes"):  # as JSON text, as the checks below read it
+            r[k] = None if r[k] is None else orjson.dumps(r[k]).decode()
         groups[r["trajectory_id"]].append(r)
     print(f"read {sum(map(len, groups.values()))} spans in {time.perf_counter() - t0:.2f}s")
     return groups

@@ -426,25 +426,25 @@ def test_show_json_contains_decoded_text(run_dir: Path, capsys: pytest.CaptureFi
 def test_show_renders_the_conversation(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = cli(capsys, "show", one_id(run_dir, 2), "--run", run_dir)
     assert rc == 0, err
-    assert "conversation: 6 turns" in out
+    assert "conversation (3 model calls, 2 tool calls)" in out
     for i, (role, _) in enumerate(SCRIPTS[2]):
         assert f"[{i}] {role}" in out
     assert "Let me recheck: 0.2 * 50 = 10" in out
     # text is printed as is, never read as markup (an unmatched closing tag would even raise)
-    assert "[bold]x[/bold]" in out.split("conversation:")[1]
-    assert "out.response_text: '#### 10 [/INST]<|im_end|>'" in out
+    assert "[bold]x[/bold]" in out.split("conversation (")[1]
+    assert "out.response_text: #### 10 [/INST]<|im_end|>" in out
     assert 'tool call calc({"answer":"11"})' in out
     assert "prompt_ids: [" not in out  # decoded fields replace the raw id lists
-    assert "out.prompt_text: '<|im_start|>system" in out  # the agent's prompt, from its start
-    assert "in.prompt_text: '…" in out  # a model call's context, by its end
+    assert "out.prompt_text: <|im_start|>system" in out  # the agent's prompt, from its start
+    assert "in.prompt_text: …" in out  # a model call's context, by its end
     rc, out, _ = cli(capsys, "show", one_id(run_dir, 2), "--run", run_dir, "--skip-special-tokens")
-    assert rc == 0 and "<|im_start|>" not in out.split("conversation:")[1]
+    assert rc == 0 and "<|im_start|>" not in out.split("conversation (")[1]
 
 
 def test_show_no_text_shows_ids(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = cli(capsys, "show", one_id(run_dir, 0), "--run", run_dir, "--no-text")
     assert rc == 0
-    assert "in.prompt_ids: [" in out and "conversation:" not in out
+    assert "in.prompt_ids: [" in out and "conversation (" not in out
 
 
 def test_manifest_tokenizer_unavailable_warns_and_shows_ids(
@@ -457,7 +457,7 @@ def test_manifest_tokenizer_unavailable_warns_and_shows_ids(
     assert rc == 0
     warnings = [line for line in err.splitlines() if line.startswith("rlreplay: warning:")]
     assert len(warnings) == 1 and "no-such-org/no-such-model" in warnings[0] and HOW_TO in warnings[0]
-    assert "in.prompt_ids: [" in out and "conversation:" not in out
+    assert "in.prompt_ids: [" in out and "conversation (" not in out
     rc, _, err = cli(capsys, "show", one_id(other, 0), "--run", other, "--text")
     assert rc == 2 and err.startswith("rlreplay: error:") and len(err.strip().splitlines()) == 1
 
