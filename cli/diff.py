@@ -12,7 +12,16 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from rlreplay.cli.app import JsonOption, RunOption, TokenizerOption, app, console, fail, open_run_arg
+from rlreplay.cli.app import (
+    JsonOption,
+    RunOption,
+    TokenizerOption,
+    app,
+    console,
+    fail,
+    open_run_arg,
+    selection_options,
+)
 
 DEL_OPEN, DEL_CLOSE = "[-", "-]"
 INS_OPEN, INS_CLOSE = "{+", "+}"
@@ -408,6 +417,7 @@ def _warn(runs: list[Any]) -> None:
 
 
 @app.command("diff")
+@selection_options
 def diff_command(
     a: Annotated[
         str,
@@ -455,6 +465,8 @@ def diff_command(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Let --html replace an existing file.")] = False,
     as_json: JsonOption = False,
+    *,
+    selection: Any,
 ) -> None:
     """Compare two trajectories turn by turn: first divergence, changed text, reward, tools, timings."""
     from rlreplay import diff as diffing
@@ -478,7 +490,7 @@ def diff_command(
             fail("--html reports on a pair of trajectories; drop --group")
         traj = run_a.trajectory(diffing.resolve(run_a, diffing.parse_selector(a), one_group=True))
         decoder = load_decoder([run_a], tokenizer, no_text)
-        result = diffing.diff_group(run_a, traj, decoder)
+        result = diffing.diff_group(run_a, traj, decoder, selection)
         _warn([run_a])
         if as_json:
             typer.echo(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2).decode())
@@ -489,6 +501,8 @@ def diff_command(
         from rlreplay.diff_html import check_report_path
 
         check_report_path(html, force, [run_a.path, other.path])
+    if selection != type(selection)():
+        fail("--step, --where and the other selection options choose the rollouts of --group")
     traj_a, traj_b = diffing.select_pair(run_a, a, other, b)
     decoder = load_decoder([run_a, other] if other is not run_a else [run_a], tokenizer, no_text)
     result = diffing.diff_trajectories(traj_a, traj_b, decoder, run_a, other)

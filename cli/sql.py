@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 from decimal import Decimal
+from pathlib import Path
 from typing import Annotated, Any
 
 import orjson
 import typer
 
-from rlreplay.cli.app import JsonOption, RunOption, app, open_run_arg, report_warnings
+from rlreplay.cli.app import JsonOption, RunOption, app, fail, open_run_arg, report_warnings
 
 
 def _json_default(value: Any) -> Any:
@@ -32,21 +33,28 @@ def _cell(value: Any) -> str:
 
 @app.command("sql")
 def sql_command(
-    query: Annotated[
-        str,
+    first: Annotated[
+        str | None,
+        typer.Argument(metavar="[RUN]", help="Run directory (optional; else --run or the default run)."),
+    ] = None,
+    second: Annotated[
+        str | None,
         typer.Argument(
             metavar="QUERY",
             help="SQL over the views trajectories (the ls --json columns) and spans (span rows, "
             "payloads as JSON text).",
         ),
-    ],
+    ] = None,
     run: RunOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Query a run with SQL (DuckDB); files cannot be read or written from the query."""
     from rlreplay.query import sql
 
-    opened = open_run_arg(run)
+    run_path, query = (Path(first), second) if second is not None else (None, first)
+    if query is None:
+        fail('give the query: rlreplay sql [RUN] "SELECT ..."')
+    opened = open_run_arg(run, run_path)
     table = sql(opened, query)
     report_warnings(opened)
     rows = table.to_pylist()

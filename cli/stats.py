@@ -167,7 +167,8 @@ def _trends(rows: list[dict[str, Any]], metrics: list[str]) -> str:
             by_split.setdefault(split, []).append(f"  {column.ljust(width)}  {sparkline(values)}  {ends}")
     for split, split_lines in by_split.items():
         steps = [r["step"] for r in rows if split_name(r["validate"]) == split]
-        lines.append(f"trends over {len(steps)} steps ({split}, step {_fmt(steps[0])} to {_fmt(steps[-1])}):")
+        span = f"step {_fmt(steps[0])}" if len(steps) == 1 else f"steps {_fmt(steps[0])} to {_fmt(steps[-1])}"
+        lines.append(f"trends ({split}, {len(steps)} rows, {span}):")
         lines += split_lines
     return ("\n" + "\n".join(lines) + "\n") if lines else ""
 

@@ -808,14 +808,20 @@ def _window(conv: list[Turn], div: Divergence) -> list[int]:
     return ids[div.response_offset : div.response_offset + PREVIEW_TOKENS]
 
 
-def diff_group(run: Run, traj: Trajectory, decoder: BatchDecoder | None = None) -> GroupDiff:
-    """Every rollout of ``traj``'s sample (same step, sample_index, split) against the best-rewarded."""
+def diff_group(
+    run: Run, traj: Trajectory, decoder: BatchDecoder | None = None, selection: Any = None
+) -> GroupDiff:
+    """Every rollout of ``traj``'s sample (same step, sample_index, split) against the best-rewarded;
+    with ``selection`` (``rlreplay.selection.Selection``), only the rollouts it keeps."""
     if traj.sample_index is None:
         raise SelectorError(f"trajectory {traj.id[:12]} has no sample_index: it belongs to no group")
     filters = Filters(
         step=traj.step, sample_index=traj.sample_index, validate=traj.validate, experiment=traj.experiment
     )
-    ids = run.trajectories(filters)["id"].to_pylist()
+    group = run.trajectories(filters)
+    ids = (selection.apply(group) if selection is not None else group)["id"].to_pylist()
+    if not ids:
+        raise SelectorError(f"the selection leaves none of the {group.num_rows} rollouts of this group")
     members = run.load(ids, filters)
     convs = [turns(t, adapter=_adapter(run)) for t in members]
     sides = [_side(t, c, run) for t, c in zip(members, convs)]

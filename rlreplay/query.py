@@ -115,6 +115,9 @@ def _spans_table(run: Any) -> Any:
     from rlreplay.schema import SPAN_SCHEMA, FormatError, file_version
     from rlreplay.shards import list_files
 
+    fetch = getattr(run, "fetch", None)  # a remote run: bring every shard into its cache first
+    if callable(fetch):
+        fetch()
     sealed, partials = list_files(run.path)
     good = []
     for path in sealed:

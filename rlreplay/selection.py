@@ -343,9 +343,12 @@ class Selection:
 
 
 def _partition_steps(run: Any, spec: KeySpec | None) -> list[int] | None:
-    """The run's step partitions that ``spec`` matches, in order (None: read without pruning)."""
+    """The run's step partitions that ``spec`` matches, in order (None: read without pruning).
+
+    Only for a local run: a remote run's cache holds just what was fetched so far.
+    """
     path = getattr(run, "path", None)
-    if spec is None or path is None:
+    if spec is None or path is None or getattr(run, "uri", None) is not None:
         return None
     steps = []
     for folder in step_dirs(path):

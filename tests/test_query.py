@@ -324,6 +324,7 @@ BAD = [
     (["sql", "copy (select 1) to '{tmp}/x.csv'", "--run", "{run}"], "disabled"),
     (["sql", "select * from read_parquet('{tmp}/x.parquet')", "--run", "{run}"], "disabled"),
     (["sql", " ", "--run", "{run}"], "empty SQL"),
+    (["sql", "--run", "{run}"], "give the query"),
     (["export", "{run}", "--format", "jsonl"], "--out"),
     (["export", "{run}", "--out", "{tmp}/x.csv"], "--format"),
     (["export", "{run}", "--out", "{tmp}/x.jsonl", "--format", "xml"], "--format"),
@@ -546,6 +547,9 @@ def test_sql_views(gsm8k: list[dict[str, Any]], capsys: pytest.CaptureFixture[st
 
     rc, out, _ = cli(capsys, "sql", "SELECT count(*) AS n FROM trajectories", "--run", GSM8K)
     assert rc == 0 and out.splitlines()[1].strip() == str(len(gsm8k)) and out.endswith("(1 rows)\n")
+    # the run may come first, as on every command
+    rc, out_first, _ = cli(capsys, "sql", GSM8K, "SELECT count(*) AS n FROM trajectories")
+    assert rc == 0 and out_first == out
 
 
 # --- export -----------------------------------------------------------------------------------
@@ -751,3 +755,53 @@ def test_string_keys_export_loads_with_datasets(
         )
         assert data.features["sample_index"].dtype == "string" and data.features["step"].dtype == "int64"
         assert sorted(set(data["sample_index"])) == ["0", "7", "b", "s1-3"]
+
+
+def test_diff_group_takes_the_selection(
+    gsm8k: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    group = [r for r in gsm8k if r["step"] == 5 and r["sample_index"] == 730 and not r["validate"]]
+    rc, out, err = cli(capsys, "diff", GSM8K, "--group", "step=5,sample_index=730", "--ids", "--json")
+    assert rc == 0, err
+    assert sorted(r["id"] for r in json.loads(out)["rollouts"]) == sorted(r["id"] for r in group)
+    argv = [
+        "--group",
+        "step=5,sample_index=730",
+        "--ids",
+        "--rollout-n",
+        "1..3",
+        "--where",
+        "reward > 0",
+        "--json",
+    ]
+    rc, out, err = cli(capsys, "diff", GSM8K, *argv)
+    assert rc == 0, err
+    kept = [r for r in group if 1 <= r["rollout_n"] <= 3 and (r["reward"] or 0) > 0]
+    assert kept and len(kept) < len(group)
+    assert sorted(r["id"] for r in json.loads(out)["rollouts"]) == sorted(r["id"] for r in kept)
+    rc, _, err = cli(capsys, "diff", GSM8K, "--group", "step=5,sample_index=730", "--where", "reward < 0")
+    assert rc == 2 and "leaves none" in err
+    rc, _, err = cli(
+        capsys, "diff", GSM8K, "step=5,sample_index=730,rollout_n=0", "rollout_n=1", "--step", "5"
+    )
+    assert rc == 2 and "--group" in err and len(err.strip().splitlines()) == 1
+
+
+def test_upload_takes_the_selection(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    listing = expected_listing(run_copy)
+    argv = [
+        "upload",
+        run_copy,
+        "--backend",
+        "mlflow",
+        "--dry-run",
+        "--json",
+        "--step",
+        "1..2",
+        "--status",
+        "ok",
+    ]
+    rc, out, err = cli(capsys, *argv, "--where", "tool_calls >= 1")
+    assert rc == 0, err
+    wanted = [r for r in listing if r["step"] in (1, 2) and r["status"] == "ok" and r["tool_calls"] >= 1]
+    assert json.loads(out)["selected"] == len(wanted) > 0

@@ -303,8 +303,8 @@ def test_failures_are_retried_then_reported(
     assert {traj_id(t) for t in experiment_traces(mlflow_server, project)} == set(ids) - {ids[5]}
     # the human summary names the failure too
     FlakyMlflow.refuse_always = ids[5]
-    rc, out, _ = run_cli(capsys, str(run_copy), "--step", "1", "--project", project, "--backend", "flaky")
-    assert rc == 1 and "FAILED 1" in out and ids[5] in out
+    rc, out, err = run_cli(capsys, str(run_copy), "--step", "1", "--project", project, "--backend", "flaky")
+    assert rc == 1 and "1 trajectories failed" in err and ids[5] in err and ids[5] not in out
     # the plain backend, same ledger: only the missing one goes
     again = run_json(capsys, str(run_copy), "--step", "1", "--project", project)
     assert again["sent"] == 1 and again["already_uploaded"] == len(ids) - 1

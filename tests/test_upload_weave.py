@@ -356,12 +356,17 @@ def test_unknown_project_and_persistent_5xx(run_dir: Path, loopback: WeaveLoopba
     assert all(r.ok for r in up.send(prepared)) and not loopback.duplicates
 
 
-def test_unreachable_server_fails_the_batch_as_retryable(run_dir: Path) -> None:
+def test_unreachable_server_is_fatal_first_then_retryable_once_it_answered(run_dir: Path) -> None:
     with WeaveLoopback(api_key=KEY) as lb:
         url = lb.url
-    up = WeaveUploader(PROJECT, url=url, api_key=KEY)
+        up = WeaveUploader(PROJECT, url=url, api_key=KEY)
+        up._client()  # the first contact: the server answers
+    # gone after it answered: this batch fails, retryable (the pipeline retries, then reports)
     results = up.send(up.prepare(load_all(run_dir)[:2]))
     assert all(not r.ok and r.retryable and "cannot reach Weave" in r.error for r in results)
+    # never reachable: one fatal line at the first contact
+    with pytest.raises(UploadError, match=r"cannot reach Weave at http://127\.0\.0\.1"):
+        WeaveUploader(PROJECT, url=url, api_key=KEY).send(up.prepare(load_all(run_dir)[:1]))
 
 
 def test_credentials_and_url_come_from_the_environment_as_weave_reads_them(
@@ -601,7 +606,8 @@ def test_cli_persistent_503_reports_failures_and_a_rerun_completes(
     lb.inject("/calls/complete", [503] * 200, retry_after_s=0.01)
     rc, out, err = cli(capsys, *upload_args(sample_run, "--step", 3))
     assert rc == 1
-    assert "FAILED" in out and "Weave answered 503" in out and "Traceback" not in out + err
+    assert "failed" in err and "Weave answered 503" in err and "Traceback" not in out + err
+    assert "Weave answered 503" not in out  # failures go to stderr, the summary to stdout
     assert not lb.calls
     lb.reset()
     rc, out, err = cli(capsys, *upload_args(sample_run, "--step", 3, "--json"))

@@ -1,23 +1,27 @@
 """The uploader protocol (prepare → send → result) and the ledger that makes uploads resumable.
 
-A backend is one module with one class implementing :class:`Uploader`. The shared machinery
-(selection, token2text, batching, retries, ledger, progress) lives in ``rlreplay.uploaders.pipeline`` and
-never knows a backend's wire format.
+A backend is one module with one class implementing :class:`Uploader`, registered under the
+entry-point group ``rlreplay.uploaders`` (the built-in ones are registered the same way, in
+rlreplay's ``pyproject.toml``). The shared machinery (selection, token2text, batching,
+retries, deadlines, ledger, progress) lives in ``rlreplay.uploaders.pipeline`` and never knows
+a backend's wire format.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
-from collections.abc import Iterable, Sequence
+import urllib.parse
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import orjson
 
-from rlreplay.store import Trajectory
+from rlreplay.store import RunError, Trajectory
 
 LEDGER_DIR = "_uploads"
 
@@ -30,6 +34,7 @@ class Prepared:
     backend_id: str
     body: Any
     nbytes: int
+    text: bool = False  # decoded text included (recorded in the ledger)
 
 
 @dataclass
@@ -48,9 +53,40 @@ class UploadError(Exception):
     """A failure that stops the whole upload (bad credentials, unknown project): one clear line."""
 
 
+class RequestTimeout(UploadError):
+    """A server that did not answer one request within the deadline: the upload stops, resumable."""
+
+
+@dataclass(frozen=True)
+class BackendOption:
+    """A command-line option a backend declares (``rlreplay upload --backend NAME --help`` lists it)."""
+
+    flag: str  # "--endpoint"
+    help: str
+    metavar: str = "VALUE"
+    multiple: bool = False  # may be given several times (values come as a list)
+
+    @property
+    def key(self) -> str:
+        """The name the value goes under in ``BackendOptions.values`` (``--my-opt`` → ``my_opt``)."""
+        return self.flag.lstrip("-").replace("-", "_")
+
+
 @runtime_checkable
 class Uploader(Protocol):
+    """What a backend class provides (class attributes, a factory, and the instance methods).
+
+    - ``backend``: its name (the entry point's name);
+    - ``options``: the :class:`BackendOption` s it takes beyond the common ones;
+    - ``can_upsert``: sending a trace again replaces it (same ids), so a rerun that can now
+      decode may replace traces sent without text, and ``--force`` may re-send;
+    - ``from_options(BackendOptions)``: the uploader for a run (classmethod);
+    - ``existing(trajectory_ids)``: which of them the server already holds (``None``: cannot tell).
+    """
+
     backend: str
+    options: ClassVar[tuple[BackendOption, ...]]
+    can_upsert: ClassVar[bool]
 
     def target(self) -> str:
         """Where uploads go (e.g. ``mlflow:http://host:5000#experiment``); keys the ledger."""
@@ -64,7 +100,70 @@ class Uploader(Protocol):
         """Send one batch; one result per prepared item. Raise UploadError only for fatal errors."""
         ...
 
+    def existing(self, trajectory_ids: Sequence[str]) -> set[str] | None:
+        """The trajectories among ``trajectory_ids`` the server already has; None if it cannot tell."""
+        ...
+
     def close(self) -> None: ...
+
+
+T = TypeVar("T")
+
+
+def within(timeout: float | None, what: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, or :class:`RequestTimeout` if it has not returned after ``timeout`` s.
+
+    One overall deadline per request, whatever the client library's own timeouts and retries:
+    the call runs on a daemon thread that is left behind when the deadline passes.
+    """
+    if timeout is None:
+        return fn(*args, **kwargs)
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=call, name="rlreplay-request", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise RequestTimeout(f"no answer from {what} within {timeout:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def public_url(url: str) -> str:
+    """``url`` without credentials (user:password@) or query string, for ledgers and output."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return url.split("@")[-1]
+    if not parts.netloc:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def secrets_of_url(url: str) -> list[str]:
+    """The credentials a URL carries (userinfo, query values), to scrub from messages."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return []
+    found = [v for v in (parts.password, parts.username) if v]
+    found += [v for _, v in urllib.parse.parse_qsl(parts.query) if len(v) >= 6]
+    return found
+
+
+def scrub(text: str, secrets: Sequence[str]) -> str:
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    return text
 
 
 @dataclass
@@ -78,8 +177,14 @@ class Ledger:
     def open(cls, run_dir: Path, backend: str, target: str, create: bool = True) -> Ledger:
         """The ledger for ``target``; with ``create=False`` (a dry run) no file is written."""
         digest = hashlib.sha256(target.encode()).hexdigest()[:16]
-        ledger = cls(Path(run_dir) / LEDGER_DIR / f"{backend}-{digest}.jsonl")
-        ledger._load(target, create)
+        folder = Path(run_dir) / LEDGER_DIR
+        if folder.exists() and not folder.is_dir():
+            raise RunError(f"{folder} is not a directory (upload ledgers go there); move it away")
+        ledger = cls(folder / f"{backend}-{digest}.jsonl")
+        try:
+            ledger._load(target, create)
+        except OSError as exc:
+            raise RunError(f"upload ledger {ledger.path}: {exc.strerror or exc}") from None
         return ledger
 
     def _load(self, target: str, create: bool = True) -> None:
@@ -91,13 +196,24 @@ class Ledger:
                 f.write(orjson.dumps({"target": target, "created_at": time.time()}) + b"\n")
             return
         with open(self.path, "rb") as f:
-            for line in f:
-                try:
-                    entry = orjson.loads(line)
-                except orjson.JSONDecodeError:
-                    continue  # a torn last line from an interrupted upload
-                if "trajectory_id" in entry:
-                    self._done[entry["trajectory_id"]] = entry
+            content = f.read()
+        if create and content and not content.endswith(b"\n"):
+            with open(self.path, "ab") as f:  # after a torn last line, new records start afresh
+                f.write(b"\n")
+        for number, line in enumerate(content.split(b"\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                entry = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue  # a line torn by an interrupted upload
+            if not isinstance(entry, dict) or not isinstance(entry.get("trajectory_id", ""), str):
+                raise RunError(
+                    f"upload ledger {self.path} line {number} is not an upload record; "
+                    "fix or remove that line (or the file, to upload everything again)"
+                )
+            if "trajectory_id" in entry:
+                self._done[entry["trajectory_id"]] = entry
 
     def __contains__(self, trajectory_id: object) -> bool:
         return trajectory_id in self._done
@@ -110,18 +226,27 @@ class Ledger:
 
     def nbytes(self, trajectory_id: str) -> int:
         """Bytes recorded for a trajectory already sent (0 if unknown)."""
-        return int(self._done.get(trajectory_id, {}).get("bytes") or 0)
+        value = self._done.get(trajectory_id, {}).get("bytes")
+        return value if isinstance(value, int) and value > 0 else 0
 
-    def record(self, results: Iterable[SendResult]) -> None:
-        """Durably note successful sends (fsynced before returning)."""
+    def without_text(self) -> set[str]:
+        """Trajectories sent without decoded text (entries that say so)."""
+        return {tid for tid, entry in self._done.items() if entry.get("text") is False}
+
+    def record(self, results: Iterable[SendResult], text: dict[str, bool] | None = None) -> None:
+        """Durably note successful sends (fsynced before returning); a re-send adds a newer line.
+
+        ``text`` says, per trajectory, whether decoded text went with it.
+        """
         lines = []
         now = time.time()
         for r in results:
-            if r.ok and r.trajectory_id not in self._done:
+            if r.ok:
                 entry = {
                     "trajectory_id": r.trajectory_id,
                     "backend_id": r.backend_id,
                     "bytes": r.nbytes,
+                    "text": bool((text or {}).get(r.trajectory_id, False)),
                     "at": now,
                 }
                 self._done[r.trajectory_id] = entry

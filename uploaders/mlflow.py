@@ -13,10 +13,8 @@ Traces are then linked to an MLflow run named after the experiment, so they show
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import io
 import os
-import struct
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,17 +26,28 @@ from rlreplay.schema import (
     KIND_PARSER,
     KIND_TOOL,
     KIND_TRAJECTORY,
-    STATUS_ERROR,
 )
 from rlreplay.store import Span, Trajectory
-from rlreplay.uploaders.base import LEDGER_DIR, Prepared, SendResult, UploadError
+from rlreplay.uploaders.base import (
+    LEDGER_DIR,
+    Prepared,
+    RequestTimeout,
+    SendResult,
+    UploadError,
+    public_url,
+    scrub,
+    secrets_of_url,
+    within,
+)
+from rlreplay.uploaders.otlp_proto import encode_trajectory as encode_otlp
+from rlreplay.uploaders.otlp_proto import otel_trace_id, set_any_value  # noqa: F401 - public here too
 
 ENV_URI = "MLFLOW_TRACKING_URI"
 LOCAL_DB = "mlflow.db"
 MAX_LINKS = 100  # MLflow's limit of trace ids per link_traces_to_run call
 MAX_TAG_CHARS = 250  # SQL column limits on Postgres/MySQL
 TAG_KEYS = ("step", "sample_index", "rollout_n", "validate", "experiment_name", "worker")
-REQUEST_TIMEOUT_S = 120
+REQUEST_TIMEOUT_S = 60.0  # default overall deadline of one request
 MAX_REQUEST_BYTES = 16 << 20  # per request, below common proxy limits for uploads
 
 SPAN_TYPES = {
@@ -57,8 +66,6 @@ ATTR_INPUTS = "mlflow.spanInputs"
 ATTR_OUTPUTS = "mlflow.spanOutputs"
 ATTR_SPAN_TYPE = "mlflow.spanType"
 ATTR_TAG_PREFIX = "mlflow.traceTag."
-_INT64 = (-(1 << 63), (1 << 63) - 1)
-_INT, _FLOAT = {int}, {float}
 
 
 def default_uri(run_dir: Path) -> str:
@@ -69,16 +76,6 @@ def default_uri(run_dir: Path) -> str:
     return f"sqlite:///{(Path(run_dir) / LEDGER_DIR / LOCAL_DB).resolve()}"
 
 
-def otel_trace_id(trajectory_id: str, experiment: str) -> str:
-    """128-bit trace id (32 hex) derived from the trajectory id and the experiment's name.
-
-    MLflow trace ids are unique per tracking server, whatever the experiment: with the bare
-    trajectory id, uploading a run to a second experiment would silently leave its traces in
-    the first. Mixing in the experiment keeps re-uploads idempotent and experiments apart.
-    """
-    return hashlib.blake2b(f"{experiment}\n{trajectory_id}".encode(), digest_size=16).hexdigest()
-
-
 def trace_id_for(trajectory_id: str, experiment: str) -> str:
     """The MLflow trace id (``tr-<32 hex>``) of a trajectory uploaded to ``experiment``."""
     return f"tr-{otel_trace_id(trajectory_id, experiment)}"
@@ -87,65 +84,6 @@ def trace_id_for(trajectory_id: str, experiment: str) -> str:
 def _tag_value(value: Any) -> str:
     text = str(value).lower() if isinstance(value, bool) else str(value)
     return text[:MAX_TAG_CHARS]
-
-
-_DOUBLE = struct.Struct("<d")  # AnyValue.double_value (field 4) is a little-endian fixed64
-_INT_ITEMS: dict[int, bytes] = {}  # small non-negative int → its serialized ArrayValue item
-
-
-def _int_item(value: int) -> bytes:
-    """An ``ArrayValue.values`` item (field 1) holding ``AnyValue{int_value (field 3): value}``."""
-    varint = bytearray()
-    rest = value
-    while rest > 0x7F:
-        varint.append((rest & 0x7F) | 0x80)
-        rest >>= 7
-    varint.append(rest)
-    item = b"\x0a" + bytes([len(varint) + 1]) + b"\x18" + bytes(varint)
-    if value < 1 << 21:
-        _INT_ITEMS[value] = item
-    return item
-
-
-def set_any_value(pb: Any, value: Any) -> None:
-    """Python value → OTLP ``AnyValue`` (what MLflow's server turns back into the same JSON)."""
-    cls = type(value)
-    if cls is str:
-        pb.string_value = value
-    elif cls is bool:
-        pb.bool_value = value
-    elif cls is int:
-        if _INT64[0] <= value <= _INT64[1]:
-            pb.int_value = value
-        else:
-            pb.string_value = str(value)
-    elif cls is float:
-        pb.double_value = value
-    elif value is None:
-        pass
-    elif cls is list or cls is tuple:
-        arr = pb.array_value
-        arr.SetInParent()
-        kinds = set(map(type, value))
-        if kinds == _INT and min(value) >= 0 and max(value) <= _INT64[1]:
-            # token ids: serialized here, then parsed in C (15x faster than building AnyValues)
-            items = _INT_ITEMS
-            arr.MergeFromString(b"".join([items.get(v) or _int_item(v) for v in value]))
-        elif kinds == _FLOAT:  # log-probs
-            pack = _DOUBLE.pack
-            arr.MergeFromString(b"".join([b"\x0a\x09\x21" + pack(v) for v in value]))
-        else:
-            for item in value:
-                set_any_value(arr.values.add(), item)
-    elif cls is dict:
-        kvs = pb.kvlist_value
-        kvs.SetInParent()
-        for key, item in value.items():
-            kv = kvs.values.add()
-            kv.key = str(key)
-            set_any_value(kv.value, item)
-    else:
-        pb.string_value = str(value)
 
 
 def _root_io(traj: Trajectory) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -166,44 +104,14 @@ def _root_io(traj: Trajectory) -> tuple[dict[str, Any], dict[str, Any]]:
     return inputs, outputs
 
 
-def _exception(span: Span) -> dict[str, str] | None:
-    out = span.output
-    if isinstance(out, dict) and out.get("__type__") == "exception":
-        return {
-            "exception.type": str(out.get("type", "")),
-            "exception.message": str(out.get("message", "")),
-            "exception.stacktrace": str(out.get("traceback", "")),
-        }
-    if span.error:
-        kind, _, message = span.error.partition(": ")
-        return {"exception.type": kind, "exception.message": message or span.error}
-    return None
-
-
 def encode_trajectory(traj: Trajectory, experiment: str) -> bytes:
     """One trajectory, bound for ``experiment``, as a serialized OTLP ``ExportTraceServiceRequest``."""
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-    from opentelemetry.proto.trace.v1.trace_pb2 import Status
-
-    request = ExportTraceServiceRequest()
-    scope = request.resource_spans.add().scope_spans.add()
-    scope.scope.name = "rlreplay"
     hex_id = otel_trace_id(traj.id, experiment)
-    trace_id = bytes.fromhex(hex_id)
     request_id = f"tr-{hex_id}"
-    known = {s.span_id for s in traj.spans}
     tags = {key: value for key, value in traj.attributes.items() if key in TAG_KEYS and value is not None}
     tags["trajectory_id"] = traj.id
-    for span in traj.spans:
-        pb = scope.spans.add()
-        pb.trace_id = trace_id
-        pb.span_id = bytes.fromhex(span.span_id)
-        is_root = span.parent_id is None or span.parent_id not in known
-        if not is_root:
-            pb.parent_span_id = bytes.fromhex(span.parent_id)
-        pb.name = span.name
-        pb.start_time_unix_nano = span.start_ns
-        pb.end_time_unix_nano = span.end_ns
+
+    def attributes(span: Span, is_root: bool) -> dict[str, Any]:
         attrs: dict[str, Any] = {
             ATTR_REQUEST_ID: request_id,
             ATTR_SPAN_TYPE: SPAN_TYPES.get(span.kind, "UNKNOWN"),
@@ -226,31 +134,17 @@ def encode_trajectory(traj: Trajectory, experiment: str) -> bytes:
             attrs["rlreplay.trajectory_id"] = traj.id
             for key, value in tags.items():
                 attrs[ATTR_TAG_PREFIX + key] = _tag_value(value)
-        for key, value in attrs.items():
-            kv = pb.attributes.add()
-            kv.key = key
-            set_any_value(kv.value, value)
-        if span.status == STATUS_ERROR:
-            pb.status.code = Status.STATUS_CODE_ERROR
-            pb.status.message = (span.error or "error")[:1000]
-            exc = _exception(span)
-            if exc:
-                event = pb.events.add()
-                event.name = "exception"
-                event.time_unix_nano = span.end_ns
-                for key, value in exc.items():
-                    kv = event.attributes.add()
-                    kv.key = key
-                    kv.value.string_value = value
-        else:
-            pb.status.code = Status.STATUS_CODE_OK
-    return request.SerializeToString()
+        return attrs
+
+    return encode_otlp(traj, hex_id, attributes)
 
 
 class MlflowUploader:
-    """Sends trajectories to MLflow as traces (see the module docstring)."""
+    """MLflow traces with their span trees ($MLFLOW_TRACKING_URI, else a sqlite store in the run)."""
 
     backend = "mlflow"
+    options = ()
+    can_upsert = True
 
     def __init__(
         self,
@@ -259,6 +153,7 @@ class MlflowUploader:
         uri: str | None = None,
         run_dir: Path | None = None,
         run_name: str | None = None,
+        timeout: float | None = REQUEST_TIMEOUT_S,
     ) -> None:
         """Traces go to experiment ``project`` at ``uri`` and are linked to run ``run_name``.
 
@@ -268,7 +163,12 @@ class MlflowUploader:
         if uri is None and not os.environ.get(ENV_URI) and run_dir is None:
             raise UploadError(f"no MLflow tracking URI: set {ENV_URI} (e.g. http://127.0.0.1:5000)")
         self.uri = uri or default_uri(Path(run_dir or "."))
-        self.local_dir = Path(run_dir) / LEDGER_DIR if run_dir is not None and uri is None else None
+        # the default sqlite store keeps its artifacts in the run; a server picks its own default
+        default_store = uri is None and not os.environ.get(ENV_URI) and run_dir is not None
+        self.local_dir = Path(run_dir) / LEDGER_DIR if default_store else None
+        self.public_uri = public_url(self.uri)
+        self._secrets = secrets_of_url(self.uri)
+        self.timeout = timeout
         self.experiment_name = project or (
             Path(run_dir).resolve().name if run_dir is not None else "rlreplay"
         )
@@ -286,15 +186,16 @@ class MlflowUploader:
             options.project or options.experiment,
             run_dir=options.run_dir,
             run_name=options.experiment,
+            timeout=options.timeout,
         )
 
     def target(self) -> str:
-        return f"mlflow:{self.uri}#{self.experiment_name}"
+        return f"mlflow:{self.public_uri}#{self.experiment_name}"
 
     def describe(self) -> str:
-        where = f"MLflow {self.uri}, experiment {self.experiment_name!r}, run {self.run_name!r}"
+        where = f"MLflow {self.public_uri}, experiment {self.experiment_name!r}, run {self.run_name!r}"
         if self._http and self.experiment_id and self.run_id:
-            where += f" ({self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id})"
+            where += f" ({self.public_uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id})"
         return where
 
     # -- preparing (no network) --------------------------------------------------------------
@@ -306,10 +207,32 @@ class MlflowUploader:
         return out
 
     # -- sending ---------------------------------------------------------------------------
+    def existing(self, trajectory_ids: Sequence[str]) -> set[str] | None:
+        """Those of ``trajectory_ids`` whose trace is in the experiment (looked up by trace id)."""
+        from mlflow.exceptions import MlflowException
+
+        self.connect()
+        found = set()
+        for tid in trajectory_ids:
+            trace_id = trace_id_for(tid, self.experiment_name)
+            try:
+                info = within(self.timeout, self._where(), self._store.get_trace_info, trace_id)
+            except MlflowException:  # not there
+                continue
+            if info is not None and str(getattr(info, "experiment_id", "")) == str(self.experiment_id):
+                found.add(tid)
+        return found
+
+    def _where(self) -> str:
+        return f"MLflow at {self.public_uri}"
+
     def connect(self) -> None:
-        """Reach the tracking store; find or create the experiment and the run."""
+        """Reach the tracking store; find or create the experiment and the run (one deadline)."""
         if self._client is not None:
             return
+        within(self.timeout, self._where(), self._connect)
+
+    def _connect(self) -> None:
         from mlflow.exceptions import MlflowException
         from mlflow.tracing.client import TracingClient
         from mlflow.tracking import MlflowClient
@@ -329,26 +252,31 @@ class MlflowUploader:
                 experiment_id = client.create_experiment(self.experiment_name, artifact_location=artifacts)
             elif experiment.lifecycle_stage != "active":
                 raise UploadError(
-                    f"MLflow experiment {self.experiment_name!r} is deleted at {self.uri}; "
+                    f"MLflow experiment {self.experiment_name!r} is deleted at {self.public_uri}; "
                     "restore it or pass --project NAME"
                 )
             else:
                 experiment_id = experiment.experiment_id
             self.run_id = self._find_or_create_run(client, experiment_id)
         except MlflowException as exc:
-            raise UploadError(f"MLflow at {self.uri}: {_one_line(exc.message)}") from exc
+            raise UploadError(f"{self._where()}: {self._line(exc.message)}") from exc
         except (OSError, ImportError, ValueError) as exc:  # an unusable database path, a missing driver
-            raise UploadError(f"MLflow at {self.uri}: {_one_line(exc)}") from exc
+            raise UploadError(f"{self._where()}: {self._line(exc)}") from exc
         self.experiment_id = experiment_id
         self._client = client
 
     def _probe(self) -> None:
         from mlflow.utils.rest_utils import http_request
 
+        timeout = self.timeout or REQUEST_TIMEOUT_S
         try:
-            http_request(self._store.get_host_creds(), "/health", "GET", max_retries=0, timeout=10)
+            http_request(self._store.get_host_creds(), "/health", "GET", max_retries=0, timeout=timeout)
         except Exception as exc:  # requests' ConnectionError, or an MlflowException wrapping it
-            raise UploadError(f"cannot reach the MLflow server at {self.uri} ({_one_line(exc)})") from exc
+            if "timed out" in str(exc).lower() or "timeout" in type(exc).__name__.lower():
+                raise RequestTimeout(f"no answer from {self._where()} within {timeout:g}s") from exc
+            raise UploadError(
+                f"cannot reach the MLflow server at {self.public_uri} ({self._line(exc)})"
+            ) from exc
 
     def _find_or_create_run(self, client: Any, experiment_id: str) -> str:
         quoted = self.run_name.replace("'", "\\'")
@@ -357,8 +285,9 @@ class MlflowUploader:
         )
         if found:
             return found[0].info.run_id
-        # MLflow prints the run's address to stdout; keep stdout for our summary (and --json)
-        with contextlib.redirect_stdout(sys.stderr):
+        # MLflow prints the run's address (with the URI's credentials) to stdout: drop it;
+        # describe() says where the traces are
+        with contextlib.redirect_stdout(io.StringIO()):
             run = client.create_run(experiment_id, run_name=self.run_name, tags={"rlreplay.uploaded": "true"})
             client.set_terminated(run.info.run_id, "FINISHED")
         return run.info.run_id
@@ -381,17 +310,23 @@ class MlflowUploader:
         return results
 
     def _send_part(self, part: list[Prepared]) -> list[SendResult]:
+        where = self._where()
         try:
             body = b"".join(p.body for p in part)
-            if self._http:
-                self._post(body)
-            else:
-                self._log_local(body)
+            within(self.timeout, where, self._post if self._http else self._log_local, body)
             trace_ids = [p.backend_id for p in part]
             for i in range(0, len(trace_ids), MAX_LINKS):
-                self._client.link_traces_to_run(trace_ids[i : i + MAX_LINKS], self.run_id)
+                within(
+                    self.timeout,
+                    where,
+                    self._client.link_traces_to_run,
+                    trace_ids[i : i + MAX_LINKS],
+                    self.run_id,
+                )
+        except RequestTimeout:
+            raise
         except Exception as exc:
-            message = _one_line(exc)
+            message = self._line(exc)
             retryable = not _is_client_error(exc)
             return [SendResult(p.trajectory_id, p.backend_id, False, 0, message, retryable) for p in part]
         return [SendResult(p.trajectory_id, p.backend_id, True, p.nbytes) for p in part]
@@ -410,7 +345,7 @@ class MlflowUploader:
                 MLFLOW_EXPERIMENT_ID_HEADER: self.experiment_id,
             },
             max_retries=0,
-            timeout=REQUEST_TIMEOUT_S,
+            timeout=self.timeout or REQUEST_TIMEOUT_S,
         )
         verify_rest_response(response, OTLP_TRACES_PATH)
 
@@ -427,6 +362,9 @@ class MlflowUploader:
             for pb in scope_spans.spans
         ]
         self._store.log_spans(self.experiment_id, spans)
+
+    def _line(self, exc: BaseException | str) -> str:
+        return scrub(_one_line(exc), self._secrets)
 
     def close(self) -> None:
         self._client = None

@@ -1,8 +1,9 @@
 """The upload pipeline, the same for every backend: select → load → decode → prepare → send.
 
-A backend is a class implementing ``rlreplay.uploaders.base.Uploader`` and named in
-:data:`BACKENDS` (``"module:Class"``, imported only when used). :func:`make_uploader` builds it
-with ``Class.from_options(BackendOptions)`` when the class has that classmethod, else with
+A backend is a class implementing ``rlreplay.uploaders.base.Uploader``, found through the
+entry-point group ``rlreplay.uploaders`` (or :data:`BACKENDS`, for one registered in-process)
+and imported only when used. :func:`make_uploader` builds it with
+``Class.from_options(BackendOptions)`` when the class has that classmethod, else with
 ``Class(project)``. :func:`upload` then drives it:
 
 - trajectories are loaded a step at a time, decoded to text when a decoder is given, and
@@ -34,10 +35,11 @@ from rlreplay.store import Filters, Run, RunError
 if TYPE_CHECKING:
     from rlreplay.uploaders.base import Ledger, Prepared, Uploader
 
-BACKENDS: dict[str, str] = {
-    "mlflow": "rlreplay.uploaders.mlflow:MlflowUploader",
-    "weave": "rlreplay.uploaders.weave:WeaveUploader",
-}
+ENTRY_POINT_GROUP = "rlreplay.uploaders"
+#: Backends registered in-process (``name → "module:Class"``), on top of the entry points.
+BACKENDS: dict[str, str] = {}
+#: The extra that installs a built-in backend's packages.
+EXTRAS = {"mlflow": "mlflow", "weave": "weave", "otlp": "otlp", "trackio": "trackio"}
 
 DEFAULT_BATCH = 100
 DEFAULT_RETRIES = 3
@@ -46,6 +48,8 @@ MAX_BACKOFF_S = 10.0
 GIVE_UP_AFTER = 3
 # How long an interrupted upload waits for the request in flight before leaving it.
 REQUEST_WAIT_S = 30.0
+#: Default overall deadline of one request (``--timeout``).
+DEFAULT_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -55,25 +59,55 @@ class BackendOptions:
     project: str | None = None  # --project: the backend's project / experiment
     run_dir: Path | None = None  # the recorded run (a place for local state, e.g. a sqlite store)
     experiment: str | None = None  # the run's experiment name (from run.json)
+    timeout: float | None = DEFAULT_TIMEOUT_S  # overall deadline of one request, in seconds
+    values: dict[str, Any] = field(default_factory=dict)  # the backend's own options, by key
+    run: Run | None = None  # the recorded run itself
+
+
+def installed_backends() -> dict[str, str]:
+    """Every backend installed: ``name → "module:Class"`` (entry points, then :data:`BACKENDS`)."""
+    from importlib.metadata import entry_points
+
+    found = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    found.update(BACKENDS)
+    return found
 
 
 def backend_class(name: str) -> type:
     """The uploader class registered for ``name`` (imported now)."""
-    spec = BACKENDS.get(name)
+    installed = installed_backends()
+    spec = installed.get(name)
     if spec is None:
-        raise RunError(f"unknown backend {name!r} (choose from: {', '.join(sorted(BACKENDS))})")
+        raise RunError(
+            f"--backend must be one of: {', '.join(sorted(installed)) or '(none installed)'} (got {name!r})"
+        )
     module_name, _, class_name = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        extra = name if name in ("mlflow", "weave") else "..."
-        raise RunError(
-            f"the {name} backend needs packages that are missing ({exc}); pip install 'rlreplay[{extra}]'"
-        ) from None
-    return getattr(module, class_name)
+        hint = f"; pip install 'rlreplay[{EXTRAS[name]}]'" if name in EXTRAS else ""
+        raise RunError(f"the {name} backend needs packages that are missing ({exc}){hint}") from None
+    except Exception as exc:  # a broken plug-in: one line, and the other backends still work
+        raise RunError(f"the {name} backend ({spec}) failed to import: {_one_line(exc)}") from None
+    try:
+        return getattr(module, class_name)
+    except AttributeError:
+        raise RunError(f"backend {name!r}: {module_name} has no {class_name}") from None
 
 
-def make_uploader(name: str, run: Run | None = None, project: str | None = None) -> Uploader:
+def backend_options(cls: type) -> tuple[Any, ...]:
+    """The options a backend class declares (none if it declares none)."""
+    return tuple(getattr(cls, "options", ()) or ())
+
+
+def make_uploader(
+    name: str,
+    run: Run | None = None,
+    project: str | None = None,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+    values: dict[str, Any] | None = None,
+) -> Uploader:
     """Backend ``name`` for ``run``: ``Class.from_options(BackendOptions)``, else ``Class(project)``."""
     cls = backend_class(name)
     factory = getattr(cls, "from_options", None)
@@ -82,6 +116,9 @@ def make_uploader(name: str, run: Run | None = None, project: str | None = None)
             project=project,
             run_dir=run.path if run is not None else None,
             experiment=run.experiment if run is not None else None,
+            timeout=timeout,
+            values=dict(values or {}),
+            run=run,
         )
         return factory(options)
     return cls(project)
@@ -147,6 +184,7 @@ class UploadSummary:
     selected_bytes: int = 0  # their bytes, counting those already uploaded
     already_uploaded: int = 0
     to_send: int = 0
+    replaced: int = 0  # of to_send: already uploaded, sent again (with text now, or --force)
     sent: int = 0
     failed: int = 0
     not_attempted: int = 0  # left after the upload gave up
@@ -156,6 +194,8 @@ class UploadSummary:
     seconds: float = 0.0
     text: str | None = None  # tokenizer used for token2text, if any
     error: str | None = None  # why the upload stopped early
+    resumable: bool = False  # stopped by the server (no answer in time): rerun later to resume
+    on_server: int | None = None  # dry run with --check-server: selected trajectories the server has
     failures: list[Failure] = field(default_factory=list)
     ids: list[str] | None = None  # dry run: the trajectories that would be sent
 
@@ -190,6 +230,7 @@ class _Sender:
         self.backoff_s = backoff_s
         self.queue: queue.Queue[list[Prepared] | None] = queue.Queue(maxsize=2)
         self.fatal: str | None = None
+        self.fatal_resumable = False
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self._failed_batches = 0
@@ -233,7 +274,10 @@ class _Sender:
             try:
                 self._send(batch)
             except Exception as exc:  # an UploadError, or a bug in a backend: stop, report
+                from rlreplay.uploaders.base import RequestTimeout
+
                 self.fatal = _one_line(exc)
+                self.fatal_resumable = isinstance(exc, RequestTimeout)
                 self.stopping.set()
 
     def _send(self, batch: list[Prepared]) -> None:
@@ -258,7 +302,7 @@ class _Sender:
                         p.trajectory_id, p.backend_id, False, 0, "no result", True
                     )
             ok = [r for r in by_id.values() if r.ok]
-            self.ledger.record(ok)
+            self.ledger.record(ok, text={p.trajectory_id: p.text for p in todo})
             done_bytes = sum(r.nbytes for r in ok)
             retry, final = [], []
             for p in todo:
@@ -308,6 +352,7 @@ def upload(
     decoder: Any = None,
     max_bytes: int | None = None,
     dry_run: bool = False,
+    force: bool = False,
     batch_size: int = DEFAULT_BATCH,
     retries: int = DEFAULT_RETRIES,
     backoff_s: float = 0.5,
@@ -319,6 +364,9 @@ def upload(
     ``groups`` come from :func:`rlreplay.selection.select`. With ``max_bytes``, groups are kept
     while the bytes of everything kept (already uploaded or not) fit. With ``dry_run`` nothing
     is sent and nothing is written; the summary says what would be sent and its bytes.
+
+    A backend that can upsert (``can_upsert``) gets again, under the same ids, what it was sent
+    without text when ``decoder`` can now decode it, and everything selected with ``force``.
     """
     from rlreplay.uploaders.base import Ledger
 
@@ -335,7 +383,19 @@ def upload(
         text=getattr(decoder, "name", None),
         ids=[] if dry_run else None,
     )
-    done = ledger.done()
+    if hasattr(uploader, "decoder"):  # a backend that builds chat messages decodes with it
+        uploader.decoder = decoder
+    can_upsert = bool(getattr(uploader, "can_upsert", False))
+    if force and not can_upsert:
+        raise RunError(f"--force: the {uploader.backend} backend cannot replace traces it has (no upsert)")
+    selected_ids = {i for g in groups for i in g.ids}
+    if force:
+        redo = ledger.done() & selected_ids
+    elif decoder is not None and can_upsert:
+        redo = ledger.without_text() & selected_ids
+    else:
+        redo = set()
+    done = ledger.done() - redo
     progress.start(sum(1 for g in groups for i in g.ids if i not in done))
     sender = None if dry_run else _Sender(uploader, ledger, summary, progress, retries, backoff_s)
     pending: list[Prepared] = []
@@ -360,6 +420,9 @@ def upload(
                     text_failed = True
                     warn(f"token2text failed ({_one_line(exc)}); uploading token ids without text")
             prepared = {p.trajectory_id: p for p in uploader.prepare(trajs)}
+            with_text = decoder is not None and not text_failed
+            for p in prepared.values():
+                p.text = with_text
             stop = False
             for group in chunk:
                 size = sum(prepared[i].nbytes if i in prepared else ledger.nbytes(i) for i in group.ids)
@@ -375,6 +438,7 @@ def upload(
                         summary.already_uploaded += 1
                     elif traj_id in prepared:
                         summary.to_send += 1
+                        summary.replaced += traj_id in redo
                         pending.append(prepared[traj_id])
                         if summary.ids is not None:
                             summary.ids.append(traj_id)
@@ -406,6 +470,7 @@ def upload(
     summary.failures.extend(missing_from_run)
     if sender is not None:
         summary.error = sender.fatal
+        summary.resumable = sender.fatal_resumable
         tried = summary.sent + sum(1 for f in summary.failures if f.attempts > 0)
         summary.not_attempted = summary.to_send - tried
         if not over_budget:  # stopped early: later groups were never prepared

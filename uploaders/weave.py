@@ -27,7 +27,7 @@ import orjson
 
 from rlreplay.schema import STATUS_ERROR
 from rlreplay.store import Span, Trajectory
-from rlreplay.uploaders.base import Prepared, SendResult, UploadError
+from rlreplay.uploaders.base import Prepared, RequestTimeout, SendResult, UploadError, within
 
 #: weave's own request limit ("32 MiB real limit - 1 MiB buffer", weave http_utils).
 MAX_REQUEST_BYTES = 31 * 1024 * 1024
@@ -307,9 +307,11 @@ class _Failed(Exception):
 
 
 class WeaveUploader:
-    """Sends trajectories to one Weave project (``entity/project``) as traces."""
+    """Weave traces in one project (--project ENTITY/PROJECT; WANDB_API_KEY)."""
 
     backend = "weave"
+    options = ()
+    can_upsert = True
 
     def __init__(
         self,
@@ -319,6 +321,7 @@ class WeaveUploader:
         api_key: str | None = None,
         max_request_bytes: int = MAX_REQUEST_BYTES,
         max_call_bytes: int = MAX_CALL_BYTES,
+        timeout: float | None = 60.0,
     ) -> None:
         entity, sep, name = (project or "").strip().strip("/").partition("/")
         if not sep or not entity or not name or "/" in name:
@@ -331,6 +334,12 @@ class WeaveUploader:
         self._api_key = api_key
         self._server: Any = None
         self._down: _Failed | None = None
+        self.timeout = timeout
+
+    @classmethod
+    def from_options(cls, options: Any) -> WeaveUploader:
+        """From ``pipeline.BackendOptions``: ``--project ENTITY/PROJECT``, the request deadline."""
+        return cls(options.project, timeout=options.timeout)
 
     def __repr__(self) -> str:  # never shows the key
         return f"WeaveUploader({self.project_id!r}, url={self.url!r})"
@@ -369,9 +378,37 @@ class WeaveUploader:
                 )
             from weave.trace_server_bindings.remote_http_trace_server import RemoteHTTPTraceServer
 
-            self._server = RemoteHTTPTraceServer(self.url, should_batch=False, password=key)
             self._api_key = key
+            self._probe()
+            self._server = RemoteHTTPTraceServer(self.url, should_batch=False, password=key)
         return self._server
+
+    def _probe(self) -> None:
+        """One GET of ``/server_info`` without retries: a down server is one clear line, at once."""
+        import httpx
+
+        timeout = self.timeout or 60.0
+        try:
+            within(timeout, f"Weave at {self.url}", httpx.get, f"{self.url}/server_info", timeout=timeout)
+        except httpx.TimeoutException:
+            raise RequestTimeout(f"no answer from Weave at {self.url} within {timeout:g}s") from None
+        except httpx.HTTPError as exc:
+            raise UploadError(f"cannot reach Weave at {self.url} ({self._scrub(str(exc))})") from None
+
+    def existing(self, trajectory_ids: Sequence[str]) -> set[str] | None:
+        """Those of ``trajectory_ids`` whose root call the project holds."""
+        server = self._client()
+        by_call = {root_call_id(tid): tid for tid in trajectory_ids}
+        calls = within(
+            self.timeout,
+            f"Weave at {self.url}",
+            lambda: list(
+                server.calls_query_stream(
+                    {"project_id": self.project_id, "filter": {"call_ids": list(by_call)}}
+                )
+            ),
+        )
+        return {by_call[c.id] for c in calls if c.id in by_call}
 
     def _requests(self, batch: Sequence[Prepared]) -> Iterator[list[tuple[int, Any, int]]]:
         """(trajectory index, call, size) in requests under the byte limit.
@@ -424,7 +461,12 @@ class WeaveUploader:
         from weave.vendor.weave_server_sdk import APIConnectionError, APIStatusError
 
         try:
-            server.calls_complete({"batch": [call for _, call, _ in items]})
+            within(
+                self.timeout,
+                f"Weave at {self.url}",
+                server.calls_complete,
+                {"batch": [call for _, call, _ in items]},
+            )
             return
         except APIStatusError as exc:
             status = exc.status_code
