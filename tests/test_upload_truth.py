@@ -359,3 +359,16 @@ def test_check_server_counts_what_weave_has(
         assert rc == 0, err
         report = json.loads(out)
         assert report["on_server"] == sent < report["selected"]
+
+
+def test_upload_takes_the_shared_selection(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(
+        capsys, str(run_copy), "--where", "reward > 0.5", "--step", "1..2", "--dry-run", "--json"
+    )
+    assert rc == 0, err
+    chosen = set(json.loads(out)["ids"])
+    rows = rlreplay.open_run(run_copy).trajectories().to_pylist()
+    expected = {
+        r["id"] for r in rows if r["step"] in (1, 2) and r["reward"] is not None and r["reward"] > 0.5
+    }
+    assert chosen == expected and 0 < len(chosen) < len(rows)
