@@ -572,6 +572,7 @@ class Recorder:
                 self._sealing -= 1
                 self._sealed_cond.notify_all()
             self._save_counters()
+            storage.shard_sealed(self.config.run_dir)  # a URI run's publisher uploads it now
 
     def _save_counters(self) -> None:
         self._last_counters = time.monotonic()

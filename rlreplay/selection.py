@@ -20,7 +20,6 @@ import pyarrow.compute as pc
 
 from rlreplay.index import LISTING_FIELDS, LISTING_SCHEMA
 from rlreplay.schema import KEY_STR, KEYS
-from rlreplay.shards import step_dirs
 from rlreplay.store import Filters, RunError
 
 STATUSES = ("ok", "error", "incomplete")
@@ -343,16 +342,12 @@ class Selection:
 
 
 def _partition_steps(run: Any, spec: KeySpec | None) -> list[int] | None:
-    """The run's step partitions that ``spec`` matches, in order (None: read without pruning).
-
-    Only for a local run: a remote run's cache holds just what was fetched so far.
-    """
-    path = getattr(run, "path", None)
-    if spec is None or path is None or getattr(run, "uri", None) is not None:
+    """The run's step partitions that ``spec`` matches, in order (None: read without pruning)."""
+    partitions = getattr(run, "step_partitions", None)
+    if spec is None or partitions is None:
         return None
     steps = []
-    for folder in step_dirs(path):
-        value = folder.name.removeprefix("step=")
+    for value in partitions():
         if _INT.match(value) and spec.matches(int(value)):
             steps.append(int(value))
     return sorted(steps)

@@ -230,6 +230,14 @@ def list_objects(loc: Location, rel: str) -> list[Any]:
     return [i for i in infos if i.type == pafs.FileType.File]
 
 
+def list_dirs(loc: Location, rel: str) -> list[str]:
+    """Names of the folders right under ``rel`` (one listing, not recursive); [] when there is none."""
+    import pyarrow.fs as pafs
+
+    infos = loc.fs.get_file_info(pafs.FileSelector(loc.path(rel), recursive=False, allow_not_found=True))
+    return [i.base_name for i in infos if i.type == pafs.FileType.Directory]
+
+
 # ---- spool and publisher ------------------------------------------------------------------------
 
 
@@ -281,6 +289,7 @@ class Publisher:
     _manifest_done: bool = False
     _last_beat: float = 0.0
     _stop: threading.Event = field(default_factory=threading.Event)
+    _wake: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -288,8 +297,16 @@ class Publisher:
         self._thread = threading.Thread(target=self._loop, name="rlreplay-publisher", daemon=True)
         self._thread.start()
 
+    def wake(self) -> None:
+        """Publish now (a shard was just sealed), not at the next timed round."""
+        self._wake.set()
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             with contextlib.suppress(Exception):
                 self.publish_once()
 
@@ -406,6 +423,7 @@ class Publisher:
     def close(self, timeout_s: float = 30.0) -> PublishStats:
         """Stop the thread, then upload what is left, retrying until done or ``timeout_s``."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         deadline = time.monotonic() + timeout_s
@@ -481,6 +499,13 @@ def recording_dir(target: str | os.PathLike[str]) -> Path:
     publisher.start()
     _attached[spool_dir] = _Attached(loc, publisher, os.getpid())
     return spool_dir
+
+
+def shard_sealed(run_dir: Path) -> None:
+    """A recorder sealed a shard in ``run_dir``: its publisher uploads it now (no-op for a local run)."""
+    attached = _attached.get(Path(run_dir))
+    if attached is not None and attached.publisher is not None and attached.pid == os.getpid():
+        attached.publisher.wake()
 
 
 def recorder_closed(run_dir: Path, timeout_s: float | None = None) -> PublishStats | None:
@@ -721,6 +746,14 @@ def _remote_run_class() -> type:
                 except OSError as exc:
                     raise RunError(f"{redact(self.uri)}: {error_line(exc)}") from exc
                 self._fetched.add(prefix)
+
+        def step_partitions(self) -> list[str]:
+            """The step folders on the store (listed, nothing fetched)."""
+            try:
+                names = list_dirs(self.location, SPANS_DIR)
+            except OSError as exc:
+                raise RunError(f"{redact(self.uri)}: {error_line(exc)}") from exc
+            return [n.removeprefix("step=") for n in names if n.startswith("step=")]
 
         def _fetch_for(self, filters: Any) -> None:
             single = getattr(filters, "single_step", None)

@@ -26,7 +26,7 @@ from rlreplay.schema import (
     file_version,
     upgrade,
 )
-from rlreplay.shards import SPANS_DIR, list_files, read_partial
+from rlreplay.shards import SPANS_DIR, list_files, read_partial, step_dirs
 
 RUNS_DIR = "rlreplay-runs"
 
@@ -556,6 +556,10 @@ class Run:
             return None
         groups = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
         return tindex.build(table.select(tindex.SPAN_COLUMNS), groups)
+
+    def step_partitions(self) -> list[str]:
+        """The values of the run's ``spans/step=*`` folders, as written (unsorted)."""
+        return [d.name.removeprefix("step=") for d in step_dirs(self.path)]
 
     def _files(self, filters: Filters) -> list[_File]:
         sealed, partials = list_files(self.path, filters.single_step())

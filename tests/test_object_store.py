@@ -456,3 +456,26 @@ def test_any_fsspec_filesystem_goes_through_the_same_layer(tmp_path: Path, monke
     assert sorted(run.trajectories(step=1)["sample_index"].to_pylist()) == [0, 1]
     assert {p.name for p in (tmp_path / "cache").glob("*/*/spans/*")} == {"step=1"}
     assert len(run.trajectories()) == 6 and storage.as_uri(uri) == uri
+
+
+def test_a_sealed_shard_is_published_right_after_sealing(tmp_path: Path, monkeypatch) -> None:
+    """The publisher uploads a shard when it is sealed, not on its next timed round."""
+    import fsspec
+
+    import rlreplay
+
+    monkeypatch.setenv("RLREPLAY_SPOOL", str(tmp_path / "spool"))
+    monkeypatch.setenv("RLREPLAY_PUBLISH_INTERVAL_S", "600")  # no timed round during the test
+    root = f"/runs/{tmp_path.name}-sealed"
+    rlreplay.init(f"memory:/{root}")
+    try:
+        for step in range(2):
+            with rlreplay.trajectory(step=step, sample_index=0):
+                pass
+        assert rlreplay.flush()  # seals step 0
+        deadline = time.monotonic() + 10
+        while not [f for f in fsspec.filesystem("memory").find(root) if f.endswith(".parquet")]:
+            assert time.monotonic() < deadline, "step 0 was sealed but not published"
+            time.sleep(0.05)
+    finally:
+        rlreplay.close()

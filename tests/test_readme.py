@@ -77,7 +77,7 @@ def test_every_block_is_code_with_a_language_and_skips_are_few_and_explained() -
         assert b.lang in RUNNABLE | NOT_CODE, f"{b.name}: fence needs a language (bash, python, text or toml)"
     skipped = [b for b in ALL if b.skip]
     assert all(s.skip == "test-command" or len(s.skip) > len("not-run: ") + 10 for s in skipped)
-    assert len(skipped) <= 6, [s.name for s in skipped]
+    assert len(skipped) <= 8, [s.name for s in skipped]
     assert len([b for b in ALL if b.lang in RUNNABLE and not b.skip]) >= 7
 
 
