@@ -33,7 +33,7 @@ from rlreplay.schema import (
 )
 
 INDEX_SUFFIX = ".index"
-INDEX_VERSION = b"1"
+INDEX_VERSION = b"2"  # 2: signals rows take no part in a trajectory's times
 INDEX_KEY = b"rlreplay.index_version"
 SHARD_BYTES_KEY = b"rlreplay.shard_bytes"
 
@@ -179,6 +179,10 @@ def build(spans: pa.Table, row_groups: Sequence[int] | None = None) -> pa.Table:
     is_tool = kind == KIND_TOOL
     errored = status == STATUS_ERROR
     first_row = _pick(group, n, np.ones(len(kind), bool), start, largest=False)
+    # a trajectory's time is its own spans': a signals row is written later, by another process
+    timed = ~is_signals
+    first_timed = _pick(group, n, timed, start, largest=False)
+    end_timed = _max_per_group(group, n, np.where(timed, end, _NO_TIME))
     root_row = _pick(group, n, is_root, start, largest=False)
     owner = np.where(root_row >= 0, root_row, first_row)
 
@@ -215,8 +219,8 @@ def build(spans: pa.Table, row_groups: Sequence[int] | None = None) -> pa.Table:
         model_calls=pa.array(_sum(group, n, is_llm)),
         tool_calls=pa.array(_sum(group, n, is_tool)),
         tool_errors=pa.array(_sum(group, n, is_tool & errored)),
-        start_ns=_take(spans["start_ns"], first_row),
-        end_ns=pa.array(_max_per_group(group, n, end)),
+        start_ns=_take(spans["start_ns"], first_timed),
+        end_ns=pa.array(end_timed, mask=end_timed == _NO_TIME),
         root_span=root_span,
         root_name=_take(spans["name"], root_row),
         root_status=_take(spans["status"], root_row),
@@ -253,8 +257,11 @@ def build(spans: pa.Table, row_groups: Sequence[int] | None = None) -> pa.Table:
     return pa.table(columns).cast(INDEX_SCHEMA)
 
 
+_NO_TIME = np.iinfo(np.int64).min
+
+
 def _max_per_group(group: Any, n: int, values: Any) -> Any:
-    out = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
+    out = np.full(n, _NO_TIME, dtype=np.int64)
     np.maximum.at(out, group, values)
     return out
 
@@ -278,11 +285,12 @@ def merge(rows: pa.Table) -> pa.Table:
         return _pick(group, n, m, _np(rows[name], 0), largest)
 
     has_root = present("root_span")
-    first = _pick(group, n, everything, _np(rows["start_ns"]), largest=False)
-    root = _pick(group, n, has_root, _np(rows["start_ns"]), largest=False)
+    starts = _np(rows["start_ns"], np.iinfo(np.int64).max)  # rows of signals alone have no time
+    first = _pick(group, n, everything, starts, largest=False)
+    root = _pick(group, n, has_root, starts, largest=False)
     owner = np.where(root >= 0, root, first)
     agent_key = _np(rows["agent_rank"], 2) * (1 << 62) + (
-        _np(rows["agent_start"], 0) - _np(rows["start_ns"]).min()
+        _np(rows["agent_start"], 0) - (pc.min(rows["agent_start"]).as_py() or 0)
     )
     agent = _pick(group, n, present("agent"), agent_key, largest=False)
     llm_resp = rows["llm_response_tokens"]
@@ -293,7 +301,8 @@ def merge(rows: pa.Table) -> pa.Table:
     for name in ("num_spans", "model_calls", "tool_calls", "tool_errors"):
         columns[name] = pa.array(_sum(group, n, _np(rows[name], 0)))
     columns["start_ns"] = _take(rows["start_ns"], first)
-    columns["end_ns"] = pa.array(_max_per_group(group, n, _np(rows["end_ns"])))
+    ends = _max_per_group(group, n, _np(rows["end_ns"], _NO_TIME))
+    columns["end_ns"] = pa.array(ends, mask=ends == _NO_TIME)
     for name in ("root_span", "root_name", "root_status", "root_error"):
         columns[name] = _take(rows[name], root)
     for name in ("agent", "agent_rank", "agent_start"):
@@ -340,7 +349,7 @@ def listing(index: pa.Table) -> pa.Table:
         pa.array(has_agent_tokens), index["agent_response_tokens"], index["llm_response_tokens"]
     )
     reward = pc.coalesce(index["reward_sig"], index["reward_agent"])
-    start = _np(index["start_ns"])
+    start = _np(index["start_ns"], 0)
     columns = {
         "id": index["id"],
         **{k: index[k] for k in KEYS},
@@ -350,7 +359,7 @@ def listing(index: pa.Table) -> pa.Table:
         "name": index["root_name"],
         "agent": index["agent"],
         "start_time": pa.array(start / 1e9),
-        "duration_s": pa.array((_np(index["end_ns"]) - start) / 1e9),
+        "duration_s": pa.array((_np(pc.coalesce(index["end_ns"], index["start_ns"]), 0) - start) / 1e9),
         "num_spans": index["num_spans"],
         "model_calls": index["model_calls"],
         "tool_calls": index["tool_calls"],
