@@ -14,25 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlreplay.diff import EQUAL, TrajectoryDiff, TurnDiff, format_tool_calls
+from rlreplay.diff import DELTA_FIELDS, EQUAL, TrajectoryDiff, TurnDiff, format_tool_calls
 from rlreplay.manifest import MANIFEST
 from rlreplay.shards import SPANS_DIR
 from rlreplay.store import RunError
 
 #: Rows of the summary table, named as in --json, ``ls`` and ``show``.
-SUMMARY_FIELDS = (
-    "reward",
-    "status",
-    "model_calls",
-    "tool_calls",
-    "tool_errors",
-    "prompt_tokens",
-    "response_tokens",
-    "model_tokens",
-    "duration_s",
-    "llm_s",
-    "tool_s",
-)
+SUMMARY_FIELDS = ("reward", "status", *DELTA_FIELDS[1:])
 
 STATUS_WORDS = {"equal": "equal", "changed": "changed", "only_a": "only in A", "only_b": "only in B"}
 

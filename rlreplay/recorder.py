@@ -268,22 +268,29 @@ class Recorder:
             if buf.rows >= self.config.spill_batch_rows or buf.nbytes >= self.config.max_batch_bytes:
                 self._write_spilled(step, buf)
 
-    def _write_spilled(self, step: int | None, buf: _StepBuffer) -> None:
-        """Write a spill buffer (the spill lock is held); its rows count as spilled, or as lost."""
+    def _write_rows(self, step: int | None, buf: _StepBuffer) -> int | None:
+        """Append a buffer's rows to its live file: how many, or None (counted as lost) on failure."""
         rows = buf.rows
         try:
             batch = buf.take_batch(self._encode_problem)
             if buf.writer is None:
                 buf.writer = PartialWriter(self._partition(step))
             buf.writer.write(batch)
-            self.counters["spilled"] += rows
-            self._counters_dirty = True
         except Exception as exc:
             self._count_loss("lost", rows, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
+            return None
+        return rows
+
+    def _write_spilled(self, step: int | None, buf: _StepBuffer) -> None:
+        """Write a spill buffer (the spill lock is held); its rows count as spilled, or as lost."""
+        rows = self._write_rows(step, buf)
+        if rows is None:
             if buf.writer is not None:
                 self._orphans.append(buf.writer)
                 buf.writer = None
             return
+        self.counters["spilled"] += rows
+        self._counters_dirty = True
         if self._rotate_due(buf.writer):
             self._to_sealer(buf.writer)
             buf.writer = None
@@ -432,18 +439,12 @@ class Recorder:
         self._count_loss("encode_errors", 1, f"encode:{key}", message)
 
     def _write(self, step: int | None, buf: _StepBuffer) -> None:
-        rows = buf.rows
-        try:
-            batch = buf.take_batch(self._encode_problem)
-            if buf.writer is None:
-                buf.writer = PartialWriter(self._partition(step))
-            buf.writer.write(batch)
-            self.counters["spans"] += rows
-            self._last_write[step] = time.monotonic()
-        except Exception as exc:
-            self._count_loss("lost", rows, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
+        rows = self._write_rows(step, buf)
+        if rows is None:
             self._give_up(buf)
             return
+        self.counters["spans"] += rows
+        self._last_write[step] = time.monotonic()
         if self._rotate_due(buf.writer):
             self._to_sealer(buf.writer)
             buf.writer = None
