@@ -157,7 +157,7 @@ def test_activation_is_light_in_processes_without_verl(tmp_path: Path) -> None:
 
 LINGERING = textwrap.dedent(
     """
-    import subprocess, sys, time, rlreplay
+    import os, subprocess, sys, time, rlreplay
 
     rlreplay.init()  # from $RLREPLAY_DIR, at start, as rlreplay's verl hook does in every worker
 
@@ -165,13 +165,17 @@ LINGERING = textwrap.dedent(
     def work(i):
         return i
 
+    started = __file__ + ".started"
     if len(sys.argv) > 1:  # the lingering process: outlives the driver, then records
+        open(started, "w").close()  # its lease is taken: init() ran at import
         time.sleep(2.0)
         with rlreplay.trajectory(step=9, sample_index=1, rollout_n=0):
             work(1)
         sys.exit(0)
     subprocess.Popen([sys.executable, __file__, "linger"], start_new_session=True)
-    time.sleep(0.5)  # let it start recording (its lease is taken when it starts)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(started) and time.monotonic() < deadline:
+        time.sleep(0.05)
     with rlreplay.trajectory(step=9, sample_index=0, rollout_n=0):
         work(0)
     """
