@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import logging
 import os
 import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -289,33 +291,36 @@ def _raise(exc: Exception) -> None:
     raise exc
 
 
-def wrap_compute_advantage(original: Any) -> Any:
+def _wrap_after(original: Any, what: str, rows: Callable, snapshot: Callable[[Any, Any], Any]) -> Any:
+    """``original`` unchanged for its caller; after it returns, its figures go to the background."""
+
+    first_name = next(iter(inspect.signature(original).parameters), "")
+
     @functools.wraps(original)
-    def compute_advantage(data: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(data, *args, **kwargs)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
         try:
-            _submit("training", _training_rows, _training_snapshot(result))
+            taken = snapshot(args[0] if args else kwargs[first_name], result)
+            if taken is not None:
+                _submit(what, rows, taken)
         except Exception as exc:
-            _guarded("training", _raise, exc)
+            _guarded(what, _raise, exc)
         return result
 
-    setattr(compute_advantage, _MARK, True)
-    return compute_advantage
+    setattr(wrapper, _MARK, True)
+    return wrapper
+
+
+def _validation_if_validating(batch: Any, result: Any) -> Any:
+    return _validation_snapshot(batch, *result) if getattr(batch, "meta_info", {}).get("validate") else None
+
+
+def wrap_compute_advantage(original: Any) -> Any:
+    return _wrap_after(original, "training", _training_rows, lambda _data, result: _training_snapshot(result))
 
 
 def wrap_extract_reward(original: Any) -> Any:
-    @functools.wraps(original)
-    def extract_reward(batch: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(batch, *args, **kwargs)
-        try:
-            if getattr(batch, "meta_info", {}).get("validate"):
-                _submit("validation", _validation_rows, _validation_snapshot(batch, *result))
-        except Exception as exc:
-            _guarded("validation", _raise, exc)
-        return result
-
-    setattr(extract_reward, _MARK, True)
-    return extract_reward
+    return _wrap_after(original, "validation", _validation_rows, _validation_if_validating)
 
 
 def install(module: ModuleType) -> None:
