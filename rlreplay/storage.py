@@ -770,6 +770,13 @@ def _remote_run_class() -> type:
             self._fetch_for(filters)
             return super()._files(filters)
 
+        def stored_bytes(self) -> int:
+            """Bytes of the span files on the store (listed, nothing fetched)."""
+            try:
+                return sum(info.size for info in list_objects(self.location, SPANS_DIR))
+            except OSError as exc:
+                raise RunError(f"{redact(self.uri)}: {error_line(exc)}") from exc
+
         def counters(self) -> dict[str, int]:
             try:
                 self.cache.fetch(manifest.WORKERS_DIR)

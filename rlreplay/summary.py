@@ -27,10 +27,14 @@ def run_summary(run: Run) -> dict[str, Any]:
     spans = run.spans(columns=["trajectory_id", "step", "step_str", "num_tokens"])
     steps = {v for c in ("step", "step_str") for v in pc.unique(spans[c]).drop_null().to_pylist()}
     tokens = int(pc.sum(spans["num_tokens"]).as_py() or 0) if spans.num_rows else 0
-    size = disk_bytes(run.path)
+    from rlreplay import storage
+
+    uri = getattr(run, "uri", None)  # a run on an object store, read through a local cache
+    size = run.stored_bytes() if uri else disk_bytes(run.path)
     m = run.manifest
     return {
-        "run": str(run.path),
+        "run": storage.redact(uri) if uri else str(run.path),
+        **({"cache": str(run.path)} if uri else {}),
         "run_id": m.get("run_id"),
         "experiment": m.get("experiment"),
         "tokenizer": m.get("tokenizer"),

@@ -181,6 +181,9 @@ def test_record_list_show_read_only_what_is_needed(s3: S3Server, tmp_path: Path)
     assert info.returncode == 0, info.stderr
     summary = json.loads(info.stdout)
     assert (summary["steps"], summary["trajectories"], summary["upload_errors"]) == (3, 24, 0)
+    assert summary["run"] == uri  # the run, not the local cache it is read through
+    listed = s3.client().list_objects_v2(Bucket=BUCKET, Prefix="exp/run1/spans/")["Contents"]
+    assert summary["bytes_on_disk"] == sum(o["Size"] for o in listed)  # what the store holds
 
     again = rlreplay(env, "record", "--out", uri, "--", sys.executable, "-c", JOB, "1", cwd=tmp_path)
     assert again.returncode == 2 and "never overwritten" in again.stderr
