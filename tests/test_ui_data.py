@@ -95,3 +95,21 @@ def plain_decode(folder: Path, token: int) -> list[str]:
     from tokenizers import Tokenizer
 
     return [Tokenizer.from_file(str(folder / "tokenizer.json")).decode([token], skip_special_tokens=False)]
+
+
+def test_runs_page_lists_a_run_whose_manifest_is_not_written_yet(tmp_path: Path) -> None:
+    """A job that has begun writing spans before its run.json (or with a manifest lacking fields)
+    is listed with placeholders, not an error page."""
+    from starlette.testclient import TestClient
+
+    from rlreplay.ui.app import create_app
+
+    shutil.copytree(SAMPLE, tmp_path / "done")
+    (tmp_path / "starting" / "spans").mkdir(parents=True)
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "run.json").write_text("{}")
+    with TestClient(create_app(tmp_path)) as client:
+        page = client.get("/")
+    assert page.status_code == 200, page.text
+    for name in ("done", "starting", "bare"):
+        assert f">{name}</a>" in page.text
