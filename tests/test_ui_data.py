@@ -113,3 +113,21 @@ def test_runs_page_lists_a_run_whose_manifest_is_not_written_yet(tmp_path: Path)
     assert page.status_code == 200, page.text
     for name in ("done", "starting", "bare"):
         assert f">{name}</a>" in page.text
+
+
+def test_a_tokenizer_named_after_the_run_was_opened_is_used(tmp_path: Path) -> None:
+    """A live run opened before its manifest names a tokenizer decodes once the manifest does."""
+    import json
+
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run)
+    named = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(
+        json.dumps({k: v for k, v in named.items() if not k.startswith("tokenizer")})
+    )
+    view = RunView(open_run(run))
+    assert view.decoder() is None and "no tokenizer" in (view.decoder_error or "")
+    (run / "run.json").write_text(json.dumps(named))
+    decoder = view.decoder()
+    assert decoder is not None and view.decoder_error is None
+    assert decoder.decode([785, 4226, 374]) == "The answer is"

@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pyarrow as pa
@@ -209,15 +210,17 @@ class RunView:
             if not self._decoder_loaded:
                 from rlreplay.token2text import Decoder, resolve_tokenizer
 
-                self._decoder_loaded = True
-                name = resolve_tokenizer(self.run, self.tokenizer)
+                # the manifest as it is now: a live run may name its tokenizer after it was opened
+                current = SimpleNamespace(path=self.run.path, manifest=self.manifest())
+                name = resolve_tokenizer(current, self.tokenizer)
                 if name is None:
                     self._decoder_error = "no tokenizer is named in the run's manifest: showing token ids"
-                else:
-                    try:
-                        self._decoder = Decoder.load(name)
-                    except RunError as exc:
-                        self._decoder_error = f"{exc} (showing token ids)"
+                    return None
+                self._decoder_loaded, self._decoder_error = True, None
+                try:
+                    self._decoder = Decoder.load(name)
+                except RunError as exc:
+                    self._decoder_error = f"{exc} (showing token ids)"
             return self._decoder
 
     def adapter(self) -> Any:
