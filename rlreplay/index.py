@@ -108,7 +108,10 @@ LISTING_FIELDS = [
     *(pa.field(KEY_STR[k], pa.string()) for k in KEYS),
 ]
 LISTING_SCHEMA = pa.schema(LISTING_FIELDS)
-LISTING_SORT = [(c, "ascending") for k in KEYS for c in (k, KEY_STR[k])] + [("start_time", "ascending")]
+LISTING_SORT = [(c, "ascending") for k in KEYS for c in (k, KEY_STR[k])] + [
+    ("start_time", "ascending"),
+    ("id", "ascending"),
+]
 
 
 def index_path(sealed: Path) -> Path:
@@ -414,3 +417,90 @@ def write(index: pa.Table, path: Path, shard_bytes: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, path)
+
+
+# ---- the run index: every sealed shard's rows, merged, in one file ---------------------------------
+
+#: The run index's file name, in the run directory (or, when that cannot be written, in
+#: :func:`run_index_paths`' user cache folder).
+RUN_INDEX = "_trajectories.index"
+RUN_INDEX_KEY = b"rlreplay.run_index_version"
+RUN_INDEX_VERSION = b"1"
+COVERED_KEY = b"rlreplay.run_index_shards"
+#: Runs with fewer sealed shards are listed from their shards' own index files, fast enough.
+RUN_INDEX_MIN_SHARDS = 32
+
+
+def run_index_paths(run_dir: Path) -> list[Path]:
+    """Where a run's run index may be: in the run directory, else in the user's cache."""
+    import hashlib
+    import os
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlreplay" / "index"
+    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:24]
+    return [Path(run_dir) / RUN_INDEX, cache / f"{key}{INDEX_SUFFIX}"]
+
+
+def read_run_index(path: Path) -> tuple[pa.Table, dict[str, list[int]]] | None:
+    """A run index's merged rows and the shards it covers (``{relative path: [bytes, mtime_ns]}``);
+    None when it is missing or of another version. Raises ``ValueError`` when it is unreadable."""
+    import orjson
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, pa.ArrowException) as exc:
+        raise ValueError(str(exc)) from exc
+    metadata = table.schema.metadata or {}
+    if metadata.get(RUN_INDEX_KEY) != RUN_INDEX_VERSION or metadata.get(INDEX_KEY) != INDEX_VERSION:
+        return None
+    try:
+        covered = orjson.loads(metadata[COVERED_KEY])
+        if not isinstance(covered, dict) or not all(
+            isinstance(v, list) and len(v) == 2 and all(type(n) is int for n in v) for v in covered.values()
+        ):
+            raise ValueError("bad list of shards")
+        return table.cast(INDEX_SCHEMA), covered
+    except (KeyError, orjson.JSONDecodeError, pa.ArrowException, ValueError) as exc:
+        raise ValueError(str(exc) or type(exc).__name__) from exc
+
+
+def write_run_index(rows: pa.Table, covered: dict[str, list[int]], path: Path) -> None:
+    """Write merged rows covering the shards ``covered`` as ``path``, atomically (temp, rename)."""
+    import os
+    import secrets
+
+    import orjson
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = rows.set_column(
+        rows.schema.get_field_index("row_groups"), "row_groups", pa.nulls(rows.num_rows, pa.list_(pa.int32()))
+    )
+    metadata = {
+        **INDEX_SCHEMA.metadata,
+        RUN_INDEX_KEY: RUN_INDEX_VERSION,
+        COVERED_KEY: orjson.dumps(dict(sorted(covered.items()))),
+    }
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        pq.write_table(rows.replace_schema_metadata(metadata), tmp, compression="snappy")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def merge_into(merged: pa.Table, more: Sequence[pa.Table]) -> pa.Table:
+    """``merge`` of merged rows and more rows: only the merged rows sharing an id with ``more``
+    merge again."""
+    extra = [t for t in more if t.num_rows]
+    if not extra:
+        return merged
+    added = pa.concat_tables(extra)
+    if merged.num_rows == 0:
+        return merge(added)
+    hit = pc.is_in(merged["id"], value_set=pc.unique(added["id"]))
+    again = merge(pa.concat_tables([merged.filter(hit), added]))
+    return pa.concat_tables([merged.filter(pc.invert(hit)), again])

@@ -766,9 +766,9 @@ def _remote_run_class() -> type:
             self._fetch_for(filters)
             return super().spans(filters, columns)
 
-        def _files(self, filters: Any) -> Any:  # the trajectory indexes: listing, resolve, load
+        def _paths(self, filters: Any) -> Any:  # the files behind listing, resolve and load
             self._fetch_for(filters)
-            return super()._files(filters)
+            return super()._paths(filters)
 
         def counters(self) -> dict[str, int]:
             try:

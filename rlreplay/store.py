@@ -561,8 +561,21 @@ class Run:
         """The values of the run's ``spans/step=*`` folders, as written (unsorted)."""
         return [d.name.removeprefix("step=") for d in step_dirs(self.path)]
 
+    def _paths(self, filters: Filters) -> tuple[list[Path], list[Path]]:
+        """(sealed files, live files) the filters may need: those of their steps, else all."""
+        steps = filters.step if isinstance(filters.step, (list, tuple, set, frozenset)) else None
+        if steps is None or not all(type(s) is int for s in steps):
+            return list_files(self.path, filters.single_step())
+        sealed: list[Path] = []
+        partials: list[Path] = []
+        for step in sorted(set(steps)):
+            more = list_files(self.path, step)
+            sealed += more[0]
+            partials += more[1]
+        return sealed, partials
+
     def _files(self, filters: Filters) -> list[_File]:
-        sealed, partials = list_files(self.path, filters.single_step())
+        sealed, partials = self._paths(filters)
         files = []
         for path, is_sealed in [(p, True) for p in sealed] + [(p, False) for p in partials]:
             index = self._index(path, is_sealed)
@@ -591,6 +604,8 @@ class Run:
     def index(self, filters: Filters | None = None, **kw: Any) -> pa.Table:
         """Merged index rows (one per trajectory) passing the filters."""
         filters = filters or Filters(**kw)
+        if filters.step is None:
+            return filters.apply(self._run_index(), id_column="id")
         files = self._files(filters)
         rows = (
             tindex.merge(pa.concat_tables([f.index for f in files]))
@@ -598,6 +613,63 @@ class Run:
             else tindex.INDEX_SCHEMA.empty_table()
         )
         return filters.apply(rows, id_column="id")
+
+    def _run_index(self) -> pa.Table:
+        """Merged index rows of every trajectory: the run index file for the sealed shards it
+        covers (brought up to date here), the index files of shards sealed since, and live files."""
+        sealed, partials = self._paths(Filters())
+        stamps: dict[str, list[int]] = {}
+        for path in sealed:
+            try:
+                stat = path.stat()
+            except OSError as exc:
+                self._skip(path, exc)
+                continue
+            stamps[path.relative_to(self.path).as_posix()] = [stat.st_size, stat.st_mtime_ns]
+        rows, covered, where, repair = self._read_run_index(stamps)
+        added: dict[str, list[int]] = {}
+        more = []
+        for path in sealed:
+            rel = path.relative_to(self.path).as_posix()
+            if rel in stamps and rel not in covered:
+                index = self._index(path, True)
+                if index is not None:
+                    more.append(index)
+                    added[rel] = stamps[rel]
+        rows = tindex.merge_into(rows, more)
+        if (added or repair) and len(covered) + len(added) >= tindex.RUN_INDEX_MIN_SHARDS:
+            self._write_run_index(rows, {**covered, **added}, where)
+        live = [index for index in (self._index(path, False) for path in partials) if index is not None]
+        return tindex.merge_into(rows, live)
+
+    def _read_run_index(
+        self, stamps: dict[str, list[int]]
+    ) -> tuple[pa.Table, dict[str, list[int]], Path | None, bool]:
+        """(rows, shards covered, its file, whether an unreadable one was met) of the first run
+        index that covers only shards as they are now (``stamps``); else no rows."""
+        repair = False
+        for path in tindex.run_index_paths(self.path):
+            try:
+                found = tindex.read_run_index(path)
+            except ValueError as exc:
+                self._warn(f"ignored unreadable run index {path}: {_one_line(exc)} (rebuilding it)")
+                repair = True
+                continue
+            if found is not None and all(stamps.get(rel) == stamp for rel, stamp in found[1].items()):
+                return found[0], found[1], None if repair else path, repair
+        return tindex.INDEX_SCHEMA.empty_table(), {}, None, repair
+
+    def _write_run_index(self, rows: pa.Table, covered: dict[str, list[int]], where: Path | None) -> None:
+        """Save the run index where it was read, else in the run, else in the user's cache."""
+        paths = tindex.run_index_paths(self.path)
+        if where is not None:
+            paths = [where] + [p for p in paths if p != where]
+        for path in paths:
+            try:
+                tindex.write_run_index(rows, covered, path)
+                return
+            except (OSError, pa.ArrowException):
+                continue
 
     def trajectories(self, filters: Filters | None = None, **kw: Any) -> pa.Table:
         """One row per trajectory (contract C2), sorted by step, sample_index, rollout_n, start.
