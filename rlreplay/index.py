@@ -429,6 +429,8 @@ RUN_INDEX_VERSION = b"1"
 COVERED_KEY = b"rlreplay.run_index_shards"
 #: Runs with fewer sealed shards are listed from their shards' own index files, fast enough.
 RUN_INDEX_MIN_SHARDS = 32
+#: Rows per row group: a step range reads only the groups (sorted by step) that hold its steps.
+RUN_INDEX_ROW_GROUP = 8192
 
 
 def run_index_paths(run_dir: Path) -> list[Path]:
@@ -441,30 +443,51 @@ def run_index_paths(run_dir: Path) -> list[Path]:
     return [Path(run_dir) / RUN_INDEX, cache / f"{key}{INDEX_SUFFIX}"]
 
 
-def read_run_index(path: Path) -> tuple[pa.Table, dict[str, list[int]]] | None:
-    """A run index's merged rows and the shards it covers (``{relative path: [bytes, mtime_ns]}``);
-    None when it is missing or of another version. Raises ``ValueError`` when it is unreadable."""
+def read_run_index(
+    path: Path, steps: Sequence[int] | None = None
+) -> tuple[pa.Table, dict[str, list[int]]] | None:
+    """A run index's merged rows (with ``steps``: at least those of these steps, reading only the
+    row groups that may hold them) and the shards it covers (``{relative path: [bytes,
+    mtime_ns]}``); None when it is missing or of another version. Raises ``ValueError`` when it is
+    unreadable."""
     import orjson
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
-    except FileNotFoundError:
-        return None
-    except (OSError, pa.ArrowException) as exc:
-        raise ValueError(str(exc)) from exc
-    metadata = table.schema.metadata or {}
-    if metadata.get(RUN_INDEX_KEY) != RUN_INDEX_VERSION or metadata.get(INDEX_KEY) != INDEX_VERSION:
-        return None
-    try:
+        pf = pq.ParquetFile(path)
+        metadata = pf.schema_arrow.metadata or {}
+        if metadata.get(RUN_INDEX_KEY) != RUN_INDEX_VERSION or metadata.get(INDEX_KEY) != INDEX_VERSION:
+            return None
         covered = orjson.loads(metadata[COVERED_KEY])
         if not isinstance(covered, dict) or not all(
             isinstance(v, list) and len(v) == 2 and all(type(n) is int for n in v) for v in covered.values()
         ):
             raise ValueError("bad list of shards")
-        return table.cast(INDEX_SCHEMA), covered
-    except (KeyError, orjson.JSONDecodeError, pa.ArrowException, ValueError) as exc:
+        if pf.schema_arrow.names != INDEX_SCHEMA.names:
+            raise ValueError("not a run index")
+        groups = range(pf.num_row_groups) if steps is None else _step_groups(pf, steps)
+        return pf.read_row_groups(list(groups)).cast(INDEX_SCHEMA), covered
+    except FileNotFoundError:
+        return None
+    except (OSError, KeyError, orjson.JSONDecodeError, pa.ArrowException, ValueError) as exc:
         raise ValueError(str(exc) or type(exc).__name__) from exc
+
+
+def _step_groups(pf: Any, steps: Sequence[int]) -> list[int]:
+    """Row groups of a run index (sorted by step) whose step statistics may hold one of ``steps``."""
+    column = INDEX_SCHEMA.get_field_index("step")
+    wanted = np.unique(np.asarray(steps, dtype=np.int64))
+    out = []
+    for i in range(pf.num_row_groups):
+        stats = pf.metadata.row_group(i).column(column).statistics
+        if stats is None or not stats.has_min_max:
+            if stats is None or stats.null_count != pf.metadata.row_group(i).num_rows:
+                out.append(i)
+            continue
+        first = np.searchsorted(wanted, stats.min)
+        if first < len(wanted) and wanted[first] <= stats.max:
+            out.append(i)
+    return out
 
 
 def write_run_index(rows: pa.Table, covered: dict[str, list[int]], path: Path) -> None:
@@ -486,7 +509,13 @@ def write_run_index(rows: pa.Table, covered: dict[str, list[int]], path: Path) -
     }
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        pq.write_table(rows.replace_schema_metadata(metadata), tmp, compression="snappy")
+        order = [(c, "ascending") for k in KEYS for c in (k, KEY_STR[k])] + [("start_ns", "ascending")]
+        pq.write_table(
+            rows.sort_by([*order, ("id", "ascending")]).replace_schema_metadata(metadata),
+            tmp,
+            compression="snappy",
+            row_group_size=RUN_INDEX_ROW_GROUP,
+        )
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

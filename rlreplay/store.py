@@ -606,6 +606,9 @@ class Run:
         filters = filters or Filters(**kw)
         if filters.step is None:
             return filters.apply(self._run_index(), id_column="id")
+        rows = self._steps_index(filters)
+        if rows is not None:
+            return filters.apply(rows, id_column="id")
         files = self._files(filters)
         rows = (
             tindex.merge(pa.concat_tables([f.index for f in files]))
@@ -641,6 +644,40 @@ class Run:
             self._write_run_index(rows, {**covered, **added}, where)
         live = [index for index in (self._index(path, False) for path in partials) if index is not None]
         return tindex.merge_into(rows, live)
+
+    def _steps_index(self, filters: Filters) -> pa.Table | None:
+        """Merged index rows of the filters' steps (integers) from the run index's row groups that
+        hold them, the shards of these steps sealed since, and their live files; None when no run
+        index covers these steps' shards as they are now."""
+        single = filters.single_step()
+        steps = [single] if single is not None else filters.step
+        if not isinstance(steps, (list, tuple, set, frozenset)) or not all(type(s) is int for s in steps):
+            return None
+        sealed, partials = self._paths(filters)
+        stamps: dict[str, list[int]] = {}
+        for path in sealed:
+            try:
+                stat = path.stat()
+            except OSError:
+                return None
+            stamps[path.relative_to(self.path).as_posix()] = [stat.st_size, stat.st_mtime_ns]
+        prefixes = tuple(f"{SPANS_DIR}/step={s}/" for s in steps)
+        for where in tindex.run_index_paths(self.path):
+            try:
+                found = tindex.read_run_index(where, sorted(set(steps)))
+            except ValueError:
+                continue  # the whole-run listing reports it and writes a good one
+            if found is None:
+                continue
+            rows, covered = found
+            mine = {rel: stamp for rel, stamp in covered.items() if rel.startswith(prefixes)}
+            if any(stamps.get(rel) != stamp for rel, stamp in mine.items()):
+                continue
+            more = [self._index(p, True) for p in sealed if p.relative_to(self.path).as_posix() not in mine]
+            live = [self._index(p, False) for p in partials]
+            rows = tindex.merge_into(rows, [t for t in more if t is not None])
+            return tindex.merge_into(rows, [t for t in live if t is not None])
+        return None
 
     def _read_run_index(
         self, stamps: dict[str, list[int]]
