@@ -248,8 +248,10 @@ def main() -> None:
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for steps, label, n, ours, direct, index in rows:
         via_index = f"{index * 1000:,.0f} ms | {ours / index:.2f}x" if index else "| "
+        label, _, note = label.partition("  # ")
+        shown = f"`{label}` {note}".strip()
         print(
-            f"| {steps} | `{label}` | {n:,} | {ours * 1000:,.0f} ms | {direct * 1000:,.0f} ms "
+            f"| {steps} | {shown} | {n:,} | {ours * 1000:,.0f} ms | {direct * 1000:,.0f} ms "
             f"| {ours / direct:.2f}x | {via_index} |"
         )
     print()
@@ -276,7 +278,7 @@ def run_queries(root: Path, template: pa.Table, args: argparse.Namespace) -> lis
         rows.append(
             (
                 steps,
-                f'ls --where "{WHERE}"  # first: writes the run index',
+                f'ls --where "{WHERE}"  # first, writes the run index',
                 got.num_rows,
                 t_first,
                 t_direct,

@@ -5,7 +5,8 @@ at seal time; for a live file (or a shard without one) it is built from the span
 the fly. ``merge`` combines the rows of one trajectory found in several files (a spilled span, a
 ``signals`` row from the trainer process); ``listing`` turns merged rows into the trajectory
 listing (contract C2). ``rlreplay.store.summarize`` is ``listing(merge(build(spans)))``: the
-status and reward rules live here only.
+status and reward rules live here only. A run of many shards also keeps a run index: the merged
+rows of every sealed shard in one file, naming the shards it covers (a cache, rebuilt at will).
 """
 
 from __future__ import annotations
