@@ -682,9 +682,14 @@ class Run:
     def _read_run_index(
         self, stamps: dict[str, list[int]]
     ) -> tuple[pa.Table, dict[str, list[int]], Path | None, bool]:
-        """(rows, shards covered, its file, whether an unreadable one was met) of the first run
-        index that covers only shards as they are now (``stamps``); else no rows."""
+        """(rows, shards covered, its file, whether an unreadable one was met) of the run index
+        covering the most shards, and only shards as they are now (``stamps``); else no rows."""
         repair = False
+        best: tuple[pa.Table, dict[str, list[int]], Path | None] = (
+            tindex.INDEX_SCHEMA.empty_table(),
+            {},
+            None,
+        )
         for path in tindex.run_index_paths(self.path):
             try:
                 found = tindex.read_run_index(path)
@@ -692,9 +697,13 @@ class Run:
                 self._warn(f"ignored unreadable run index {path}: {_one_line(exc)} (rebuilding it)")
                 repair = True
                 continue
-            if found is not None and all(stamps.get(rel) == stamp for rel, stamp in found[1].items()):
-                return found[0], found[1], None if repair else path, repair
-        return tindex.INDEX_SCHEMA.empty_table(), {}, None, repair
+            if found is None or any(stamps.get(rel) != stamp for rel, stamp in found[1].items()):
+                continue
+            if len(found[1]) > len(best[1]):
+                best = (found[0], found[1], None if repair else path)
+            if len(best[1]) == len(stamps):
+                break
+        return (*best, repair)
 
     def _write_run_index(self, rows: pa.Table, covered: dict[str, list[int]], where: Path | None) -> None:
         """Save the run index where it was read, else in the run, else in the user's cache."""

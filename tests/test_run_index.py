@@ -246,14 +246,28 @@ def _list_as(uid: int | None, run: str, cache: str, conn: Any) -> None:
         conn.send((None, None, repr(exc)))
 
 
-def test_a_read_only_run_is_listed_and_indexed_in_the_user_cache(base_run: tuple[Path, pa.Table]) -> None:
-    want = expected(base_run[1])
+@pytest.mark.parametrize(
+    "shipped", [False, True], ids=["no-run-index", "shipped-run-index-and-a-newer-shard"]
+)
+def test_a_read_only_run_is_listed_and_indexed_in_the_user_cache(
+    base_run: tuple[Path, pa.Table], shipped: bool
+) -> None:
+    tables = [base_run[1]]
     rlreplay.open_run(SAMPLE).trajectories()  # the child imports nothing more (root's home is private)
     top = Path(tempfile.mkdtemp(prefix="rlreplay-ro-"))
     try:
         top.chmod(0o755)
         run = top / "run"
         shutil.copytree(base_run[0], run)
+        if shipped:  # its run index was written while it could be; a shard came after
+            rlreplay.open_run(run).trajectories()
+            shipped_index = (run / tindex.RUN_INDEX).read_bytes()
+            sample = rlreplay.open_run(SAMPLE).spans(step=1)
+            tables.append(
+                _retag(sample.filter(pc.equal(sample["trajectory_id"], sample["trajectory_id"][0])), "ro", 77)
+            )
+            _write(run, tables[-1], 77)
+        want = expected(*tables)
         cache = top / "cache"
         cache.mkdir(mode=0o777)
         cache.chmod(0o777)
@@ -261,6 +275,7 @@ def test_a_read_only_run_is_listed_and_indexed_in_the_user_cache(base_run: tuple
             path.chmod(0o555 if path.is_dir() else 0o444)
         uid = 65534 if os.geteuid() == 0 else None  # root writes anywhere: list as nobody
         ctx = multiprocessing.get_context("fork")
+        writes = []
         for attempt in range(2):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_list_as, args=(uid, str(run), str(cache), child))
@@ -270,11 +285,16 @@ def test_a_read_only_run_is_listed_and_indexed_in_the_user_cache(base_run: tuple
             assert error is None
             assert rows == want, attempt
             assert warnings == []
-            assert not (run / tindex.RUN_INDEX).exists()
+            if shipped:
+                assert (run / tindex.RUN_INDEX).read_bytes() == shipped_index
+            else:
+                assert not (run / tindex.RUN_INDEX).exists()
             found = list(cache.rglob(f"*{tindex.INDEX_SUFFIX}"))
             assert len(found) == 1
             index = tindex.read_run_index(found[0])
             assert index is not None and set(index[1]) == sealed_names(run)
+            writes.append((found[0].stat().st_ino, found[0].stat().st_mtime_ns))
+        assert writes[1] == writes[0]  # the second listing read the fuller one and wrote nothing
     finally:
         for path in [top, *top.rglob("*")]:
             if path.is_dir():
