@@ -653,6 +653,16 @@ class Run:
         steps = [single] if single is not None else filters.step
         if not isinstance(steps, (list, tuple, set, frozenset)) or not all(type(s) is int for s in steps):
             return None
+        candidates = []
+        for where in tindex.run_index_paths(self.path):
+            try:
+                found = tindex.read_run_index(where, sorted(set(steps)))
+            except ValueError:
+                continue  # the whole-run listing reports it and writes a good one
+            if found is not None:
+                candidates.append(found)
+        if not candidates:
+            return None
         sealed, partials = self._paths(filters)
         stamps: dict[str, list[int]] = {}
         for path in sealed:
@@ -662,14 +672,7 @@ class Run:
                 return None
             stamps[path.relative_to(self.path).as_posix()] = [stat.st_size, stat.st_mtime_ns]
         prefixes = tuple(f"{SPANS_DIR}/step={s}/" for s in steps)
-        for where in tindex.run_index_paths(self.path):
-            try:
-                found = tindex.read_run_index(where, sorted(set(steps)))
-            except ValueError:
-                continue  # the whole-run listing reports it and writes a good one
-            if found is None:
-                continue
-            rows, covered = found
+        for rows, covered in candidates:
             mine = {rel: stamp for rel, stamp in covered.items() if rel.startswith(prefixes)}
             if any(stamps.get(rel) != stamp for rel, stamp in mine.items()):
                 continue
