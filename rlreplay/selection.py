@@ -302,15 +302,15 @@ class Selection:
     def trajectories(self, run: Any) -> pa.Table:
         """The run's listing (contract C2 columns), filtered, sorted and limited.
 
-        A step filter reads only the matching ``spans/step=N/`` partitions, one at a time.
+        A step filter reads only the matching ``spans/step=N/`` partitions (or the run index's
+        row groups that hold them).
         """
         self.check()
         filters = self.filters()
         steps = _partition_steps(run, self.keys().get("step"))
         if steps is None:
             return self.apply(listing(run, filters))
-        parts = [listing(run, replace(filters, step=step)) for step in steps]
-        table = pa.concat_tables(parts) if parts else LISTING_SCHEMA.empty_table()
+        table = listing(run, replace(filters, step=steps)) if steps else LISTING_SCHEMA.empty_table()
         return self.apply(table)
 
     def apply(self, table: pa.Table) -> pa.Table:

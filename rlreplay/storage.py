@@ -756,6 +756,15 @@ def _remote_run_class() -> type:
             return [n.removeprefix("step=") for n in names if n.startswith("step=")]
 
         def _fetch_for(self, filters: Any) -> None:
+            steps = getattr(filters, "step", None)
+            if (
+                isinstance(steps, (list, tuple, set, frozenset))
+                and steps
+                and all(type(s) is int for s in steps)
+            ):
+                for step in sorted(set(steps)):
+                    self.fetch(step)
+                return
             single = getattr(filters, "single_step", None)
             self.fetch(single() if callable(single) else None)
 
@@ -766,9 +775,9 @@ def _remote_run_class() -> type:
             self._fetch_for(filters)
             return super().spans(filters, columns)
 
-        def _files(self, filters: Any) -> Any:  # the trajectory indexes: listing, resolve, load
+        def _paths(self, filters: Any) -> Any:  # the files behind listing, resolve and load
             self._fetch_for(filters)
-            return super()._files(filters)
+            return super()._paths(filters)
 
         def stored_bytes(self) -> int:
             """Bytes of the span files on the store (listed, nothing fetched)."""

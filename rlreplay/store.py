@@ -561,8 +561,21 @@ class Run:
         """The values of the run's ``spans/step=*`` folders, as written (unsorted)."""
         return [d.name.removeprefix("step=") for d in step_dirs(self.path)]
 
+    def _paths(self, filters: Filters) -> tuple[list[Path], list[Path]]:
+        """(sealed files, live files) the filters may need: those of their steps, else all."""
+        steps = filters.step if isinstance(filters.step, (list, tuple, set, frozenset)) else None
+        if steps is None or not all(type(s) is int for s in steps):
+            return list_files(self.path, filters.single_step())
+        sealed: list[Path] = []
+        partials: list[Path] = []
+        for step in sorted(set(steps)):
+            more = list_files(self.path, step)
+            sealed += more[0]
+            partials += more[1]
+        return sealed, partials
+
     def _files(self, filters: Filters) -> list[_File]:
-        sealed, partials = list_files(self.path, filters.single_step())
+        sealed, partials = self._paths(filters)
         files = []
         for path, is_sealed in [(p, True) for p in sealed] + [(p, False) for p in partials]:
             index = self._index(path, is_sealed)
@@ -591,6 +604,11 @@ class Run:
     def index(self, filters: Filters | None = None, **kw: Any) -> pa.Table:
         """Merged index rows (one per trajectory) passing the filters."""
         filters = filters or Filters(**kw)
+        if filters.step is None:
+            return filters.apply(self._run_index(), id_column="id")
+        rows = self._steps_index(filters)
+        if rows is not None:
+            return filters.apply(rows, id_column="id")
         files = self._files(filters)
         rows = (
             tindex.merge(pa.concat_tables([f.index for f in files]))
@@ -598,6 +616,109 @@ class Run:
             else tindex.INDEX_SCHEMA.empty_table()
         )
         return filters.apply(rows, id_column="id")
+
+    def _run_index(self) -> pa.Table:
+        """Merged index rows of every trajectory: the run index file for the sealed shards it
+        covers (brought up to date here), the index files of shards sealed since, and live files."""
+        sealed, partials = self._paths(Filters())
+        stamps: dict[str, list[int]] = {}
+        for path in sealed:
+            try:
+                stat = path.stat()
+            except OSError as exc:
+                self._skip(path, exc)
+                continue
+            stamps[path.relative_to(self.path).as_posix()] = [stat.st_size, stat.st_mtime_ns]
+        rows, covered, where, repair = self._read_run_index(stamps)
+        added: dict[str, list[int]] = {}
+        more = []
+        for path in sealed:
+            rel = path.relative_to(self.path).as_posix()
+            if rel in stamps and rel not in covered:
+                index = self._index(path, True)
+                if index is not None:
+                    more.append(index)
+                    added[rel] = stamps[rel]
+        rows = tindex.merge_into(rows, more)
+        if (added or repair) and len(covered) + len(added) >= tindex.RUN_INDEX_MIN_SHARDS:
+            self._write_run_index(rows, {**covered, **added}, where)
+        live = [index for index in (self._index(path, False) for path in partials) if index is not None]
+        return tindex.merge_into(rows, live)
+
+    def _steps_index(self, filters: Filters) -> pa.Table | None:
+        """Merged index rows of the filters' steps (integers) from the run index's row groups that
+        hold them, the shards of these steps sealed since, and their live files; None when no run
+        index covers these steps' shards as they are now."""
+        single = filters.single_step()
+        steps = [single] if single is not None else filters.step
+        if not isinstance(steps, (list, tuple, set, frozenset)) or not all(type(s) is int for s in steps):
+            return None
+        candidates = []
+        for where in tindex.run_index_paths(self.path):
+            try:
+                found = tindex.read_run_index(where, sorted(set(steps)))
+            except ValueError:
+                continue  # the whole-run listing reports it and writes a good one
+            if found is not None:
+                candidates.append(found)
+        if not candidates:
+            return None
+        sealed, partials = self._paths(filters)
+        stamps: dict[str, list[int]] = {}
+        for path in sealed:
+            try:
+                stat = path.stat()
+            except OSError:
+                return None
+            stamps[path.relative_to(self.path).as_posix()] = [stat.st_size, stat.st_mtime_ns]
+        prefixes = tuple(f"{SPANS_DIR}/step={s}/" for s in steps)
+        for rows, covered in candidates:
+            mine = {rel: stamp for rel, stamp in covered.items() if rel.startswith(prefixes)}
+            if any(stamps.get(rel) != stamp for rel, stamp in mine.items()):
+                continue
+            more = [self._index(p, True) for p in sealed if p.relative_to(self.path).as_posix() not in mine]
+            live = [self._index(p, False) for p in partials]
+            rows = tindex.merge_into(rows, [t for t in more if t is not None])
+            return tindex.merge_into(rows, [t for t in live if t is not None])
+        return None
+
+    def _read_run_index(
+        self, stamps: dict[str, list[int]]
+    ) -> tuple[pa.Table, dict[str, list[int]], Path | None, bool]:
+        """(rows, shards covered, its file, whether an unreadable one was met) of the run index
+        covering the most shards, and only shards as they are now (``stamps``); else no rows."""
+        repair = False
+        best: tuple[pa.Table, dict[str, list[int]], Path | None] = (
+            tindex.INDEX_SCHEMA.empty_table(),
+            {},
+            None,
+        )
+        for path in tindex.run_index_paths(self.path):
+            try:
+                found = tindex.read_run_index(path)
+            except ValueError as exc:
+                self._warn(f"ignored unreadable run index {path}: {_one_line(exc)} (rebuilding it)")
+                repair = True
+                continue
+            if found is None or any(stamps.get(rel) != stamp for rel, stamp in found[1].items()):
+                continue
+            if len(found[1]) > len(best[1]):
+                best = (found[0], found[1], None if repair else path)
+            if len(best[1]) == len(stamps):
+                break
+        return (*best, repair)
+
+    def _write_run_index(self, rows: pa.Table, covered: dict[str, list[int]], where: Path | None) -> None:
+        """Save the run index where it was read, else in the run, else in the user's cache."""
+        paths = tindex.run_index_paths(self.path)
+        if where is not None:
+            paths = [where] + [p for p in paths if p != where]
+        for path in paths:
+            try:
+                tindex.write_run_index(rows, covered, path)
+                return
+            except (OSError, pa.ArrowException):
+                continue
 
     def trajectories(self, filters: Filters | None = None, **kw: Any) -> pa.Table:
         """One row per trajectory (contract C2), sorted by step, sample_index, rollout_n, start.

@@ -75,7 +75,18 @@ def recover(run_dir: Path, wait_s: float = 0.0) -> dict[str, Any]:
                 for key in ("recovered_shards", "recovered_spans", "discarded_bytes", "quarantined_files")
             },
         )
+    _refresh_run_index(Path(run_dir))
     return totals
+
+
+def _refresh_run_index(run_dir: Path) -> None:
+    """Bring the run index up to date with the shards just sealed or set aside."""
+    from rlreplay.store import Run, RunError
+
+    try:
+        Run(run_dir).index()
+    except (RunError, ValueError, OSError):
+        return  # the next listing reads the shards themselves
 
 
 def _describe(run_dir: Path, r: Any) -> str:
