@@ -195,6 +195,7 @@ def encode_row(
     sid = span_id if type(span_id) is str else span_id_of(span_id)
     pid = None if parent_id is None else parent_id if type(parent_id) is str else span_id_of(parent_id)
     signals: dict[str, Any] = {}
+    kinds: dict[int, Any] = {}  # number lists to_jsonable kept, for Arrays
     inputs_data: Any = None
     if meta.kind == KIND_SIGNALS:
         signals = kwargs
@@ -202,7 +203,7 @@ def encode_row(
         inputs_obj = _bound(meta, args, kwargs, problem)
         if meta.reduce_inputs is not None:
             inputs_obj = _reduce(meta, "reduce_inputs", meta.reduce_inputs, inputs_obj, warn)
-        inputs_data = payload.to_jsonable(inputs_obj, issues=issues)
+        inputs_data = payload.to_jsonable(inputs_obj, issues=issues, kinds=kinds)
     reward = None
     if exc is not None:
         output_data: Any = exception_data(exc)
@@ -211,7 +212,7 @@ def encode_row(
         out = result
         if meta.reduce_output is not None:
             out = _reduce(meta, "reduce_output", meta.reduce_output, result, warn)
-        output_data = payload.to_jsonable(out, issues=issues) if out is not None else None
+        output_data = payload.to_jsonable(out, issues=issues, kinds=kinds) if out is not None else None
         error = None
         if meta.reward is not None:
             reward = as_reward(_reduce(meta, "reward", meta.reward, result, warn))
@@ -223,7 +224,7 @@ def encode_row(
     prompt_tokens, response_tokens = _token_counts(meta.kind, inputs_data, output_data)
 
     index = prefixes.get(tid) if prefixes is not None else None
-    arrays = payload.Arrays(index)
+    arrays = payload.Arrays(index, kinds)
     inputs_text = None
     if inputs_data is not None:
         inputs_text = payload.dumps(arrays.extract(inputs_data), cap, issues)
