@@ -627,13 +627,26 @@ class SharedIndex:
                 continue
             after = None
             if maybe is None:
-                firsts = np.fromiter(by_first, dtype=array.dtype, count=len(by_first))
-                maybe = np.flatnonzero(np.isin(array, firsts))
+                maybe = _positions_of(array, by_first)
             i = int(np.searchsorted(maybe, p + 1))
             if i >= len(maybe):
                 break
             p = int(maybe[i])
         return refs, after
+
+
+def _positions_of(array: Any, values: Any) -> Any:
+    """Positions in ``array`` holding any of ``values`` (a few: one comparison pass each, which
+    beats ``np.isin``'s table of the whole id range)."""
+    import numpy as np
+
+    if len(values) > 16:
+        firsts = np.fromiter(values, dtype=array.dtype, count=len(values))
+        return np.flatnonzero(np.isin(array, firsts))
+    found = np.zeros(len(array), dtype=bool)
+    for value in values:
+        found |= array == value
+    return np.flatnonzero(found)
 
 
 def _list_match(lists: list[list[int]], start: int, values: list) -> int:

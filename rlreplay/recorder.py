@@ -35,7 +35,7 @@ from rlreplay.schema import (
     KIND_OP,
     KIND_TRAJECTORY,
 )
-from rlreplay.shards import LIVE_ZSTD_LEVEL, Lease, PartialWriter, partition_dir, safe_name, seal
+from rlreplay.shards import Lease, PartialWriter, live_options, partition_dir, safe_name, seal
 from rlreplay.signals import record_signals  # contract C1: rlreplay.recorder.record_signals
 from rlreplay.workers import ENV_WORKER, resolve_worker_name, set_worker_resolver
 
@@ -654,7 +654,7 @@ _warmed_up = False
 
 def _warm_up() -> None:
     """Pay every one-time cost of a first write here: pyarrow's lazy imports (it imports pandas on its
-    first conversion, 0.3-2 s), the row encoder, the zstd codec and the stream writer. Done at
+    first conversion, 0.3-2 s), the row encoder, the live files' codec and the stream writer. Done at
     ``init``, before any trajectory can end, so the first batch is as quick to reach disk as later
     ones (a worker killed right after its first trajectories keeps them), and never at exit."""
     global _warmed_up
@@ -671,9 +671,8 @@ def _warm_up() -> None:
         row, nbytes = encode_row(event, config, "w", lambda *_: None, format_trajectory_id, format_span_id)
         buf = _StepBuffer()
         buf.append(row, nbytes)
-        options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", LIVE_ZSTD_LEVEL))
         batch = buf.take_batch()
-        with pa.ipc.new_stream(pa.BufferOutputStream(), batch.schema, options=options) as writer:
+        with pa.ipc.new_stream(pa.BufferOutputStream(), batch.schema, options=live_options()) as writer:
             writer.write_batch(batch)
 
 

@@ -2,7 +2,7 @@
 
 Layout under a run directory::
 
-    spans/step=5/worker=w0/_part-<uid>.partial   live Arrow IPC stream (zstd 1), ignored by scans
+    spans/step=5/worker=w0/_part-<uid>.partial   live Arrow IPC stream (lz4), ignored by scans
     spans/step=5/worker=w0/part-<uid>.parquet    sealed: sorted, Parquet zstd, queryable
     spans/step=5/worker=w0/part-<uid>.index      its trajectory index (``rlreplay.index``)
 
@@ -51,7 +51,17 @@ from rlreplay.schema import (
 SPANS_DIR = "spans"
 PARTIAL_SUFFIX = ".partial"
 SEALED_SUFFIX = ".parquet"
-LIVE_ZSTD_LEVEL = 1
+#: Codec of live files, read once, when sealed (Parquet zstd). A codec costs per buffer (~100 per
+#: batch) whatever its size: zstd level 1 several times what lz4 costs; lz4 is kept, not none, as a
+#: damaged middle then fails to decode instead of reading back as wrong values.
+LIVE_CODEC = "lz4"
+
+
+def live_options() -> pa.ipc.IpcWriteOptions:
+    """IPC options of live files."""
+    return pa.ipc.IpcWriteOptions(compression=LIVE_CODEC)
+
+
 SEALED_ZSTD_LEVEL = 3
 SORT_KEYS = [
     ("sample_index", "ascending"),
@@ -107,11 +117,13 @@ class PartialWriter:
     def __init__(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"_part-{new_uid()}{PARTIAL_SUFFIX}"
-        self._file = open(self.path, "xb")  # noqa: SIM115 - closed in close()
+        self._file = open(self.path, "xb")  # noqa: SIM115 - closed in close(); holds the lock
         fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         _open_writers.add(self)
-        options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", LIVE_ZSTD_LEVEL))
-        self._writer = pa.ipc.new_stream(self._file, SPAN_SCHEMA, options=options)
+        # Arrow writes through its own file (no Python call per buffer), buffered, flushed per batch
+        self._raw = pa.OSFile(str(self.path), "wb")
+        self._sink = pa.BufferedOutputStream(self._raw, 1 << 18)
+        self._writer = pa.ipc.new_stream(self._sink, SPAN_SCHEMA, options=live_options())
         self.rows = 0
         self.nbytes = 0  # Arrow bytes written (what sealing the file will hold in memory)
         self.opened_at = time.monotonic()
@@ -119,9 +131,9 @@ class PartialWriter:
 
     def write(self, batch: pa.RecordBatch) -> None:
         self._writer.write_batch(batch)
-        self._file.flush()
+        self._sink.flush()
         self.rows += batch.num_rows
-        self.nbytes += batch.nbytes
+        self.nbytes += batch.get_total_buffer_size()  # batch.nbytes costs ~0.1 ms a batch
         self._dirty = True
 
     def fsync(self) -> None:
@@ -134,9 +146,11 @@ class PartialWriter:
             return
         try:
             self._writer.close()
-            self._file.flush()
+            self._sink.close()
             os.fsync(self._file.fileno())
         finally:
+            if not self._raw.closed:
+                self._raw.close()
             self._file.close()
 
 
@@ -247,6 +261,9 @@ def _release_inherited_writers() -> None:
     for writer in list(_open_writers):
         if not writer._file.closed:
             os.dup2(devnull, writer._file.fileno())
+            raw = getattr(writer, "_raw", None)
+            if raw is not None and not raw.closed:
+                os.dup2(devnull, raw.fileno())
     os.close(devnull)
     _open_writers.clear()
 
