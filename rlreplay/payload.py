@@ -584,10 +584,10 @@ class SharedIndex:
 
     @property
     def nbytes(self) -> int:
-        # the kept lists cost their 8-byte item pointers; their ints are the trajectory's own
-        # (its context list holds them while it runs; the cache drops it when it ends)
-        pointers = 8 * len(self.latest[2]) if self.latest is not None else 0
-        return pointers + sum(s[1].nbytes for kept in self.streams.values() for s in kept)
+        # the kept lists: an 8-byte pointer per item, and the int itself when the caller has let
+        # go of it (counted always: a bound, not a guess)
+        lists = 40 * len(self.latest[2]) if self.latest is not None else 0
+        return lists + sum(s[1].nbytes for kept in self.streams.values() for s in kept)
 
     def cover(
         self, dtype: str, array: Any, after: tuple[str, int] | None

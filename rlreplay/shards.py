@@ -361,28 +361,37 @@ def seal(partial: Path, *, recovered: bool = False) -> SealResult:
         partial.unlink(missing_ok=True)
         return SealResult(final, 0, 0, recovered)
     contents = read_partial(partial)
-    if contents.table.num_rows == 0:
+    rows, discarded = contents.table.num_rows, contents.discarded_bytes
+    if rows == 0:
         partial.unlink(missing_ok=True)
-        return SealResult(None, 0, contents.discarded_bytes, recovered)
+        return SealResult(None, 0, discarded, recovered)
+    table = contents.table.combine_chunks()  # one copy; the file's batches are let go
+    del contents
     write_sealed(
-        contents.table,
+        table,
         final,
         {
             b"rlreplay.recovered": b"true" if recovered else b"false",
-            b"rlreplay.discarded_bytes": str(contents.discarded_bytes).encode(),
+            b"rlreplay.discarded_bytes": str(discarded).encode(),
         },
     )
     partial.unlink()
-    return SealResult(final, contents.table.num_rows, contents.discarded_bytes, recovered)
+    return SealResult(final, rows, discarded, recovered)
 
 
 def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes] | None = None) -> None:
-    """Sort and write a sealed shard and its index durably: temp names, fsync, rename, directory fsync."""
+    """Sort and write a sealed shard and its index durably: temp names, fsync, rename, directory fsync.
+
+    Rows are sorted by index and taken one row group at a time, so writing needs ``table`` and one
+    row group in memory, not a sorted copy of it."""
     if final.exists():
         raise FileExistsError(final)
     metadata = {**SPAN_SCHEMA.metadata, **(extra_metadata or {})}
-    table = table.sort_by(SORT_KEYS).replace_schema_metadata(metadata).combine_chunks()
-    bounds = row_group_bounds(table)
+    table = table.replace_schema_metadata(metadata).combine_chunks()
+    order = pc.sort_indices(table, sort_keys=SORT_KEYS)
+    sizes = row_sizes(table).take(order)
+    spans = table.select(tindex.SPAN_COLUMNS).take(order)
+    bounds = row_group_bounds(spans, sizes=sizes)
     row_group_of = [i for i, (a, b) in enumerate(bounds) for _ in range(b - a)]
     tmp = final.with_name("_" + final.name + ".tmp")
     with open(tmp, "xb") as f:
@@ -397,29 +406,38 @@ def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes
             data_page_size=1 << 20,
         )
         for start, stop in bounds:
-            writer.write_table(table.slice(start, stop - start), row_group_size=stop - start)
+            writer.write_table(table.take(order[start:stop]), row_group_size=stop - start)
         writer.close()
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
-    index = tindex.build(table.select(tindex.SPAN_COLUMNS), row_group_of)
+    index = tindex.build(spans, row_group_of)
     tindex.write(index, tindex.index_path(final), size)
     os.rename(tmp, final)
     fsync_dir(final.parent)
 
 
-def row_group_bounds(table: pa.Table, target: int | None = None) -> list[tuple[int, int]]:
-    """[start, stop) row ranges of about ``target`` payload bytes, cut between trajectories."""
-    target = ROW_GROUP_BYTES if target is None else target
-    n = table.num_rows
-    if n == 0:
-        return []
-    size = np.full(n, 200, dtype=np.int64)
+def row_sizes(table: pa.Table) -> pa.Array:
+    """About how many payload bytes each row holds."""
+    size = np.full(table.num_rows, 200, dtype=np.int64)
     for name in ("attributes", "inputs", "output"):
         size += pc.fill_null(pc.binary_length(table[name]), 0).to_numpy(zero_copy_only=False)
     for name, typ in TOKEN_COLUMNS.items():
         lengths = pc.fill_null(pc.list_value_length(table[name]), 0)
         size += lengths.to_numpy(zero_copy_only=False).astype(np.int64) * typ.byte_width
+    return pa.array(size)
+
+
+def row_group_bounds(
+    table: pa.Table, target: int | None = None, sizes: pa.Array | None = None
+) -> list[tuple[int, int]]:
+    """[start, stop) row ranges of about ``target`` payload bytes, cut between trajectories
+    (``sizes``: the rows' sizes, when ``table`` lacks the payload columns)."""
+    target = ROW_GROUP_BYTES if target is None else target
+    n = table.num_rows
+    if n == 0:
+        return []
+    size = (row_sizes(table) if sizes is None else sizes).to_numpy()
     ids = table["trajectory_id"].to_numpy(zero_copy_only=False)
     cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1  # where a trajectory starts
     bounds, start, total = [], 0, 0
