@@ -8,7 +8,8 @@ through exactly what the writer thread runs: ``encode_row`` with the trajectory 
 million recorded ids (ids under keys ending in ``ids``, once per span that holds them, as
 ``bench_scale.py`` counts them), split by phase, and optionally a cProfile of the whole.
 
-    python benchmarks/bench_writer.py [--trajectories 64] [--tokens 8000] [--profile]
+    python benchmarks/bench_writer.py [--trajectories 64] [--tokens 8000] [--batch-rows 64] [--profile]
+    python benchmarks/bench_writer.py --against OLD_TREE    # side by side with another source tree
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import json
+import os
 import pstats
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -142,6 +147,29 @@ def write_all(events: list[tuple], out: Path, batch_rows: int) -> dict[str, floa
     return {"encode_row": encode, "take_batch": batch, "ipc write": write}
 
 
+def measure(args: argparse.Namespace) -> tuple[int, int, dict[str, float]]:
+    """(spans, recorded ids, best CPU-s per phase) of the rlreplay this process imports."""
+    import pyarrow as pa
+
+    pa.array([0.5])  # one-time imports, as the writer's warm-up pays them
+    events, n_ids = make_events(args.trajectories, args.tokens)
+    best: dict[str, float] | None = None
+    for _ in range(args.repeat):
+        with tempfile.TemporaryDirectory() as tmp:
+            phases = write_all(events, Path(tmp), args.batch_rows)
+        if best is None or sum(phases.values()) < sum(best.values()):
+            best = phases
+    assert best is not None
+    if args.profile:
+        with tempfile.TemporaryDirectory() as tmp:
+            profile = cProfile.Profile()
+            profile.enable()
+            write_all(events, Path(tmp), args.batch_rows)
+            profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    return len(events), n_ids, best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -151,32 +179,31 @@ def main() -> None:
     parser.add_argument("--batch-rows", type=int, default=64, help="rows per written batch")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--against", help="another rlreplay source tree (an older commit's), side by side")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-
-    import pyarrow as pa
-
-    pa.array([0.5])  # one-time imports, as the writer's warm-up pays them
-    events, n_ids = make_events(args.trajectories, args.tokens)
-    print(f"{len(events)} spans, {n_ids:,} recorded ids")
-    best: dict[str, float] | None = None
-    for _ in range(args.repeat):
-        with tempfile.TemporaryDirectory() as tmp:
-            phases = write_all(events, Path(tmp), args.batch_rows)
-        if best is None or sum(phases.values()) < sum(best.values()):
-            best = phases
-    assert best is not None
-    total = sum(best.values())
-    print(f"| phase | CPU-s per million ids (best of {args.repeat}) |\n|---|---:|")
-    for name, seconds in best.items():
-        print(f"| {name} | {seconds / n_ids * 1e6:.3f} |")
-    print(f"| **total** | **{total / n_ids * 1e6:.3f}** |")
-    if args.profile:
-        with tempfile.TemporaryDirectory() as tmp:
-            profile = cProfile.Profile()
-            profile.enable()
-            write_all(events, Path(tmp), args.batch_rows)
-            profile.disable()
-        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    if args.json:
+        print(json.dumps(measure(args)))
+        return
+    columns = {}
+    if args.against:
+        argv = [sys.executable, __file__, "--json", *sys.argv[1:]]
+        argv.remove("--against")
+        argv.remove(args.against)
+        env = {**os.environ, "PYTHONPATH": str(Path(args.against).resolve())}
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
+        columns[args.against] = json.loads(out.strip().splitlines()[-1])[2]
+    spans, n_ids, columns["this tree"] = measure(args)
+    names = list(columns)
+    print(f"{spans} spans, {n_ids:,} recorded ids, {args.batch_rows} rows per batch, best of {args.repeat}")
+    ratio_head = " | ratio |" if args.against else " |"
+    print("| CPU-s per million recorded ids | " + " | ".join(names) + ratio_head)
+    print("|---|" + "---:|" * (len(names) + bool(args.against)))
+    for phase in [*columns["this tree"], "total"]:
+        values = [sum(c.values()) if phase == "total" else c[phase] for c in columns.values()]
+        cells = " | ".join(f"{v / n_ids * 1e6:.3f}" for v in values)
+        ratio = f" | {values[0] / values[-1]:.1f}x" if args.against and values[-1] else ""
+        print(f"| {phase} | {cells}{ratio} |")
 
 
 if __name__ == "__main__":
