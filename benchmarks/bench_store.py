@@ -25,7 +25,7 @@ import zstandard
 
 import rlreplay
 from rlreplay.schema import SPAN_SCHEMA
-from rlreplay.shards import LIVE_ZSTD_LEVEL, partition_dir, write_sealed
+from rlreplay.shards import live_options, partition_dir, write_sealed
 
 SAMPLE_RUN = Path(__file__).resolve().parent.parent / "sample_runs" / "gsm8k-grpo-qwen3"
 
@@ -105,7 +105,7 @@ def jsonl(table: pa.Table) -> bytes:
 
 def ipc_stream_bytes(table: pa.Table) -> int:
     sink = pa.BufferOutputStream()
-    options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", LIVE_ZSTD_LEVEL))
+    options = live_options()
     with pa.ipc.new_stream(sink, SPAN_SCHEMA, options=options) as writer:
         for batch in table.to_batches(max_chunksize=64):  # about one trajectory group per batch
             writer.write_batch(batch)

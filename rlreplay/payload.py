@@ -68,14 +68,15 @@ def _plain_key(key: Any) -> bool:
     return cls is float and math.isfinite(key)
 
 
-def _plain_numbers(value: list | tuple) -> bool:
-    """True when every item is an int, or a finite float, that orjson writes exactly (C-speed check)."""
+def _plain_numbers(value: list | tuple) -> type | None:
+    """``int`` or ``float`` (the type of their sum) when every item is an int, or a finite float,
+    that orjson writes exactly (C-speed check); else None."""
     try:
         total = sum(value)
     except Exception:  # strings, None, objects
-        return False
+        return None
     cls = type(total)
-    return cls is int or (cls is float and math.isfinite(total))
+    return cls if cls is int or (cls is float and math.isfinite(total)) else None
 
 
 class _Simplifier:
@@ -84,10 +85,13 @@ class _Simplifier:
     ``strict`` also walks number lists item by item, catching integers orjson cannot write.
     """
 
-    def __init__(self, strict: bool = False, issues: list[str] | None = None) -> None:
+    def __init__(
+        self, strict: bool = False, issues: list[str] | None = None, kinds: dict[int, Any] | None = None
+    ) -> None:
         self.active: set[int] = set()
         self.strict = strict
         self.issues = issues if issues is not None else []
+        self.kinds = kinds
 
     def __call__(self, value: Any, depth: int = 0) -> Any:
         try:
@@ -117,8 +121,14 @@ class _Simplifier:
         if depth > MAX_DEPTH:
             return {"__type__": "repr", "class": _type_name(value), "repr": "<too deep>"}
         if cls is list or cls is tuple:
-            if not value or (not self.strict and _plain_numbers(value)):
-                return value  # token ids, logprobs: orjson writes them in C
+            if not value:
+                return value
+            if not self.strict:
+                kind = _plain_numbers(value)
+                if kind is not None:
+                    if self.kinds is not None and len(value) >= MIN_ARRAY:
+                        self.kinds[id(value)] = (value, kind)  # spares Arrays a second sum()
+                    return value  # token ids, logprobs: orjson writes them in C
             return self._container(value, lambda: [self(v, depth + 1) for v in value])
         if cls is dict:
             return self._container(value, lambda: self._dict(value, depth))
@@ -237,14 +247,17 @@ def safe_text(text: str) -> str:
         return text.encode("utf-8", "backslashreplace").decode()
 
 
-def to_jsonable(value: Any, strict: bool = False, issues: list[str] | None = None) -> Any:
+def to_jsonable(
+    value: Any, strict: bool = False, issues: list[str] | None = None, kinds: dict[int, Any] | None = None
+) -> Any:
     """The JSON-compatible form of ``value`` (never raises).
 
     A value that cannot be converted (its ``__iter__`` raises, a tensor without data) becomes an
     ``error`` marker, alone; each is described in ``issues``. ``strict`` also checks every string
-    and integer (lone surrogates are written escaped).
+    and integer (lone surrogates are written escaped). ``kinds`` (for ``Arrays``) collects the
+    number lists kept as they are, with the type of their sum.
     """
-    return _Simplifier(strict, issues)(value)
+    return _Simplifier(strict, issues, kinds)(value)
 
 
 def encode(value: Any, max_field_bytes: int | None = None) -> str:
@@ -347,14 +360,18 @@ DTYPE_COLUMNS = {_I32: "token_ids", _I8: "token_masks", _F32: "token_logprobs"}
 _SHARED = (_I32, _F32)  # dtypes whose stretches are shared between spans
 
 
-def _number_kind(types: set[type]) -> str | None:
-    import numpy as np
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 
-    if all(t is int or (issubclass(t, np.integer)) for t in types):
-        return "int"
-    if all(issubclass(t, (float, np.floating)) for t in types):
-        return "float"
-    return None
+
+def _types_at(values: list | tuple, positions: Any) -> set[type]:
+    """The types of ``values`` at ``positions`` (a numpy index array), gathered at C speed."""
+    import operator
+
+    if not len(positions):
+        return set()
+    if len(positions) == 1:
+        return {type(values[int(positions[0])])}
+    return set(map(type, operator.itemgetter(*positions.tolist())(values)))
 
 
 class Arrays:
@@ -364,11 +381,13 @@ class Arrays:
     spans of the trajectory do not already hold.
     """
 
-    def __init__(self, shared: Any = None) -> None:
+    def __init__(self, shared: Any = None, kinds: dict[int, Any] | None = None) -> None:
+        self.kinds = kinds  # from to_jsonable: number lists already summed
         self.parts: dict[str, list[Any]] = {_I32: [], _I8: [], _F32: []}
         self.sizes = dict.fromkeys(self.parts, 0)
         self.streams: dict[str, list[Any]] = {_I32: [], _F32: []}  # full arrays, in order
         self.stream_len = dict.fromkeys(self.streams, 0)
+        self.lists: list[Any] = []  # the id lists as given, parallel to streams[_I32]
         self.shared = shared
         self._last: tuple[str, int] | None = None  # where the previous array's last stretch ended
         self.bytes = 0
@@ -387,30 +406,69 @@ class Arrays:
         return data
 
     def _take(self, key: str, values: list | tuple) -> dict[str, Any] | None:
+        # sum() tells, at C speed, int lists (ints and bools) from float lists (floats, maybe ints,
+        # bools) and refuses anything else (strings, None, containers)
+        known = self.kinds.get(id(values)) if self.kinds else None
+        if known is not None and known[0] is values:
+            kind = known[1]
+        else:
+            try:
+                kind = type(sum(values))
+            except Exception:
+                return None
+        try:
+            if kind is int:
+                return self._ints(key, values)
+            if kind is float:
+                return self._floats(values)
+        except (OverflowError, ValueError, TypeError):
+            pass
+        return None
+
+    def _ints(self, key: str, values: list | tuple) -> dict[str, Any] | None:
+        """Ints exactly (bools refused), as int8 (masks) or int32 (shared with earlier spans)."""
         import numpy as np
 
-        kind = _number_kind(set(map(type, values)))
-        if kind is None:
+        mask = "mask" in key.lower()
+        known = None
+        if not mask and self.shared is not None and type(values) is list and len(values) >= MIN_SHARED:
+            known = self.shared.list_prefix(values, self._last)  # no conversion of what repeats
+        n = 0 if known is None else known[2]
+        rest = np.array(values[n:] if n else values, dtype=np.int64)
+        lo, hi = (int(rest.min()), int(rest.max())) if len(rest) else (0, 0)
+        if mask and lo >= -128 and hi <= 127:
+            array = rest.astype(np.int8)
+        elif lo >= _INT32_MIN and hi <= _INT32_MAX:
+            array = rest.astype(np.int32)
+            if known is not None:
+                array = np.concatenate((known[3], array))
+        else:
             return None
-        try:
-            if kind == "int":
-                if len(values) < 256:  # numpy's per-call cost dominates short lists
-                    lo, hi, array = min(values), max(values), None
-                else:
-                    array = np.array(values, dtype=np.int64)
-                    lo, hi = int(array.min()), int(array.max())
-                if "mask" in key.lower() and lo >= -128 and hi <= 127:
-                    return self._add(_I8, np.array(values if array is None else array, dtype=np.int8))
-                if lo >= -(1 << 31) and hi < (1 << 31):
-                    return self._shared(_I32, np.array(values if array is None else array, dtype=np.int32))
+        # a bool counts as 0 or 1 to sum() and numpy: only those positions need a look
+        small = np.flatnonzero((array >> 1) == 0)
+        if len(small) > 256:
+            if b"e" in orjson.dumps(values):  # true/false; JSON integers have no "e"
                 return None
-            array = np.array(values, dtype=np.float64)
-            single = array.astype(np.float32)
-            if np.array_equal(single, array) and np.array_equal(np.signbit(single), np.signbit(array)):
-                return self._shared(_F32, single)
-            return None  # float64 values: JSON keeps them exactly, and short decimals compactly
-        except (OverflowError, ValueError, TypeError):
+        elif bool in _types_at(values, small):
             return None
+        if array.dtype == np.int8:
+            return self._add(_I8, array)
+        return self._shared(_I32, array, values, None if known is None else known[:3])
+
+    def _floats(self, values: list | tuple) -> dict[str, Any] | None:
+        """Floats exact in float32 (bit for bit: -0.0, NaN payloads); else None (JSON keeps them)."""
+        import numpy as np
+
+        array = np.array(values, dtype=np.float64)
+        single = array.astype(np.float32)
+        if not np.array_equal(single.astype(np.float64).view(np.int64), array.view(np.int64)):
+            return None
+        # ints and bools among the floats have whole values: only those positions need a look
+        whole = np.flatnonzero(array == np.trunc(array))
+        types = set(map(type, values)) if len(whole) > 256 else _types_at(values, whole)
+        if types - {float} and not all(issubclass(t, float) for t in types):
+            return None
+        return self._shared(_F32, single)
 
     def _add(self, dtype: str, array: Any) -> dict[str, Any]:
         placeholder = {"__type__": TOKENS, "t": dtype, "o": self.sizes[dtype], "n": len(array)}
@@ -419,25 +477,37 @@ class Arrays:
         self.bytes += array.nbytes
         return placeholder
 
-    def _shared(self, dtype: str, array: Any) -> dict[str, Any]:
+    def _shared(
+        self, dtype: str, array: Any, values: Any = None, known: tuple[str, int, int] | None = None
+    ) -> dict[str, Any]:
+        """Store ``array`` less the stretches earlier spans hold; ``known``: its first ``length``
+        values are stretch ``(span, start, length)``, already found on the values as given."""
         import numpy as np
 
         refs: list[list[Any]] = []
         stored = array
-        if self.shared is not None and len(array) >= MIN_SHARED:
-            refs, last = self.shared.cover(dtype, array, self._last)
+        skip = 0
+        if known is not None:
+            refs.append([known[0], known[1], known[2], 0])
+            self._last = (known[0], known[1] + known[2])
+            skip = known[2]
+        if self.shared is not None and len(array) - skip >= MIN_SHARED:
+            more, last = self.shared.cover(dtype, array[skip:] if skip else array, self._last)
             self._last = last
-            if refs:
-                keep = np.ones(len(array), dtype=bool)
-                for _, _, length, at in refs:
-                    keep[at : at + length] = False
-                stored = array[keep]
+            refs += [[span, start, length, at + skip] for span, start, length, at in more]
+        if refs:
+            keep = np.ones(len(array), dtype=bool)
+            for _, _, length, at in refs:
+                keep[at : at + length] = False
+            stored = array[keep]
         placeholder = self._add(dtype, stored)
         placeholder["s"] = self.stream_len[dtype]
         if refs:
             placeholder["r"] = refs
         self.streams[dtype].append(array)
         self.stream_len[dtype] += len(array)
+        if dtype == _I32:
+            self.lists.append(values if type(values) is list else None)
         return placeholder
 
     def columns(self) -> tuple[Any, Any, Any]:
@@ -457,7 +527,7 @@ class Arrays:
 class SharedIndex:
     """The id and log-prob streams of a trajectory's latest spans, to share stretches with."""
 
-    __slots__ = ("by_first", "streams")
+    __slots__ = ("by_first", "latest", "streams")
     #: streams kept per dtype: an id stream holds the ones before it; log-probs are per call
     KEEP: ClassVar[dict[str, int]] = {_I32: 6, _F32: 32}
 
@@ -465,6 +535,9 @@ class SharedIndex:
         self.streams: dict[str, list[tuple[str, Any, Any]]] = {_I32: [], _F32: []}  # (span, values, starts)
         # per dtype: first value of each kept array → (span, stream, start)
         self.by_first: dict[str, dict[Any, list[tuple[str, Any, int]]]] = {_I32: {}, _F32: {}}
+        # the latest id stream's lists as given (span, lists, stream): the next model call's prompt
+        # usually repeats them, which a list comparison finds before any conversion
+        self.latest: tuple[str, list[list[int]], Any] | None = None
 
     def add(self, span_id: str, arrays: Arrays) -> None:
         import numpy as np
@@ -488,10 +561,33 @@ class SharedIndex:
                             (kept_span, kept_stream, start)
                         )
             self.by_first[dtype] = by_first
+            if dtype == _I32:  # copies: a caller may change a list it gave after the call returns
+                lists = arrays.lists
+                self.latest = (span_id, [v.copy() for v in lists], stream) if None not in lists else None
+
+    def list_prefix(self, values: list, after: tuple[str, int] | None) -> tuple[str, int, int, Any] | None:
+        """``(span, start, length, ids)``: the longest run of the latest id stream, from its start or
+        from ``after`` (where the span's previous array ended in it), that ``values`` begins with,
+        compared as lists (C speed, no conversion); None if shorter than ``MIN_SHARED``."""
+        if self.latest is None:
+            return None
+        span, lists, stream = self.latest
+        best = 0
+        best_start = 0
+        for start in (0, after[1]) if after is not None and after[0] == span else (0,):
+            length = _list_match(lists, start, values)
+            if length > best:
+                best, best_start = length, start
+        if best < MIN_SHARED:
+            return None
+        return span, best_start, best, stream[best_start : best_start + best]
 
     @property
     def nbytes(self) -> int:
-        return sum(s[1].nbytes for kept in self.streams.values() for s in kept)
+        # the kept lists: an 8-byte pointer per item, and the int itself when the caller has let
+        # go of it (counted always: a bound, not a guess)
+        lists = 40 * len(self.latest[2]) if self.latest is not None else 0
+        return lists + sum(s[1].nbytes for kept in self.streams.values() for s in kept)
 
     def cover(
         self, dtype: str, array: Any, after: tuple[str, int] | None
@@ -531,13 +627,44 @@ class SharedIndex:
                 continue
             after = None
             if maybe is None:
-                firsts = np.fromiter(by_first, dtype=array.dtype, count=len(by_first))
-                maybe = np.flatnonzero(np.isin(array, firsts))
+                maybe = _positions_of(array, by_first)
             i = int(np.searchsorted(maybe, p + 1))
             if i >= len(maybe):
                 break
             p = int(maybe[i])
         return refs, after
+
+
+def _positions_of(array: Any, values: Any) -> Any:
+    """Positions in ``array`` holding any of ``values`` (a few: one comparison pass each, which
+    beats ``np.isin``'s table of the whole id range)."""
+    import numpy as np
+
+    if len(values) > 16:
+        firsts = np.fromiter(values, dtype=array.dtype, count=len(values))
+        return np.flatnonzero(np.isin(array, firsts))
+    found = np.zeros(len(array), dtype=bool)
+    for value in values:
+        found |= array == value
+    return np.flatnonzero(found)
+
+
+def _list_match(lists: list[list[int]], start: int, values: list) -> int:
+    """How many leading ``values`` equal the concatenated ``lists`` from position ``start``
+    (whole pieces compared at once; the first piece that differs ends the match)."""
+    pos = 0
+    n = len(values)
+    for part in lists:
+        size = len(part)
+        if start >= size:
+            start -= size
+            continue
+        k = min(n - pos, size - start)
+        if k <= 0 or values[pos : pos + k] != (part[start : start + k] if start or k < size else part):
+            break
+        pos += k
+        start = 0
+    return pos
 
 
 class Restorer:

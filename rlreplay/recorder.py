@@ -35,7 +35,7 @@ from rlreplay.schema import (
     KIND_OP,
     KIND_TRAJECTORY,
 )
-from rlreplay.shards import LIVE_ZSTD_LEVEL, Lease, PartialWriter, partition_dir, safe_name, seal
+from rlreplay.shards import Lease, PartialWriter, live_options, partition_dir, safe_name, seal
 from rlreplay.signals import record_signals  # contract C1: rlreplay.recorder.record_signals
 from rlreplay.workers import ENV_WORKER, resolve_worker_name, set_worker_resolver
 
@@ -176,7 +176,7 @@ class RecorderConfig:
 _SPAN = 0  # (_SPAN, traj, span_id, parent_id, meta, start, end, exc, args, kwargs, result, nbytes)
 _OPEN = 1  # (_OPEN, traj, nbytes): an explicit trajectory started
 _FLUSH = 2  # (_FLUSH, threading.Event, nbytes)
-_CLOSE = 3  # (_CLOSE, traj, nbytes): the root span of an explicit trajectory was spilled or dropped
+_CLOSE = 3  # (_CLOSE, traj, nbytes): the root span of a trajectory was spilled or dropped
 _OPEN_BYTES = 64
 # The writer works in slices and lets the GIL go between them, so an event loop waiting for it
 # waits a slice, not the interpreter's 5 ms switch interval.
@@ -251,8 +251,8 @@ class Recorder:
                 self._spill(event)
             except Exception as exc:
                 self._count_loss("lost", 1, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
-        if event[3] is None and traj.explicit:
-            self._queue.append((_CLOSE, traj, 0))  # keep the step's open count right
+        if event[3] is None:  # keep the step's open count right; the writer forgets the trajectory
+            self._queue.append((_CLOSE, traj, 0))
             if self._thread is None:
                 self._start()
 
@@ -369,9 +369,12 @@ class Recorder:
             elif kind == _OPEN:
                 self._buffer(event[1].step).open += 1
             elif kind == _CLOSE:
-                buf = self._buffer(event[1].step)
-                buf.open -= 1
+                traj = event[1]
+                buf = self._buffer(traj.step)
+                if traj.explicit:
+                    buf.open -= 1
                 buf.root_ended = True
+                self._prefixes.drop(traj.id if type(traj.id) is str else format_trajectory_id(traj.id))
             else:
                 flushes.append(event[1])
                 self._urgent = False
@@ -567,8 +570,7 @@ class Recorder:
                     seal(writer.path)
             except Exception as exc:
                 self._warn_once("seal", f"could not seal {writer.path.name} ({exc}); it stays recoverable")
-            with contextlib.suppress(Exception):
-                pa.default_memory_pool().release_unused()  # a seal's buffers go back to the system
+            _release_memory()
             with self._sealed_cond:
                 self._sealing -= 1
                 self._sealed_cond.notify_all()
@@ -650,11 +652,30 @@ class Recorder:
 
 
 _warmed_up = False
+_malloc_trim: Any = None
+
+
+def _release_memory() -> None:
+    """Give freed memory back to the system: Arrow's pool, and the C heap's free pages (numpy arrays
+    of the threads that encoded spans live in glibc arenas, which keep what they once held)."""
+    global _malloc_trim
+    with contextlib.suppress(Exception):
+        pa.default_memory_pool().release_unused()
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc
+            _malloc_trim = False
+    if _malloc_trim:
+        with contextlib.suppress(Exception):
+            _malloc_trim(0)
 
 
 def _warm_up() -> None:
     """Pay every one-time cost of a first write here: pyarrow's lazy imports (it imports pandas on its
-    first conversion, 0.3-2 s), the row encoder, the zstd codec and the stream writer. Done at
+    first conversion, 0.3-2 s), the row encoder, the live files' codec and the stream writer. Done at
     ``init``, before any trajectory can end, so the first batch is as quick to reach disk as later
     ones (a worker killed right after its first trajectories keeps them), and never at exit."""
     global _warmed_up
@@ -671,9 +692,8 @@ def _warm_up() -> None:
         row, nbytes = encode_row(event, config, "w", lambda *_: None, format_trajectory_id, format_span_id)
         buf = _StepBuffer()
         buf.append(row, nbytes)
-        options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", LIVE_ZSTD_LEVEL))
         batch = buf.take_batch()
-        with pa.ipc.new_stream(pa.BufferOutputStream(), batch.schema, options=options) as writer:
+        with pa.ipc.new_stream(pa.BufferOutputStream(), batch.schema, options=live_options()) as writer:
             writer.write_batch(batch)
 
 

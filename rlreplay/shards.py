@@ -2,7 +2,7 @@
 
 Layout under a run directory::
 
-    spans/step=5/worker=w0/_part-<uid>.partial   live Arrow IPC stream (zstd 1), ignored by scans
+    spans/step=5/worker=w0/_part-<uid>.partial   live Arrow IPC stream (lz4), ignored by scans
     spans/step=5/worker=w0/part-<uid>.parquet    sealed: sorted, Parquet zstd, queryable
     spans/step=5/worker=w0/part-<uid>.index      its trajectory index (``rlreplay.index``)
 
@@ -51,7 +51,17 @@ from rlreplay.schema import (
 SPANS_DIR = "spans"
 PARTIAL_SUFFIX = ".partial"
 SEALED_SUFFIX = ".parquet"
-LIVE_ZSTD_LEVEL = 1
+#: Codec of live files, read once, when sealed (Parquet zstd). A codec costs per buffer (~100 per
+#: batch) whatever its size: zstd level 1 several times what lz4 costs; lz4 is kept, not none, as a
+#: damaged middle then fails to decode instead of reading back as wrong values.
+LIVE_CODEC = "lz4"
+
+
+def live_options() -> pa.ipc.IpcWriteOptions:
+    """IPC options of live files."""
+    return pa.ipc.IpcWriteOptions(compression=LIVE_CODEC)
+
+
 SEALED_ZSTD_LEVEL = 3
 SORT_KEYS = [
     ("sample_index", "ascending"),
@@ -107,11 +117,13 @@ class PartialWriter:
     def __init__(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"_part-{new_uid()}{PARTIAL_SUFFIX}"
-        self._file = open(self.path, "xb")  # noqa: SIM115 - closed in close()
+        self._file = open(self.path, "xb")  # noqa: SIM115 - closed in close(); holds the lock
         fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         _open_writers.add(self)
-        options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", LIVE_ZSTD_LEVEL))
-        self._writer = pa.ipc.new_stream(self._file, SPAN_SCHEMA, options=options)
+        # Arrow writes through its own file (no Python call per buffer), buffered, flushed per batch
+        self._raw = pa.OSFile(str(self.path), "wb")
+        self._sink = pa.BufferedOutputStream(self._raw, 1 << 18)
+        self._writer = pa.ipc.new_stream(self._sink, SPAN_SCHEMA, options=live_options())
         self.rows = 0
         self.nbytes = 0  # Arrow bytes written (what sealing the file will hold in memory)
         self.opened_at = time.monotonic()
@@ -119,9 +131,9 @@ class PartialWriter:
 
     def write(self, batch: pa.RecordBatch) -> None:
         self._writer.write_batch(batch)
-        self._file.flush()
+        self._sink.flush()
         self.rows += batch.num_rows
-        self.nbytes += batch.nbytes
+        self.nbytes += batch.get_total_buffer_size()  # batch.nbytes costs ~0.1 ms a batch
         self._dirty = True
 
     def fsync(self) -> None:
@@ -134,9 +146,11 @@ class PartialWriter:
             return
         try:
             self._writer.close()
-            self._file.flush()
+            self._sink.close()
             os.fsync(self._file.fileno())
         finally:
+            if not self._raw.closed:
+                self._raw.close()
             self._file.close()
 
 
@@ -247,6 +261,9 @@ def _release_inherited_writers() -> None:
     for writer in list(_open_writers):
         if not writer._file.closed:
             os.dup2(devnull, writer._file.fileno())
+            raw = getattr(writer, "_raw", None)
+            if raw is not None and not raw.closed:
+                os.dup2(devnull, raw.fileno())
     os.close(devnull)
     _open_writers.clear()
 
@@ -344,28 +361,37 @@ def seal(partial: Path, *, recovered: bool = False) -> SealResult:
         partial.unlink(missing_ok=True)
         return SealResult(final, 0, 0, recovered)
     contents = read_partial(partial)
-    if contents.table.num_rows == 0:
+    rows, discarded = contents.table.num_rows, contents.discarded_bytes
+    if rows == 0:
         partial.unlink(missing_ok=True)
-        return SealResult(None, 0, contents.discarded_bytes, recovered)
+        return SealResult(None, 0, discarded, recovered)
+    table = contents.table.combine_chunks()  # one copy; the file's batches are let go
+    del contents
     write_sealed(
-        contents.table,
+        table,
         final,
         {
             b"rlreplay.recovered": b"true" if recovered else b"false",
-            b"rlreplay.discarded_bytes": str(contents.discarded_bytes).encode(),
+            b"rlreplay.discarded_bytes": str(discarded).encode(),
         },
     )
     partial.unlink()
-    return SealResult(final, contents.table.num_rows, contents.discarded_bytes, recovered)
+    return SealResult(final, rows, discarded, recovered)
 
 
 def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes] | None = None) -> None:
-    """Sort and write a sealed shard and its index durably: temp names, fsync, rename, directory fsync."""
+    """Sort and write a sealed shard and its index durably: temp names, fsync, rename, directory fsync.
+
+    Rows are sorted by index and taken one row group at a time, so writing needs ``table`` and one
+    row group in memory, not a sorted copy of it."""
     if final.exists():
         raise FileExistsError(final)
     metadata = {**SPAN_SCHEMA.metadata, **(extra_metadata or {})}
-    table = table.sort_by(SORT_KEYS).replace_schema_metadata(metadata).combine_chunks()
-    bounds = row_group_bounds(table)
+    table = table.replace_schema_metadata(metadata).combine_chunks()
+    order = pc.sort_indices(table, sort_keys=SORT_KEYS)
+    sizes = row_sizes(table).take(order)
+    spans = table.select(tindex.SPAN_COLUMNS).take(order)
+    bounds = row_group_bounds(spans, sizes=sizes)
     row_group_of = [i for i, (a, b) in enumerate(bounds) for _ in range(b - a)]
     tmp = final.with_name("_" + final.name + ".tmp")
     with open(tmp, "xb") as f:
@@ -380,29 +406,38 @@ def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes
             data_page_size=1 << 20,
         )
         for start, stop in bounds:
-            writer.write_table(table.slice(start, stop - start), row_group_size=stop - start)
+            writer.write_table(table.take(order[start:stop]), row_group_size=stop - start)
         writer.close()
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
-    index = tindex.build(table.select(tindex.SPAN_COLUMNS), row_group_of)
+    index = tindex.build(spans, row_group_of)
     tindex.write(index, tindex.index_path(final), size)
     os.rename(tmp, final)
     fsync_dir(final.parent)
 
 
-def row_group_bounds(table: pa.Table, target: int | None = None) -> list[tuple[int, int]]:
-    """[start, stop) row ranges of about ``target`` payload bytes, cut between trajectories."""
-    target = ROW_GROUP_BYTES if target is None else target
-    n = table.num_rows
-    if n == 0:
-        return []
-    size = np.full(n, 200, dtype=np.int64)
+def row_sizes(table: pa.Table) -> pa.Array:
+    """About how many payload bytes each row holds."""
+    size = np.full(table.num_rows, 200, dtype=np.int64)
     for name in ("attributes", "inputs", "output"):
         size += pc.fill_null(pc.binary_length(table[name]), 0).to_numpy(zero_copy_only=False)
     for name, typ in TOKEN_COLUMNS.items():
         lengths = pc.fill_null(pc.list_value_length(table[name]), 0)
         size += lengths.to_numpy(zero_copy_only=False).astype(np.int64) * typ.byte_width
+    return pa.array(size)
+
+
+def row_group_bounds(
+    table: pa.Table, target: int | None = None, sizes: pa.Array | None = None
+) -> list[tuple[int, int]]:
+    """[start, stop) row ranges of about ``target`` payload bytes, cut between trajectories
+    (``sizes``: the rows' sizes, when ``table`` lacks the payload columns)."""
+    target = ROW_GROUP_BYTES if target is None else target
+    n = table.num_rows
+    if n == 0:
+        return []
+    size = (row_sizes(table) if sizes is None else sizes).to_numpy()
     ids = table["trajectory_id"].to_numpy(zero_copy_only=False)
     cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1  # where a trajectory starts
     bounds, start, total = [], 0, 0

@@ -1,0 +1,210 @@
+"""Writer-thread CPU per recorded id, in one process, without the rest of the recorder around it.
+
+Realistic spans (as ``bench_scale.py`` makes them: ~8k-token trajectories over 2-5 model calls whose
+prompt grows by the previous response and a 40-token observation, float32 log-probs as Python
+floats, an agent span repeating every turn) are made by the real ``trace_op`` into a list, then fed
+through exactly what the writer thread runs: ``encode_row`` with the trajectory prefix cache,
+``StepBuffer``/``take_batch`` and ``PartialWriter.write`` (zstd Arrow IPC). Reports CPU-s per
+million recorded ids (ids under keys ending in ``ids``, once per span that holds them, as
+``bench_scale.py`` counts them), split by phase, and optionally a cProfile of the whole.
+
+    python benchmarks/bench_writer.py [--trajectories 64] [--tokens 8000] [--batch-rows 64] [--profile]
+    python benchmarks/bench_writer.py --against OLD_TREE    # side by side with another source tree
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import os
+import pstats
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def make_events(trajectories: int, tokens: int, seed: int = 0) -> tuple[list[tuple], int]:
+    """The queue events of ``trajectories`` agent loops, and the ids they record."""
+    import rlreplay
+    from rlreplay import recorder
+
+    events: list[tuple] = []
+    rec = recorder.Recorder(recorder.RecorderConfig(run_dir=Path(tempfile.mkdtemp())))
+    rec.submit = events.append  # type: ignore[method-assign]
+    recorder._recorder, recorder._env_checked = rec, True
+    rng = random.Random(seed)
+    nprng = np.random.default_rng(seed)
+    pool = nprng.integers(0, 151_000, 2_000_000).tolist()
+
+    def ids(n: int) -> list[int]:
+        start = rng.randrange(0, len(pool) - n)
+        return pool[start : start + n]
+
+    @rlreplay.trace_op(kind="llm")
+    async def generate(request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any]) -> dict:
+        n = sampling_params["n_tokens"]
+        log_probs = (-np.abs(nprng.normal(0, 1.2, n))).astype(np.float32).tolist()
+        return {"token_ids": ids(n), "log_probs": log_probs, "stop_reason": "completed"}
+
+    @rlreplay.trace_op(kind="tool")
+    async def execute(instance_id: str, parameters: dict[str, Any]) -> tuple[str, float, dict]:
+        return f"result {parameters['x']}", 0.0, {}
+
+    @rlreplay.trace_op(kind="agent")
+    async def run_loop(request_id: str, total: int, turns: int) -> dict:
+        prompt = ids(total // 4)
+        context = list(prompt)
+        mask: list[int] = []
+        log_probs: list[float] = []
+        per_turn = (total - len(prompt)) // turns
+        for turn in range(turns):
+            params = {"temperature": 1.0, "logprobs": 1, "n_tokens": per_turn - 40}
+            out = await generate(request_id, prompt_ids=context, sampling_params=params)
+            context = context + out["token_ids"]
+            mask += [1] * len(out["token_ids"])
+            log_probs += out["log_probs"]
+            if turn < turns - 1:
+                await execute(request_id, {"x": turn})
+                context = context + ids(40)
+                mask += [0] * 40
+                log_probs += [0.0] * 40
+        return {
+            "prompt_ids": prompt,
+            "response_ids": context[len(prompt) :],
+            "response_mask": mask,
+            "response_logprobs": log_probs,
+            "reward_score": float(rng.random() < 0.5),
+            "num_turns": 2 * turns,
+        }
+
+    async def one(i: int) -> None:
+        total = int(tokens * rng.uniform(0.8, 1.2))
+        async with rlreplay.trajectory(step=0, sample_index=i // 4, rollout_n=i % 4):
+            await run_loop(str(i), total, rng.randint(2, 5))
+
+    async def main() -> None:
+        await asyncio.gather(*(one(i) for i in range(trajectories)))
+
+    asyncio.run(main())
+    recorder._recorder = None
+    events = [e for e in events if e[0] == recorder._SPAN]
+    return events, sum(_ids(e) for e in events)
+
+
+def _ids(event: tuple) -> int:
+    """Recorded ids as ``num_tokens`` counts them: lists under keys ending in ``ids``."""
+    _args, kwargs, result = event[8], event[9], event[10]
+    lists = [*kwargs.items(), *(result.items() if type(result) is dict else ())]
+    return sum(len(v) for k, v in lists if k.endswith("ids") and type(v) is list)
+
+
+def write_all(events: list[tuple], out: Path, batch_rows: int) -> dict[str, float]:
+    """What the writer thread does with ``events``; CPU seconds per phase."""
+    from rlreplay import recorder, rows
+    from rlreplay.shards import PartialWriter
+
+    config = recorder.RecorderConfig(run_dir=out)
+    prefixes = rows.PrefixCache()
+    buf = rows.StepBuffer()
+    writer = PartialWriter(out / "step=0")
+    clock = time.process_time
+    encode = batch = write = 0.0
+
+    def problem(key: str, message: str) -> None:
+        raise AssertionError(message)
+
+    for event in events:
+        t0 = clock()
+        row, nbytes = rows.encode_row(
+            event, config, "w", problem, recorder.format_trajectory_id, recorder.format_span_id, prefixes
+        )
+        buf.append(row, nbytes)
+        t1 = clock()
+        encode += t1 - t0
+        if buf.rows >= batch_rows:
+            b = buf.take_batch(problem)
+            t2 = clock()
+            writer.write(b)
+            t3 = clock()
+            batch += t2 - t1
+            write += t3 - t2
+    if buf.rows:
+        t1 = clock()
+        b = buf.take_batch(problem)
+        t2 = clock()
+        writer.write(b)
+        batch += t2 - t1
+        write += clock() - t2
+    writer.close()
+    return {"encode_row": encode, "take_batch": batch, "ipc write": write}
+
+
+def measure(args: argparse.Namespace) -> tuple[int, int, dict[str, float]]:
+    """(spans, recorded ids, best CPU-s per phase) of the rlreplay this process imports."""
+    import pyarrow as pa
+
+    pa.array([0.5])  # one-time imports, as the writer's warm-up pays them
+    events, n_ids = make_events(args.trajectories, args.tokens)
+    best: dict[str, float] | None = None
+    for _ in range(args.repeat):
+        with tempfile.TemporaryDirectory() as tmp:
+            phases = write_all(events, Path(tmp), args.batch_rows)
+        if best is None or sum(phases.values()) < sum(best.values()):
+            best = phases
+    assert best is not None
+    if args.profile:
+        with tempfile.TemporaryDirectory() as tmp:
+            profile = cProfile.Profile()
+            profile.enable()
+            write_all(events, Path(tmp), args.batch_rows)
+            profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    return len(events), n_ids, best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--trajectories", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=8000)
+    parser.add_argument("--batch-rows", type=int, default=64, help="rows per written batch")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--against", help="another rlreplay source tree (an older commit's), side by side")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.json:
+        print(json.dumps(measure(args)))
+        return
+    columns = {}
+    if args.against:
+        argv = [sys.executable, __file__, "--json", *sys.argv[1:]]
+        argv.remove("--against")
+        argv.remove(args.against)
+        env = {**os.environ, "PYTHONPATH": str(Path(args.against).resolve())}
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
+        columns[args.against] = json.loads(out.strip().splitlines()[-1])[2]
+    spans, n_ids, columns["this tree"] = measure(args)
+    names = list(columns)
+    print(f"{spans} spans, {n_ids:,} recorded ids, {args.batch_rows} rows per batch, best of {args.repeat}")
+    ratio_head = " | ratio |" if args.against else " |"
+    print("| CPU-s per million recorded ids | " + " | ".join(names) + ratio_head)
+    print("|---|" + "---:|" * (len(names) + bool(args.against)))
+    for phase in [*columns["this tree"], "total"]:
+        values = [sum(c.values()) if phase == "total" else c[phase] for c in columns.values()]
+        cells = " | ".join(f"{v / n_ids * 1e6:.3f}" for v in values)
+        ratio = f" | {values[0] / values[-1]:.1f}x" if args.against and values[-1] else ""
+        print(f"| {phase} | {cells}{ratio} |")
+
+
+if __name__ == "__main__":
+    main()
