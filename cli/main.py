@@ -2,21 +2,35 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import typer
 
-from rlreplay.cli import (  # noqa: F401 - registers commands
-    browse,
-    diff,
-    export,
-    record,
-    sql,
-    stats,
-    ui,
-    upload,
-)
-from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app
+from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app, plain_coercion
+
+#: Each command and the module that registers it: a command imports only its own module.
+COMMANDS = {
+    "ls": "browse",
+    "show": "browse",
+    "info": "browse",
+    "recover": "browse",
+    "diff": "diff",
+    "export": "export",
+    "record": "record",
+    "sql": "sql",
+    "stats": "stats",
+    "ui": "ui",
+    "upload": "upload",
+}
+
+
+def load_commands(args: list[str]) -> None:
+    """Register the command named first in ``args``; every command for anything else (help, a
+    mistyped name: the listing and suggestions need them all)."""
+    modules = [COMMANDS[args[0]]] if args and args[0] in COMMANDS else sorted(set(COMMANDS.values()))
+    for module in modules:
+        importlib.import_module(f"rlreplay.cli.{module}")
 
 
 def _bad_input() -> tuple[type[BaseException], ...]:
@@ -31,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         from rlreplay.store import skip_pandas
 
         skip_pandas()  # the command-line process of a reading command: no pandas import
-    command = typer.main.get_command(app)
+    load_commands(list(args if argv is None else argv))
+    plain_coercion()
+    command = typer.main.get_group(app)
     try:
         result = command.main(args=argv, prog_name="rlreplay", standalone_mode=False)
     except CliError as exc:
