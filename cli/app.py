@@ -47,6 +47,7 @@ def plain_coercion() -> None:
     validator typer 0.29 builds for each parameter: importing pydantic costs ~80 ms of every
     command's start-up. Other parameters keep typer's own conversion. Idempotent."""
     try:
+        from typer._click.exceptions import BadParameter
         from typer._coercion import RuntimeParam, build_runtime_param
         from typer._param_types import coerce_cli_path
         from typer.core import _TyperParameter
@@ -58,7 +59,8 @@ def plain_coercion() -> None:
 
     class PlainParam(RuntimeParam):  # type: ignore[misc, valid-type]
         """A string (or a flag's bool) stays itself; a ``Path`` is ``Path(string)`` (what pydantic
-        makes of it), then typer's own checks of the path options. Other values: typer's way."""
+        makes of it) checked by typer's own path checks. Other values, and a path that fails a
+        check (typer words that error from the text as given): typer's conversion."""
 
         def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
             if self.annotation in (str, bool):
@@ -66,9 +68,12 @@ def plain_coercion() -> None:
                     return value
             elif isinstance(value, (str, self.annotation)):
                 path = value if isinstance(value, self.annotation) else self.annotation(value)
-                return coerce_cli_path(
-                    path, self.parameter_info, path_type=self.annotation, param=param, ctx=ctx
-                )
+                try:
+                    return coerce_cli_path(
+                        path, self.parameter_info, path_type=self.annotation, param=param, ctx=ctx
+                    )
+                except (ValueError, BadParameter):  # typer's own words for the error
+                    pass
             return build_runtime_param(param.type_descriptor)._coerce_value(value, param=param, ctx=ctx)
 
     def get_runtime_param(param: Any) -> Any:
