@@ -84,13 +84,21 @@ def main() -> None:
     parser.add_argument("--run", type=Path, default=SAMPLE_RUN, help="run directory (default: sample run)")
     parser.add_argument("--step", type=int, default=5, help="the step ls --step lists")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--no-bytecode",
+        action="store_true",
+        help="keep PYTHONDONTWRITEBYTECODE as set: rlreplay's modules compiled in every process",
+    )
     args = parser.parse_args()
+    if args.no_bytecode:
+        ENV.update(os.environ)
     python = sys.executable
     run = str(args.run.resolve())
     label_run = "SAMPLE_RUN" if args.run.resolve() == SAMPLE_RUN else "RUN"
     rlreplay = [python, "-m", "rlreplay"]
 
-    print(f"# {python}; run {run}; {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")
+    bytecode = "no cached bytecode" if ENV.get("PYTHONDONTWRITEBYTECODE") else "cached bytecode"
+    print(f"# {python}; run {run}; {bytecode}; {os.cpu_count()} cores; load {os.getloadavg()[0]:.1f}")
     startup = [
         ('python -c "import pyarrow"', [python, "-c", "import pyarrow"]),
         ("rlreplay --help", [*rlreplay, "--help"]),

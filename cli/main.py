@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import typer
 
@@ -25,12 +26,21 @@ COMMANDS = {
 }
 
 
-def load_commands(args: list[str]) -> None:
-    """Register the command named first in ``args``; every command for anything else (help, a
-    mistyped name: the listing and suggestions need them all)."""
-    modules = [COMMANDS[args[0]]] if args and args[0] in COMMANDS else sorted(set(COMMANDS.values()))
+def command_group(args: list[str]) -> Any:
+    """The command group for ``args``: when they name a command, that command alone (its module
+    imported, no other); otherwise every command (help, a mistyped name: the listing and the
+    suggestions need them all)."""
+    name = args[0] if args and args[0] in COMMANDS else None
+    modules = [COMMANDS[name]] if name else sorted(set(COMMANDS.values()))
     for module in modules:
         importlib.import_module(f"rlreplay.cli.{module}")
+    registered = app.registered_commands
+    if name:
+        app.registered_commands = [c for c in registered if c.name == name] or registered
+    try:
+        return typer.main.get_group(app)
+    finally:
+        app.registered_commands = registered
 
 
 def _bad_input() -> tuple[type[BaseException], ...]:
@@ -45,9 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         from rlreplay.store import skip_pandas
 
         skip_pandas()  # the command-line process of a reading command: no pandas import
-    load_commands(list(args if argv is None else argv))
     plain_coercion()
-    command = typer.main.get_group(app)
+    command = command_group(list(args if argv is None else argv))
     try:
         result = command.main(args=argv, prog_name="rlreplay", standalone_mode=False)
     except CliError as exc:
