@@ -53,8 +53,8 @@ def plain_coercion() -> None:
         from typer.core import _TyperParameter
     except ImportError:  # another typer: its own conversion everywhere
         return
-    typer_runtime = _TyperParameter.get_runtime_param
-    if getattr(typer_runtime, "plain", False):
+    typer_runtime = getattr(_TyperParameter, "get_runtime_param", None)
+    if typer_runtime is None or getattr(typer_runtime, "plain", False):
         return
 
     class PlainParam(RuntimeParam):  # type: ignore[misc, valid-type]
