@@ -51,7 +51,8 @@ def _bad_input() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:]
-    if argv is None and args and args[0] in ("ls", "show", "diff", "info", "stats", "sql", "export"):
+    reading = ("ls", "show", "diff", "info", "stats", "sql", "export")
+    if argv is None and args and args[0] in reading and "--help" not in args:
         from rlreplay.store import skip_pandas
 
         skip_pandas()  # the command-line process of a reading command: no pandas import

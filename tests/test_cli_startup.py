@@ -117,6 +117,13 @@ def test_ls_to_a_pipe_imports_no_pydantic_rich_or_pandas(args: list[str], tmp_pa
         assert len(lines) == SAMPLE_TRAJECTORIES + 2 and lines[0].split()[:2] == ["id", "step"]
 
 
+@pytest.mark.parametrize("command", sorted(set(COMMANDS) - {"upload"}))  # upload: its backends' options
+def test_a_command_help_imports_no_pyarrow(command: str, tmp_path: Path) -> None:
+    proc, modules = run_cli(command, "--help", tmp=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"Usage: rlreplay {command} ")
+    assert loaded(modules, "pyarrow", "numpy", "pandas", "pydantic", "rich", "duckdb") == set()
+
+
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_command_help_loads_its_module(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([command, "--help"]) == 0
