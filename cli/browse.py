@@ -5,14 +5,10 @@ from __future__ import annotations
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 import typer
-from rich.markup import escape
-from rich.table import Table
-from rich.text import Text
-from rich.tree import Tree
 
 from rlreplay.cli.app import (
     JsonOption,
@@ -25,6 +21,10 @@ from rlreplay.cli.app import (
     report_warnings,
     selection_options,
 )
+
+if TYPE_CHECKING:
+    from rich.table import Table
+    from rich.tree import Tree
 
 PREVIEW_CHARS = 160
 PREVIEW_IDS = 8
@@ -128,6 +128,9 @@ def _plain_listing(table: Any) -> str:
 
 
 def _rich_listing(table: Any) -> Table:
+    from rich.table import Table
+    from rich.text import Text
+
     grid = Table(box=None, header_style="bold", pad_edge=False)
     for name, right in _LS_COLUMNS:
         grid.add_column(name, justify="right" if right else "left", no_wrap=True)
@@ -183,6 +186,8 @@ def _multiline(value: Any, depth: int = 0) -> bool:
 
 
 def span_label(span: Any) -> str:
+    from rich.markup import escape
+
     ms = (span.end_ns - span.start_ns) / 1e6
     parts = [f"[bold]{escape(span.name)}[/bold]", f"[dim]{span.kind}[/dim]", f"{ms:,.1f} ms"]
     if span.status != "ok":
@@ -194,6 +199,10 @@ def span_label(span: Any) -> str:
 
 def render_tree(traj: Any, text_lines: Any = None) -> Tree:
     """The span tree of a trajectory; ``text_lines(span)`` may add decoded text under a span."""
+    from rich.markup import escape
+    from rich.text import Text
+    from rich.tree import Tree
+
     when = datetime.fromtimestamp(traj.start_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
     split = "validate" if traj.validate else "train"
     reward = "" if traj.reward is None else f"  reward={traj.reward:g}"

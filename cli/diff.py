@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 import typer
-from rich.console import Group, RenderableType
-from rich.table import Table
-from rich.text import Text
 
 from rlreplay.cli.app import (
     JsonOption,
@@ -22,6 +19,11 @@ from rlreplay.cli.app import (
     open_run_arg,
     selection_options,
 )
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+    from rich.table import Table
+    from rich.text import Text
 
 DEL_OPEN, DEL_CLOSE = "[-", "-]"
 INS_OPEN, INS_CLOSE = "{+", "+}"
@@ -74,6 +76,8 @@ SUMMARY_ROWS = [
 
 def columns(header: list[str], rows: list[list[str]], right: set[int]) -> Text:
     """Aligned plain-text columns (a bold header line), cheap to print however long."""
+    from rich.text import Text
+
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
@@ -101,6 +105,8 @@ def summary_table(diff: Any) -> Text:
 
 
 def divergence_line(diff: Any) -> Text:
+    from rich.text import Text
+
     div = diff.first_divergence
     if div is None:
         return Text("token ids identical (prompt and response)", style="bold")
@@ -159,6 +165,8 @@ def _joiner(unit: str) -> str:
 
 def inline_diff(segments: list[Any], unit: str, full: bool = False) -> Text:
     """One text with deletions as ``[-old-]`` and insertions as ``{+new+}``."""
+    from rich.text import Text
+
     out = Text()
     sep = _joiner(unit)
     for i, seg in enumerate(segments):
@@ -179,6 +187,9 @@ def inline_diff(segments: list[Any], unit: str, full: bool = False) -> Text:
 
 def side_by_side(segments: list[Any], unit: str, full: bool = False) -> Table:
     """Two columns: A with its deletions marked, B with its insertions marked."""
+    from rich.table import Table
+    from rich.text import Text
+
     left, right = Text(), Text()
     sep = _joiner(unit)
     for i, seg in enumerate(segments):
@@ -210,6 +221,8 @@ def _index(i: int | None) -> str:
 
 
 def turn_header(t: Any) -> Text:
+    from rich.text import Text
+
     idx = _index(t.index_a) if t.index_a == t.index_b else f"{_index(t.index_a)}→{_index(t.index_b)}"
     head = Text(f"{STATUS_MARK[t.status]} turn {idx} {ROLE_NAMES.get(t.role, t.role)}: ", style="bold")
     ta, tb = t.turn_a, t.turn_b
@@ -239,6 +252,8 @@ def _tool_cell(info: dict[str, Any] | None) -> str:
 
 def tools_table(diff: Any) -> Text | None:
     """Tool calls in call order: one line when equal, an A line and a B line when not."""
+    from rich.text import Text
+
     if not diff.tools:
         return None
     out = Text()
@@ -258,6 +273,9 @@ def tools_table(diff: Any) -> Text | None:
 
 def render_diff(diff: Any, layout: str = "unified", full: bool = False) -> list[RenderableType]:
     """Everything ``rlreplay diff`` prints, as rich renderables."""
+    from rich.console import Group
+    from rich.text import Text
+
     two_runs = diff.a.run != diff.b.run
     parts: list[RenderableType] = [
         Text(f"A  {_side_label(diff.a, two_runs)}"),
@@ -314,17 +332,24 @@ def render_diff(diff: Any, layout: str = "unified", full: bool = False) -> list[
 
 def print_parts(out: Any, parts: list[RenderableType]) -> None:
     """Print renderables; plain text goes out unwrapped (the terminal wraps it, much faster)."""
+    from rich.text import Text
+
     for part in parts:
         out.print(part, soft_wrap=isinstance(part, Text))
 
 
 def _indent(text: Text) -> Text:
+    from rich.text import Text
+
     out = Text("    ")
     out.append_text(text)
     return out
 
 
 def render_group(group: Any, text: bool) -> list[RenderableType]:
+    from rich.table import Table
+    from rich.text import Text
+
     split = "validate" if group.validate else "train"
     parts: list[RenderableType] = [
         Text(

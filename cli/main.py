@@ -2,21 +2,45 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
+from typing import Any
 
 import typer
 
-from rlreplay.cli import (  # noqa: F401 - registers commands
-    browse,
-    diff,
-    export,
-    record,
-    sql,
-    stats,
-    ui,
-    upload,
-)
-from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app
+from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app, plain_coercion
+
+#: Each command and the module that registers it: a command imports only its own module.
+COMMANDS = {
+    "ls": "browse",
+    "show": "browse",
+    "info": "browse",
+    "recover": "browse",
+    "diff": "diff",
+    "export": "export",
+    "record": "record",
+    "sql": "sql",
+    "stats": "stats",
+    "ui": "ui",
+    "upload": "upload",
+}
+
+
+def command_group(args: list[str]) -> Any:
+    """The command group for ``args``: when they name a command, that command alone (its module
+    imported, no other); otherwise every command (help, a mistyped name: the listing and the
+    suggestions need them all)."""
+    name = args[0] if args and args[0] in COMMANDS else None
+    modules = [COMMANDS[name]] if name else sorted(set(COMMANDS.values()))
+    for module in modules:
+        importlib.import_module(f"rlreplay.cli.{module}")
+    registered = app.registered_commands
+    if name:
+        app.registered_commands = [c for c in registered if c.name == name] or registered
+    try:
+        return typer.main.get_group(app)
+    finally:
+        app.registered_commands = registered
 
 
 def _bad_input() -> tuple[type[BaseException], ...]:
@@ -27,11 +51,13 @@ def _bad_input() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:]
-    if argv is None and args and args[0] in ("ls", "show", "diff", "info", "stats", "sql", "export"):
+    reading = ("ls", "show", "diff", "info", "stats", "sql", "export")
+    if argv is None and args and args[0] in reading and "--help" not in args:
         from rlreplay.store import skip_pandas
 
         skip_pandas()  # the command-line process of a reading command: no pandas import
-    command = typer.main.get_command(app)
+    plain_coercion()
+    command = command_group(list(args if argv is None else argv))
     try:
         result = command.main(args=argv, prog_name="rlreplay", standalone_mode=False)
     except CliError as exc:

@@ -1,0 +1,187 @@
+"""What the command-line process imports: each command loads its own module only, ``--help``
+loads no pyarrow, and listing to a pipe loads no pydantic, rich or pandas. Whole processes run as
+``python -m rlreplay`` runs, reporting ``sys.modules`` at exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import pytest
+import typer
+
+from rlreplay.cli.app import plain_coercion
+from rlreplay.cli.main import COMMANDS, main
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE_RUN = ROOT / "sample_runs" / "gsm8k-grpo-qwen3"
+SAMPLE_TRAJECTORIES = 272
+
+
+# ``python -m rlreplay ARGS``, writing the names of the modules loaded at exit to $MODULES_OUT
+RUN_REPORTING_MODULES = """
+import atexit, json, os, runpy, sys
+atexit.register(lambda: open(os.environ["MODULES_OUT"], "w").write(json.dumps(sorted(sys.modules))))
+sys.argv = ["rlreplay", *sys.argv[1:]]
+runpy.run_module("rlreplay", run_name="__main__")
+"""
+
+
+def run_cli(*args: str, tmp: Path) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """``rlreplay ARGS`` as its own process (stdout a pipe), and the modules it had loaded."""
+    out = tmp / "modules.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RLREPLAY_DIR", "NO_COLOR")}
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_REPORTING_MODULES, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**env, "MODULES_OUT": str(out)},
+        timeout=120,
+    )
+    return proc, set(json.loads(out.read_text()))
+
+
+def loaded(modules: set[str], *packages: str) -> set[str]:
+    return {m for m in modules if m.split(".")[0] in packages}
+
+
+def test_help_imports_no_pyarrow_and_lists_every_command(tmp_path: Path) -> None:
+    proc, modules = run_cli("--help", tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert loaded(modules, "pyarrow", "numpy", "pandas", "pydantic", "rich", "duckdb") == set()
+    section = proc.stdout.split("Commands:", 1)[1]
+    listed = [line.split()[0] for line in section.splitlines() if line.startswith("  ") and line.strip()]
+    assert sorted(listed) == sorted(COMMANDS)
+    # in the order the command modules register them, as before they loaded lazily
+    assert listed == [
+        "ls",
+        "show",
+        "info",
+        "recover",
+        "diff",
+        "export",
+        "record",
+        "sql",
+        "stats",
+        "ui",
+        "upload",
+    ]
+
+
+def test_each_module_registers_the_commands_it_is_named_for() -> None:
+    """The map from command to module is what the modules register (a fresh process imports
+    them one at a time and records what each added)."""
+    code = """
+import importlib, json, sys
+from rlreplay.cli.app import app
+from rlreplay.cli.main import COMMANDS
+out = {}
+for module in sorted(set(COMMANDS.values())):
+    before = len(app.registered_commands)
+    importlib.import_module(f"rlreplay.cli.{module}")
+    out[module] = [c.name for c in app.registered_commands[before:]]
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    registered = json.loads(proc.stdout)
+    expected: dict[str, list[str]] = {}
+    for command, module in COMMANDS.items():
+        expected.setdefault(module, []).append(command)
+    assert {m: sorted(c) for m, c in registered.items()} == {m: sorted(c) for m, c in expected.items()}
+
+
+@pytest.mark.parametrize("args", [[], ["--json"], ["--step", "5"]], ids=["plain", "json", "step"])
+def test_ls_to_a_pipe_imports_no_pydantic_rich_or_pandas(args: list[str], tmp_path: Path) -> None:
+    proc, modules = run_cli("ls", str(SAMPLE_RUN), *args, tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert loaded(modules, "pydantic", "pydantic_core", "rich", "pandas", "duckdb") == set()
+    # only the ls command's own module among the command modules
+    assert {m for m in modules if m.startswith("rlreplay.cli.")} <= {
+        "rlreplay.cli.main",
+        "rlreplay.cli.app",
+        "rlreplay.cli.browse",
+    }
+    lines = proc.stdout.splitlines()
+    if args == ["--json"]:
+        rows = [json.loads(line) for line in lines]
+        assert len(rows) == SAMPLE_TRAJECTORIES
+    elif args == ["--step", "5"]:
+        steps = {line.split()[1] for line in lines[1:-1]}
+        assert steps == {"5"} and lines[-1].endswith(f"in {SAMPLE_RUN}")
+    else:
+        assert len(lines) == SAMPLE_TRAJECTORIES + 2 and lines[0].split()[:2] == ["id", "step"]
+
+
+@pytest.mark.parametrize("command", sorted(set(COMMANDS) - {"upload"}))  # upload: its backends' options
+def test_a_command_help_imports_no_pyarrow(command: str, tmp_path: Path) -> None:
+    proc, modules = run_cli(command, "--help", tmp=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"Usage: rlreplay {command} ")
+    assert loaded(modules, "pyarrow", "numpy", "pandas", "pydantic", "rich", "duckdb") == set()
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_help_loads_its_module(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, "--help"]) == 0
+    assert capsys.readouterr().out.startswith(f"Usage: rlreplay {command} ")
+
+
+def test_bad_input_of_a_lazily_loaded_command_is_one_line_exit_2(tmp_path: Path) -> None:
+    proc, _ = run_cli("ls", str(SAMPLE_RUN), "--limit", "x", tmp=tmp_path)
+    assert proc.returncode == 2
+    errors = proc.stderr.splitlines()
+    assert errors == ["rlreplay: error: --limit: 'x' is not a whole number (digits 0-9)"]
+    proc, _ = run_cli("nosuchcommand", tmp=tmp_path)
+    errors = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(errors) == 1 and "No such command 'nosuchcommand'" in errors[0]
+
+
+# ---- str, bool and Path options: converted as typer's own (pydantic) conversion does ------------
+
+probe = typer.Typer(add_completion=False)
+
+
+@probe.command()
+def probe_command(
+    where: Annotated[str | None, typer.Option("--where")] = None,
+    flag: Annotated[bool | None, typer.Option("--flag/--no-flag")] = None,
+    run: Annotated[Path | None, typer.Option("--run")] = None,
+    existing: Annotated[Path | None, typer.Option("--existing", exists=True, dir_okay=False)] = None,
+    writable_dir: Annotated[Path | None, typer.Option("--dir", file_okay=False, resolve_path=True)] = None,
+) -> None:
+    pass
+
+
+def outcome(runtime: object, value: object, param: object, ctx: object) -> tuple[str, object]:
+    try:
+        result = runtime.coerce(value, param=param, ctx=ctx)  # type: ignore[attr-defined]
+    except Exception as exc:  # the error itself is compared
+        return type(exc).__name__, exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    return type(result).__name__, result
+
+
+def test_plain_conversion_matches_typer_for_str_bool_and_path(tmp_path: Path) -> None:
+    from typer._coercion import build_runtime_param
+
+    plain_coercion()
+    command = typer.main.get_command(probe)
+    ctx = typer.main.get_command(probe).make_context("probe", [])
+    afile = tmp_path / "a file.txt"
+    afile.write_text("x")
+    values = ["", " ", "5", "s1-3", "reward > 0", "ü", "~/x", "a\x00b", str(tmp_path), str(afile)]
+    values += [f"{tmp_path}/", f"{afile}/", f"{tmp_path}//a file.txt", "./x", "-"]
+    values += [str(tmp_path / "missing"), True, False, 5, afile]
+    compared = 0
+    for param in command.params:
+        ours = param.get_runtime_param()
+        assert type(ours).__name__ == "PlainParam", param.name
+        theirs = build_runtime_param(param.type_descriptor)
+        assert type(theirs).__name__ == "AdapterRuntimeParam"
+        for value in values:
+            assert outcome(ours, value, param, ctx) == outcome(theirs, value, param, ctx), (param.name, value)
+            compared += 1
+    assert compared == 5 * len(values)
