@@ -569,6 +569,12 @@ def test_listing_a_remote_run_fetches_only_index_files(
         expected = _json_lines(rlreplay(env, command[0], str(local), *command[1:], cwd=tmp_path))
         assert remote == expected and remote, command
         assert _cached(cache, ".parquet") == [], command  # no shard was fetched
+    query = (
+        "SELECT step, count(*) AS n, sum(model_calls) AS calls FROM trajectories GROUP BY step ORDER BY step"
+    )
+    remote = _json_lines(rlreplay(env, "sql", query, "--run", uri, "--json", cwd=tmp_path))
+    assert remote == _json_lines(rlreplay(env, "sql", query, "--run", str(local), "--json", cwd=tmp_path))
+    assert len(remote) == 16 and _cached(cache, ".parquet") == []
     listed = [k for k in s3.keys("exp/listed/spans/") if k.endswith(".index")]
     assert len(_cached(cache, ".index")) == len(listed) == 32
     assert len(_json_lines(rlreplay(env, "ls", uri, "--json", cwd=tmp_path))) == 64
@@ -634,3 +640,28 @@ def test_concurrent_listings_share_one_cache(
     assert len(listings[0]) == 64 and listings[1] == listings[0] and listings[2] == listings[0]
     assert _cached(tmp_path / "cache", ".parquet") == []
     assert not list((tmp_path / "cache").rglob("*.tmp"))
+
+
+def test_shards_without_index_files_are_listed_without_fetching_them(s3: S3Server, tmp_path: Path) -> None:
+    """Format 1 shards have no index file: their metadata columns are read in place on the store."""
+    fixture = tmp_path / "v1-run"  # as published: sealed files only (the live one stays in its spool)
+    shutil.copytree(
+        Path(__file__).parent / "fixtures" / "v1-run", fixture, ignore=shutil.ignore_patterns("_part-*")
+    )
+    client = s3.client()
+    for path in sorted(p for p in fixture.rglob("*") if p.is_file()):
+        client.put_object(
+            Bucket=BUCKET, Key=f"exp/v1/{path.relative_to(fixture).as_posix()}", Body=path.read_bytes()
+        )
+    env = _env(s3, tmp_path)
+    uri = f"s3://{BUCKET}/exp/v1"
+    remote = _json_lines(rlreplay(env, "ls", uri, "--json", cwd=tmp_path))
+    assert remote == _json_lines(rlreplay(env, "ls", str(fixture), "--json", cwd=tmp_path)) and remote
+    assert _cached(tmp_path / "cache", ".parquet") == []
+    show = rlreplay(env, "show", remote[-1]["id"], "--run", uri, "--json", "--no-text", cwd=tmp_path)
+    expected = rlreplay(
+        env, "show", remote[-1]["id"], "--run", str(fixture), "--json", "--no-text", cwd=tmp_path
+    )
+    assert show.returncode == 0, show.stderr
+    assert json.loads(show.stdout) == json.loads(expected.stdout)
+    assert len(_cached(tmp_path / "cache", ".parquet")) == 1
