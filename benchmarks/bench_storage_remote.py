@@ -7,9 +7,15 @@ A real S3 server (moto_server) is started on 127.0.0.1 for the run. Three measur
 2. Shard upload throughput: a recorded run's sealed shards put in a spool and published to the
    loopback server by the publisher (files/s, MB/s), against copying them on local disk.
 3. ``ls --step K`` (the library's ``Run.trajectories(step=K)``) on a STEPS-step run on local disk
-   and in S3 (cold: empty cache, so it lists and fetches ``spans/step=K/``; warm: cached).
+   and in S3 (cold: empty cache, so it lists ``spans/step=K/`` and fetches its index files; warm:
+   cached).
+4. A whole-run ``ls`` (``Run.trajectories()``) and a cold ``show ID`` of a STEPS-step run with
+   real-sized payloads (IDS random token ids in and out per trajectory, float32 log-probs):
+   bytes fetched into the cache and time, the previous reader (mirror every object under
+   ``spans/``, then list) against this one (index files only; a run index kept in the cache).
 
     python benchmarks/bench_storage_remote.py [--steps 200] [--samples 16] [--calls 3000] [--repeat 3]
+        [--ids 2048] [--only-listing]
 """
 
 from __future__ import annotations
@@ -70,6 +76,29 @@ WRITER = textwrap.dedent(
 )
 
 
+PAYLOAD_WRITER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import rlreplay
+
+    @rlreplay.trace_op(kind="llm", name="LLMServerClient.generate")
+    def generate(prompt_ids, rng, n):
+        return {
+            "token_ids": rng.integers(0, 151_000, n).tolist(),
+            "log_probs": (-rng.random(n, dtype=np.float32)).tolist(),
+        }
+
+    steps, samples, ids = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    for step in range(steps):
+        for sample in range(samples):
+            rng = np.random.default_rng(step * 100_003 + sample)
+            with rlreplay.trajectory(step=step, sample_index=sample, rollout_n=0):
+                generate(rng.integers(0, 151_000, ids).tolist(), rng, ids)
+    """
+)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -120,6 +149,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--ids", type=int, default=2048, help="token ids in and out per trajectory (part 4)")
+    parser.add_argument("--only-listing", action="store_true", help="part 4 only")
     args = parser.parse_args()
 
     moto, endpoint = start_moto()
@@ -143,6 +174,9 @@ def main() -> None:
         from rlreplay import storage
         from rlreplay.store import open_run
 
+        if args.only_listing:
+            whole_run_listing(args, env, tmp)
+            return
         print(f"## 1. calling-thread cost of one token span ({args.calls} calls, 1,000 + 2,000 ids)")
         runs: dict[str, list[tuple[float, float]]] = {"local": [], "s3": []}
         for i in range(args.repeat):  # alternated, so that load changes hit both alike
@@ -210,11 +244,96 @@ def main() -> None:
             ("S3, same Run again (all cached)", warm_ms),
         ):
             print(f"| {what} | {ms:.1f} | {ms / local_ms:.1f}x |")
-        print(f"cache holds only: {fetched}")
+        print(f"cache holds only: {fetched}\n")
+        whole_run_listing(args, env, tmp)
     finally:
         moto.terminate()
         moto.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cache_bytes(cache: Path) -> tuple[int, int, int]:
+    """(bytes, shard files, index files) the cache holds."""
+    files = [p for p in cache.rglob("*") if p.is_file()]
+    return (
+        sum(p.stat().st_size for p in files),
+        sum(p.name.endswith(".parquet") for p in files),
+        sum(p.name.endswith(".index") and not p.name.startswith("_") for p in files),
+    )
+
+
+def whole_run_listing(args: argparse.Namespace, env: dict[str, str], tmp: Path) -> None:
+    from rlreplay import storage
+    from rlreplay.store import Run, open_run
+
+    run = tmp / "payload-run"
+    subprocess.run(
+        [sys.executable, "-c", PAYLOAD_WRITER, str(args.steps), str(args.samples), str(args.ids)],
+        env={**env, "RLREPLAY_DIR": str(run)},
+        check=True,
+    )
+    shards = sorted(run.glob("spans/step=*/worker=*/*.parquet"))
+    shard_bytes = sum(p.stat().st_size for p in shards)
+    index_bytes = sum(p.stat().st_size for p in run.glob("spans/step=*/worker=*/*.index"))
+    uri = f"s3://{BUCKET}/runs/payload"
+    spool = tmp / "payload-spool"
+    shutil.copytree(run, spool, ignore=shutil.ignore_patterns("_trajectories.index"))
+    assert storage.Publisher(storage.location(uri), spool).close(timeout_s=600).pending == 0
+    local_run = open_run(run)
+    expected = local_run.trajectories()
+    some_id = expected["id"][len(expected) // 2].as_py()
+    cache = tmp / "cache"
+
+    def before() -> None:  # the previous reader: mirror spans/ into the cache, list the mirror
+        remote = open_run(uri)
+        remote.cache.fetch(storage.SPANS_DIR)
+        assert Run(remote.cache.dir).trajectories().equals(expected)
+
+    def after() -> None:
+        assert open_run(uri).trajectories().equals(expected)
+
+    def show_before() -> None:
+        remote = open_run(uri)
+        remote.cache.fetch(storage.SPANS_DIR)
+        assert Run(remote.cache.dir).trajectory(some_id).id == some_id
+
+    def show_after() -> None:
+        assert open_run(uri).trajectory(some_id).id == some_id
+
+    results: dict[str, list[tuple[float, tuple[int, int, int]]]] = {}
+    cases = [
+        ("ls, before: cold cache (mirror spans/, list it)", before, True),
+        ("ls, now: cold cache (index files, run index written)", after, True),
+        ("ls, now: reopened (listing + cached run index)", after, False),
+        ("show ID, before: cold cache", show_before, True),
+        ("show ID, now: cold cache (index files + 1 shard)", show_after, True),
+    ]
+    for _ in range(args.repeat):  # alternated, so that load changes hit all alike
+        for name, fn, cold in cases:
+            if cold:
+                shutil.rmtree(cache, ignore_errors=True)
+            held = cache_bytes(cache)
+            t0 = time.perf_counter()
+            fn()
+            secs = time.perf_counter() - t0
+            now = cache_bytes(cache)
+            results.setdefault(name, []).append((secs * 1000, tuple(a - b for a, b in zip(now, held))))
+    local_ms = median_ms(lambda: local_run.trajectories())
+    print(
+        f"## 4. whole-run `ls` and `show ID` on S3: {args.steps} steps, {len(expected)} trajectories, "
+        f"{len(shards)} shards ({shard_bytes / 1e6:.1f} MB; index files {index_bytes / 1e6:.2f} MB), "
+        f"{args.ids:,} ids in + out per trajectory; median of {args.repeat}"
+    )
+    print("| case | ms | MB fetched | shards fetched | index files fetched |\n|---|---:|---:|---:|---:|")
+    print(f"| ls, local disk (reference) | {local_ms:.0f} | 0 | 0 | 0 |")
+    for name, runs in results.items():
+        ms = statistics.median(r[0] for r in runs)
+        got = runs[-1][1]
+        print(f"| {name} | {ms:.0f} | {got[0] / 1e6:.2f} | {got[1]} | {got[2]} |")
+    ls_before, ls_after = (statistics.median(r[0] for r in results[c[0]]) for c in cases[:2])
+    mb_before, mb_after = (results[c[0]][-1][1][0] for c in cases[:2])
+    ratio = f"{ls_before / ls_after:.1f}x time, {mb_before / mb_after:.0f}x bytes"
+    print(f"cold whole-run ls, before / now: {ratio}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ is uploaded whole, then deleted from the spool; while the store is unreachable f
 the spool (counted as pending) and are retried with backoff. ``rlreplay recover URI`` pushes
 what a killed process left in this node's spool.
 
-Reading: a local cache directory per run URI receives only the objects a read needs (``ls
---step K`` lists and fetches ``spans/step=K/`` only); the local reader runs on it.
+Reading: a local cache directory per run URI receives only the objects a read needs: a listing
+fetches the index files of the shards it lists (``ls --step K``: of ``spans/step=K/`` only) and
+keeps a run index there; a span read fetches the shards holding its rows. The local reader runs
+on it, with the shards' sizes and times taken from the store's listing.
 
 Credentials come from each store's standard environment and config (for S3: ``AWS_*``
 variables and profiles, ``AWS_ENDPOINT_URL[_S3]`` for another endpoint); they are never written
@@ -842,6 +844,12 @@ def _remote_run_class() -> type:
         def fetch(self, step: int | None = None) -> None:
             """Bring the shards of one step (or of every step) into the cache."""
             self._fetch_shards(Filters(step=step))
+
+        def load(self, traj_ids: Any, filters: Any = None) -> Any:
+            wanted = list(traj_ids)
+            if wanted:  # the shards holding them (their index files say which), all at once
+                self._fetch_shards(Filters(**{**(filters or Filters()).__dict__, "trajectory_id": wanted}))
+            return super().load(wanted, filters)
 
         def spans(self, filters: Any = None, columns: Any = None, **kw: Any) -> Any:
             filters = filters or Filters(**kw)

@@ -475,8 +475,6 @@ class Run:
         match (``row_groups``, else those whose statistics do not exclude them)."""
         wanted = filters.items()
         source = self._sealed_source(path, whole=True)
-        if source is None:
-            return None
         try:
             pf = pq.ParquetFile(source)
             version = file_version(pf.schema_arrow, "file")
@@ -548,7 +546,7 @@ class Run:
 
     def _sealed_source(self, path: Path, whole: bool) -> Any:
         """What a sealed file is read from (a run on an object store fetches it first, or reads
-        only some columns of it in place when not ``whole``); None to skip it."""
+        only some columns of it in place when not ``whole``)."""
         return path
 
     def _build_index(self, path: Path) -> pa.Table | None:
@@ -556,8 +554,6 @@ class Run:
         import numpy as np
 
         source = self._sealed_source(path, whole=False)
-        if source is None:
-            return None
         try:
             pf = pq.ParquetFile(source)
             version = file_version(pf.schema_arrow, "file")
