@@ -864,6 +864,17 @@ def _remote_run_class() -> type:
                 raise self._error(exc) from exc
             return [n.removeprefix("step=") for n in names if n.startswith("step=")]
 
+        def file_signature(self) -> tuple[Any, ...]:
+            """(object, bytes, mtime in ns) of every span and counter object on the store: changes
+            whenever something is published (listed, nothing fetched)."""
+            try:
+                infos = list_objects(self.location, SPANS_DIR) + list_objects(
+                    self.location, manifest.WORKERS_DIR
+                )
+            except OSError as exc:
+                raise self._error(exc) from exc
+            return tuple(sorted((i.path, i.size, i.mtime_ns or 0) for i in infos))
+
         def stored_bytes(self) -> int:
             """Bytes of the span files on the store (listed, nothing fetched)."""
             try:
