@@ -734,7 +734,8 @@ def _remote_run_class() -> type:
     import pyarrow.compute as pc
 
     from rlreplay.index import INDEX_SUFFIX, index_path
-    from rlreplay.store import Filters, Run, RunError
+    from rlreplay.schema import PAYLOAD_COLUMNS
+    from rlreplay.store import Filters, Run, RunError, _concat
 
     class RemoteRun(Run):
         """A run on an object store, read through a local cache. Listings fetch each shard's index
@@ -853,8 +854,14 @@ def _remote_run_class() -> type:
 
         def spans(self, filters: Any = None, columns: Any = None, **kw: Any) -> Any:
             filters = filters or Filters(**kw)
-            self._fetch_shards(filters)  # all at once, not one by one as they are read
-            return super().spans(filters, columns)
+            cols = list(columns) if columns is not None else None
+            if cols is None or any(c in PAYLOAD_COLUMNS for c in cols):
+                self._fetch_shards(filters)  # all at once, not one by one as they are read
+                return super().spans(filters, columns)
+            sealed, _ = self._paths(filters)  # metadata only: read in place, shards concurrently
+            with ThreadPoolExecutor(max_workers=min(16, max(1, len(sealed)))) as pool:
+                tables = list(pool.map(lambda path: self._read_sealed(path, filters, cols), sealed))
+            return _concat([t for t in tables if t is not None], cols)
 
         def step_partitions(self) -> list[str]:
             """The step folders on the store (listed, nothing fetched)."""

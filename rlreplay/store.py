@@ -18,6 +18,7 @@ from rlreplay.schema import (
     FORMAT_VERSION,
     KEY_STR,
     KEYS,
+    PAYLOAD_COLUMNS,
     SIGNAL_COLUMNS,
     SPAN_SCHEMA,
     TOKEN_COLUMNS,
@@ -474,7 +475,9 @@ class Run:
         """Matching rows of one sealed file (format 2 columns), reading only the row groups that may
         match (``row_groups``, else those whose statistics do not exclude them)."""
         wanted = filters.items()
-        source = self._sealed_source(path, whole=True)
+        source = self._sealed_source(
+            path, whole=columns is None or any(c in PAYLOAD_COLUMNS for c in columns)
+        )
         try:
             pf = pq.ParquetFile(source)
             version = file_version(pf.schema_arrow, "file")

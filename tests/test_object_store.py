@@ -575,6 +575,11 @@ def test_listing_a_remote_run_fetches_only_index_files(
     remote = _json_lines(rlreplay(env, "sql", query, "--run", uri, "--json", cwd=tmp_path))
     assert remote == _json_lines(rlreplay(env, "sql", query, "--run", str(local), "--json", cwd=tmp_path))
     assert len(remote) == 16 and _cached(cache, ".parquet") == []
+    info = json.loads(rlreplay(env, "info", uri, "--json", cwd=tmp_path).stdout)
+    local_info = json.loads(rlreplay(env, "info", str(local), "--json", cwd=tmp_path).stdout)
+    counts = ("steps", "trajectories", "spans", "token_ids")
+    assert [info[k] for k in counts] == [local_info[k] for k in counts] == [16, 64, 128, 64 * 128]
+    assert _cached(cache, ".parquet") == []  # its span counts read the metadata columns in place
     listed = [k for k in s3.keys("exp/listed/spans/") if k.endswith(".index")]
     assert len(_cached(cache, ".index")) == len(listed) == 32
     assert len(_json_lines(rlreplay(env, "ls", uri, "--json", cwd=tmp_path))) == 64
