@@ -774,6 +774,11 @@ def _remote_run_class() -> type:
         def _paths(self, filters: Any) -> Any:
             """(sealed shards, no live files) the filters may need, listed on the store; their index
             files are brought into the cache (the shards are not)."""
+            return self._list(filters, index_files=True), []
+
+        def _list(self, filters: Any, index_files: bool) -> list[Path]:
+            """The sealed shards the filters may need, listed on the store (with ``index_files``,
+            their index files missing from the cache are fetched, concurrently)."""
             steps = filters.step if isinstance(filters.step, (list, tuple, set, frozenset)) else None
             if steps is not None and all(type(s) is int for s in steps):
                 prefixes = [f"{SPANS_DIR}/step={s}" for s in sorted(set(steps))]
@@ -797,13 +802,13 @@ def _remote_run_class() -> type:
                 raise self._error(exc) from exc
             self._objects.update(shards)
             missing = []
-            for shard in shards:
+            for shard in shards if index_files else ():
                 index = index_path(shard)
                 size = sidecars.get(self._rel(index))
                 if size is not None and not _cached(index, size):
                     missing.append(index)
             self._download(missing)
-            return sorted(shards), []
+            return sorted(shards)
 
         def _stamp(self, path: Path) -> tuple[int, int]:
             found = self._objects.get(path)
@@ -836,11 +841,13 @@ def _remote_run_class() -> type:
                 return None
             return super()._read_sealed(path, filters, columns, row_groups)
 
-        def _fetch_shards(self, filters: Any) -> None:
-            sealed, _ = self._paths(filters)
+        def _fetch_shards(self, filters: Any) -> list[Path]:
+            """The shards the filters may need, those holding their rows brought into the cache."""
+            sealed = self._list(filters, index_files=filters.trajectory_id is not None)
             self._download(
                 [p for p in sealed if not _cached(p, self._objects[p][0]) and self._holds(p, filters)]
             )
+            return sealed
 
         def fetch(self, step: int | None = None) -> None:
             """Bring the shards of one step (or of every step) into the cache."""
@@ -853,12 +860,14 @@ def _remote_run_class() -> type:
             return super().load(wanted, filters)
 
         def spans(self, filters: Any = None, columns: Any = None, **kw: Any) -> Any:
+            """Span rows, as ``Run.spans``: the shards holding payload columns are fetched (all at
+            once), metadata columns alone are read in place; shards are read concurrently."""
             filters = filters or Filters(**kw)
             cols = list(columns) if columns is not None else None
             if cols is None or any(c in PAYLOAD_COLUMNS for c in cols):
-                self._fetch_shards(filters)  # all at once, not one by one as they are read
-                return super().spans(filters, columns)
-            sealed, _ = self._paths(filters)  # metadata only: read in place, shards concurrently
+                sealed = self._fetch_shards(filters)
+            else:
+                sealed = self._list(filters, index_files=filters.trajectory_id is not None)
             with ThreadPoolExecutor(max_workers=min(16, max(1, len(sealed)))) as pool:
                 tables = list(pool.map(lambda path: self._read_sealed(path, filters, cols), sealed))
             return _concat([t for t in tables if t is not None], cols)
