@@ -745,9 +745,8 @@ def _remote_run_class() -> type:
             self.uri = loc.uri
             self.location = loc
             self.cache = cache
-            self._objects: dict[
-                Path, tuple[int, int]
-            ] = {}  # shard in the cache -> (bytes, mtime_ns) on the store
+            # each listed shard's cache path -> (bytes, mtime in ns) of its object on the store
+            self._objects: dict[Path, tuple[int, int]] = {}
             super().__init__(cache.dir)
 
         def __repr__(self) -> str:
