@@ -18,6 +18,7 @@ from rlreplay.schema import (
     FORMAT_VERSION,
     KEY_STR,
     KEYS,
+    PAYLOAD_COLUMNS,
     SIGNAL_COLUMNS,
     SPAN_SCHEMA,
     TOKEN_COLUMNS,
@@ -474,8 +475,11 @@ class Run:
         """Matching rows of one sealed file (format 2 columns), reading only the row groups that may
         match (``row_groups``, else those whose statistics do not exclude them)."""
         wanted = filters.items()
+        source = self._sealed_source(
+            path, whole=columns is None or any(c in PAYLOAD_COLUMNS for c in columns)
+        )
         try:
-            pf = pq.ParquetFile(path)
+            pf = pq.ParquetFile(source)
             version = file_version(pf.schema_arrow, "file")
             if row_groups is None:
                 row_groups = [
@@ -518,16 +522,16 @@ class Run:
     def _index(self, path: Path, sealed: bool) -> pa.Table | None:
         """A file's trajectory index: the sidecar of a sealed file, else built from its spans."""
         try:
-            stat = path.stat()
+            size, mtime_ns = self._stamp(path)
         except OSError as exc:
             self._skip(path, exc)
             return None
         cached = self._indexes.get(path)
-        if cached is not None and cached[:2] == (stat.st_mtime, stat.st_size):
+        if cached is not None and cached[:2] == (mtime_ns, size):
             return cached[2]
         index = None
         if sealed:
-            index = tindex.read(tindex.index_path(path), stat.st_size)
+            index = tindex.read(tindex.index_path(path), size)
             if index is None:
                 index = self._build_index(path)
         else:
@@ -535,15 +539,26 @@ class Run:
             if table is not None:
                 index = tindex.build(table.select(tindex.SPAN_COLUMNS))
         if index is not None:
-            self._indexes[path] = (stat.st_mtime, stat.st_size, index)
+            self._indexes[path] = (mtime_ns, size, index)
         return index
+
+    def _stamp(self, path: Path) -> tuple[int, int]:
+        """(bytes, mtime in ns) of a run file: what tells an index or a run index it is current."""
+        stat = path.stat()
+        return stat.st_size, stat.st_mtime_ns
+
+    def _sealed_source(self, path: Path, whole: bool) -> Any:
+        """What a sealed file is read from (a run on an object store fetches it first, or reads
+        only some columns of it in place when not ``whole``)."""
+        return path
 
     def _build_index(self, path: Path) -> pa.Table | None:
         """The index of a sealed file without one (format 1, or its index lost)."""
         import numpy as np
 
+        source = self._sealed_source(path, whole=False)
         try:
-            pf = pq.ParquetFile(path)
+            pf = pq.ParquetFile(source)
             version = file_version(pf.schema_arrow, "file")
             names = V1_COLUMNS if version == 1 else SPAN_SCHEMA.names
             cols = [c for c in names if c in tindex.SPAN_COLUMNS]
@@ -591,7 +606,7 @@ class Run:
         """Span rows matching the filters (keyword filters: step, sample_index, rollout_n, validate, ...)."""
         filters = filters or Filters(**kw)
         cols = list(columns) if columns is not None else None
-        sealed, partials = list_files(self.path, filters.single_step())
+        sealed, partials = self._paths(filters)
         tables = [t for t in (self._read_sealed(f, filters, cols) for f in sealed) if t is not None]
         for partial in partials:
             table = self._partial(partial)
@@ -624,11 +639,10 @@ class Run:
         stamps: dict[str, list[int]] = {}
         for path in sealed:
             try:
-                stat = path.stat()
+                stamps[path.relative_to(self.path).as_posix()] = list(self._stamp(path))
             except OSError as exc:
                 self._skip(path, exc)
                 continue
-            stamps[path.relative_to(self.path).as_posix()] = [stat.st_size, stat.st_mtime_ns]
         rows, covered, where, repair = self._read_run_index(stamps)
         added: dict[str, list[int]] = {}
         more = []
@@ -667,10 +681,9 @@ class Run:
         stamps: dict[str, list[int]] = {}
         for path in sealed:
             try:
-                stat = path.stat()
+                stamps[path.relative_to(self.path).as_posix()] = list(self._stamp(path))
             except OSError:
                 return None
-            stamps[path.relative_to(self.path).as_posix()] = [stat.st_size, stat.st_mtime_ns]
         prefixes = tuple(f"{SPANS_DIR}/step={s}/" for s in steps)
         for rows, covered in candidates:
             mine = {rel: stamp for rel, stamp in covered.items() if rel.startswith(prefixes)}

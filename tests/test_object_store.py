@@ -482,3 +482,195 @@ def test_a_sealed_shard_is_published_right_after_sealing(tmp_path: Path, monkeyp
             time.sleep(0.05)
     finally:
         rlreplay.close()
+
+
+# ---- reading a remote run: listings fetch the shards' index files only ---------------------------
+
+WORKER_JOB = textwrap.dedent(
+    """
+    import sys
+    import rlreplay
+
+    @rlreplay.trace_op(kind="llm", name="Model.generate")
+    def generate(prompt_ids):
+        return {"token_ids": [t + 1 for t in prompt_ids]}
+
+    first, last, samples = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
+    for step in range(first, last):
+        for sample in samples:
+            with rlreplay.trajectory(step=step, sample_index=int(sample), rollout_n=0):
+                generate(list(range(int(sample), int(sample) + 64)))
+    """
+)
+
+
+def _record_worker(env: dict[str, str], uri: str, first: int, last: int, samples: str, cwd: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER_JOB, str(first), str(last), samples],
+        env={**env, "RLREPLAY_DIR": uri},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def _mirror(s3: S3Server, prefix: str, dest: Path) -> None:
+    """A local copy of a run's manifest and span files (as the store holds them, byte for byte)."""
+    client = s3.client()
+    for key in s3.keys(prefix):
+        if not key[len(prefix) :].startswith(("spans/", "run.json")) or key.endswith("/"):
+            continue
+        target = dest / key[len(prefix) :]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+
+
+def _json_lines(proc: subprocess.CompletedProcess) -> list[dict]:
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+def _cached(cache: Path, suffix: str) -> list[str]:
+    return sorted(
+        p.relative_to(next(cache.glob("*/*"))).as_posix() for p in cache.glob(f"*/*/spans/**/*{suffix}")
+    )
+
+
+@pytest.fixture(scope="module")
+def two_worker_run(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """A run of 16 steps written by two processes (32 shards: a run index is kept), on the store."""
+    tmp = tmp_path_factory.mktemp("two-workers")
+    env = _env(s3, tmp)
+    uri = f"s3://{BUCKET}/exp/listed"
+    _record_worker(env, uri, 0, 16, "0,1", tmp)
+    _record_worker(env, uri, 0, 16, "2,3", tmp)
+    assert len([k for k in s3.keys("exp/listed/spans/") if k.endswith(".parquet")]) == 32
+    return uri, tmp
+
+
+def test_listing_a_remote_run_fetches_only_index_files(
+    s3: S3Server, two_worker_run: tuple[str, Path], tmp_path: Path
+) -> None:
+    uri, _ = two_worker_run
+    local = tmp_path / "local-copy"
+    _mirror(s3, "exp/listed/", local)
+    env = _env(s3, tmp_path)
+    cache = tmp_path / "cache"
+    commands = [
+        ["ls", "--json"],
+        ["stats", "--json"],
+        ["ls", "--json", "--where", "sample_index >= 1 and model_calls = 1", "--sort", "step desc"],
+        ["ls", "--json", "--step", "3..5,9"],
+    ]
+    for command in commands:
+        remote = _json_lines(rlreplay(env, command[0], uri, *command[1:], cwd=tmp_path))
+        expected = _json_lines(rlreplay(env, command[0], str(local), *command[1:], cwd=tmp_path))
+        assert remote == expected and remote, command
+        assert _cached(cache, ".parquet") == [], command  # no shard was fetched
+    query = (
+        "SELECT step, count(*) AS n, sum(model_calls) AS calls FROM trajectories GROUP BY step ORDER BY step"
+    )
+    remote = _json_lines(rlreplay(env, "sql", query, "--run", uri, "--json", cwd=tmp_path))
+    assert remote == _json_lines(rlreplay(env, "sql", query, "--run", str(local), "--json", cwd=tmp_path))
+    assert len(remote) == 16 and _cached(cache, ".parquet") == []
+    info = json.loads(rlreplay(env, "info", uri, "--json", cwd=tmp_path).stdout)
+    local_info = json.loads(rlreplay(env, "info", str(local), "--json", cwd=tmp_path).stdout)
+    counts = ("steps", "trajectories", "spans", "token_ids")
+    assert [info[k] for k in counts] == [local_info[k] for k in counts] == [16, 64, 128, 64 * 128]
+    assert _cached(cache, ".parquet") == []  # its span counts read the metadata columns in place
+    listed = [k for k in s3.keys("exp/listed/spans/") if k.endswith(".index")]
+    assert len(_cached(cache, ".index")) == len(listed) == 32
+    assert len(_json_lines(rlreplay(env, "ls", uri, "--json", cwd=tmp_path))) == 64
+    assert list(cache.glob("*/*/_trajectories.index"))  # the run index, kept in the cache
+
+    rows = _json_lines(rlreplay(env, "ls", uri, "--json", "--step", "7", "--sample-index", "3", cwd=tmp_path))
+    show = rlreplay(env, "show", rows[0]["id"], "--run", uri, "--json", "--no-text", cwd=tmp_path)
+    assert show.returncode == 0, show.stderr
+    assert json.loads(show.stdout)["id"] == rows[0]["id"]
+    expected = rlreplay(env, "show", rows[0]["id"], "--run", str(local), "--json", "--no-text", cwd=tmp_path)
+    assert json.loads(show.stdout)["spans"] == json.loads(expected.stdout)["spans"]
+    (holder,) = _cached(cache, ".parquet")  # only the shard holding it, not its step's other one
+    assert holder.startswith("spans/step=7/") and (local / holder).exists()
+    import pyarrow.parquet as pq
+
+    assert (
+        rows[0]["id"] in pq.read_table(local / holder, columns=["trajectory_id"])["trajectory_id"].to_pylist()
+    )
+    assert len(list(local.glob("spans/step=7/*/*.parquet"))) == 2
+
+
+def test_a_shard_published_after_a_listing_appears_in_the_next(
+    s3: S3Server, two_worker_run: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uri, _ = two_worker_run
+    env = _env(s3, tmp_path)
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(key, env[key])
+    monkeypatch.setenv("RLREPLAY_CACHE", env["RLREPLAY_CACHE"])
+    from rlreplay.store import open_run
+
+    later = uri + "-later"
+    _record_worker(env, later, 0, 2, "0,1", tmp_path)
+    from rlreplay.ui.data import RunView
+
+    run = open_run(later)  # a long-lived reader, like the UI
+    view = RunView(open_run(later))
+    assert len(run.trajectories()) == 4 and len(view.listing()) == 4
+    assert len(_json_lines(rlreplay(env, "ls", later, "--json", cwd=tmp_path))) == 4
+    _record_worker(env, later, 2, 3, "0,1,2", tmp_path)  # a new shard on the store
+    assert len(view.listing()) == 7  # the UI's listing, kept until the run changes, sees it
+    assert sorted(run.trajectories()["step"].to_pylist()) == [0, 0, 1, 1, 2, 2, 2]
+    assert len(run.trajectories(step=2)) == 3
+    assert len(_json_lines(rlreplay(env, "ls", later, "--json", cwd=tmp_path))) == 7
+    assert _cached(tmp_path / "cache", ".parquet") == []
+
+
+def test_concurrent_listings_share_one_cache(
+    s3: S3Server, two_worker_run: tuple[str, Path], tmp_path: Path
+) -> None:
+    uri, _ = two_worker_run
+    env = _env(s3, tmp_path)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "rlreplay", "ls", uri, "--json"],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in outs]
+    listings = [[json.loads(line) for line in out.splitlines()] for out, _ in outs]
+    assert len(listings[0]) == 64 and listings[1] == listings[0] and listings[2] == listings[0]
+    assert _cached(tmp_path / "cache", ".parquet") == []
+    assert not list((tmp_path / "cache").rglob("*.tmp"))
+
+
+def test_shards_without_index_files_are_listed_without_fetching_them(s3: S3Server, tmp_path: Path) -> None:
+    """Format 1 shards have no index file: their metadata columns are read in place on the store."""
+    fixture = tmp_path / "v1-run"  # as published: sealed files only (the live one stays in its spool)
+    shutil.copytree(
+        Path(__file__).parent / "fixtures" / "v1-run", fixture, ignore=shutil.ignore_patterns("_part-*")
+    )
+    client = s3.client()
+    for path in sorted(p for p in fixture.rglob("*") if p.is_file()):
+        client.put_object(
+            Bucket=BUCKET, Key=f"exp/v1/{path.relative_to(fixture).as_posix()}", Body=path.read_bytes()
+        )
+    env = _env(s3, tmp_path)
+    uri = f"s3://{BUCKET}/exp/v1"
+    remote = _json_lines(rlreplay(env, "ls", uri, "--json", cwd=tmp_path))
+    assert remote == _json_lines(rlreplay(env, "ls", str(fixture), "--json", cwd=tmp_path)) and remote
+    assert _cached(tmp_path / "cache", ".parquet") == []
+    show = rlreplay(env, "show", remote[-1]["id"], "--run", uri, "--json", "--no-text", cwd=tmp_path)
+    expected = rlreplay(
+        env, "show", remote[-1]["id"], "--run", str(fixture), "--json", "--no-text", cwd=tmp_path
+    )
+    assert show.returncode == 0, show.stderr
+    assert json.loads(show.stdout) == json.loads(expected.stdout)
+    assert len(_cached(tmp_path / "cache", ".parquet")) == 1

@@ -154,7 +154,8 @@ class RunView:
         When re-reading took long (a big run being recorded), pages keep the previous listing
         while a background thread reads the new one; ``version`` changes when it is ready.
         """
-        sig = file_signature(self.run.path)
+        remote = getattr(self.run, "file_signature", None)  # a run on an object store: its objects
+        sig = remote() if callable(remote) else file_signature(self.run.path)
         cached = self._listing
         if cached is not None and cached[0] == sig:
             return cached[1]
