@@ -533,8 +533,9 @@ class SharedIndex:
 
     def __init__(self) -> None:
         self.streams: dict[str, list[tuple[str, Any, Any]]] = {_I32: [], _F32: []}  # (span, values, starts)
-        # per dtype: first value of each kept array → (span, stream, start)
-        self.by_first: dict[str, dict[Any, list[tuple[str, Any, int]]]] = {_I32: {}, _F32: {}}
+        # per dtype: the bits of the first two values of each kept array → (span, stream bits, start);
+        # values are compared as bits (-0.0 is not 0.0), two at a time (one common id starts many)
+        self.by_first: dict[str, dict[int, list[tuple[str, Any, int]]]] = {_I32: {}, _F32: {}}
         # the latest id stream's lists as given (span, lists, stream): the next model call's prompt
         # usually repeats them, which a list comparison finds before any conversion
         self.latest: tuple[str, list[list[int]], Any] | None = None
@@ -553,13 +554,13 @@ class SharedIndex:
             kept = self.streams[dtype]
             kept.append((span_id, stream, starts))
             del kept[: -self.KEEP[dtype]]
-            by_first: dict[Any, list[tuple[str, Any, int]]] = {}
+            by_first: dict[int, list[tuple[str, Any, int]]] = {}
             for kept_span, kept_stream, kept_starts in kept:
+                bits = kept_stream.view(np.uint32)
                 for start in kept_starts:
-                    if start < len(kept_stream):
-                        by_first.setdefault(kept_stream[start].item(), []).append(
-                            (kept_span, kept_stream, start)
-                        )
+                    if len(bits) - start >= MIN_SHARED:
+                        key = (int(bits[start]) << 32) | int(bits[start + 1])
+                        by_first.setdefault(key, []).append((kept_span, bits, start))
             self.by_first[dtype] = by_first
             if dtype == _I32:  # copies: a caller may change a list it gave after the call returns
                 lists = arrays.lists
@@ -600,23 +601,23 @@ class SharedIndex:
         if not kept:
             return [], None
         by_first = self.by_first[dtype]
+        bits = array.view(np.uint32)
+        pairs = (bits[:-1].astype(np.uint64) << np.uint64(32)) | bits[1:]
         maybe = None  # where an earlier array may begin again (computed at the first miss)
-        by_span = {span_id: stream for span_id, stream, _ in kept}
+        by_span = {span_id: stream.view(np.uint32) for span_id, stream, _ in kept}
         refs: list[list[Any]] = []
         n, p, probes = len(array), 0, 0
-        while p < n and probes < MAX_PROBES:
+        while p < n - 1 and probes < MAX_PROBES:
             probes += 1
-            options = list(by_first.get(array[p].item(), ()))
+            options = list(by_first.get(int(pairs[p]), ()))
             if after is not None and after[0] in by_span:
                 options.append((after[0], by_span[after[0]], after[1]))
             best: tuple[str, int, int] | None = None
             for span_id, stream, start in options:
                 m = min(n - p, len(stream) - start)
-                if m < MIN_SHARED or not np.array_equal(
-                    array[p : p + MIN_SHARED], stream[start : start + MIN_SHARED]
-                ):
+                if m < MIN_SHARED or (bits[p : p + MIN_SHARED] != stream[start : start + MIN_SHARED]).any():
                     continue
-                diff = np.flatnonzero(array[p : p + m] != stream[start : start + m])
+                diff = np.flatnonzero(bits[p : p + m] != stream[start : start + m])
                 length = int(diff[0]) if len(diff) else m
                 if best is None or length >= best[2]:  # ties: the latest
                     best = (span_id, start, length)
@@ -627,7 +628,7 @@ class SharedIndex:
                 continue
             after = None
             if maybe is None:
-                maybe = _positions_of(array, by_first)
+                maybe = _positions_of(pairs, by_first)
             i = int(np.searchsorted(maybe, p + 1))
             if i >= len(maybe):
                 break
@@ -635,17 +636,16 @@ class SharedIndex:
         return refs, after
 
 
-def _positions_of(array: Any, values: Any) -> Any:
-    """Positions in ``array`` holding any of ``values`` (a few: one comparison pass each, which
-    beats ``np.isin``'s table of the whole id range)."""
+def _positions_of(pairs: Any, keys: Any) -> Any:
+    """Positions in ``pairs`` holding any of ``keys`` (a few: one comparison pass each, which
+    beats ``np.isin``'s sort)."""
     import numpy as np
 
-    if len(values) > 16:
-        firsts = np.fromiter(values, dtype=array.dtype, count=len(values))
-        return np.flatnonzero(np.isin(array, firsts))
-    found = np.zeros(len(array), dtype=bool)
-    for value in values:
-        found |= array == value
+    if len(keys) > 16:
+        return np.flatnonzero(np.isin(pairs, np.fromiter(keys, dtype=np.uint64, count=len(keys))))
+    found = np.zeros(len(pairs), dtype=bool)
+    for key in keys:
+        found |= pairs == key
     return np.flatnonzero(found)
 
 
