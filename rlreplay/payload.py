@@ -363,6 +363,17 @@ _SHARED = (_I32, _F32)  # dtypes whose stretches are shared between spans
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 
 
+def _small_ints(values: list | tuple) -> Any:
+    """``values`` as int8 when every one is an int (or bool) from 0 to 127, else None."""
+    import numpy as np
+
+    try:
+        array = np.frombuffer(bytes(values), dtype=np.int8)
+    except (TypeError, ValueError):
+        return None
+    return array if len(array) and array.min() >= 0 else None
+
+
 def _types_at(values: list | tuple, positions: Any) -> set[type]:
     """The types of ``values`` at ``positions`` (a numpy index array), gathered at C speed."""
     import operator
@@ -434,16 +445,18 @@ class Arrays:
         if not mask and self.shared is not None and type(values) is list and len(values) >= MIN_SHARED:
             known = self.shared.list_prefix(values, self._last)  # no conversion of what repeats
         n = 0 if known is None else known[2]
-        rest = np.array(values[n:] if n else values, dtype=np.int64)
-        lo, hi = (int(rest.min()), int(rest.max())) if len(rest) else (0, 0)
-        if mask and lo >= -128 and hi <= 127:
-            array = rest.astype(np.int8)
-        elif lo >= _INT32_MIN and hi <= _INT32_MAX:
-            array = rest.astype(np.int32)
-            if known is not None:
-                array = np.concatenate((known[3], array))
-        else:
-            return None
+        array = _small_ints(values) if mask else None  # 0..127: bytes() converts 3x faster than numpy
+        if array is None:
+            rest = np.array(values[n:] if n else values, dtype=np.int64)
+            lo, hi = (int(rest.min()), int(rest.max())) if len(rest) else (0, 0)
+            if mask and lo >= -128 and hi <= 127:
+                array = rest.astype(np.int8)
+            elif lo >= _INT32_MIN and hi <= _INT32_MAX:
+                array = rest.astype(np.int32)
+                if known is not None:
+                    array = np.concatenate((known[3], array))
+            else:
+                return None
         # a bool counts as 0 or 1 to sum() and numpy: only those positions need a look
         small = np.flatnonzero((array >> 1) == 0)
         if len(small) > 256:
@@ -532,7 +545,8 @@ class SharedIndex:
     KEEP: ClassVar[dict[str, int]] = {_I32: 6, _F32: 32}
 
     def __init__(self) -> None:
-        self.streams: dict[str, list[tuple[str, Any, Any]]] = {_I32: [], _F32: []}  # (span, values, starts)
+        # (span, values, [(start key, start)]) of the latest streams per dtype, oldest first
+        self.streams: dict[str, list[tuple[str, Any, list[tuple[int, int]]]]] = {_I32: [], _F32: []}
         # per dtype: the bits of the first two values of each kept array → (span, stream bits, start);
         # values are compared as bits (-0.0 is not 0.0), two at a time (one common id starts many)
         self.by_first: dict[str, dict[int, list[tuple[str, Any, int]]]] = {_I32: {}, _F32: {}}
@@ -552,16 +566,20 @@ class SharedIndex:
                 starts.append(pos)
                 pos += len(part)
             kept = self.streams[dtype]
-            kept.append((span_id, stream, starts))
+            keys = _start_keys(stream, starts)
+            kept.append((span_id, stream, keys))
+            by_first = self.by_first[dtype]
+            for old_span, _, old_keys in kept[: -self.KEEP[dtype]]:  # no longer kept: forget its starts
+                for key, _ in old_keys:
+                    left = [e for e in by_first.get(key, ()) if e[0] != old_span]
+                    if left:
+                        by_first[key] = left
+                    else:
+                        by_first.pop(key, None)
             del kept[: -self.KEEP[dtype]]
-            by_first: dict[int, list[tuple[str, Any, int]]] = {}
-            for kept_span, kept_stream, kept_starts in kept:
-                bits = kept_stream.view(np.uint32)
-                for start in kept_starts:
-                    if len(bits) - start >= MIN_SHARED:
-                        key = (int(bits[start]) << 32) | int(bits[start + 1])
-                        by_first.setdefault(key, []).append((kept_span, bits, start))
-            self.by_first[dtype] = by_first
+            bits = stream.view(np.uint32)
+            for key, start in keys:
+                by_first.setdefault(key, []).append((span_id, bits, start))
             if dtype == _I32:  # copies: a caller may change a list it gave after the call returns
                 lists = arrays.lists
                 self.latest = (span_id, [v.copy() for v in lists], stream) if None not in lists else None
@@ -634,6 +652,19 @@ class SharedIndex:
                 break
             p = int(maybe[i])
         return refs, after
+
+
+def _start_keys(stream: Any, starts: list[int]) -> list[tuple[int, int]]:
+    """The ``by_first`` key (bits of its first two values) of each start that has ``MIN_SHARED``
+    values after it."""
+    import numpy as np
+
+    at = np.array([s for s in starts if len(stream) - s >= MIN_SHARED], dtype=np.int64)
+    if not len(at):
+        return []
+    bits = stream.view(np.uint32)
+    keys = (bits[at].astype(np.uint64) << np.uint64(32)) | bits[at + 1]
+    return list(zip(keys.tolist(), at.tolist()))
 
 
 def _positions_of(pairs: Any, keys: Any) -> Any:

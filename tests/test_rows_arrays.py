@@ -109,6 +109,8 @@ def test_values_that_are_not_plain_ints_or_float32_read_back_as_given(tmp_path: 
         "whole_floats": [float(x) for x in range(-150, 150)],
         "int64": [*base, 1 << 40],
         "response_mask": [1] * 100 + [300],  # a mask beyond int8
+        "loss_mask": [1] * 100 + [200],  # a byte, yet beyond int8
+        "attention_mask": [1] * 100 + [True] + [0] * 50,  # a bool among 0/1 ints
     }
     # equal to the previous call's ids as lists compare (True == 1, False == 0), yet not the same
     shadow = [*base, *more]
