@@ -69,7 +69,7 @@ def child(args: argparse.Namespace) -> None:
     if traced:
         rec = rlreplay.init(args.run_dir, experiment="bench-scale", worker=f"agent_loop_worker_{args.worker}")
         rlreplay.flush(60)  # the writer's one-time imports: not per id
-        writer_cpu0 = _thread_cpu(rec._thread.native_id) if rec._thread else 0.0
+        writer_cpu0 = _thread_cpu(rec._thread)
     rng = random.Random(args.worker)
     nprng = np.random.default_rng(args.worker)
 
@@ -131,15 +131,17 @@ def child(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {"cpu_s": time.process_time() - cpu0}
     if traced:
         rlreplay.flush(120)
-        result["writer_cpu_s"] = (_thread_cpu(rec._thread.native_id) if rec._thread else 0.0) - writer_cpu0
+        result["writer_cpu_s"] = _thread_cpu(rec._thread) - writer_cpu0
         rlreplay.close()
     result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(result))
 
 
-def _thread_cpu(native_id: int | None) -> float:
-    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _thread_cpu(thread: Any) -> float:
+    """CPU seconds of a thread (the scheduler's nanosecond count, not /proc's 10 ms ticks)."""
+    if thread is None or thread.ident is None:
+        return 0.0
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
 def record(run_dir: Path | str, pool: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
