@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import os
 import random
 import resource
 import subprocess

@@ -9,6 +9,7 @@ values JSON cannot hold become objects with a ``__type__`` key
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import math
 from collections import deque
@@ -447,16 +448,14 @@ class Arrays:
         n = 0 if known is None else known[2]
         array = _small_ints(values) if mask else None  # 0..127: bytes() converts 3x faster than numpy
         if array is None:
-            rest = np.array(values[n:] if n else values, dtype=np.int64)
-            lo, hi = (int(rest.min()), int(rest.max())) if len(rest) else (0, 0)
-            if mask and lo >= -128 and hi <= 127:
-                array = rest.astype(np.int8)
-            elif lo >= _INT32_MIN and hi <= _INT32_MAX:
-                array = rest.astype(np.int32)
+            rest = values[n:] if n else values
+            if mask:
+                with contextlib.suppress(OverflowError):
+                    array = np.array(rest, dtype=np.int8)
+            if array is None:  # numpy refuses a value beyond int32 (OverflowError): JSON keeps them
+                array = np.array(rest, dtype=np.int32)
                 if known is not None:
                     array = np.concatenate((known[3], array))
-            else:
-                return None
         # a bool counts as 0 or 1 to sum() and numpy: only those positions need a look
         small = np.flatnonzero((array >> 1) == 0)
         if len(small) > 256:
