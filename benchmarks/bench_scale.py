@@ -16,6 +16,7 @@ saturated with --saturated), then reports side by side:
 
     python benchmarks/bench_scale.py            # small: 4 x 8 trajectories x 2 steps (~2 min)
     python benchmarks/bench_scale.py --full     # the issue's size: 4 x 64 x 10 steps
+    python benchmarks/bench_scale.py --against OLD_TREE   # writer CPU of another source tree too
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import os
 import random
 import resource
 import subprocess
@@ -143,7 +145,11 @@ def _thread_cpu(thread: Any) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def record(run_dir: Path | str, pool: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+def record(
+    run_dir: Path | str, pool: Path, args: argparse.Namespace, tree: str | None = None
+) -> list[dict[str, Any]]:
+    """Run the worker processes (with rlreplay from source tree ``tree`` when given)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())} if tree else None
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--child", str(w), "--run-dir", str(run_dir), "--pool", str(pool)]
@@ -158,6 +164,7 @@ def record(run_dir: Path | str, pool: Path, args: argparse.Namespace) -> list[di
             + (["--saturated"] if args.saturated else []),
             stdout=subprocess.PIPE,
             text=True,
+            env=env,
         )
         for w in range(args.workers)
     ]
@@ -308,6 +315,9 @@ def main() -> None:
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pool", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--keep", default=None, help="keep the runs in this directory")
+    parser.add_argument(
+        "--against", help="also record with another rlreplay source tree: writer CPU side by side"
+    )
     args = parser.parse_args()
     if args.child is not None:
         args.worker = args.child
@@ -329,6 +339,7 @@ def main() -> None:
     traced = record(run_dir, pool, args)
     record_s = time.perf_counter() - t0
     untraced = record("-", pool, args)
+    other = record(work / "against", pool, args, args.against) if args.against else None
 
     import rlreplay
     from rlreplay.shards import list_files
@@ -358,6 +369,14 @@ def main() -> None:
     print("\n| recorder (format 2) | value |\n|---|---|")
     print(f"| writer-thread CPU-s per million recorded ids (sealing at close excluded) | "
           f"{writer_cpu / recorded_ids * 1e6:.3f} |")  # fmt: skip
+    if other is not None:
+        other_ids = sum(
+            rlreplay.open_run(work / "against").spans(columns=["num_tokens"])["num_tokens"].to_pylist()
+        )
+        other_cpu = sum(t["writer_cpu_s"] for t in other)
+        print(
+            f"| the same, rlreplay from {args.against} (recorded after) | {other_cpu / other_ids * 1e6:.3f} |"
+        )
     extra = sum(t["cpu_s"] for t in traced) - sum(t["cpu_s"] for t in untraced)
     print(f"| process CPU-s traced - untraced per million recorded ids | {extra / recorded_ids * 1e6:.3f} |")
     print(f"| process CPU-s traced / untraced (sum of workers) | {sum(t['cpu_s'] for t in traced):.1f} / "
