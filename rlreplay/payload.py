@@ -619,14 +619,13 @@ class SharedIndex:
             return [], None
         by_first = self.by_first[dtype]
         bits = array.view(np.uint32)
-        pairs = (bits[:-1].astype(np.uint64) << np.uint64(32)) | bits[1:]
         maybe = None  # where an earlier array may begin again (computed at the first miss)
         by_span = {span_id: stream.view(np.uint32) for span_id, stream, _ in kept}
         refs: list[list[Any]] = []
         n, p, probes = len(array), 0, 0
         while p < n - 1 and probes < MAX_PROBES:
             probes += 1
-            options = list(by_first.get(int(pairs[p]), ()))
+            options = list(by_first.get((int(bits[p]) << 32) | int(bits[p + 1]), ()))
             if after is not None and after[0] in by_span:
                 options.append((after[0], by_span[after[0]], after[1]))
             best: tuple[str, int, int] | None = None
@@ -645,7 +644,7 @@ class SharedIndex:
                 continue
             after = None
             if maybe is None:
-                maybe = _positions_of(pairs, by_first)
+                maybe = _positions_of(bits, by_first)
             i = int(np.searchsorted(maybe, p + 1))
             if i >= len(maybe):
                 break
@@ -666,17 +665,24 @@ def _start_keys(stream: Any, starts: list[int]) -> list[tuple[int, int]]:
     return list(zip(keys.tolist(), at.tolist()))
 
 
-def _positions_of(pairs: Any, keys: Any) -> Any:
-    """Positions in ``pairs`` holding any of ``keys`` (a few: one comparison pass each, which
-    beats ``np.isin``'s sort)."""
+def _positions_of(bits: Any, keys: Any) -> Any:
+    """Positions in ``bits`` where a pair of values in ``keys`` begins: first the positions of their
+    first values (a few: one comparison pass each, which beats ``np.isin``'s sort), then the pairs."""
     import numpy as np
 
-    if len(keys) > 16:
-        return np.flatnonzero(np.isin(pairs, np.fromiter(keys, dtype=np.uint64, count=len(keys))))
-    found = np.zeros(len(pairs), dtype=bool)
-    for key in keys:
-        found |= pairs == key
-    return np.flatnonzero(found)
+    firsts = {key >> 32 for key in keys}
+    head = bits[:-1]
+    if len(firsts) > 16:
+        found = np.isin(head, np.fromiter(firsts, dtype=np.uint32, count=len(firsts)))
+    else:
+        found = np.zeros(len(head), dtype=bool)
+        for first in firsts:
+            found |= head == first
+    at = np.flatnonzero(found)
+    if not len(at):
+        return at
+    pairs = (bits[at].astype(np.uint64) << np.uint64(32)) | bits[at + 1]
+    return at[np.isin(pairs, np.fromiter(keys, dtype=np.uint64, count=len(keys)))]
 
 
 def _list_match(lists: list[list[int]], start: int, values: list) -> int:
