@@ -16,7 +16,7 @@ saturated with --saturated), then reports side by side:
 
     python benchmarks/bench_scale.py            # small: 4 x 8 trajectories x 2 steps (~2 min)
     python benchmarks/bench_scale.py --full     # the issue's size: 4 x 64 x 10 steps
-    python benchmarks/bench_scale.py --against OLD_TREE   # writer CPU of another source tree too
+    python benchmarks/bench_scale.py --against OLD_TREE   # + writer CPU of both trees, 3 rounds in turn
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import json
 import os
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -143,6 +144,12 @@ def _thread_cpu(thread: Any) -> float:
     if thread is None or thread.ident is None:
         return 0.0
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def _recorded_ids(run_dir: Path) -> int:
+    import rlreplay
+
+    return sum(rlreplay.open_run(run_dir).spans(columns=["num_tokens"])["num_tokens"].to_pylist())
 
 
 def record(
@@ -318,6 +325,7 @@ def main() -> None:
     parser.add_argument(
         "--against", help="also record with another rlreplay source tree: writer CPU side by side"
     )
+    parser.add_argument("--rounds", type=int, default=3, help="recordings per tree with --against")
     args = parser.parse_args()
     if args.child is not None:
         args.worker = args.child
@@ -339,7 +347,13 @@ def main() -> None:
     traced = record(run_dir, pool, args)
     record_s = time.perf_counter() - t0
     untraced = record("-", pool, args)
-    other = record(work / "against", pool, args, args.against) if args.against else None
+    # writer CPU of this tree and of --against, recorded in turn (this machine's load drifts)
+    rounds: dict[str, list[float]] = {"this tree": [], str(args.against): []}
+    for r in range(args.rounds if args.against else 0):
+        for name, tree in (("this tree", None), (str(args.against), args.against)):
+            out = work / f"round-{r}-{'against' if tree else 'this'}"
+            cpu = sum(t["writer_cpu_s"] for t in record(out, pool, args, tree))
+            rounds[name].append(cpu / _recorded_ids(out) * 1e6)
 
     import rlreplay
     from rlreplay.shards import list_files
@@ -369,14 +383,11 @@ def main() -> None:
     print("\n| recorder (format 2) | value |\n|---|---|")
     print(f"| writer-thread CPU-s per million recorded ids (sealing at close excluded) | "
           f"{writer_cpu / recorded_ids * 1e6:.3f} |")  # fmt: skip
-    if other is not None:
-        other_ids = sum(
-            rlreplay.open_run(work / "against").spans(columns=["num_tokens"])["num_tokens"].to_pylist()
-        )
-        other_cpu = sum(t["writer_cpu_s"] for t in other)
-        print(
-            f"| the same, rlreplay from {args.against} (recorded after) | {other_cpu / other_ids * 1e6:.3f} |"
-        )
+    if args.against:
+        for name, values in rounds.items():
+            shown = ", ".join(f"{v:.3f}" for v in values)
+            print(f"| the same, {name}, {len(values)} rounds in turn: median (each) | "
+                  f"{statistics.median(values):.3f} ({shown}) |")  # fmt: skip
     extra = sum(t["cpu_s"] for t in traced) - sum(t["cpu_s"] for t in untraced)
     print(f"| process CPU-s traced - untraced per million recorded ids | {extra / recorded_ids * 1e6:.3f} |")
     print(f"| process CPU-s traced / untraced (sum of workers) | {sum(t['cpu_s'] for t in traced):.1f} / "
