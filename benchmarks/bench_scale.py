@@ -16,6 +16,7 @@ saturated with --saturated), then reports side by side:
 
     python benchmarks/bench_scale.py            # small: 4 x 8 trajectories x 2 steps (~2 min)
     python benchmarks/bench_scale.py --full     # the issue's size: 4 x 64 x 10 steps
+    python benchmarks/bench_scale.py --against OLD_TREE   # + writer CPU of both trees, 3 rounds in turn
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import os
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,7 +71,7 @@ def child(args: argparse.Namespace) -> None:
     if traced:
         rec = rlreplay.init(args.run_dir, experiment="bench-scale", worker=f"agent_loop_worker_{args.worker}")
         rlreplay.flush(60)  # the writer's one-time imports: not per id
-        writer_cpu0 = _thread_cpu(rec._thread.native_id) if rec._thread else 0.0
+        writer_cpu0 = _thread_cpu(rec._thread)
     rng = random.Random(args.worker)
     nprng = np.random.default_rng(args.worker)
 
@@ -131,18 +133,30 @@ def child(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {"cpu_s": time.process_time() - cpu0}
     if traced:
         rlreplay.flush(120)
-        result["writer_cpu_s"] = (_thread_cpu(rec._thread.native_id) if rec._thread else 0.0) - writer_cpu0
+        result["writer_cpu_s"] = _thread_cpu(rec._thread) - writer_cpu0
         rlreplay.close()
     result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(result))
 
 
-def _thread_cpu(native_id: int | None) -> float:
-    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _thread_cpu(thread: Any) -> float:
+    """CPU seconds of a thread (the scheduler's nanosecond count, not /proc's 10 ms ticks)."""
+    if thread is None or thread.ident is None:
+        return 0.0
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def record(run_dir: Path | str, pool: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _recorded_ids(run_dir: Path) -> int:
+    import rlreplay
+
+    return sum(rlreplay.open_run(run_dir).spans(columns=["num_tokens"])["num_tokens"].to_pylist())
+
+
+def record(
+    run_dir: Path | str, pool: Path, args: argparse.Namespace, tree: str | None = None
+) -> list[dict[str, Any]]:
+    """Run the worker processes (with rlreplay from source tree ``tree`` when given)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())} if tree else None
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--child", str(w), "--run-dir", str(run_dir), "--pool", str(pool)]
@@ -157,6 +171,7 @@ def record(run_dir: Path | str, pool: Path, args: argparse.Namespace) -> list[di
             + (["--saturated"] if args.saturated else []),
             stdout=subprocess.PIPE,
             text=True,
+            env=env,
         )
         for w in range(args.workers)
     ]
@@ -307,6 +322,10 @@ def main() -> None:
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pool", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--keep", default=None, help="keep the runs in this directory")
+    parser.add_argument(
+        "--against", help="also record with another rlreplay source tree: writer CPU side by side"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="recordings per tree with --against")
     args = parser.parse_args()
     if args.child is not None:
         args.worker = args.child
@@ -328,6 +347,13 @@ def main() -> None:
     traced = record(run_dir, pool, args)
     record_s = time.perf_counter() - t0
     untraced = record("-", pool, args)
+    # writer CPU of this tree and of --against, recorded in turn (this machine's load drifts)
+    rounds: dict[str, list[float]] = {"this tree": [], str(args.against): []}
+    for r in range(args.rounds if args.against else 0):
+        for name, tree in (("this tree", None), (str(args.against), args.against)):
+            out = work / f"round-{r}-{'against' if tree else 'this'}"
+            cpu = sum(t["writer_cpu_s"] for t in record(out, pool, args, tree))
+            rounds[name].append(cpu / _recorded_ids(out) * 1e6)
 
     import rlreplay
     from rlreplay.shards import list_files
@@ -357,6 +383,11 @@ def main() -> None:
     print("\n| recorder (format 2) | value |\n|---|---|")
     print(f"| writer-thread CPU-s per million recorded ids (sealing at close excluded) | "
           f"{writer_cpu / recorded_ids * 1e6:.3f} |")  # fmt: skip
+    if args.against:
+        for name, values in rounds.items():
+            shown = ", ".join(f"{v:.3f}" for v in values)
+            print(f"| the same, {name}, {len(values)} rounds in turn: median (each) | "
+                  f"{statistics.median(values):.3f} ({shown}) |")  # fmt: skip
     extra = sum(t["cpu_s"] for t in traced) - sum(t["cpu_s"] for t in untraced)
     print(f"| process CPU-s traced - untraced per million recorded ids | {extra / recorded_ids * 1e6:.3f} |")
     print(f"| process CPU-s traced / untraced (sum of workers) | {sum(t['cpu_s'] for t in traced):.1f} / "

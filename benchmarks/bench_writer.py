@@ -10,6 +10,7 @@ million recorded ids (ids under keys ending in ``ids``, once per span that holds
 
     python benchmarks/bench_writer.py [--trajectories 64] [--tokens 8000] [--batch-rows 64] [--profile]
     python benchmarks/bench_writer.py --against OLD_TREE    # side by side with another source tree
+    python benchmarks/bench_writer.py --pool DIR/pool.json  # real Qwen3 ids (bench_scale.py --keep DIR)
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from typing import Any
 import numpy as np
 
 
-def make_events(trajectories: int, tokens: int, seed: int = 0) -> tuple[list[tuple], int]:
+def make_events(
+    trajectories: int, tokens: int, seed: int = 0, pool_file: str | None = None
+) -> tuple[list[tuple], int]:
     """The queue events of ``trajectories`` agent loops, and the ids they record."""
     import rlreplay
     from rlreplay import recorder
@@ -42,7 +45,11 @@ def make_events(trajectories: int, tokens: int, seed: int = 0) -> tuple[list[tup
     recorder._recorder, recorder._env_checked = rec, True
     rng = random.Random(seed)
     nprng = np.random.default_rng(seed)
-    pool = nprng.integers(0, 151_000, 2_000_000).tolist()
+    pool = (
+        json.loads(Path(pool_file).read_text())
+        if pool_file
+        else nprng.integers(0, 151_000, 2_000_000).tolist()
+    )
 
     def ids(n: int) -> list[int]:
         start = rng.randrange(0, len(pool) - n)
@@ -152,7 +159,7 @@ def measure(args: argparse.Namespace) -> tuple[int, int, dict[str, float]]:
     import pyarrow as pa
 
     pa.array([0.5])  # one-time imports, as the writer's warm-up pays them
-    events, n_ids = make_events(args.trajectories, args.tokens)
+    events, n_ids = make_events(args.trajectories, args.tokens, pool_file=args.pool)
     best: dict[str, float] | None = None
     for _ in range(args.repeat):
         with tempfile.TemporaryDirectory() as tmp:
@@ -179,6 +186,9 @@ def main() -> None:
     parser.add_argument("--batch-rows", type=int, default=64, help="rows per written batch")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--pool", help="real token ids (a JSON list, as bench_scale.py --keep writes pool.json)"
+    )
     parser.add_argument("--against", help="another rlreplay source tree (an older commit's), side by side")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -127,6 +127,11 @@ class OpMeta:
     reward: Callable[[Any], float | None] | None = None
     _signature: inspect.Signature | None = field(default=None, repr=False)
     _skip_first: bool = False
+    # (names in order, how many may be positional, defaults, names as a set): the usual signature,
+    # bound without inspect (~5x faster); None for *args, **kwargs or positional-only parameters
+    _plan: tuple[tuple[str, ...], int, dict[str, Any], frozenset[str]] | None = field(
+        default=None, repr=False
+    )
 
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """Inputs as verl records them: bound arguments minus ``self``, ``**kwargs`` nested."""
@@ -140,15 +145,53 @@ class OpMeta:
                 return self.bind(args, kwargs)
             params = list(self._signature.parameters)
             self._skip_first = bool(params) and params[0] in ("self", "cls")
-        try:
-            bound = self._signature.bind(*args, **kwargs)
-        except TypeError:
-            return {"args": list(args), **kwargs}
-        bound.apply_defaults()  # as verl records them
-        inputs = dict(bound.arguments)
+            self._plan = _bind_plan(self._signature)
+        inputs = _fast_bind(self._plan, args, kwargs) if self._plan is not None else None
+        if inputs is None:
+            try:
+                bound = self._signature.bind(*args, **kwargs)
+            except TypeError:
+                return {"args": list(args), **kwargs}
+            bound.apply_defaults()  # as verl records them
+            inputs = dict(bound.arguments)
         if self._skip_first and inputs:
             inputs.pop(next(iter(inputs)))
         return inputs
+
+
+def _bind_plan(
+    signature: inspect.Signature,
+) -> tuple[tuple[str, ...], int, dict[str, Any], frozenset[str]] | None:
+    kinds = [p.kind for p in signature.parameters.values()]
+    if any(k not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) for k in kinds):
+        return None
+    names = tuple(signature.parameters)
+    defaults = {
+        n: p.default for n, p in signature.parameters.items() if p.default is not inspect.Parameter.empty
+    }
+    return names, kinds.count(inspect.Parameter.POSITIONAL_OR_KEYWORD), defaults, frozenset(names)
+
+
+def _fast_bind(plan: tuple, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """What ``signature.bind`` + ``apply_defaults`` give, or None where inspect must decide (an
+    unknown, missing or twice-given argument: it raises, and the call is recorded as given)."""
+    names, positional, defaults, known = plan
+    if len(args) > positional or (kwargs and not known.issuperset(kwargs)):
+        return None
+    inputs = {}
+    n = len(args)
+    for i, name in enumerate(names):
+        if i < n:
+            if name in kwargs:
+                return None
+            inputs[name] = args[i]
+        elif name in kwargs:
+            inputs[name] = kwargs[name]
+        elif name in defaults:
+            inputs[name] = defaults[name]
+        else:
+            return None
+    return inputs
 
 
 @dataclass

@@ -71,11 +71,15 @@ class StepBuffer:
         self.root_ended = False
         tokens = [_list_column([row[i] for row in table], f.type) for i, f in _TOKEN_FIELDS]
         try:  # one conversion for all scalar columns: a call per column costs ~6 us, whatever its size
-            scalars = pa.array([row[:_TOKEN_START] for row in table], type=_SCALARS).flatten()
+            scalars = pa.array([row[:_TOKEN_START] for row in table], type=_SCALARS)
         except Exception:
             columns = zip(*table) if table else ([] for _ in COLUMN_NAMES)
-            scalars = [_column(list(values), f, problem) for values, f in zip(columns, _SCALARS)]
-        return pa.RecordBatch.from_arrays([*scalars, *tokens], schema=SPAN_SCHEMA)
+            arrays = [_column(list(values), f, problem) for values, f in zip(columns, _SCALARS)]
+            return pa.RecordBatch.from_arrays([*arrays, *tokens], schema=SPAN_SCHEMA)
+        batch = pa.RecordBatch.from_struct_array(scalars)  # no Python object per column
+        for (_, field), column in zip(_TOKEN_FIELDS, tokens):
+            batch = batch.append_column(field, column)
+        return batch.replace_schema_metadata(SPAN_SCHEMA.metadata)
 
 
 _TOKEN_FIELDS = [(i, f) for i, f in enumerate(SPAN_SCHEMA) if i >= _TOKEN_START]

@@ -97,6 +97,26 @@ def test_garbage_in_the_middle_keeps_every_batch_around_it(tmp_path: Path, capsy
     assert recorded["recovered_spans"] == 9 * ROWS and recorded["quarantined_files"] == 2
 
 
+def test_one_flipped_byte_in_a_batch_sets_that_batch_aside(tmp_path: Path, capsys) -> None:
+    """A single changed byte inside a batch (a bad sector, a stray write) never reads back as other
+    values: the batch is set aside and every other batch is kept."""
+    for n, where in enumerate((0.3, 0.5, 0.8)):
+        run_dir = tmp_path / f"run{n}"
+        partial, offsets = _partial(run_dir)
+        data = bytearray(partial.read_bytes())
+        pos = offsets[5] + int((offsets[6] - offsets[5]) * where)
+        data[pos] ^= 0x04
+        partial.write_bytes(bytes(data))
+        out = _recover(run_dir, capsys)
+        (sealed,) = list_files(run_dir)[0]
+        kept = pq.read_table(sealed)
+        assert sorted(set(kept["sample_index"].to_pylist())) == [0, 1, 2, 3, 4, 6, 7, 8, 9], where
+        assert kept.num_rows == 9 * ROWS
+        assert f"kept {9 * ROWS} spans" in out
+        aside = _quarantined(run_dir)
+        assert len(aside) == 1 and aside[0].stat().st_size == offsets[6] - offsets[5]
+
+
 def test_bad_first_batch_keeps_the_rest(tmp_path: Path, capsys) -> None:
     run_dir = tmp_path / "run"
     partial, offsets = _partial(run_dir, batches=5)

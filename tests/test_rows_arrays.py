@@ -109,6 +109,8 @@ def test_values_that_are_not_plain_ints_or_float32_read_back_as_given(tmp_path: 
         "whole_floats": [float(x) for x in range(-150, 150)],
         "int64": [*base, 1 << 40],
         "response_mask": [1] * 100 + [300],  # a mask beyond int8
+        "loss_mask": [1] * 100 + [200],  # a byte, yet beyond int8
+        "attention_mask": [1] * 100 + [True] + [0] * 50,  # a bool among 0/1 ints
     }
     # equal to the previous call's ids as lists compare (True == 1, False == 0), yet not the same
     shadow = [*base, *more]
@@ -156,3 +158,20 @@ def test_list_prefix_claims_only_equal_runs() -> None:
     assert index.list_prefix(edited, None) is None
     placeholder = payload.Arrays(index).extract({"prompt_ids": edited})["prompt_ids"]
     assert placeholder["r"][0][:3] == ["s1", 0, 70]  # the array search still shares the start
+
+
+def test_log_probs_equal_in_value_but_not_in_bits_are_not_shared(tmp_path: Path) -> None:
+    """-0.0 equals 0.0 as floats compare: a call's log-probs must not be stored as a reference into
+    an earlier call whose values compare equal but differ in sign."""
+    rng = np.random.default_rng(3)
+    negative_zeros = [-0.0] * 100 + (-np.abs(rng.normal(0, 1, 100))).astype(np.float32).tolist()
+    zeros = [0.0] * 100 + (-np.abs(rng.normal(0, 1, 100))).astype(np.float32).tolist()
+    run_dir = tmp_path / "run"
+    rlreplay.init(run_dir, worker="w")
+    with rlreplay.trajectory(step=0, sample_index=0):
+        generate(prompt_ids=rng.integers(2, VOCAB, 100).tolist(), reply={"log_probs": negative_zeros})
+        generate(prompt_ids=rng.integers(2, VOCAB, 100).tolist(), reply={"log_probs": zeros})
+    rlreplay.close()
+    first, second = _spans(run_dir)
+    assert _bits(first.output["log_probs"]) == _bits(negative_zeros)
+    assert _bits(second.output["log_probs"]) == _bits(zeros)
