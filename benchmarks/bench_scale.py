@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agent_workload import make_agent_loop
+
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_RUN = ROOT / "sample_runs" / "gsm8k-grpo-qwen3"
 SECONDS_PER_TOKEN = 0.00075
@@ -75,49 +77,7 @@ def child(args: argparse.Namespace) -> None:
     rng = random.Random(args.worker)
     nprng = np.random.default_rng(args.worker)
 
-    def ids(n: int) -> list[int]:
-        start = rng.randrange(0, len(pool) - n)
-        return pool[start : start + n]
-
-    @rlreplay.trace_op(kind="llm")
-    async def generate(request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any]) -> dict:
-        n = sampling_params["n_tokens"]
-        if not args.saturated:
-            await asyncio.sleep(n * SECONDS_PER_TOKEN)
-        log_probs = (-np.abs(nprng.normal(0, 1.2, n))).astype(np.float32).tolist()
-        return {"token_ids": ids(n), "log_probs": log_probs, "stop_reason": "completed"}
-
-    @rlreplay.trace_op(kind="tool")
-    async def execute(instance_id: str, parameters: dict[str, Any]) -> tuple[str, float, dict]:
-        return f"result {parameters['x']}", 0.0, {}
-
-    @rlreplay.trace_op(kind="agent")
-    async def run_loop(request_id: str, total: int, turns: int) -> dict:
-        prompt = ids(total // 4)
-        context = list(prompt)
-        mask: list[int] = []
-        log_probs: list[float] = []
-        per_turn = (total - len(prompt)) // turns
-        for turn in range(turns):
-            params = {"temperature": 1.0, "logprobs": 1, "n_tokens": per_turn - 40}
-            out = await generate(request_id, prompt_ids=context, sampling_params=params)
-            context = context + out["token_ids"]
-            mask += [1] * len(out["token_ids"])
-            log_probs += out["log_probs"]
-            if turn < turns - 1:
-                _text, _, _ = await execute(request_id, {"x": turn})
-                observation = ids(40)
-                context = context + observation
-                mask += [0] * 40
-                log_probs += [0.0] * 40
-        return {
-            "prompt_ids": prompt,
-            "response_ids": context[len(prompt) :],
-            "response_mask": mask,
-            "response_logprobs": log_probs,
-            "reward_score": float(rng.random() < 0.5),
-            "num_turns": 2 * turns,
-        }
+    run_loop = make_agent_loop(rlreplay, pool, rng, nprng, 0.0 if args.saturated else SECONDS_PER_TOKEN)
 
     async def one(step: int, i: int) -> None:
         total = int(args.tokens * rng.uniform(0.8, 1.2))
