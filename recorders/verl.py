@@ -343,6 +343,7 @@ def install_agent_loop(module: ModuleType) -> None:
     through ``balance_batch`` and the trainer, so driver-side signals join the exact trajectory.
     """
     worker = getattr(module, "AgentLoopWorker", None)
+    _wait_for_batch_on_disk(worker)
     original = getattr(worker, "_agent_loop_postprocess", None)
     if original is None or getattr(original, _MARK, False):
         return
@@ -358,6 +359,40 @@ def install_agent_loop(module: ModuleType) -> None:
 
     setattr(_agent_loop_postprocess, _MARK, True)
     worker._agent_loop_postprocess = _agent_loop_postprocess
+
+
+#: How long a batch may wait for its trajectories to reach disk before it is returned anyway.
+BATCH_ON_DISK_TIMEOUT_S = 10.0
+
+
+def _wait_for_batch_on_disk(worker: Any) -> None:
+    """``AgentLoopWorker.generate_sequences`` returns its batch only once the batch's trajectories
+    are written: the trainer may stop this worker (Ray kills actors without atexit) as soon as it
+    has the batch. The event loop is not blocked: the wait runs on a helper thread, while the
+    writer thread writes what the last agent loop's ``request_flush`` asked for."""
+    original = getattr(worker, "generate_sequences", None)
+    if original is None or getattr(original, _MARK, False) or not inspect.iscoroutinefunction(original):
+        return
+
+    @functools.wraps(original)
+    async def generate_sequences(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = await original(self, *args, **kwargs)
+        try:
+            import asyncio
+
+            from rlreplay.recorder import get_recorder
+
+            recorder = get_recorder()
+            if recorder is not None and not await asyncio.to_thread(
+                recorder.wait_written, BATCH_ON_DISK_TIMEOUT_S
+            ):
+                log.warning("rlreplay: a batch was returned before its trajectories reached disk")
+        except Exception as exc:
+            log.warning("rlreplay: waiting for a batch to reach disk failed: %s", exc)
+        return output
+
+    setattr(generate_sequences, _MARK, True)
+    worker.generate_sequences = generate_sequences
 
 
 _in_flight = [0]  # agent loops open in this process

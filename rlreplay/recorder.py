@@ -637,16 +637,24 @@ class Recorder:
     def flush(self, timeout: float = 30.0) -> bool:
         """Write and fsync everything recorded so far, and finish sealing the files of finished
         steps; True when done within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        if not self.wait_written(timeout):
+            return False
         if self._thread is None or not self._thread.is_alive():
             return True
-        deadline = time.monotonic() + timeout
-        done = threading.Event()
-        self._queue.append((_FLUSH, done, 0))
-        self._wake.set()
-        if not done.wait(timeout):
-            return False
         with self._sealed_cond:
             return self._sealed_cond.wait_for(lambda: self._sealing <= 0, deadline - time.monotonic())
+
+    def wait_written(self, timeout: float = 30.0) -> bool:
+        """Block until everything recorded so far is written to its live file (which a killed
+        process keeps) and fsynced; True when done within ``timeout``."""
+        if self._thread is None or not self._thread.is_alive():
+            return True
+        done = threading.Event()
+        self._urgent = True
+        self._queue.append((_FLUSH, done, 0))
+        self._wake.set()
+        return done.wait(timeout)
 
     def request_flush(self) -> None:
         """Have the writer write and fsync everything queued so far, at once, without waiting for it."""

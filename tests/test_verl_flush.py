@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import rlreplay
@@ -76,6 +75,14 @@ WORKER = textwrap.dedent(
     import verl_parts
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
+    from rlreplay import recorder
+
+    write = recorder.Recorder._write
+    def slow_disk(self, *args, **kwargs):  # a slow shared filesystem: each write takes 0.3 s
+        time.sleep(0.3)
+        return write(self, *args, **kwargs)
+    recorder.Recorder._write = slow_disk
+
     workdir = sys.argv[1]
     model_dir = verl_parts.make_model_dir(os.path.join(workdir, "model"))
     tools = verl_parts.write_tool_yaml(os.path.join(workdir, "tools.yaml"))
@@ -83,7 +90,7 @@ WORKER = textwrap.dedent(
     worker = AgentLoopWorker(config, llm_client=verl_parts.ScriptedLLMClient(config, model_dir))
     output = asyncio.run(worker.generate_sequences(verl_parts.make_batch(list(range(8)), 2, 5, False)))
     print("RETURNED", len(output), flush=True)  # the batch went back to the caller
-    time.sleep(60)
+    os.kill(os.getpid(), 9)  # the trainer stops this worker at once: no time left for the writer
     """
 )
 
@@ -119,15 +126,9 @@ def test_worker_killed_right_after_its_batch_returned_keeps_the_batch(tmp_path: 
         env=env,
         text=True,
     )
-    assert proc.stdout is not None
-    line = ""
-    for line in proc.stdout:  # verl prints its own lines first
-        if line.startswith("RETURNED"):
-            break
-    time.sleep(0.05)  # the batch travels back to the trainer, which then stops the worker
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert line.split() == ["RETURNED", "16"], proc.stderr.read() if proc.stderr else ""
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, err
+    assert [line.split() for line in out.splitlines() if line.startswith("RETURNED")] == [["RETURNED", "16"]]
     recover(run_dir)
     table = rlreplay.open_run(run_dir).trajectories(step=5)
     assert sorted(zip(table["sample_index"].to_pylist(), table["rollout_n"].to_pylist())) == [
