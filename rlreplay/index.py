@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from rlreplay import arrow_ops as ops
 from rlreplay.schema import (
     KEY_STR,
     KEYS,
@@ -124,7 +124,7 @@ def index_path(sealed: Path) -> Path:
 
 def _np(column: Any, fill: Any = None) -> Any:
     if fill is not None:
-        column = pc.fill_null(column, fill)
+        column = ops.fill_null(column, fill)
     return column.to_numpy(zero_copy_only=False)
 
 
@@ -145,14 +145,14 @@ def _pick(group: Any, n: int, mask: Any, key: Any, largest: bool) -> Any:
 
 
 def _take(column: Any, rows: Any) -> pa.Array:
-    indices = pa.array(np.where(rows < 0, 0, rows), mask=rows < 0)
+    indices = ops.from_numpy(np.where(rows < 0, 0, rows), rows < 0)
     if len(column) == 0:
         return pa.nulls(len(rows), type=column.type)
-    return pc.take(column, indices)
+    return ops.take(column, indices)
 
 
 def _groups(ids: Any) -> tuple[Any, pa.Array]:
-    encoded = pc.dictionary_encode(ids)
+    encoded = ops.dictionary_encode(ids)
     if isinstance(encoded, pa.ChunkedArray):
         encoded = encoded.combine_chunks() if encoded.num_chunks != 1 else encoded.chunk(0)
     return encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64), encoded.dictionary
@@ -176,7 +176,7 @@ def build(spans: pa.Table, row_groups: Sequence[int] | None = None) -> pa.Table:
     start = _np(spans["start_ns"])
     end = _np(spans["end_ns"])
     status = _np(spans["status"])
-    is_root = _np(pc.is_null(spans["parent_id"]))
+    is_root = _np(ops.is_null(spans["parent_id"]))
     is_signals = kind == KIND_SIGNALS
     is_root = is_root & ~is_signals
     is_llm = kind == KIND_LLM
@@ -191,7 +191,7 @@ def build(spans: pa.Table, row_groups: Sequence[int] | None = None) -> pa.Table:
     owner = np.where(root_row >= 0, root_row, first_row)
 
     root_span = _take(spans["span_id"], root_row)
-    root_of_row = _np(root_span.take(pa.array(group)), "")
+    root_of_row = _np(ops.take(root_span, ops.from_numpy(group)), "")
     child_of_root = _np(spans["parent_id"], "") == root_of_row
     is_agent = kind == KIND_AGENT
     agent_candidate = is_agent | (child_of_root & ~is_signals)
@@ -203,34 +203,34 @@ def build(spans: pa.Table, row_groups: Sequence[int] | None = None) -> pa.Table:
 
     prompt = spans["prompt_tokens"]
     response = spans["response_tokens"]
-    has_prompt = ~_np(pc.is_null(prompt))
-    agent_tok_row = _pick(group, n, is_agent & (has_prompt | ~_np(pc.is_null(response))), end, largest=True)
+    has_prompt = ~_np(ops.is_null(prompt))
+    agent_tok_row = _pick(group, n, is_agent & (has_prompt | ~_np(ops.is_null(response))), end, largest=True)
     llm_row = _pick(group, n, is_llm & has_prompt, start, largest=False)
     llm_resp = _np(response, 0)
-    has_llm_resp = np.bincount(group, weights=(is_llm & ~_np(pc.is_null(response))), minlength=n) > 0
+    has_llm_resp = np.bincount(group, weights=(is_llm & ~_np(ops.is_null(response))), minlength=n) > 0
     llm_resp_sum = _sum(group, n, np.where(is_llm, llm_resp, 0))
 
     rewarded_kind = (kind == KIND_AGENT) | (kind == KIND_TRAJECTORY)
     reward = spans["reward"]
-    has_reward = ~_np(pc.is_null(reward))
+    has_reward = ~_np(ops.is_null(reward))
     reward_agent_row = _pick(group, n, rewarded_kind & has_reward, end, largest=True)
 
     columns: dict[str, Any] = {"id": ids}
     for name in (*KEYS, *KEY_STR.values(), "validate", "experiment", "worker"):
         columns[name] = _take(spans[name], owner)
     columns.update(
-        num_spans=pa.array(np.bincount(group, minlength=n).astype(np.int64)),
-        model_calls=pa.array(_sum(group, n, is_llm)),
-        tool_calls=pa.array(_sum(group, n, is_tool)),
-        tool_errors=pa.array(_sum(group, n, is_tool & errored)),
+        num_spans=ops.from_numpy(np.bincount(group, minlength=n).astype(np.int64)),
+        model_calls=ops.from_numpy(_sum(group, n, is_llm)),
+        tool_calls=ops.from_numpy(_sum(group, n, is_tool)),
+        tool_errors=ops.from_numpy(_sum(group, n, is_tool & errored)),
         start_ns=_take(spans["start_ns"], first_timed),
-        end_ns=pa.array(end_timed, mask=end_timed == _NO_TIME),
+        end_ns=ops.from_numpy(end_timed, end_timed == _NO_TIME),
         root_span=root_span,
         root_name=_take(spans["name"], root_row),
         root_status=_take(spans["status"], root_row),
         root_error=_take(spans["error"], root_row),
         agent=_take(spans["name"], agent_row),
-        agent_rank=pa.array(np.where(agent_row >= 0, agent_rank[np.maximum(agent_row, 0)], 2)),
+        agent_rank=ops.from_numpy(np.where(agent_row >= 0, agent_rank[np.maximum(agent_row, 0)], 2)),
         agent_start=_take(spans["start_ns"], agent_row),
         err=_take(spans["error"], err_row),
         err_start=_take(spans["start_ns"], err_row),
@@ -239,12 +239,12 @@ def build(spans: pa.Table, row_groups: Sequence[int] | None = None) -> pa.Table:
         agent_response_tokens=_take(response, agent_tok_row),
         llm_start=_take(spans["start_ns"], llm_row),
         llm_prompt_tokens=_take(prompt, llm_row),
-        llm_response_tokens=pa.array(llm_resp_sum, mask=~has_llm_resp),
+        llm_response_tokens=ops.from_numpy(llm_resp_sum, ~has_llm_resp),
         reward_agent=_take(reward, reward_agent_row),
         reward_agent_end=_take(spans["end_ns"], reward_agent_row),
     )
     for c in SIGNAL_COLUMNS:
-        has = is_signals & ~_np(pc.is_null(spans[c]))
+        has = is_signals & ~_np(ops.is_null(spans[c]))
         row = _pick(group, n, has, end, largest=True)
         columns[f"{c}_sig"] = _take(spans[c], row)
         columns[f"{c}_sig_end"] = _take(spans["end_ns"], row)
@@ -255,10 +255,10 @@ def build(spans: pa.Table, row_groups: Sequence[int] | None = None) -> pa.Table:
         keep = np.r_[True, (g[1:] != g[:-1]) | (r[1:] != r[:-1])]
         g, r = g[keep], r[keep]
         offsets = np.r_[0, np.cumsum(np.bincount(g, minlength=n))].astype(np.int32)
-        columns["row_groups"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(r))
+        columns["row_groups"] = pa.ListArray.from_arrays(ops.from_numpy(offsets), ops.from_numpy(r))
     else:
         columns["row_groups"] = pa.nulls(n, type=pa.list_(pa.int32()))
-    return pa.table(columns).cast(INDEX_SCHEMA)
+    return ops.cast_table(pa.table(columns), INDEX_SCHEMA)
 
 
 _NO_TIME = np.iinfo(np.int64).min
@@ -282,7 +282,7 @@ def merge(rows: pa.Table) -> pa.Table:
     everything = np.ones(rows.num_rows, bool)
 
     def present(name: str) -> Any:
-        return ~_np(pc.is_null(rows[name]))
+        return ~_np(ops.is_null(rows[name]))
 
     def pick(name: str, largest: bool, mask: Any = None) -> Any:
         m = present(name) if mask is None else mask
@@ -294,7 +294,7 @@ def merge(rows: pa.Table) -> pa.Table:
     root = _pick(group, n, has_root, starts, largest=False)
     owner = np.where(root >= 0, root, first)
     agent_key = _np(rows["agent_rank"], 2) * (1 << 62) + (
-        _np(rows["agent_start"], 0) - (pc.min(rows["agent_start"]).as_py() or 0)
+        _np(rows["agent_start"], 0) - (ops.min(rows["agent_start"]).as_py() or 0)
     )
     agent = _pick(group, n, present("agent"), agent_key, largest=False)
     llm_resp = rows["llm_response_tokens"]
@@ -303,10 +303,10 @@ def merge(rows: pa.Table) -> pa.Table:
     for name in (*KEYS, *KEY_STR.values(), "validate", "experiment", "worker"):
         columns[name] = _take(rows[name], owner)
     for name in ("num_spans", "model_calls", "tool_calls", "tool_errors"):
-        columns[name] = pa.array(_sum(group, n, _np(rows[name], 0)))
+        columns[name] = ops.from_numpy(_sum(group, n, _np(rows[name], 0)))
     columns["start_ns"] = _take(rows["start_ns"], first)
     ends = _max_per_group(group, n, _np(rows["end_ns"], _NO_TIME))
-    columns["end_ns"] = pa.array(ends, mask=ends == _NO_TIME)
+    columns["end_ns"] = ops.from_numpy(ends, ends == _NO_TIME)
     for name in ("root_span", "root_name", "root_status", "root_error"):
         columns[name] = _take(rows[name], root)
     for name in ("agent", "agent_rank", "agent_start"):
@@ -321,7 +321,7 @@ def merge(rows: pa.Table) -> pa.Table:
         _take(rows["llm_start"], llm),
         _take(rows["llm_prompt_tokens"], llm),
     )
-    columns["llm_response_tokens"] = pa.array(_sum(group, n, _np(llm_resp, 0)), mask=~has_resp)
+    columns["llm_response_tokens"] = ops.from_numpy(_sum(group, n, _np(llm_resp, 0)), ~has_resp)
     ra = pick("reward_agent_end", largest=True)
     columns["reward_agent"], columns["reward_agent_end"] = (
         _take(rows["reward_agent"], ra),
@@ -334,25 +334,30 @@ def merge(rows: pa.Table) -> pa.Table:
             _take(rows[f"{c}_sig_end"], r),
         )
     columns["row_groups"] = pa.nulls(n, type=pa.list_(pa.int32()))
-    return pa.table(columns).cast(INDEX_SCHEMA)
+    return ops.cast_table(pa.table(columns), INDEX_SCHEMA)
 
 
 def listing(index: pa.Table) -> pa.Table:
     """The trajectory listing (contract C2) of merged index rows, sorted by keys and start."""
     if index.num_rows == 0:
         return LISTING_SCHEMA.empty_table()
-    has_root = _np(pc.is_valid(index["root_span"]))
+    has_root = _np(ops.is_valid(index["root_span"]))
     root_error = _np(index["root_status"], "") == STATUS_ERROR
-    status = np.where(~has_root, STATUS_INCOMPLETE, np.where(root_error, STATUS_ERROR, STATUS_OK))
-    error = pc.if_else(
-        pa.array(root_error), index["root_error"], pc.if_else(pa.array(~has_root), index["err"], None)
+    status_of = pa.array([STATUS_OK, STATUS_ERROR, STATUS_INCOMPLETE])
+    status = ops.take(status_of, ops.from_numpy(np.where(~has_root, 2, np.where(root_error, 1, 0))))
+    error = ops.if_else(
+        ops.from_numpy(root_error),
+        index["root_error"],
+        ops.if_else(ops.from_numpy(~has_root), index["err"], None),
     )
-    has_agent_tokens = _np(pc.is_valid(index["agent_tok_end"]))
-    prompt = pc.if_else(pa.array(has_agent_tokens), index["agent_prompt_tokens"], index["llm_prompt_tokens"])
-    response = pc.if_else(
-        pa.array(has_agent_tokens), index["agent_response_tokens"], index["llm_response_tokens"]
+    has_agent_tokens = _np(ops.is_valid(index["agent_tok_end"]))
+    prompt = ops.if_else(
+        ops.from_numpy(has_agent_tokens), index["agent_prompt_tokens"], index["llm_prompt_tokens"]
     )
-    reward = pc.coalesce(index["reward_sig"], index["reward_agent"])
+    response = ops.if_else(
+        ops.from_numpy(has_agent_tokens), index["agent_response_tokens"], index["llm_response_tokens"]
+    )
+    reward = ops.coalesce(index["reward_sig"], index["reward_agent"])
     start = _np(index["start_ns"], 0)
     columns = {
         "id": index["id"],
@@ -362,21 +367,23 @@ def listing(index: pa.Table) -> pa.Table:
         "worker": index["worker"],
         "name": index["root_name"],
         "agent": index["agent"],
-        "start_time": pa.array(start / 1e9),
-        "duration_s": pa.array((_np(pc.coalesce(index["end_ns"], index["start_ns"]), 0) - start) / 1e9),
+        "start_time": ops.from_numpy(start / 1e9),
+        "duration_s": ops.from_numpy(
+            (_np(ops.coalesce(index["end_ns"], index["start_ns"]), 0) - start) / 1e9
+        ),
         "num_spans": index["num_spans"],
         "model_calls": index["model_calls"],
         "tool_calls": index["tool_calls"],
         "tool_errors": index["tool_errors"],
         "prompt_tokens": prompt,
         "response_tokens": response,
-        "status": pa.array(status),
+        "status": status,
         "error": error,
         "reward": reward,
         **{c: index[f"{c}_sig"] for c in SIGNAL_COLUMNS[1:]},
         **{KEY_STR[k]: index[KEY_STR[k]] for k in KEYS},
     }
-    return pa.table(columns).cast(LISTING_SCHEMA).sort_by(LISTING_SORT)
+    return ops.sort_by(ops.cast_table(pa.table(columns), LISTING_SCHEMA), LISTING_SORT)
 
 
 def read(path: Path, shard_bytes: int) -> pa.Table | None:
@@ -385,17 +392,15 @@ def read(path: Path, shard_bytes: int) -> pa.Table | None:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.ParquetFile(path).read()
-    except (OSError, pa.ArrowException):
-        return None
-    metadata = table.schema.metadata or {}
-    if metadata.get(INDEX_KEY) != INDEX_VERSION or table.schema.names != INDEX_SCHEMA.names:
-        return None
-    if metadata.get(SHARD_BYTES_KEY) != str(shard_bytes).encode():
-        return None
-    try:
-        return table.cast(INDEX_SCHEMA)
-    except (pa.ArrowException, ValueError):
+        pf = pq.ParquetFile(path)
+        schema = pf.schema_arrow  # checked before any row is read
+        metadata = schema.metadata or {}
+        if metadata.get(INDEX_KEY) != INDEX_VERSION or schema.names != INDEX_SCHEMA.names:
+            return None
+        if metadata.get(SHARD_BYTES_KEY) != str(shard_bytes).encode():
+            return None
+        return ops.cast_table(pf.read(), INDEX_SCHEMA)
+    except (OSError, pa.ArrowException, ValueError):
         return None
 
 
@@ -467,7 +472,7 @@ def read_run_index(
         if pf.schema_arrow.names != INDEX_SCHEMA.names:
             raise ValueError("not a run index")
         groups = range(pf.num_row_groups) if steps is None else _step_groups(pf, steps)
-        return pf.read_row_groups(list(groups)).cast(INDEX_SCHEMA), covered
+        return ops.cast_table(pf.read_row_groups(list(groups)), INDEX_SCHEMA), covered
     except FileNotFoundError:
         return None
     except (OSError, KeyError, orjson.JSONDecodeError, pa.ArrowException, ValueError) as exc:
@@ -477,7 +482,7 @@ def read_run_index(
 def _step_groups(pf: Any, steps: Sequence[int]) -> list[int]:
     """Row groups of a run index (sorted by step) whose step statistics may hold one of ``steps``."""
     column = INDEX_SCHEMA.get_field_index("step")
-    wanted = np.unique(np.asarray(steps, dtype=np.int64))
+    wanted = np.asarray(sorted(set(steps)), dtype=np.int64)
     out = []
     for i in range(pf.num_row_groups):
         stats = pf.metadata.row_group(i).column(column).statistics
@@ -512,7 +517,7 @@ def write_run_index(rows: pa.Table, covered: dict[str, list[int]], path: Path) -
     try:
         order = [(c, "ascending") for k in KEYS for c in (k, KEY_STR[k])] + [("start_ns", "ascending")]
         pq.write_table(
-            rows.sort_by([*order, ("id", "ascending")]).replace_schema_metadata(metadata),
+            ops.sort_by(rows, [*order, ("id", "ascending")]).replace_schema_metadata(metadata),
             tmp,
             compression="snappy",
             row_group_size=RUN_INDEX_ROW_GROUP,
@@ -531,6 +536,6 @@ def merge_into(merged: pa.Table, more: Sequence[pa.Table]) -> pa.Table:
     added = pa.concat_tables(extra)
     if merged.num_rows == 0:
         return merge(added)
-    hit = pc.is_in(merged["id"], value_set=pc.unique(added["id"]))
-    again = merge(pa.concat_tables([merged.filter(hit), added]))
-    return pa.concat_tables([merged.filter(pc.invert(hit)), again])
+    hit = ops.is_in(merged["id"], ops.unique(added["id"]))
+    again = merge(pa.concat_tables([ops.filter(merged, hit), added]))
+    return pa.concat_tables([ops.filter(merged, ops.invert(hit)), again])

@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import os
-import secrets
 import socket
 import time
 import uuid
@@ -82,7 +81,7 @@ def safe_run_path(run_dir: str | os.PathLike[str], *parts: str | os.PathLike[str
 def _write_tmp(path: Path, data: Any) -> Path:
     """``data`` as JSON in a fresh, fsynced temporary file beside ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
     try:
         with open(tmp, "x") as f:
             json.dump(data, f, indent=2, sort_keys=True, default=str)

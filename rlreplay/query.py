@@ -14,6 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from rlreplay import arrow_ops as ops
 from rlreplay.selection import KEYS, STR_KEYS, Selection, SelectionError, merged
 
 #: The columns of :func:`stats`, in order.
@@ -103,7 +104,7 @@ def filter_where(table: pa.Table, expr: str) -> pa.Table:
         rows = _run_query(con, query, f"--where {expr!r}")[_ROW]
     finally:
         con.unregister("_listing")
-    return table.take(rows)
+    return ops.take(table, rows)
 
 
 def _spans_table(run: Any) -> Any:

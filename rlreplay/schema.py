@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from rlreplay import arrow_ops as ops
+
 FORMAT_VERSION = 2
 FORMAT_KEY = b"rlreplay.format_version"
 
@@ -125,7 +127,9 @@ def upgrade(table: pa.Table, columns: list[str] | None = None) -> pa.Table:
     for name in names:
         field = SPAN_SCHEMA.field(name)
         if name in table.column_names:
-            arrays.append(table[name].cast(field.type) if table[name].type != field.type else table[name])
+            arrays.append(
+                ops.cast(table[name], field.type) if table[name].type != field.type else table[name]
+            )
         elif name in TOKEN_COLUMNS:
             arrays.append(pa.array([[]] * n, type=field.type))
         else:

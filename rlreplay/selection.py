@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from rlreplay import arrow_ops as ops
 from rlreplay.index import LISTING_FIELDS, LISTING_SCHEMA
 from rlreplay.schema import KEY_STR, KEYS
 from rlreplay.store import Filters, RunError
@@ -62,7 +62,7 @@ def filter_status(table: pa.Table, status: str | None) -> pa.Table:
         return table
     if status not in STATUSES:
         raise ValueError(f"status must be one of {', '.join(STATUSES)}, not {status!r}")
-    return table.filter(pc.equal(table["status"], status))
+    return ops.filter(table, ops.equal(table["status"], status))
 
 
 def _rank(seed: int, step: int | None, validate: bool, sample_key: Any) -> bytes:
@@ -171,17 +171,17 @@ class KeySpec:
         """Boolean mask over a key's int column and its string column (nulls never match)."""
         terms = []
         if self.ints:
-            terms.append(pc.is_in(ints, value_set=pa.array(self.ints, type=pa.int64())))
+            terms.append(ops.is_in(ints, pa.array(self.ints, type=pa.int64())))
         for lo, hi in self.ranges:
-            terms.append(pc.and_(pc.greater_equal(ints, lo), pc.less_equal(ints, hi)))
+            terms.append(ops.and_(ops.greater_equal(ints, lo), ops.less_equal(ints, hi)))
         if self.strings and strings is not None:
-            terms.append(pc.is_in(strings, value_set=pa.array(self.strings, type=pa.string())))
+            terms.append(ops.is_in(strings, pa.array(self.strings, type=pa.string())))
         if not terms:
             return pa.array([False] * len(ints), type=pa.bool_())
         mask = terms[0]
         for term in terms[1:]:
-            mask = pc.or_(mask, term)
-        return pc.fill_null(mask, False)
+            mask = ops.or_(mask, term)
+        return ops.fill_null(mask, False)
 
 
 def _non_ascii_digits(text: str) -> bool:
@@ -251,7 +251,7 @@ def merged(table: pa.Table) -> pa.Table:
             continue
         strings = out[str_key]
         if key in out.column_names and strings.null_count < len(strings):
-            value = pc.coalesce(pc.cast(out[key], pa.string()), strings)
+            value = ops.coalesce(ops.cast(out[key], pa.string()), strings)
             out = out.set_column(out.column_names.index(key), key, value)
         out = out.drop_columns([str_key])
     return out
@@ -320,16 +320,16 @@ class Selection:
         for key, spec in self.keys().items():
             str_key = f"{key}_str"
             term = spec.mask(table[key], table[str_key] if str_key in table.column_names else None)
-            mask = term if mask is None else pc.and_(mask, term)
+            mask = term if mask is None else ops.and_(mask, term)
         for column, value in (("validate", self.validate), ("experiment", self.experiment)):
             if value is not None:
-                term = pc.fill_null(pc.equal(table[column], value), False)
-                mask = term if mask is None else pc.and_(mask, term)
+                term = ops.fill_null(ops.equal(table[column], value), False)
+                mask = term if mask is None else ops.and_(mask, term)
         if self.status is not None:
-            term = pc.fill_null(pc.equal(table["status"], self.status), False)
-            mask = term if mask is None else pc.and_(mask, term)
+            term = ops.fill_null(ops.equal(table["status"], self.status), False)
+            mask = term if mask is None else ops.and_(mask, term)
         if mask is not None:
-            table = table.filter(mask)
+            table = ops.filter(table, mask)
         if self.where is not None:
             from rlreplay.query import filter_where
 
@@ -360,4 +360,4 @@ def sort_table(table: pa.Table, order: list[tuple[str, str]]) -> pa.Table:
         keys.append((column, direction))
         if f"{column}_str" in table.column_names:
             keys.append((f"{column}_str", direction))
-    return table.sort_by(keys)  # nulls sort last by default
+    return ops.sort_by(table, keys)

@@ -20,7 +20,6 @@ import fcntl
 import json
 import os
 import re
-import secrets
 import socket
 import threading
 import time
@@ -33,9 +32,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from rlreplay import arrow_ops as ops
 from rlreplay import index as tindex
 from rlreplay.manifest import QUARANTINE_DIR, UnsafePathError, quarantine, safe_run_path
 from rlreplay.schema import (
@@ -96,7 +95,7 @@ def partition_dir(run_dir: Path, step: int | None, worker: str) -> Path:
 
 
 def new_uid() -> str:
-    return f"{time.time_ns():x}-{os.getpid()}-{secrets.token_hex(3)}"
+    return f"{time.time_ns():x}-{os.getpid()}-{os.urandom(3).hex()}"
 
 
 def sealed_path_for(partial: Path) -> Path:
@@ -395,9 +394,9 @@ def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes
         raise FileExistsError(final)
     metadata = {**SPAN_SCHEMA.metadata, **(extra_metadata or {})}
     table = table.replace_schema_metadata(metadata).combine_chunks()
-    order = pc.sort_indices(table, sort_keys=SORT_KEYS)
-    sizes = row_sizes(table).take(order)
-    spans = table.select(tindex.SPAN_COLUMNS).take(order)
+    order = ops.sort_indices(table, SORT_KEYS)
+    sizes = ops.take(row_sizes(table), order)
+    spans = ops.take(table.select(tindex.SPAN_COLUMNS), order)
     bounds = row_group_bounds(spans, sizes=sizes)
     row_group_of = [i for i, (a, b) in enumerate(bounds) for _ in range(b - a)]
     tmp = final.with_name("_" + final.name + ".tmp")
@@ -413,7 +412,7 @@ def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes
             data_page_size=1 << 20,
         )
         for start, stop in bounds:
-            writer.write_table(table.take(order[start:stop]), row_group_size=stop - start)
+            writer.write_table(ops.take(table, order[start:stop]), row_group_size=stop - start)
         writer.close()
         f.flush()
         os.fsync(f.fileno())
@@ -428,9 +427,9 @@ def row_sizes(table: pa.Table) -> pa.Array:
     """About how many payload bytes each row holds."""
     size = np.full(table.num_rows, 200, dtype=np.int64)
     for name in ("attributes", "inputs", "output"):
-        size += pc.fill_null(pc.binary_length(table[name]), 0).to_numpy(zero_copy_only=False)
+        size += ops.fill_null(ops.binary_length(table[name]), 0).to_numpy(zero_copy_only=False)
     for name, typ in TOKEN_COLUMNS.items():
-        lengths = pc.fill_null(pc.list_value_length(table[name]), 0)
+        lengths = ops.fill_null(ops.list_value_length(table[name]), 0)
         size += lengths.to_numpy(zero_copy_only=False).astype(np.int64) * typ.byte_width
     return pa.array(size)
 

@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import sys
@@ -391,6 +390,8 @@ class Publisher:
         return [one(item) for item in due]
 
     def _failed(self, rel: str, now: float, exc: BaseException) -> None:
+        import random
+
         retry = self._retry.setdefault(rel, _Retry())
         retry.attempts += 1
         delay = min(MAX_BACKOFF_S, 0.5 * 2 ** (retry.attempts - 1))

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from rlreplay import arrow_ops as ops
 from rlreplay import index as tindex
 from rlreplay import manifest, payload
 from rlreplay.schema import (
@@ -72,10 +72,10 @@ class Filters:
                 term = _key_term(table, key, values)
             else:
                 column = table[id_column if key == "trajectory_id" else key]
-                term = pc.is_in(column, value_set=pa.array(values, type=column.type))
-            term = pc.fill_null(term, False)
-            mask = term if mask is None else pc.and_(mask, term)
-        return table if mask is None else table.filter(mask)
+                term = ops.is_in(column, pa.array(values, type=column.type))
+            term = ops.fill_null(term, False)
+            mask = term if mask is None else ops.and_(mask, term)
+        return table if mask is None else ops.filter(table, mask)
 
     def single_step(self) -> int | None:
         """The step's partition when the step filter is one integer."""
@@ -92,9 +92,9 @@ def _key_term(table: pa.Table, key: str, values: list[Any]) -> Any:
             ints.append(number)
         if isinstance(value, str) or (number is None and value is not None):
             strs.append(str(value))
-    term = pc.is_in(table[key], value_set=pa.array(ints, type=pa.int64()))
+    term = ops.is_in(table[key], pa.array(ints, type=pa.int64()))
     if strs and KEY_STR[key] in table.column_names:
-        term = pc.or_(pc.fill_null(term, False), pc.is_in(table[KEY_STR[key]], value_set=pa.array(strs)))
+        term = ops.or_(ops.fill_null(term, False), ops.is_in(table[KEY_STR[key]], pa.array(strs)))
     return term
 
 
@@ -298,7 +298,7 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
     """
     import numpy as np
 
-    table = table.sort_by([("start_ns", "ascending"), ("end_ns", "descending")]).combine_chunks()
+    table = ops.sort_by(table, [("start_ns", "ascending"), ("end_ns", "descending")]).combine_chunks()
     present = [c for c in TOKEN_COLUMNS if c in table.column_names]
     plain = [c for c in table.column_names if c not in TOKEN_COLUMNS]
     rows = table.select(plain).to_pylist()
@@ -400,7 +400,7 @@ def decoded_rows(spans: pa.Table, warn: Any = None) -> list[dict[str, Any]]:
         groups.setdefault(tid, []).append(i)
     plain = [c for c in spans.column_names if c not in TOKEN_COLUMNS]
     for rows in groups.values():
-        part = spans.take(rows)
+        part = ops.take(spans, rows)
         traj = trajectory_from_table(part, warn)
         by_id = {s.span_id: s for s in traj.spans}
         for r in part.select(plain).to_pylist():
@@ -749,7 +749,7 @@ class Run:
         if not ref or any(c not in "0123456789abcdef" for c in ref):
             raise RunError(f"not a trajectory id: {ref!r} (expected hex characters)")
         table = self.index()
-        matches = table.filter(pc.starts_with(table["id"], ref))
+        matches = ops.filter(table, ops.starts_with(table["id"], ref))
         unique = sorted(set(matches["id"].to_pylist()))
         if not unique:
             raise RunError(f"no trajectory {ref!r} in {self.path}")
@@ -789,7 +789,7 @@ class Run:
         tables = []
         sources: dict[str, list[str]] = {}
         for f in self._files(base):
-            hits = f.index.filter(pc.is_in(f.index["id"], value_set=wanted_set))
+            hits = ops.filter(f.index, ops.is_in(f.index["id"], wanted_set))
             if hits.num_rows == 0:
                 continue
             for tid in hits["id"].to_pylist():
@@ -808,7 +808,7 @@ class Run:
             groups.setdefault(tid, []).append(i)
         return [
             trajectory_from_table(
-                table.take(groups[t]), lambda m, t=t: self._warn(f"{', '.join(sources.get(t, []))}: {m}")
+                ops.take(table, groups[t]), lambda m, t=t: self._warn(f"{', '.join(sources.get(t, []))}: {m}")
             )
             for t in wanted
             if t in groups
@@ -869,7 +869,7 @@ def _row_group_may_match(group: pq.RowGroupMetaData, wanted: list[tuple[str, lis
 
 def _concat(tables: list[pa.Table], columns: list[str] | None) -> pa.Table:
     schema = pa.schema([SPAN_SCHEMA.field(c) for c in columns]) if columns else SPAN_SCHEMA
-    tables = [t.cast(schema) if t.schema != schema else t for t in tables]
+    tables = [ops.cast_table(t, schema) if t.schema != schema else t for t in tables]
     return pa.concat_tables(tables) if tables else schema.empty_table()
 
 

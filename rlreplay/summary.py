@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pyarrow.compute as pc
-
+from rlreplay import arrow_ops as ops
 from rlreplay import manifest
 from rlreplay.shards import SPANS_DIR, recover_run
 from rlreplay.store import Run
@@ -25,8 +24,8 @@ def run_summary(run: Run) -> dict[str, Any]:
     included), then what the recording processes reported (their counters, ``RECORDER_KEYS``:
     ``spans_written`` is their count of spans, which can lag behind or exceed what is on disk)."""
     spans = run.spans(columns=["trajectory_id", "step", "step_str", "num_tokens"])
-    steps = {v for c in ("step", "step_str") for v in pc.unique(spans[c]).drop_null().to_pylist()}
-    tokens = int(pc.sum(spans["num_tokens"]).as_py() or 0) if spans.num_rows else 0
+    steps = {v for c in ("step", "step_str") for v in ops.drop_null(ops.unique(spans[c])).to_pylist()}
+    tokens = int(ops.sum(spans["num_tokens"]).as_py() or 0) if spans.num_rows else 0
     from rlreplay import storage
 
     uri = getattr(run, "uri", None)  # a run on an object store, read through a local cache
@@ -40,7 +39,7 @@ def run_summary(run: Run) -> dict[str, Any]:
         "tokenizer": m.get("tokenizer"),
         "command": " ".join(manifest.redact_argv([str(a) for a in m.get("command") or []])),  # older runs too
         "steps": len(steps),
-        "trajectories": len(pc.unique(spans["trajectory_id"])) if spans.num_rows else 0,
+        "trajectories": len(ops.unique(spans["trajectory_id"])) if spans.num_rows else 0,
         "spans": spans.num_rows,
         "token_ids": tokens,
         "bytes_on_disk": size,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +116,78 @@ def test_ls_to_a_pipe_imports_no_pydantic_rich_or_pandas(args: list[str], tmp_pa
         assert steps == {"5"} and lines[-1].endswith(f"in {SAMPLE_RUN}")
     else:
         assert len(lines) == SAMPLE_TRAJECTORIES + 2 and lines[0].split()[:2] == ["id", "step"]
+
+
+# ---- the listing path loads no pyarrow.compute (its import writes a wrapper for every kernel) ----
+
+V1_RUN = ROOT / "tests" / "fixtures" / "v1-run"  # format 1: indexes built from the spans, a live file
+#: Modules a listing command never loads: ``pyarrow.compute`` (~30 ms), ``numpy.ma`` (~9 ms).
+NOT_ON_THE_LISTING_PATH = {"pyarrow.compute", "numpy.ma"}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ls", "SAMPLE", "--step", "5"],
+        ["ls", "SAMPLE", "--where", "reward > 0 and model_calls >= 2", "--sort", "reward desc, duration_s"],
+        ["ls", "SAMPLE", "--json", "--rollout-n", "0..1", "--status", "ok"],
+        ["stats", "SAMPLE"],
+        ["stats", "SAMPLE", "--step", "2..4", "--json"],
+        ["ls", "V1"],
+        ["ls", "V1", "--step", "1", "--sort", "reward desc", "--limit", "5"],
+        ["stats", "V1"],
+    ],
+    ids=lambda args: " ".join(args),
+)
+def test_listing_commands_load_no_pyarrow_compute(args: list[str], tmp_path: Path) -> None:
+    run = {"SAMPLE": str(SAMPLE_RUN), "V1": str(V1_RUN)}
+    proc, modules = run_cli(*(run.get(a, a) for a in args), tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert modules & NOT_ON_THE_LISTING_PATH == set()
+    assert "pyarrow._compute" in modules and "rlreplay.arrow_ops" in modules
+    lines = proc.stdout.splitlines()
+    if args[0] == "ls" and "--json" in args:
+        rows = [json.loads(line) for line in lines]
+        assert rows and all(r["rollout_n"] in (0, 1) and r["status"] == "ok" for r in rows)
+    elif args[0] == "ls":
+        header, body = lines[0].split(), [line.split() for line in lines[1:-1]]
+        assert body and header[:2] == ["id", "step"] and lines[-1].endswith(f"in {run[args[1]]}")
+        if "--step" in args:
+            assert {row[1] for row in body} == {args[args.index("--step") + 1]}
+        if "--where" in args:
+            rewards = [float(row[header.index("reward")]) for row in body]
+            assert rewards == sorted(rewards, reverse=True) and min(rewards) > 0
+    elif "--json" in args:
+        assert sorted({json.loads(line)["step"] for line in lines}) == [2, 3, 4]
+    else:
+        assert lines[0].split()[:2] == ["step", "split"] and "trends" in proc.stdout
+
+
+def test_the_run_index_is_written_and_read_loading_no_pyarrow_compute(tmp_path: Path) -> None:
+    """A run of enough shards for a run index: the first listing writes it, a step's listing reads
+    its row groups; neither loads pyarrow.compute."""
+    from rlreplay.index import RUN_INDEX, RUN_INDEX_MIN_SHARDS
+
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE_RUN, run)
+    shards = sorted((run / "spans").glob("step=*/worker=*/part-*.parquet"))
+    for copy in range(-(-RUN_INDEX_MIN_SHARDS // len(shards)) - 1):  # each shard again, in another folder
+        for shard in shards:
+            folder = shard.parent.with_name(f"{shard.parent.name}-copy{copy}")
+            folder.mkdir(exist_ok=True)
+            for sibling in (shard, shard.with_suffix(".index")):
+                shutil.copy2(sibling, folder / sibling.name)
+    assert not (run / RUN_INDEX).exists()
+    proc, modules = run_cli("ls", str(run), tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run / RUN_INDEX).is_file() and modules & NOT_ON_THE_LISTING_PATH == set()
+    assert len(proc.stdout.splitlines()) == SAMPLE_TRAJECTORIES + 2
+    proc, modules = run_cli("ls", str(run), "--step", "3", "--sort", "reward desc", tmp=tmp_path)
+    assert proc.returncode == 0 and modules & NOT_ON_THE_LISTING_PATH == set(), proc.stderr[-2000:]
+    assert {line.split()[1] for line in proc.stdout.splitlines()[1:-1]} == {"3"}
+    proc, modules = run_cli("stats", str(run), "--step", "3", "--json", tmp=tmp_path)
+    assert proc.returncode == 0 and modules & NOT_ON_THE_LISTING_PATH == set(), proc.stderr[-2000:]
+    assert {json.loads(line)["step"] for line in proc.stdout.splitlines()} == {3}
 
 
 @pytest.mark.parametrize("command", sorted(set(COMMANDS) - {"upload"}))  # upload: its backends' options
