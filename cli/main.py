@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Any
 
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:]
     reading = ("ls", "show", "diff", "info", "stats", "sql", "export")
     if argv is None and args and args[0] in reading and "--help" not in args:
+        # no linear algebra here: one OpenBLAS thread (as numpy loads, OpenBLAS starts one per core,
+        # and they spin for a while, taking the CPU this command runs on)
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
         from rlreplay.store import skip_pandas
 
         skip_pandas()  # the command-line process of a reading command: no pandas import

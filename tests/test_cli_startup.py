@@ -190,6 +190,46 @@ def test_the_run_index_is_written_and_read_loading_no_pyarrow_compute(tmp_path: 
     assert {json.loads(line)["step"] for line in proc.stdout.splitlines()} == {3}
 
 
+# ``python -m rlreplay ARGS``, writing the OpenBLAS thread setting the process ran with to $SETTING_OUT
+RUN_REPORTING_BLAS_THREADS = """
+import atexit, os, runpy, sys
+setting = lambda: os.environ.get("OPENBLAS_NUM_THREADS", "-")
+atexit.register(lambda: open(os.environ["SETTING_OUT"], "w").write(setting()))
+sys.argv = ["rlreplay", *sys.argv[1:]]
+runpy.run_module("rlreplay", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "given", "expected"),
+    [
+        (["ls", str(SAMPLE_RUN), "--step", "5"], None, "1"),
+        (["stats", str(SAMPLE_RUN)], None, "1"),
+        (["ls", str(SAMPLE_RUN), "--step", "5"], "3", "3"),  # the user's own setting stays
+        (["--help"], None, "-"),
+        (["ls", "--help"], None, "-"),
+    ],
+)
+def test_reading_commands_run_one_openblas_thread(
+    args: list[str], given: str | None, expected: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "setting"
+    env = {k: v for k, v in os.environ.items() if k not in ("RLREPLAY_DIR", "OPENBLAS_NUM_THREADS")}
+    env["SETTING_OUT"] = str(out)
+    if given is not None:
+        env["OPENBLAS_NUM_THREADS"] = given
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_REPORTING_BLAS_THREADS, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert out.read_text() == expected
+
+
 @pytest.mark.parametrize("command", sorted(set(COMMANDS) - {"upload"}))  # upload: its backends' options
 def test_a_command_help_imports_no_pyarrow(command: str, tmp_path: Path) -> None:
     proc, modules = run_cli(command, "--help", tmp=tmp_path)
