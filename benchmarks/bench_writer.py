@@ -11,6 +11,7 @@ million recorded ids (ids under keys ending in ``ids``, once per span that holds
     python benchmarks/bench_writer.py [--trajectories 64] [--tokens 8000] [--batch-rows 64] [--profile]
     python benchmarks/bench_writer.py --against OLD_TREE    # side by side with another source tree
     python benchmarks/bench_writer.py --pool DIR/pool.json  # real Qwen3 ids (bench_scale.py --keep DIR)
+    python benchmarks/bench_writer.py --idle-ms 30          # + the same work, idle 30 ms before each span
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def _ids(event: tuple) -> int:
     return sum(len(v) for k, v in lists if k.endswith("ids") and type(v) is list)
 
 
-def write_all(events: list[tuple], out: Path, batch_rows: int) -> dict[str, float]:
-    """What the writer thread does with ``events``; CPU seconds per phase."""
+def write_all(events: list[tuple], out: Path, batch_rows: int, idle_s: float = 0.0) -> dict[str, float]:
+    """What the writer thread does with ``events``; CPU seconds per phase. ``idle_s``: the thread
+    sleeps that long before each span (not timed), as the writer in a paced rollout wakes to a few."""
     from rlreplay import recorder, rows
     from rlreplay.shards import PartialWriter
 
@@ -90,6 +92,8 @@ def write_all(events: list[tuple], out: Path, batch_rows: int) -> dict[str, floa
         raise AssertionError(message)
 
     for event in events:
+        if idle_s:
+            time.sleep(idle_s)
         t0 = clock()
         row, nbytes = rows.encode_row(
             event, config, "w", problem, recorder.format_trajectory_id, recorder.format_span_id, prefixes
@@ -115,7 +119,7 @@ def write_all(events: list[tuple], out: Path, batch_rows: int) -> dict[str, floa
     return {"encode_row": encode, "take_batch": batch, "ipc write": write}
 
 
-def measure(args: argparse.Namespace) -> tuple[int, int, dict[str, float]]:
+def measure(args: argparse.Namespace, idle_s: float = 0.0) -> tuple[int, int, dict[str, float]]:
     """(spans, recorded ids, best CPU-s per phase) of the rlreplay this process imports."""
     import pyarrow as pa
 
@@ -124,7 +128,7 @@ def measure(args: argparse.Namespace) -> tuple[int, int, dict[str, float]]:
     best: dict[str, float] | None = None
     for _ in range(args.repeat):
         with tempfile.TemporaryDirectory() as tmp:
-            phases = write_all(events, Path(tmp), args.batch_rows)
+            phases = write_all(events, Path(tmp), args.batch_rows, idle_s)
         if best is None or sum(phases.values()) < sum(best.values()):
             best = phases
     assert best is not None
@@ -151,6 +155,12 @@ def main() -> None:
         "--pool", help="real token ids (a JSON list, as bench_scale.py --keep writes pool.json)"
     )
     parser.add_argument("--against", help="another rlreplay source tree (an older commit's), side by side")
+    parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=0.0,
+        help="also time the same work with the thread idle this long before each span, side by side",
+    )
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.json:
@@ -165,16 +175,24 @@ def main() -> None:
         out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
         columns[args.against] = json.loads(out.strip().splitlines()[-1])[2]
     spans, n_ids, columns["this tree"] = measure(args)
+    if args.idle_ms:
+        columns[f"{args.idle_ms:g} ms idle before each span"] = measure(args, args.idle_ms / 1000)[2]
     names = list(columns)
     print(f"{spans} spans, {n_ids:,} recorded ids, {args.batch_rows} rows per batch, best of {args.repeat}")
-    ratio_head = " | ratio |" if args.against else " |"
-    print("| CPU-s per million recorded ids | " + " | ".join(names) + ratio_head)
-    print("|---|" + "---:|" * (len(names) + bool(args.against)))
+    ratios = ([f"{args.against} / this tree"] if args.against else []) + (
+        ["idle / this tree"] if args.idle_ms else []
+    )
+    print("| CPU-s per million recorded ids | " + " | ".join(names + ratios) + " |")
+    print("|---|" + "---:|" * (len(names) + len(ratios)))
     for phase in [*columns["this tree"], "total"]:
-        values = [sum(c.values()) if phase == "total" else c[phase] for c in columns.values()]
-        cells = " | ".join(f"{v / n_ids * 1e6:.3f}" for v in values)
-        ratio = f" | {values[0] / values[-1]:.1f}x" if args.against and values[-1] else ""
-        print(f"| {phase} | {cells}{ratio} |")
+        values = {n: sum(c.values()) if phase == "total" else c[phase] for n, c in columns.items()}
+        cells = [f"{v / n_ids * 1e6:.3f}" for v in values.values()]
+        base = values["this tree"] or float("nan")
+        if args.against:
+            cells.append(f"{values[args.against] / base:.2f}x")
+        if args.idle_ms:
+            cells.append(f"{values[names[-1]] / base:.2f}x")
+        print(f"| {phase} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

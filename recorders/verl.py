@@ -443,6 +443,7 @@ def _make_trace_attr(original_attr: Callable[..., Any], config_cls: Any) -> Call
             experiment=config.experiment_name,
             name=name,
             trace=record,
+            write_at_end=False,  # the batch is flushed when its last agent loop ends (_flush_batch)
         )
         with _in_flight_lock:
             _in_flight[0] += 1

@@ -1055,10 +1055,13 @@ def trace_op(
 class trajectory:
     """Open a trajectory: its root span carries step, sample_index, rollout_n, validate, experiment.
 
-    Usable as ``with`` or ``async with``; ``trace=False`` disables recording inside the block.
+    Usable as ``with`` or ``async with``; ``trace=False`` disables recording inside the block. The
+    writer takes a finished trajectory at once; with ``write_at_end=False``, at its next cycle
+    (within ``flush_interval_s``), for callers that make a whole batch durable themselves
+    (``Recorder.request_flush``, ``Recorder.wait_written``): each wake-up of an idle writer costs.
     """
 
-    __slots__ = ("_meta", "_rec", "_span_id", "_start", "_token", "_trace", "_traj")
+    __slots__ = ("_meta", "_rec", "_span_id", "_start", "_token", "_trace", "_traj", "_write_at_end")
 
     def __init__(
         self,
@@ -1069,9 +1072,11 @@ class trajectory:
         experiment: str | None = None,
         name: str = "trajectory",
         trace: bool = True,
+        write_at_end: bool = True,
         **attributes: Any,
     ) -> None:
         self._trace = trace
+        self._write_at_end = write_at_end
         self._traj = _Trajectory(
             key_int(step),
             key_int(sample_index),
@@ -1110,7 +1115,8 @@ class trajectory:
             rec.submit(
                 (_SPAN, self._traj, self._span_id, None, self._meta, self._start, end, exc, (), {}, None, 256)
             )
-            rec._wake.set()  # write the finished trajectory now: Ray kills actors without atexit
+            if self._write_at_end:
+                rec._wake.set()  # write the finished trajectory now: Ray kills actors without atexit
 
     async def __aenter__(self) -> trajectory:
         return self.__enter__()

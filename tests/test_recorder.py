@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import pytest
 
 import rlreplay
 from rlreplay.cli.main import main
+from rlreplay.recorder import get_recorder
 from rlreplay.shards import list_files
 from rlreplay.store import decoded_rows
 
@@ -502,6 +504,33 @@ def test_step_boundary_seals_the_previous_step_and_flush_interval_writes(run_dir
     (counters,) = [json.loads(p.read_text()) for p in (run_dir / "_workers").glob("*.json")]
     assert counters["spans"] == 4 and counters["pid"] == os.getpid() and counters["worker"] == "w0"
     assert counters["dropped"] == counters["lost"] == counters["spilled"] == 0
+
+
+class _CountedWake(threading.Event):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sets = 0
+
+    def set(self) -> None:
+        self.sets += 1
+        super().set()
+
+
+def test_write_at_end_false_leaves_a_trajectory_to_the_writers_next_cycle(run_dir: Path) -> None:
+    """An ended trajectory wakes the writer, unless its caller flushes whole batches itself (the verl
+    recorder): then it is written at the writer's next cycle, within the flush interval."""
+    rec = get_recorder()
+    rec._wake = wakes = _CountedWake()  # the writer waits on it from its next cycle on
+    time.sleep(0.3)
+    with rlreplay.trajectory(step=0, sample_index=0):
+        add(1)
+    assert wakes.sets == 1
+    with rlreplay.trajectory(step=0, sample_index=1, write_at_end=False):
+        add(2)
+    assert wakes.sets == 1
+    time.sleep(0.8)
+    assert rlreplay.open_run(run_dir).spans(step=0).num_rows == 4
+    assert wakes.sets == 1
 
 
 def test_queue_accounting_does_not_leak(tmp_path: Path) -> None:
