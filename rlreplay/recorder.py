@@ -212,7 +212,6 @@ class RecorderConfig:
     max_partial_bytes: int = 16 << 20
     max_partial_age_s: float = 600.0
     seal_idle_s: float = 30.0
-    spill_batch_rows: int = 256
 
 
 # Queue events; the last item of every event is its estimated size in bytes.
@@ -239,8 +238,9 @@ class Recorder:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
-        self._spill_lock = threading.Lock()
-        self._spill_bufs: dict[int | None, _StepBuffer] = {}  # spans the calling threads wrote
+        # the step buffers, their live files and the prefix cache: the writer thread's, and a calling
+        # thread's while it encodes a span itself (queue full, policy=spill)
+        self._lock = threading.RLock()
         self._steps: dict[int | None, _StepBuffer] = {}
         self._last_write: dict[int | None, float] = {}
         self._seal_queue: deque[PartialWriter] = deque()
@@ -292,6 +292,7 @@ class Recorder:
             self._warn_once("spilled", "queue full: the calling thread writes spans itself (policy=spill)")
             try:
                 self._spill(event)
+                return
             except Exception as exc:
                 self._count_loss("lost", 1, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
         if event[3] is None:  # keep the step's open count right; the writer forgets the trajectory
@@ -300,16 +301,24 @@ class Recorder:
                 self._start()
 
     def _spill(self, event: tuple) -> None:
-        """Encode the span here; write spilled spans in batches (the writer flushes what is left)."""
-        row, nbytes = self._encode_row(event)
-        step = event[1].step
-        with self._spill_lock:
-            buf = self._spill_bufs.get(step)
-            if buf is None:
-                buf = self._spill_bufs[step] = _StepBuffer()
-            buf.append(row, nbytes)
-            if buf.rows >= self.config.spill_batch_rows or buf.nbytes >= self.config.max_batch_bytes:
-                self._write_spilled(step, buf)
+        """Queue full: take the writer's place for the oldest queued events until this span fits, then
+        queue it (or, with nothing left queued, encode it here). Spans are encoded in the order they
+        ended, whichever thread encodes them, so they share what the writer would have shared."""
+        flushes: list[threading.Event | None] = []
+        queue = self._queue
+        with self._lock:
+            while self._enqueued - self._written > self.config.max_queue_bytes:
+                try:
+                    self._take(queue.popleft(), flushes, spilled=True)
+                except IndexError:
+                    break
+            if queue:
+                self._enqueued += event[-1]
+                queue.append(event)
+            else:
+                self._ingest(event, spilled=True)
+            if flushes:
+                self._end_cycle(flushes, force=True)
 
     def _write_rows(self, step: int | None, buf: _StepBuffer) -> int | None:
         """Append a buffer's rows to its live file: how many, or None (counted as lost) on failure."""
@@ -323,34 +332,6 @@ class Recorder:
             self._count_loss("lost", rows, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
             return None
         return rows
-
-    def _write_spilled(self, step: int | None, buf: _StepBuffer) -> None:
-        """Write a spill buffer (the spill lock is held); its rows count as spilled, or as lost."""
-        rows = self._write_rows(step, buf)
-        if rows is None:
-            if buf.writer is not None:
-                self._orphans.append(buf.writer)
-                buf.writer = None
-            return
-        self.counters["spilled"] += rows
-        self._counters_dirty = True
-        if self._rotate_due(buf.writer):
-            self._to_sealer(buf.writer)
-            buf.writer = None
-
-    def _flush_spilled(self, steps: list | None = None, seal: bool = False) -> None:
-        """Write what the calling threads spilled (all steps, or ``steps``); optionally seal it."""
-        with self._spill_lock:
-            for step in list(self._spill_bufs) if steps is None else steps:
-                buf = self._spill_bufs.get(step)
-                if buf is None:
-                    continue
-                if buf.rows:
-                    self._write_spilled(step, buf)
-                if seal:
-                    if buf.writer is not None:
-                        self._to_sealer(buf.writer)
-                    del self._spill_bufs[step]
 
     def _start(self) -> None:
         with self._start_lock:
@@ -401,41 +382,53 @@ class Recorder:
         clock = time.perf_counter
         slice_end = clock() + _WORK_SLICE_S
         for _ in range(len(queue)):  # what is there now; later events wait for the next cycle
-            event = queue.popleft()
-            self._written += event[-1]
-            kind = event[0]
-            if kind == _SPAN:
-                self._ingest(event)
-                if on_writer and clock() > slice_end:
-                    time.sleep(_YIELD_S)  # hand the GIL to the training threads (an event loop)
-                    slice_end = clock() + _WORK_SLICE_S
-            elif kind == _OPEN:
-                self._buffer(event[1].step).open += 1
-            elif kind == _CLOSE:
-                traj = event[1]
-                buf = self._buffer(traj.step)
-                if traj.explicit:
-                    buf.open -= 1
-                buf.root_ended = True
-                self._prefixes.drop(traj.id if type(traj.id) is str else format_trajectory_id(traj.id))
-            else:
-                flushes.append(event[1])
-                self._urgent = False
+            with self._lock:  # a calling thread may take queued events too (queue full, policy=spill)
+                try:
+                    kind = self._take(queue.popleft(), flushes)
+                except IndexError:
+                    break
+            if kind == _SPAN and on_writer and clock() > slice_end:
+                time.sleep(_YIELD_S)  # hand the GIL to the training threads (an event loop)
+                slice_end = clock() + _WORK_SLICE_S
+        self._end_cycle(flushes, force)
+
+    def _take(self, event: tuple, flushes: list[threading.Event | None], spilled: bool = False) -> str:
+        """Apply one queued event (the lock is held); its kind."""
+        self._written += event[-1]
+        kind = event[0]
+        if kind == _SPAN:
+            self._ingest(event, spilled)
+        elif kind == _OPEN:
+            self._buffer(event[1].step).open += 1
+        elif kind == _CLOSE:
+            traj = event[1]
+            buf = self._buffer(traj.step)
+            if traj.explicit:
+                buf.open -= 1
+            buf.root_ended = True
+            self._prefixes.drop(traj.id if type(traj.id) is str else format_trajectory_id(traj.id))
+        else:
+            flushes.append(event[1])
+            self._urgent = False
+        return kind
+
+    def _end_cycle(self, flushes: list[threading.Event | None], force: bool) -> None:
+        """Write the buffers that are due (all with ``force`` or a flush), fsync, seal finished steps,
+        then wake whoever waits on ``flushes``."""
         now = time.monotonic()
         force = force or bool(flushes)
-        for step, buf in list(self._steps.items()):
-            if buf.rows and (
-                force
-                or buf.root_ended
-                or now - buf.first_at >= self.config.max_batch_age_s
-                or buf.nbytes >= self.config.max_batch_bytes
-            ):
-                self._write(step, buf)
-        if self._spill_bufs and (force or self._enqueued - self._written <= self.config.max_queue_bytes):
-            self._flush_spilled()
-        if force or now - self._last_fsync >= self.config.fsync_interval_s:
-            self._fsync_all()
-        self._seal_finished_steps()
+        with self._lock:
+            for step, buf in list(self._steps.items()):
+                if buf.rows and (
+                    force
+                    or buf.root_ended
+                    or now - buf.first_at >= self.config.max_batch_age_s
+                    or buf.nbytes >= self.config.max_batch_bytes
+                ):
+                    self._write(step, buf)
+            if force or now - self._last_fsync >= self.config.fsync_interval_s:
+                self._fsync_all()
+            self._seal_finished_steps()
         if (self._counters_dirty and now - self._last_counters >= 1.0) or now - self._last_counters > 10:
             self._save_counters()
         for done in flushes:
@@ -450,7 +443,8 @@ class Recorder:
                 self._max_step = step
         return buf
 
-    def _ingest(self, event: tuple) -> None:
+    def _ingest(self, event: tuple, spilled: bool = False) -> None:
+        """Encode a span into its step's buffer (the lock is held); ``spilled``: on a calling thread."""
         traj = event[1]
         buf = self._buffer(traj.step)
         try:
@@ -461,6 +455,10 @@ class Recorder:
             )
         else:
             buf.append(row, nbytes)
+            if spilled:
+                buf.spilled += 1
+                self.counters["spilled"] += 1
+                self._counters_dirty = True
         if event[3] is None:
             buf.root_ended = True
             if traj.explicit:
@@ -469,7 +467,7 @@ class Recorder:
             self._write(traj.step, buf)
 
     def _encode_row(self, event: tuple) -> tuple[tuple, int]:
-        prefixes = self._prefixes if threading.current_thread() is self._thread else None
+        """A span's row (the lock is held: the prefix cache is shared by the threads that encode)."""
         return encode_row(
             event,
             self.config,
@@ -477,7 +475,7 @@ class Recorder:
             self._encode_problem,
             format_trajectory_id,
             format_span_id,
-            prefixes,
+            self._prefixes,
             self._warn_once,
         )
 
@@ -485,15 +483,21 @@ class Recorder:
         self._count_loss("encode_errors", 1, f"encode:{key}", message)
 
     def _write(self, step: int | None, buf: _StepBuffer) -> None:
+        """Write a buffer's rows (the lock is held): counted as spans (those a calling thread encoded
+        were counted as spilled), or as lost."""
+        spilled, buf.spilled = buf.spilled, 0
         rows = self._write_rows(step, buf)
         if rows is None:
+            self.counters["spilled"] -= spilled
             self._give_up(buf)
             return
-        self.counters["spans"] += rows
+        self.counters["spans"] += rows - spilled
+        buf.spilled_in_file += spilled
         self._last_write[step] = time.monotonic()
         if self._rotate_due(buf.writer):
             self._to_sealer(buf.writer)
             buf.writer = None
+            buf.spilled_in_file = 0
 
     def _rotate_due(self, writer: PartialWriter) -> bool:
         return (
@@ -508,9 +512,12 @@ class Recorder:
             with contextlib.suppress(Exception):
                 buf.writer.close()
             buf.writer = None
+            buf.spilled_in_file = 0
 
-    def _gone(self, writer: PartialWriter) -> bool:
-        """True, and its rows counted lost, if a live file was removed under us (run dir deleted)."""
+    def _gone(self, buf: _StepBuffer) -> bool:
+        """True, and its rows counted lost, if a buffer's live file was removed under us (run dir
+        deleted)."""
+        writer = buf.writer
         try:
             os.stat(writer.path)
             return False
@@ -518,7 +525,9 @@ class Recorder:
             pass
         except OSError:
             return False
-        self.counters["spans"] -= writer.rows
+        self.counters["spans"] -= writer.rows - buf.spilled_in_file
+        self.counters["spilled"] -= buf.spilled_in_file
+        buf.spilled_in_file = 0
         self._count_loss(
             "lost", writer.rows, "gone", f"{writer.path} was removed while recording: its spans are lost"
         )
@@ -530,22 +539,13 @@ class Recorder:
         self._last_fsync = time.monotonic()
         for buf in self._steps.values():
             if buf.writer is not None:
-                if self._gone(buf.writer):
+                if self._gone(buf):
                     buf.writer = None
                     continue
                 try:
                     buf.writer.fsync()
                 except OSError as exc:
                     self._warn_once("fsync", f"fsync failed: {exc}")
-        with self._spill_lock:
-            for buf in self._spill_bufs.values():
-                if buf.writer is not None:
-                    try:
-                        buf.writer.fsync()
-                    except OSError as exc:
-                        self._warn_once("fsync", f"fsync failed: {exc}")
-                        self._orphans.append(buf.writer)
-                        buf.writer = None
 
     def _seal_finished_steps(self, all_steps: bool = False) -> None:
         """Hand finished steps' files to the sealing thread: a step is finished when none of its
@@ -558,20 +558,19 @@ class Recorder:
                 if buf.rows:
                     self._write(step, buf)
                 self._seal_buffer(buf)
-                self._flush_spilled([step], seal=True)
                 del self._steps[step]
                 self._last_write.pop(step, None)
         if all_steps:
-            self._flush_spilled(seal=True)
             orphans, self._orphans = self._orphans, []
             for writer in orphans:
                 self._to_sealer(writer)
 
     def _seal_buffer(self, buf: _StepBuffer) -> None:
         if buf.writer is not None:
-            if not self._gone(buf.writer):
+            if not self._gone(buf):
                 self._to_sealer(buf.writer)
             buf.writer = None
+            buf.spilled_in_file = 0
 
     def _to_sealer(self, writer: PartialWriter) -> None:
         """Close a live file and queue it for the sealing thread (the writer never waits for a seal)."""

@@ -45,11 +45,23 @@ _SCALARS = pa.struct(list(SPAN_SCHEMA)[:_TOKEN_START])  # every column but the t
 class StepBuffer:
     """Rows of one step waiting to be written, and the step's live file."""
 
-    __slots__ = ("first_at", "nbytes", "open", "root_ended", "rows", "table", "writer")
+    __slots__ = (
+        "first_at",
+        "nbytes",
+        "open",
+        "root_ended",
+        "rows",
+        "spilled",
+        "spilled_in_file",
+        "table",
+        "writer",
+    )
 
     def __init__(self) -> None:
         self.table: list[tuple] = []
         self.rows = 0
+        self.spilled = 0  # rows in ``table`` a calling thread encoded (queue full, policy=spill)
+        self.spilled_in_file = 0  # such rows written to ``writer``
         self.nbytes = 0
         self.first_at = 0.0
         self.root_ended = False
