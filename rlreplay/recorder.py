@@ -289,7 +289,9 @@ class Recorder:
         if self.config.policy == POLICY_DROP:
             self._count_loss("dropped", 1, "dropped", "queue full: dropping spans (policy=drop)")
         else:
-            self._warn_once("spilled", "queue full: the calling thread encodes queued spans itself (policy=spill)")
+            self._warn_once(
+                "spilled", "queue full: the calling thread encodes queued spans itself (policy=spill)"
+            )
             try:
                 self._spill(event)
                 return
