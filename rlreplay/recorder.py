@@ -241,6 +241,7 @@ class Recorder:
         # the step buffers, their live files and the prefix cache: the writer thread's, and a calling
         # thread's while it encodes a span itself (queue full, policy=spill)
         self._lock = threading.RLock()
+        self._term_pending = False  # SIGTERM came while this thread held the lock (see _on_sigterm)
         self._steps: dict[int | None, _StepBuffer] = {}
         self._last_write: dict[int | None, float] = {}
         self._seal_queue: deque[PartialWriter] = deque()
@@ -308,19 +309,27 @@ class Recorder:
         ended, whichever thread encodes them, so they share what the writer would have shared."""
         flushes: list[threading.Event | None] = []
         queue = self._queue
-        with self._lock:
-            while self._enqueued - self._written > self.config.max_queue_bytes:
-                try:
-                    self._take(queue.popleft(), flushes, spilled=True)
-                except IndexError:
-                    break
-            if queue:
-                self._enqueued += event[-1]
-                queue.append(event)
-            else:
-                self._ingest(event, spilled=True)
-            if flushes:
-                self._end_cycle(flushes, force=True)
+        try:
+            with self._lock:
+                while self._enqueued - self._written > self.config.max_queue_bytes:
+                    try:
+                        self._take(queue.popleft(), flushes, spilled=True)
+                    except IndexError:
+                        break
+                if queue:
+                    self._enqueued += event[-1]
+                    queue.append(event)
+                else:
+                    self._ingest(event, spilled=True)
+                if flushes:
+                    self._end_cycle(flushes, force=True)
+        finally:
+            if self._term_pending:
+                _on_sigterm(signal.SIGTERM, None)
+
+    def _lock_held_here(self) -> bool:
+        is_owned = getattr(self._lock, "_is_owned", None)
+        return bool(is_owned and is_owned())
 
     def _write_rows(self, step: int | None, buf: _StepBuffer) -> int | None:
         """Append a buffer's rows to its live file: how many, or None (counted as lost) on failure."""
@@ -867,6 +876,10 @@ def _install_exit_hooks() -> None:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    rec = _recorder
+    if rec is not None and not rec._closed and rec._lock_held_here():  # mid-encode: close once let go
+        rec._term_pending = True
+        return
     close()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)

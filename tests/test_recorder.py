@@ -618,6 +618,53 @@ def test_fork_child_records_into_its_own_files(run_dir: Path) -> None:
     assert len(counters) == 3
 
 
+def test_sigterm_while_the_calling_thread_holds_the_writers_lock(tmp_path: Path) -> None:
+    """SIGTERM arriving while the main thread encodes queued spans itself (queue full): the handler
+    waits until the thread lets go of the writer's lock, then seals and stops the process at once."""
+    run_dir = tmp_path / "run"
+    script = textwrap.dedent(
+        """
+        import os, signal, sys, time
+        import rlreplay
+        from rlreplay import recorder
+        rlreplay.init(sys.argv[1], worker="w", max_queue_mb=0.001, policy="spill")
+        rec = recorder.get_recorder()
+        rec._wake.wait = lambda timeout=None: time.sleep(0.05) or False  # a slow writer: the queue fills
+        ingest = recorder.Recorder._ingest
+
+        def ingest_then_term(self, event, spilled=False):
+            if spilled and not getattr(self, "termed", False):
+                self.termed = True
+                os.kill(os.getpid(), signal.SIGTERM)  # handled while the lock is held
+            return ingest(self, event, spilled)
+
+        recorder.Recorder._ingest = ingest_then_term
+
+        @rlreplay.trace_op(kind="llm")
+        def generate(prompt_ids):
+            return list(reversed(prompt_ids))
+
+        for i in range(1000):
+            print("call", i, flush=True)
+            with rlreplay.trajectory(step=0, sample_index=i):
+                generate(list(range(i, i + 300)))
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.wait(30) == -signal.SIGTERM
+    finally:
+        proc.kill()
+    assert proc.stdout is not None
+    calls = [line for line in proc.stdout.read().splitlines() if line.startswith("call")]
+    assert 1 <= len(calls) < 1000
+    sealed, partials = list_files(run_dir)
+    assert partials == [] and len(sealed) >= 1
+    gens = [r for r in spans_of(run_dir) if r["kind"] == "llm"]
+    assert len(gens) == len(calls)  # every call made before the signal, none lost
+    assert all(r["output"] == list(reversed(r["inputs"]["prompt_ids"])) for r in gens)
+
+
 def test_sigterm_seals_shards(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     script = textwrap.dedent(
