@@ -218,7 +218,7 @@ class RecorderConfig:
 _SPAN = 0  # (_SPAN, traj, span_id, parent_id, meta, start, end, exc, args, kwargs, result, nbytes)
 _OPEN = 1  # (_OPEN, traj, nbytes): an explicit trajectory started
 _FLUSH = 2  # (_FLUSH, threading.Event, nbytes)
-_CLOSE = 3  # (_CLOSE, traj, nbytes): the root span of a trajectory was spilled or dropped
+_CLOSE = 3  # (_CLOSE, traj, nbytes): the root span of a trajectory was dropped (queue full)
 _OPEN_BYTES = 64
 # The writer works in slices and lets the GIL go between them, so an event loop waiting for it
 # waits a slice, not the interpreter's 5 ms switch interval.
@@ -403,7 +403,7 @@ class Recorder:
                 slice_end = clock() + _WORK_SLICE_S
         self._end_cycle(flushes, force)
 
-    def _take(self, event: tuple, flushes: list[threading.Event | None], spilled: bool = False) -> str:
+    def _take(self, event: tuple, flushes: list[threading.Event | None], spilled: bool = False) -> int:
         """Apply one queued event (the lock is held); its kind."""
         self._written += event[-1]
         kind = event[0]
