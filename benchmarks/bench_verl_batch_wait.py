@@ -54,7 +54,7 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args()
-    from rlreplay.cli.record import child_env
+    from rlreplay.cli.launch import child_env
 
     env = child_env(Path(tempfile.mkdtemp()) / "run", None)
     env["PYTHONPATH"] += os.pathsep + str(ROOT / "tests" / "verl_scripts")

@@ -64,7 +64,7 @@ def make_events(
 
     asyncio.run(main())
     recorder._recorder = None
-    events = [e for e in events if e[0] == recorder._SPAN]
+    events = [e for e in events if e[0] == recorder.SPAN]
     return events, sum(_ids(e) for e in events)
 
 
@@ -78,8 +78,9 @@ def _ids(event: tuple) -> int:
 def write_all(events: list[tuple], out: Path, batch_rows: int, idle_s: float = 0.0) -> dict[str, float]:
     """What the writer thread does with ``events``; CPU seconds per phase. ``idle_s``: the thread
     sleeps that long before each span (not timed), as the writer in a paced rollout wakes to a few."""
-    from rlreplay import recorder, rows
-    from rlreplay.shards import PartialWriter
+    from rlreplay import recorder
+    from rlreplay.recorder import rows
+    from rlreplay.shards.live import PartialWriter
 
     config = recorder.RecorderConfig(run_dir=out)
     prefixes = rows.PrefixCache()

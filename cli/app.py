@@ -191,7 +191,7 @@ def selection_options(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from rlreplay.selection import Selection
+        from rlreplay.read.selection import Selection
 
         chosen = {name: kwargs.pop(name, None) for name in names}
         chosen["limit"] = whole_number("--limit", chosen["limit"], minimum=1)
@@ -264,7 +264,7 @@ def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
 
 def open_run_arg(run: Path | None, positional: Path | None = None):
     """The run named by a positional argument or --run (not both), else the default run."""
-    from rlreplay.store import open_run
+    from rlreplay.read.open import open_run
 
     if run is not None and positional is not None and Path(run) != Path(positional):
         fail(f"two runs given: {positional} and --run {run}")

@@ -1,4 +1,4 @@
-"""``rlreplay.arrow_ops`` gives what ``pyarrow.compute`` (and the pyarrow methods that call it) give,
+"""``rlreplay.format.arrow_ops`` gives what ``pyarrow.compute`` (and the pyarrow methods that call it) give,
 nulls included, through ``pyarrow._compute`` or, where that module or one of its names is missing,
 through ``pyarrow.compute`` itself."""
 
@@ -16,7 +16,7 @@ import pyarrow._compute
 import pyarrow.compute as pc
 import pytest
 
-from rlreplay import arrow_ops as ops
+from rlreplay.format import arrow_ops as ops
 
 INTS = pa.chunked_array([[3, None, 1], [2, 2, None]], pa.int64())
 FLOATS = pa.array([0.5, None, -1.5, 2.0, None, 0.0])

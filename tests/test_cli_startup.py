@@ -144,7 +144,7 @@ def test_listing_commands_load_no_pyarrow_compute(args: list[str], tmp_path: Pat
     proc, modules = run_cli(*(run.get(a, a) for a in args), tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert modules & NOT_ON_THE_LISTING_PATH == set()
-    assert "pyarrow._compute" in modules and "rlreplay.arrow_ops" in modules
+    assert "pyarrow._compute" in modules and "rlreplay.format.arrow_ops" in modules
     lines = proc.stdout.splitlines()
     if args[0] == "ls" and "--json" in args:
         rows = [json.loads(line) for line in lines]
@@ -166,7 +166,7 @@ def test_listing_commands_load_no_pyarrow_compute(args: list[str], tmp_path: Pat
 def test_the_run_index_is_written_and_read_loading_no_pyarrow_compute(tmp_path: Path) -> None:
     """A run of enough shards for a run index: the first listing writes it, a step's listing reads
     its row groups; neither loads pyarrow.compute."""
-    from rlreplay.index import RUN_INDEX, RUN_INDEX_MIN_SHARDS
+    from rlreplay.format.index import RUN_INDEX, RUN_INDEX_MIN_SHARDS
 
     run = tmp_path / "run"
     shutil.copytree(SAMPLE_RUN, run)

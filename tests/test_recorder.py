@@ -27,9 +27,9 @@ import pytest
 
 import rlreplay
 from rlreplay.cli.main import main
-from rlreplay.recorder import get_recorder
-from rlreplay.shards import list_files
-from rlreplay.store import decoded_rows
+from rlreplay.model import decoded_rows
+from rlreplay.recorder.api import get_recorder
+from rlreplay.shards.layout import list_files
 
 
 @pytest.fixture
@@ -429,7 +429,7 @@ def test_payload_module_without_torch_and_never_raising() -> None:
     script = textwrap.dedent(
         """
         import sys
-        from rlreplay import payload
+        from rlreplay.format import payload
         print(payload.encode({"ids": [1, 2], "b": b"x", "s": {1}}))
         print("torch" in sys.modules)
         """

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import rlreplay
-from rlreplay.summary import recover
+from rlreplay.read.summary import recover
 
 SCRIPT = textwrap.dedent(
     """
@@ -114,7 +114,7 @@ def test_last_loop_of_a_batch_never_waits_for_the_writer(tmp_path: Path) -> None
 
 
 def test_worker_killed_right_after_its_batch_returned_keeps_the_batch(tmp_path: Path) -> None:
-    from rlreplay.cli.record import child_env
+    from rlreplay.cli.launch import child_env
 
     run_dir = tmp_path / "run"
     env = child_env(run_dir, None)

@@ -5,10 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlreplay import arrow_ops as ops
-from rlreplay import manifest
-from rlreplay.shards import SPANS_DIR, recover_run
-from rlreplay.store import Run
+from rlreplay.errors import RunError
+from rlreplay.format import arrow_ops as ops
+from rlreplay.format import manifest
+from rlreplay.read.run import Run
+from rlreplay.remote import location
+from rlreplay.shards.layout import SPANS_DIR
+from rlreplay.shards.recover import recover_run
 
 
 def disk_bytes(run_dir: Path) -> int:
@@ -26,13 +29,11 @@ def run_summary(run: Run) -> dict[str, Any]:
     spans = run.spans(columns=["trajectory_id", "step", "step_str", "num_tokens"])
     steps = {v for c in ("step", "step_str") for v in ops.drop_null(ops.unique(spans[c])).to_pylist()}
     tokens = int(ops.sum(spans["num_tokens"]).as_py() or 0) if spans.num_rows else 0
-    from rlreplay import storage
-
     uri = getattr(run, "uri", None)  # a run on an object store, read through a local cache
     size = run.stored_bytes() if uri else disk_bytes(run.path)
     m = run.manifest
     return {
-        "run": storage.redact(uri) if uri else str(run.path),
+        "run": location.redact(uri) if uri else str(run.path),
         **({"cache": str(run.path)} if uri else {}),
         "run_id": m.get("run_id"),
         "experiment": m.get("experiment"),
@@ -80,8 +81,6 @@ def recover(run_dir: Path, wait_s: float = 0.0) -> dict[str, Any]:
 
 def _refresh_run_index(run_dir: Path) -> None:
     """Bring the run index up to date with the shards just sealed or set aside."""
-    from rlreplay.store import Run, RunError
-
     try:
         Run(run_dir).index()
     except (RunError, ValueError, OSError):

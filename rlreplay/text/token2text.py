@@ -20,8 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlreplay.schema import KIND_AGENT, KIND_LLM
-from rlreplay.store import RunError, Trajectory
+from rlreplay.errors import RunError
+from rlreplay.format.schema import KIND_AGENT, KIND_LLM
+from rlreplay.model import Trajectory
+from rlreplay.text import conversation
+from rlreplay.text.adapters import ConversationFields, get_adapter
+from rlreplay.text.conversation import llm_output_ids, llm_prompt_ids
 
 PKG_PREFIX = "pkg:"
 TOKENIZER_FILE = "tokenizer.json"
@@ -265,21 +269,15 @@ def _ids(value: Any) -> list[int] | None:
 
 def _fields(adapter: Any = None) -> Any:
     """The adapter's conversation fields (an adapter without them: the generic ones)."""
-    from rlreplay.adapters import ConversationFields
-
     return getattr(adapter, "fields", None) or ConversationFields()
 
 
 def _llm_prompt_ids(inputs: Any, fields: Any = None) -> list[int] | None:
-    from rlreplay.conversation import llm_prompt_ids
-
     found = llm_prompt_ids(inputs, fields or _fields())
     return found if _ids(found) is not None else None
 
 
 def _llm_output_ids(output: Any, fields: Any = None) -> list[int] | None:
-    from rlreplay.conversation import llm_output_ids
-
     if not isinstance(output, dict):
         return None
     found = llm_output_ids(output, fields or _fields())
@@ -375,15 +373,12 @@ def add_text(
     """Add decoded text to trajectories in place, with one batched decode for all of them.
 
     Which fields hold token ids, and how a trajectory splits into turns, is the framework
-    adapter's answer (``adapter``, default: generic; ``rlreplay.adapters.adapter_for_run``).
+    adapter's answer (``adapter``, default: generic; ``rlreplay.text.adapters.adapter_for_run``).
 
     ``llm`` spans get ``inputs["prompt_text"]`` and ``output["response_text"]`` (like verl's
     token2text); ``agent`` spans get ``output["prompt_text"]``, ``output["response_text"]`` and
     ``output["conversation"]``: ``[{"role", "text", "tool_calls"}, ...]``, one per turn.
     """
-    from rlreplay import conversation
-    from rlreplay.adapters import get_adapter
-
     adapter = adapter or get_adapter()
     fields = _fields(adapter)
     plan = _Plan(decoder, skip_special_tokens)
@@ -394,7 +389,7 @@ def add_text(
             agent = None
         segments = None
         if agent is not None:
-            turns = conversation.turns(traj, adapter=adapter)
+            turns = adapter.turns(traj)
             slots = [plan.add_seq(t.token_ids, dedupe=True) for t in turns]
             conversations.append((agent.output, turns, slots))
             if decoder.concatenative and turns:

@@ -17,23 +17,21 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-# rlreplay.schema's kinds, spelled out: this module is imported by recording processes, which
+from rlreplay import plugins
+from rlreplay.errors import RunError
+from rlreplay.text.conversation import segment
+from rlreplay.text.messages import build_messages
+
+# rlreplay.format.schema's kinds, spelled out: this module is imported by recording processes, which
 # must not pay for pyarrow before they record.
 KIND_AGENT, KIND_LLM, KIND_OP, KIND_PARSER, KIND_TOOL = "agent", "llm", "op", "parser", "tool"
 
 if TYPE_CHECKING:
-    from rlreplay.conversation import BatchDecoder, Turn
-    from rlreplay.store import Trajectory
+    from rlreplay.model import Trajectory
+    from rlreplay.text.conversation import BatchDecoder, Turn
 
-ENTRY_POINT_GROUP = "rlreplay.recorders"
 MANIFEST_KEY = "framework"
 DEFAULT = "generic"
-
-#: Built-ins, used when the installed metadata lacks the entry points (e.g. an old editable install).
-BUILTIN = {
-    "generic": "rlreplay.adapters:GenericAdapter",
-    "verl": "rlreplay.recorders.verl:VerlAdapter",
-}
 
 
 @runtime_checkable
@@ -72,7 +70,7 @@ class GenericAdapter:
     """Any agent loop recorded with ``rlreplay.trace_op``: kinds from method names, turns from ids.
 
     The conversation comes from the agent span's ``prompt_ids``/``response_ids``/``response_mask``
-    when it has them, else from the ``llm`` spans alone (see ``rlreplay.conversation``).
+    when it has them, else from the ``llm`` spans alone (see ``rlreplay.text.conversation``).
     """
 
     name = "generic"
@@ -104,13 +102,9 @@ class GenericAdapter:
         return {"inputs": (), "output": ()}
 
     def turns(self, traj: Trajectory) -> list[Turn]:
-        from rlreplay.conversation import segment
-
         return segment(traj, self.fields)
 
     def messages(self, traj: Trajectory, decoder: BatchDecoder | None) -> list[dict[str, Any]]:
-        from rlreplay.messages import build_messages
-
         return build_messages(self, traj, self.turns(traj), decoder)
 
     # -- hooks for build_messages (override per framework) --------------------------------------
@@ -178,15 +172,9 @@ _lock = threading.Lock()
 _loaded: dict[str, FrameworkAdapter] = {}
 
 
-def _entry_points() -> dict[str, Any]:
-    from importlib.metadata import entry_points
-
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-
-
 def available() -> list[str]:
     """Names of the installed adapters."""
-    return sorted({*BUILTIN, *_entry_points()})
+    return sorted(plugins.specs("adapters"))
 
 
 def _instantiate(obj: Any) -> FrameworkAdapter:
@@ -198,22 +186,15 @@ def _instantiate(obj: Any) -> FrameworkAdapter:
 
 def get_adapter(name: str | None = None) -> FrameworkAdapter:
     """The adapter registered under ``name`` (None: ``generic``); loaded once per process."""
-    from rlreplay.store import RunError
-
     key = (name or DEFAULT).strip().lower()
     with _lock:
         hit = _loaded.get(key)
     if hit is not None:
         return hit
-    eps = _entry_points()
+    found = plugins.specs("adapters")
     try:
-        if key in eps:
-            adapter = _instantiate(eps[key].load())
-        elif key in BUILTIN:
-            import importlib
-
-            module, _, attr = BUILTIN[key].partition(":")
-            adapter = _instantiate(getattr(importlib.import_module(module), attr))
+        if key in found:
+            adapter = _instantiate(plugins.load(found[key]))
         else:
             raise RunError(f"unknown framework {key!r}; installed adapters: {', '.join(available())}")
     except RunError:
@@ -226,8 +207,6 @@ def get_adapter(name: str | None = None) -> FrameworkAdapter:
 
 def adapter_for_run(run: Any) -> FrameworkAdapter:
     """The adapter named by the run's manifest; ``generic`` when it names none or an uninstalled one."""
-    from rlreplay.store import RunError
-
     manifest = getattr(run, "manifest", None) or {}
     name = manifest.get(MANIFEST_KEY)
     if not isinstance(name, str) or not name.strip():
@@ -239,3 +218,29 @@ def adapter_for_run(run: Any) -> FrameworkAdapter:
         if callable(warn):
             warn(f"{exc}; reading with the generic adapter")
         return get_adapter(DEFAULT)
+
+
+def turns(
+    traj: Trajectory, decoder: BatchDecoder | None = None, adapter: FrameworkAdapter | None = None
+) -> list[Turn]:
+    """The trajectory's turns in order, as its framework adapter splits them (default: generic).
+
+    With ``decoder``, ``text`` is filled in one batched call.
+    """
+    if adapter is None:
+        adapter = get_adapter()
+    result = adapter.turns(traj)
+    if decoder is not None and result:
+        texts = decoder.decode_many([t.token_ids for t in result], skip_special_tokens=False)
+        for turn, text in zip(result, texts):
+            turn.text = text
+    return result
+
+
+def openai_messages(
+    traj: Trajectory, decoder: BatchDecoder | None = None, adapter: FrameworkAdapter | None = None
+) -> list[dict[str, Any]]:
+    """The trajectory's conversation in OpenAI chat format, as its adapter builds it (default: generic)."""
+    if adapter is None:
+        adapter = get_adapter()
+    return adapter.messages(traj, decoder)

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rlreplay import manifest, payload
-from rlreplay.schema import (
+from rlreplay.format import manifest, payload
+from rlreplay.format.schema import (
     KIND_AGENT,
     KIND_SIGNALS,
     KIND_TRAJECTORY,

@@ -9,13 +9,16 @@ query reads only the columns it names.
 from __future__ import annotations
 
 import re
-import threading
 from typing import Any
 
 import pyarrow as pa
 
-from rlreplay import arrow_ops as ops
-from rlreplay.selection import KEYS, STR_KEYS, Selection, SelectionError, merged
+from rlreplay.errors import FormatError, QueryError
+from rlreplay.format.index import merged
+from rlreplay.format.schema import SPAN_SCHEMA, file_version
+from rlreplay.read.selection import KEYS, Selection
+from rlreplay.read.where import connect, one_line, run_query, shared_connection
+from rlreplay.shards.layout import list_files
 
 #: The columns of :func:`stats`, in order.
 STATS_COLUMNS = (
@@ -37,84 +40,12 @@ STATS_COLUMNS = (
     "duration_p95_s",
 )
 
-_ROW = "_rlreplay_row"
-
-
-class QueryError(SelectionError):
-    """A query DuckDB refused (syntax, unknown column, type): one line naming the problem."""
-
-
-def _duckdb() -> Any:
-    try:
-        import duckdb
-    except ImportError as exc:
-        raise QueryError("queries need DuckDB: pip install 'rlreplay[query]'") from exc
-    return duckdb
-
-
-def one_line(exc: BaseException) -> str:
-    """DuckDB's message without the echoed query and caret lines."""
-    lines = [line.strip() for line in str(exc).splitlines()]
-    kept = [line for line in lines if line and not line.startswith("LINE ") and set(line) != {"^"}]
-    return " ".join(kept)[:400] or type(exc).__name__
-
-
-def connect() -> Any:
-    """An in-memory DuckDB connection that cannot touch files."""
-    duckdb = _duckdb()
-    return duckdb.connect(":memory:", config={"enable_external_access": False, "lock_configuration": True})
-
-
-_local = threading.local()
-
-
-def _shared() -> Any:
-    """This thread's connection for rlreplay's own queries (opening one costs tens of ms)."""
-    con = getattr(_local, "con", None)
-    if con is None:
-        con = _local.con = connect()
-    return con
-
-
-def _run_query(con: Any, text: str, what: str) -> pa.Table:
-    duckdb = _duckdb()
-    try:
-        relation = con.sql(text)
-        if relation is None:
-            return pa.table({})
-        return relation.to_arrow_table()
-    except duckdb.Error as exc:
-        raise QueryError(f"{what}: {one_line(exc)}") from None
-
-
-def filter_where(table: pa.Table, expr: str) -> pa.Table:
-    """Rows of a listing for which the SQL boolean ``expr`` holds, in their order."""
-    duckdb = _duckdb()
-    con = _shared()
-    view = merged(table)
-    query = f"SELECT {_ROW} FROM _listing AS trajectories WHERE ({expr}\n) ORDER BY {_ROW}"
-    try:
-        statements = con.extract_statements(query)
-    except duckdb.Error as exc:
-        raise QueryError(f"--where {expr!r}: {one_line(exc)}") from None
-    if len(statements) != 1:
-        raise QueryError(f"--where {expr!r}: not a single expression")
-    con.register("_listing", view.append_column(_ROW, pa.array(range(view.num_rows), pa.int64())))
-    try:
-        rows = _run_query(con, query, f"--where {expr!r}")[_ROW]
-    finally:
-        con.unregister("_listing")
-    return ops.take(table, rows)
-
 
 def _spans_table(run: Any) -> Any:
     """The run's span rows as an Arrow dataset: sealed files scanned lazily (format 1 files get
     the format 2 columns as nulls), live files read."""
     import pyarrow.dataset as ds
     import pyarrow.parquet as pq
-
-    from rlreplay.schema import SPAN_SCHEMA, FormatError, file_version
-    from rlreplay.shards import list_files
 
     fetch = getattr(run, "fetch", None)  # a remote run: bring every shard into its cache first
     if callable(fetch):
@@ -176,7 +107,7 @@ def sql(run: Any, text: str, selection: Selection | None = None) -> pa.Table:
         register_trajectories(con, (selection or Selection()).trajectories(run))
     if _mentions(text, "spans"):
         register_spans(con, run)
-    return _run_query(con, text, "sql")
+    return run_query(con, text, "sql")
 
 
 _STATS_SQL = """
@@ -224,10 +155,10 @@ def stats(run: Any, selection: Selection | None = None) -> pa.Table:
 
 def stats_of(table: pa.Table) -> pa.Table:
     """:func:`stats` over a listing already read."""
-    con = _shared()
+    con = shared_connection()
     register_trajectories(con, table)
     try:
-        out = _run_query(con, _STATS_SQL, "stats")
+        out = run_query(con, _STATS_SQL, "stats")
     finally:
         con.unregister("trajectories")
     return out.select(list(STATS_COLUMNS))
@@ -235,10 +166,6 @@ def stats_of(table: pa.Table) -> pa.Table:
 
 __all__ = [
     "STATS_COLUMNS",
-    "STR_KEYS",
-    "QueryError",
-    "connect",
-    "filter_where",
     "register_spans",
     "register_trajectories",
     "sql",

@@ -2,7 +2,7 @@
 
 Format 2 (written now) keeps the keys as int64 plus a string twin for non-integer values, the
 training signals as scalar columns, and token arrays in typed list columns: the JSON payload
-holds a ``{"__type__": "tokens", ...}`` placeholder where each array was (see ``rlreplay.payload``).
+holds a ``{"__type__": "tokens", ...}`` placeholder where each array was (see ``rlreplay.format.payload``).
 Format 1 files (JSON payloads only, integer keys) are still read: ``upgrade`` gives their rows
 the format 2 columns.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from rlreplay import arrow_ops as ops
+from rlreplay.errors import FormatError
+from rlreplay.format import arrow_ops as ops
 
 FORMAT_VERSION = 2
 FORMAT_KEY = b"rlreplay.format_version"
@@ -85,10 +86,6 @@ V1_COLUMNS = [
 #: Hive partitioning of the span files: ``spans/step=N/worker=W/``.
 PARTITION_SCHEMA = pa.schema([pa.field("step", pa.int64()), pa.field("worker", pa.string())])
 NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
-
-
-class FormatError(Exception):
-    """A file that rlreplay cannot read: foreign, corrupt, or from a newer format."""
 
 
 def check_format(metadata: dict[bytes, bytes] | None, source: str) -> int:

@@ -17,10 +17,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from rlreplay import arrow_ops as ops
-from rlreplay.index import LISTING_FIELDS, LISTING_SCHEMA
-from rlreplay.schema import KEY_STR, KEYS
-from rlreplay.store import Filters, RunError
+from rlreplay.errors import SelectionError
+from rlreplay.format import arrow_ops as ops
+from rlreplay.format.index import LISTING_FIELDS, LISTING_SCHEMA
+from rlreplay.format.schema import KEY_STR, KEYS
+from rlreplay.read.filters import Filters
+from rlreplay.read.where import filter_where
 
 STATUSES = ("ok", "error", "incomplete")
 
@@ -129,17 +131,12 @@ def group_ids(selected: Iterable[Group]) -> list[str]:
 
 #: The trajectory listing's columns (contract C2), in order; ``*_str`` hold non-int key values.
 LISTING_COLUMNS = tuple(f.name for f in LISTING_FIELDS if f.name not in KEY_STR.values())
-STR_KEYS = tuple(KEY_STR[key] for key in KEYS)
 
 _INT = re.compile(r"-?[0-9]+\Z")
 _SORT_ITEM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)(?:\s+(asc|desc))?\s*\Z", re.IGNORECASE)
 #: Key lists at most this long are pushed down to the file reader (row-group statistics).
 PUSHDOWN_VALUES = 4096
 _EXAMPLES = "examples: 5, 3..7, 0..10,20,-1"
-
-
-class SelectionError(RunError):
-    """A selection that cannot be applied: bad range, unknown column, bad expression."""
 
 
 @dataclass(frozen=True)
@@ -242,21 +239,6 @@ def listing(run: Any, filters: Any = None) -> pa.Table:
     return run.trajectories(filters)
 
 
-def merged(table: pa.Table) -> pa.Table:
-    """The listing as users see it: one value per key (ints stay ints; a key holding any non-int
-    value becomes a string column), without the internal ``*_str`` columns."""
-    out = table
-    for key, str_key in zip(KEYS, STR_KEYS):
-        if str_key not in out.column_names:
-            continue
-        strings = out[str_key]
-        if key in out.column_names and strings.null_count < len(strings):
-            value = ops.coalesce(ops.cast(out[key], pa.string()), strings)
-            out = out.set_column(out.column_names.index(key), key, value)
-        out = out.drop_columns([str_key])
-    return out
-
-
 @dataclass
 class Selection:
     """Which trajectories a command works on (contract C4); key filters use :func:`parse_keys`."""
@@ -331,8 +313,6 @@ class Selection:
         if mask is not None:
             table = ops.filter(table, mask)
         if self.where is not None:
-            from rlreplay.query import filter_where
-
             table = filter_where(table, self.where)
         if self.sort is not None:
             table = sort_table(table, parse_sort(self.sort))

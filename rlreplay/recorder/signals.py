@@ -17,7 +17,7 @@ from typing import Any
 __all__ = ["record_signals"]
 
 log = logging.getLogger("rlreplay")
-KIND_SIGNALS = "signals"  # rlreplay.schema.KIND_SIGNALS, without importing pyarrow here
+KIND_SIGNALS = "signals"  # rlreplay.format.schema.KIND_SIGNALS, without importing pyarrow here
 
 
 class _SignalsTrajectory:
@@ -38,7 +38,7 @@ class _SignalsTrajectory:
     def __init__(
         self, trajectory_id: str, keys: tuple[Any, Any, Any], validate: bool | None, attributes: Any
     ) -> None:
-        from rlreplay.rows import key_int
+        from rlreplay.recorder.rows import key_int
 
         self.id = trajectory_id
         self.keys = keys
@@ -77,13 +77,14 @@ def record_signals(
     global _meta
     rec = None
     try:
-        from rlreplay import recorder
+        from rlreplay.format.payload import snapshot
+        from rlreplay.recorder import api, events
 
-        rec = recorder.get_recorder()
+        rec = api.get_recorder()
         if rec is None:
             return False
         if _meta is None:
-            _meta = recorder.OpMeta(name="signals", kind=KIND_SIGNALS)
+            _meta = events.OpMeta(name="signals", kind=KIND_SIGNALS)
         traj = _SignalsTrajectory(str(trajectory_id), (step, sample_index, rollout_n), validate, attributes)
         values = {
             "reward": reward,
@@ -93,17 +94,18 @@ def record_signals(
             "importance_ratio": importance_ratio,
         }
         now = time.time_ns()
-        span_id = next(recorder._span_ids)
-        nbytes = recorder._nbytes((), {}, output)
-        out = recorder.payload.snapshot(output)
+        nbytes = events.payload_bytes((), {}, output)
+        span_id = next(events.span_ids)
         rec.submit(
-            (recorder._SPAN, traj, span_id, root_span_id, _meta, now, now, None, (), values, out, nbytes)
+            events.span_event(
+                traj, span_id, root_span_id, _meta, now, now, None, (), values, snapshot(output), nbytes
+            )
         )
         return True
     except Exception as exc:
         if rec is not None:
             with contextlib.suppress(Exception):
-                rec._count_loss(
+                rec.count_loss(
                     "lost", 1, "signals", f"could not record signals ({type(exc).__name__}: {exc})"
                 )
         else:

@@ -1,7 +1,7 @@
 """One trajectory as a conversation: the prompt, then alternating assistant and tool turns.
 
 Turns and their counts are defined here, once, from the framework adapter's answer
-(``rlreplay.adapters``): which fields hold the prompt, the response and its mask. The source of
+(``rlreplay.text.adapters``): which fields hold the prompt, the response and its mask. The source of
 truth is the agent span's output (e.g. verl's ``AgentLoopOutput``): ``prompt_ids``,
 ``response_ids`` and ``response_mask`` (1 = model token, 0 = tool/observation token). The
 response splits into contiguous runs of equal mask; runs of 1 are assistant turns, runs of 0
@@ -19,11 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rlreplay.schema import KIND_AGENT, KIND_LLM, KIND_PARSER
-from rlreplay.store import Span, Trajectory
+from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_PARSER
+from rlreplay.model import Span, Trajectory
 
 if TYPE_CHECKING:
-    from rlreplay.adapters import ConversationFields, FrameworkAdapter
+    from rlreplay.text.adapters import ConversationFields
 
 ROLE_PROMPT = "prompt"
 ROLE_ASSISTANT = "assistant"
@@ -56,25 +56,6 @@ class Turn:
             "span_id": self.span_id,
             "start": self.start,
         }
-
-
-def turns(
-    traj: Trajectory, decoder: BatchDecoder | None = None, adapter: FrameworkAdapter | None = None
-) -> list[Turn]:
-    """The trajectory's turns in order, as its framework adapter splits them (default: generic).
-
-    With ``decoder``, ``text`` is filled in one batched call.
-    """
-    if adapter is None:
-        from rlreplay.adapters import get_adapter
-
-        adapter = get_adapter()
-    result = adapter.turns(traj)
-    if decoder is not None and result:
-        texts = decoder.decode_many([t.token_ids for t in result], skip_special_tokens=False)
-        for turn, text in zip(result, texts):
-            turn.text = text
-    return result
 
 
 def segment(traj: Trajectory, fields: ConversationFields) -> list[Turn]:

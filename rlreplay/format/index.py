@@ -4,7 +4,7 @@ A sealed shard ``part-X.parquet`` has its index beside it in ``part-X.index`` (P
 at seal time; for a live file (or a shard without one) it is built from the span metadata on
 the fly. ``merge`` combines the rows of one trajectory found in several files (a spilled span, a
 ``signals`` row from the trainer process); ``listing`` turns merged rows into the trajectory
-listing (contract C2). ``rlreplay.store.summarize`` is ``listing(merge(build(spans)))``: the
+listing (contract C2). ``summarize`` is ``listing(merge(build(spans)))``: the
 status and reward rules live here only. A run of many shards also keeps a run index: the merged
 rows of every sealed shard in one file, naming the shards it covers (a cache, rebuilt at will).
 """
@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rlreplay import arrow_ops as ops
-from rlreplay.schema import (
+from rlreplay.format import arrow_ops as ops
+from rlreplay.format.schema import (
     KEY_STR,
     KEYS,
     KIND_AGENT,
@@ -28,6 +28,7 @@ from rlreplay.schema import (
     KIND_TOOL,
     KIND_TRAJECTORY,
     SIGNAL_COLUMNS,
+    SPAN_SCHEMA,
     STATUS_ERROR,
     STATUS_INCOMPLETE,
     STATUS_OK,
@@ -539,3 +540,34 @@ def merge_into(merged: pa.Table, more: Sequence[pa.Table]) -> pa.Table:
     hit = ops.is_in(merged["id"], ops.unique(added["id"]))
     again = merge(pa.concat_tables([ops.filter(merged, hit), added]))
     return pa.concat_tables([ops.filter(merged, ops.invert(hit)), again])
+
+
+def summarize(spans: pa.Table) -> pa.Table:
+    """The trajectory listing (contract C2) from span metadata rows: the rules above."""
+    if spans.num_rows == 0:
+        return LISTING_SCHEMA.empty_table()
+    missing = [c for c in SPAN_COLUMNS if c not in spans.column_names]
+    if missing:
+        for name in missing:
+            spans = spans.append_column(
+                SPAN_SCHEMA.field(name), pa.nulls(spans.num_rows, SPAN_SCHEMA.field(name).type)
+            )
+    return listing(merge(build(spans.select(SPAN_COLUMNS))))
+
+
+STR_KEYS = tuple(KEY_STR[key] for key in KEYS)
+
+
+def merged(table: pa.Table) -> pa.Table:
+    """The listing as users see it: one value per key (ints stay ints; a key holding any non-int
+    value becomes a string column), without the internal ``*_str`` columns."""
+    out = table
+    for key, str_key in zip(KEYS, STR_KEYS):
+        if str_key not in out.column_names:
+            continue
+        strings = out[str_key]
+        if key in out.column_names and strings.null_count < len(strings):
+            value = ops.coalesce(ops.cast(out[key], pa.string()), strings)
+            out = out.set_column(out.column_names.index(key), key, value)
+        out = out.drop_columns([str_key])
+    return out

@@ -356,7 +356,7 @@ MIN_SHARED = 64
 #: Tries to find a shared stretch per array, beyond those at the start of each earlier array.
 MAX_PROBES = 128
 _I8, _I32, _F32 = "i8", "i32", "f32"
-#: Placeholder dtype → typed column (see ``rlreplay.schema.TOKEN_COLUMNS``).
+#: Placeholder dtype → typed column (see ``rlreplay.format.schema.TOKEN_COLUMNS``).
 DTYPE_COLUMNS = {_I32: "token_ids", _I8: "token_masks", _F32: "token_logprobs"}
 _SHARED = (_I32, _F32)  # dtypes whose stretches are shared between spans
 

@@ -1,197 +1,48 @@
-"""The in-process recorder: a cheap hot path that enqueues, and a writer thread that does the rest.
-
-The calling thread only takes ids, two clock reads, a contextvar lookup, a copy of mutable
-token lists and a deque append. Binding arguments, encoding payloads, building Arrow batches,
-compression, I/O and fsync happen on the writer thread. Nothing here raises into the caller.
-"""
+"""The writer thread: queued span events become rows, live files, sealed shards."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import functools
-import inspect
-import itertools
 import logging
 import os
-import random
-import signal
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pyarrow as pa
 
-from rlreplay import manifest, payload, storage
-from rlreplay.rows import PrefixCache, encode_row, key_int
-from rlreplay.rows import StepBuffer as _StepBuffer
-from rlreplay.schema import (
-    KIND_OP,
-    KIND_TRAJECTORY,
+from rlreplay.format import manifest
+from rlreplay.recorder.events import (
+    CLOSE,
+    FLUSH,
+    OPEN,
+    SPAN,
+    OpenTrajectory,
+    OpMeta,
+    format_span_id,
+    format_trajectory_id,
+    span_event,
 )
-from rlreplay.shards import Lease, PartialWriter, live_options, partition_dir, safe_name, seal
-from rlreplay.signals import record_signals  # contract C1: rlreplay.recorder.record_signals
-from rlreplay.workers import ENV_WORKER, resolve_worker_name, set_worker_resolver
-
-__all__ = ["record_signals", "set_worker_resolver"]
+from rlreplay.recorder.rows import PrefixCache, encode_row
+from rlreplay.recorder.rows import StepBuffer as _StepBuffer
+from rlreplay.recorder.workers import resolve_worker_name
+from rlreplay.remote import publish
+from rlreplay.shards.layout import partition_dir, safe_name
+from rlreplay.shards.lease import Lease
+from rlreplay.shards.live import PartialWriter, live_options
+from rlreplay.shards.seal import seal
 
 log = logging.getLogger("rlreplay")
-
-ENV_DIR = "RLREPLAY_DIR"
-ENV_EXPERIMENT = "RLREPLAY_EXPERIMENT"
 ENV_POLICY = "RLREPLAY_POLICY"
 ENV_MAX_QUEUE_MB = "RLREPLAY_MAX_QUEUE_MB"
-ENV_DISABLE = "RLREPLAY_DISABLE"
 
 POLICY_SPILL = "spill"
 POLICY_DROP = "drop"
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class _Trajectory:
-    __slots__ = (
-        "attributes",
-        "experiment",
-        "explicit",
-        "id",
-        "keys",
-        "rollout_n",
-        "sample_index",
-        "step",
-        "validate",
-    )
-
-    def __init__(
-        self,
-        step: int | None = None,
-        sample_index: int | None = None,
-        rollout_n: int | None = None,
-        validate: bool | None = None,
-        experiment: str | None = None,
-        attributes: dict[str, Any] | None = None,
-        explicit: bool = True,
-    ) -> None:
-        self.id = next(_trajectory_ids)
-        self.step = step
-        self.sample_index = sample_index
-        self.rollout_n = rollout_n
-        self.validate = validate
-        self.experiment = experiment
-        self.attributes = attributes
-        self.explicit = explicit
-        self.keys: tuple[Any, Any, Any] | None = None  # as given, when not plain ints
-
-
-_OFF = object()  # tracing disabled in this context
-_CURRENT: ContextVar[Any] = ContextVar("rlreplay_current", default=None)
-
-
-_MASK128 = (1 << 128) - 1
-_MASK64 = (1 << 64) - 1
-_MIX128 = 0x9E3779B97F4A7C15F39CC0605CEDC835  # odd: multiplying is a bijection mod 2**128
-_MIX64 = 0x9E3779B97F4A7C15
-
-
-def _id_source() -> tuple[itertools.count, itertools.count, int]:
-    return itertools.count(1), itertools.count(1), random.SystemRandom().getrandbits(128)
-
-
-_trajectory_ids, _span_ids, _id_salt = _id_source()
-
-
-def format_trajectory_id(n: int) -> str:
-    """32 hex digits, unique per process counter, with well-spread prefixes (like git ids)."""
-    return f"{((n * _MIX128) & _MASK128) ^ _id_salt:032x}"
-
-
-def format_span_id(n: int) -> str:
-    return f"{((n * _MIX64) & _MASK64) ^ (_id_salt & _MASK64):016x}"
-
-
-@dataclass
-class OpMeta:
-    """What the writer needs to turn a call into a span; one per decorated function."""
-
-    name: str
-    kind: str = KIND_OP
-    fn: Callable[..., Any] | None = None
-    reduce_inputs: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-    reduce_output: Callable[[Any], Any] | None = None
-    reward: Callable[[Any], float | None] | None = None
-    _signature: inspect.Signature | None = field(default=None, repr=False)
-    _skip_first: bool = False
-    # (names in order, how many may be positional, defaults, names as a set): the usual signature,
-    # bound without inspect (~5x faster); None for *args, **kwargs or positional-only parameters
-    _plan: tuple[tuple[str, ...], int, dict[str, Any], frozenset[str]] | None = field(
-        default=None, repr=False
-    )
-
-    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        """Inputs as verl records them: bound arguments minus ``self``, ``**kwargs`` nested."""
-        if self.fn is None:
-            return {"args": list(args), **kwargs} if args else dict(kwargs)
-        if self._signature is None:
-            try:
-                self._signature = inspect.signature(self.fn)
-            except (TypeError, ValueError):
-                self.fn = None
-                return self.bind(args, kwargs)
-            params = list(self._signature.parameters)
-            self._skip_first = bool(params) and params[0] in ("self", "cls")
-            self._plan = _bind_plan(self._signature)
-        inputs = _fast_bind(self._plan, args, kwargs) if self._plan is not None else None
-        if inputs is None:
-            try:
-                bound = self._signature.bind(*args, **kwargs)
-            except TypeError:
-                return {"args": list(args), **kwargs}
-            bound.apply_defaults()  # as verl records them
-            inputs = dict(bound.arguments)
-        if self._skip_first and inputs:
-            inputs.pop(next(iter(inputs)))
-        return inputs
-
-
-def _bind_plan(
-    signature: inspect.Signature,
-) -> tuple[tuple[str, ...], int, dict[str, Any], frozenset[str]] | None:
-    kinds = [p.kind for p in signature.parameters.values()]
-    if any(k not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) for k in kinds):
-        return None
-    names = tuple(signature.parameters)
-    defaults = {
-        n: p.default for n, p in signature.parameters.items() if p.default is not inspect.Parameter.empty
-    }
-    return names, kinds.count(inspect.Parameter.POSITIONAL_OR_KEYWORD), defaults, frozenset(names)
-
-
-def _fast_bind(plan: tuple, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    """What ``signature.bind`` + ``apply_defaults`` give, or None where inspect must decide (an
-    unknown, missing or twice-given argument: it raises, and the call is recorded as given)."""
-    names, positional, defaults, known = plan
-    if len(args) > positional or (kwargs and not known.issuperset(kwargs)):
-        return None
-    inputs = {}
-    n = len(args)
-    for i, name in enumerate(names):
-        if i < n:
-            if name in kwargs:
-                return None
-            inputs[name] = args[i]
-        elif name in kwargs:
-            inputs[name] = kwargs[name]
-        elif name in defaults:
-            inputs[name] = defaults[name]
-        else:
-            return None
-    return inputs
 
 
 @dataclass
@@ -214,12 +65,6 @@ class RecorderConfig:
     seal_idle_s: float = 30.0
 
 
-# Queue events; the last item of every event is its estimated size in bytes.
-_SPAN = 0  # (_SPAN, traj, span_id, parent_id, meta, start, end, exc, args, kwargs, result, nbytes)
-_OPEN = 1  # (_OPEN, traj, nbytes): an explicit trajectory started
-_FLUSH = 2  # (_FLUSH, threading.Event, nbytes)
-_CLOSE = 3  # (_CLOSE, traj, nbytes): the root span of a trajectory was dropped (queue full)
-_OPEN_BYTES = 64
 # The writer works in slices and lets the GIL go between them, so an event loop waiting for it
 # waits a slice, not the interpreter's 5 ms switch interval.
 _WORK_SLICE_S = 0.001
@@ -229,8 +74,15 @@ _YIELD_S = 0.0001
 class Recorder:
     """One per process: owns the queue, the writer thread and the open step files."""
 
-    def __init__(self, config: RecorderConfig) -> None:
+    def __init__(
+        self,
+        config: RecorderConfig,
+        on_thread_start: Callable[[], None] = lambda: None,
+        on_deferred_term: Callable[[], None] = lambda: None,
+    ) -> None:
         self.config = config
+        self.on_thread_start = on_thread_start  # the writer thread started
+        self.on_deferred_term = on_deferred_term  # SIGTERM arrived while this thread held the lock
         self.counters = dict.fromkeys(manifest.COUNTERS, 0)
         self._queue: deque = deque()
         self._enqueued = 0  # bytes put by callers
@@ -271,16 +123,16 @@ class Recorder:
         """Queue an event; never blocks on I/O unless the queue is full and the policy is spill."""
         try:
             if self._closed:
-                if event[0] == _SPAN:
-                    self._count_loss("lost", 1, "closed", "a span ended after rlreplay.close(); not recorded")
+                if event[0] == SPAN:
+                    self.count_loss("lost", 1, "closed", "a span ended after rlreplay.close(); not recorded")
                 return
-            if event[0] == _SPAN and self._enqueued - self._written > self.config.max_queue_bytes:
+            if event[0] == SPAN and self._enqueued - self._written > self.config.max_queue_bytes:
                 self._overflow(event)
                 return
             self._enqueued += event[-1]
             self._queue.append(event)
         except Exception as exc:
-            self._count_loss("lost", 1, "submit", f"could not queue a span ({type(exc).__name__}: {exc})")
+            self.count_loss("lost", 1, "submit", f"could not queue a span ({type(exc).__name__}: {exc})")
             return
         if self._thread is None:
             self._start()
@@ -288,7 +140,7 @@ class Recorder:
     def _overflow(self, event: tuple) -> None:
         traj = event[1]
         if self.config.policy == POLICY_DROP:
-            self._count_loss("dropped", 1, "dropped", "queue full: dropping spans (policy=drop)")
+            self.count_loss("dropped", 1, "dropped", "queue full: dropping spans (policy=drop)")
         else:
             self._warn_once(
                 "spilled", "queue full: the calling thread encodes queued spans itself (policy=spill)"
@@ -297,9 +149,9 @@ class Recorder:
                 self._spill(event)
                 return
             except Exception as exc:
-                self._count_loss("lost", 1, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
+                self.count_loss("lost", 1, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
         if event[3] is None:  # keep the step's open count right; the writer forgets the trajectory
-            self._queue.append((_CLOSE, traj, 0))
+            self._queue.append((CLOSE, traj, 0))
             if self._thread is None:
                 self._start()
 
@@ -325,7 +177,7 @@ class Recorder:
                     self._end_cycle(flushes, force=True)
         finally:
             if self._term_pending:
-                _on_sigterm(signal.SIGTERM, None)
+                self.on_deferred_term()
 
     def _lock_held_here(self) -> bool:
         is_owned = getattr(self._lock, "_is_owned", None)
@@ -340,7 +192,7 @@ class Recorder:
                 buf.writer = PartialWriter(self._partition(step))
             buf.writer.write(batch)
         except Exception as exc:
-            self._count_loss("lost", rows, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
+            self.count_loss("lost", rows, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
             return None
         return rows
 
@@ -354,9 +206,9 @@ class Recorder:
                     self._warn_once("thread", f"no writer thread ({exc}); spans are written at close")
                     return
                 self._thread = thread
-                _close_with_multiprocessing()
+                self.on_thread_start()
 
-    def _count_loss(self, counter: str, n: int, key: str, message: str) -> None:
+    def count_loss(self, counter: str, n: int, key: str, message: str) -> None:
         self.counters[counter] += n
         self._counters_dirty = True
         self._warn_once(key, message + "; counted in _workers/ (see `rlreplay info`)")
@@ -398,7 +250,7 @@ class Recorder:
                     kind = self._take(queue.popleft(), flushes)
                 except IndexError:
                     break
-            if kind == _SPAN and on_writer and clock() > slice_end:
+            if kind == SPAN and on_writer and clock() > slice_end:
                 time.sleep(_YIELD_S)  # hand the GIL to the training threads (an event loop)
                 slice_end = clock() + _WORK_SLICE_S
         self._end_cycle(flushes, force)
@@ -407,11 +259,11 @@ class Recorder:
         """Apply one queued event (the lock is held); its kind."""
         self._written += event[-1]
         kind = event[0]
-        if kind == _SPAN:
+        if kind == SPAN:
             self._ingest(event, spilled)
-        elif kind == _OPEN:
+        elif kind == OPEN:
             self._buffer(event[1].step).open += 1
-        elif kind == _CLOSE:
+        elif kind == CLOSE:
             traj = event[1]
             buf = self._buffer(traj.step)
             if traj.explicit:
@@ -461,7 +313,7 @@ class Recorder:
         try:
             row, nbytes = self._encode_row(event)
         except Exception as exc:
-            self._count_loss(
+            self.count_loss(
                 "encode_errors", 1, "encode", f"could not encode a span: {type(exc).__name__}: {exc}"
             )
         else:
@@ -491,7 +343,7 @@ class Recorder:
         )
 
     def _encode_problem(self, key: str, message: str) -> None:
-        self._count_loss("encode_errors", 1, f"encode:{key}", message)
+        self.count_loss("encode_errors", 1, f"encode:{key}", message)
 
     def _write(self, step: int | None, buf: _StepBuffer) -> None:
         """Write a buffer's rows (the lock is held): counted as spans (those a calling thread encoded
@@ -539,7 +391,7 @@ class Recorder:
         self.counters["spans"] -= writer.rows - buf.spilled_in_file
         self.counters["spilled"] -= buf.spilled_in_file
         buf.spilled_in_file = 0
-        self._count_loss(
+        self.count_loss(
             "lost", writer.rows, "gone", f"{writer.path} was removed while recording: its spans are lost"
         )
         with contextlib.suppress(Exception):
@@ -628,7 +480,7 @@ class Recorder:
                 self._sealing -= 1
                 self._sealed_cond.notify_all()
             self._save_counters()
-            storage.shard_sealed(self.config.run_dir)  # a URI run's publisher uploads it now
+            publish.shard_sealed(self.config.run_dir)  # a URI run's publisher uploads it now
 
     def _save_counters(self) -> None:
         self._last_counters = time.monotonic()
@@ -662,7 +514,7 @@ class Recorder:
             return True
         done = threading.Event()
         self._urgent = True
-        self._queue.append((_FLUSH, done, 0))
+        self._queue.append((FLUSH, done, 0))
         self._wake.set()
         return done.wait(timeout)
 
@@ -670,7 +522,7 @@ class Recorder:
         """Have the writer write and fsync everything queued so far, at once, without waiting for it."""
         if self._thread is not None and not self._closed:
             self._urgent = True
-            self._queue.append((_FLUSH, None, 0))
+            self._queue.append((FLUSH, None, 0))
             self._wake.set()
 
     def close(self, timeout: float = 60.0) -> None:
@@ -698,7 +550,7 @@ class Recorder:
             log.warning("rlreplay: close failed: %s", exc)
         finally:
             with contextlib.suppress(Exception):
-                storage.recorder_closed(self.config.run_dir)  # uploads a URI run's spool
+                publish.recorder_closed(self.config.run_dir)  # uploads a URI run's spool
             if self._lease is not None:
                 with contextlib.suppress(OSError):
                     self._lease.release()
@@ -745,10 +597,10 @@ def _warm_up() -> None:
     _warmed_up = True
     with contextlib.suppress(Exception):
         meta = OpMeta(name="warm-up")
-        traj = _Trajectory.__new__(_Trajectory)
+        traj = OpenTrajectory.__new__(OpenTrajectory)
         traj.id, traj.step, traj.sample_index, traj.rollout_n = 0, 0, 0, 0
         traj.validate, traj.experiment, traj.attributes, traj.explicit = False, "x", {"a": 1}, False
-        event = (_SPAN, traj, 1, None, meta, 0, 1, None, ([1, 2],), {"k": "v"}, {"token_ids": [3]}, 0)
+        event = span_event(traj, 1, None, meta, 0, 1, None, ([1, 2],), {"k": "v"}, {"token_ids": [3]}, 0)
         config = RecorderConfig(run_dir=Path("."))
         row, nbytes = encode_row(event, config, "w", lambda *_: None, format_trajectory_id, format_span_id)
         buf = _StepBuffer()
@@ -756,403 +608,3 @@ def _warm_up() -> None:
         batch = buf.take_batch()
         with pa.ipc.new_stream(pa.BufferOutputStream(), batch.schema, options=live_options()) as writer:
             writer.write_batch(batch)
-
-
-_mp_finalizer_pid: int | None = None
-
-
-def _close_with_multiprocessing() -> None:
-    """Forked multiprocessing children end with os._exit (no atexit): close from its exit hook too."""
-    global _mp_finalizer_pid
-    mp_util = sys.modules.get("multiprocessing.util")
-    if mp_util is None or _mp_finalizer_pid == os.getpid():
-        return
-    _mp_finalizer_pid = os.getpid()
-    with contextlib.suppress(Exception):
-        mp_util.Finalize(None, close, exitpriority=100)
-
-
-# ---- process-wide state -------------------------------------------------------------------------
-
-_recorder: Recorder | None = None
-_env_checked = False
-_init_lock = threading.Lock()
-_forked_from: list[Recorder] = []  # the parent's recorder, kept (never used) in a forked child
-
-
-def init(
-    dir: str | os.PathLike[str] | None = None,
-    experiment: str | None = None,
-    worker: str | None = None,
-    *,
-    policy: str | None = None,
-    max_queue_mb: float | None = None,
-    max_field_bytes: int | None = 4 << 20,
-) -> Recorder:
-    """Start recording in this process into run directory ``dir`` (default: ``$RLREPLAY_DIR``)."""
-    global _recorder, _env_checked
-    run_dir = dir if dir is not None else os.environ.get(ENV_DIR)
-    if not run_dir:
-        raise ValueError(f"rlreplay.init needs dir= or ${ENV_DIR}")
-    policy = policy or os.environ.get(ENV_POLICY) or POLICY_SPILL
-    if policy not in (POLICY_SPILL, POLICY_DROP):
-        raise ValueError(f"policy must be {POLICY_SPILL!r} or {POLICY_DROP!r}, not {policy!r}")
-    queue_mb = max_queue_mb if max_queue_mb is not None else float(os.environ.get(ENV_MAX_QUEUE_MB, 32))
-    config = RecorderConfig(
-        run_dir=storage.recording_dir(run_dir),  # a URI records into a local spool, published
-        experiment=experiment or os.environ.get(ENV_EXPERIMENT),
-        worker=worker or os.environ.get(ENV_WORKER),
-        policy=policy,
-        max_queue_bytes=int(queue_mb * (1 << 20)),
-        max_field_bytes=max_field_bytes,
-    )
-    with _init_lock:
-        if _recorder is not None:
-            _recorder.close()
-        try:
-            manifest.ensure_manifest(config.run_dir, config.experiment)
-        except Exception as exc:  # recording goes on; every span that cannot be written is counted
-            log.warning("rlreplay: cannot write to %s (%s); spans will be counted as lost", run_dir, exc)
-        _recorder = Recorder(config)
-        _env_checked = True
-    _install_exit_hooks()
-    _warm_up()
-    _recorder._start()
-    return _recorder
-
-
-def _from_env() -> Recorder | None:
-    global _env_checked
-    with _init_lock:
-        if _env_checked:
-            return _recorder
-        _env_checked = True
-    if not os.environ.get(ENV_DIR) or os.environ.get(ENV_DISABLE):
-        return None
-    try:
-        return init()
-    except Exception as exc:
-        log.warning("rlreplay: recording disabled: %s", exc)
-        return None
-
-
-def get_recorder() -> Recorder | None:
-    return _recorder if _env_checked else _from_env()
-
-
-def flush(timeout: float = 30.0) -> bool:
-    """Write and fsync everything recorded so far in this process."""
-    rec = _recorder
-    return rec.flush(timeout) if rec is not None else True
-
-
-def close() -> None:
-    """Seal this process's files; later spans are not recorded until ``init`` is called again."""
-    global _recorder
-    rec = _recorder
-    _recorder = None
-    if rec is not None:
-        rec.close()
-
-
-def stats() -> dict[str, int]:
-    rec = _recorder
-    return dict(rec.counters) if rec is not None else dict.fromkeys(manifest.COUNTERS, 0)
-
-
-_hooks_installed = False
-
-
-def _install_exit_hooks() -> None:
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    atexit.register(close)
-    if threading.current_thread() is threading.main_thread():
-        with contextlib.suppress(ValueError, OSError):
-            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, _on_sigterm)
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    rec = _recorder
-    if rec is not None and not rec._closed and rec._lock_held_here():  # mid-encode: close once let go
-        rec._term_pending = True
-        return
-    close()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _after_fork() -> None:
-    """In a forked child: fresh ids, locks and recorder (same config); the parent's files stay its own."""
-    global _recorder, _trajectory_ids, _span_ids, _id_salt, _init_lock
-    _trajectory_ids, _span_ids, _id_salt = _id_source()
-    _init_lock = threading.Lock()
-    if _recorder is not None:
-        _forked_from.append(_recorder)
-        _recorder = Recorder(_recorder.config)
-
-
-# Registered at import, not in init: a child forked before init must not reuse the parent's ids.
-os.register_at_fork(after_in_child=_after_fork)
-
-
-# ---- the public tracing API -----------------------------------------------------------------------
-
-
-# What a queued span keeps alive per item of a list it holds: the copy's 8-byte pointer and the item
-# itself (an int id is a 28-byte object in a 32-byte slot; the caller may have dropped its own list).
-_ITEM_BYTES = 40
-
-
-def _nbytes(args: tuple, kwargs: dict, result: Any) -> int:
-    """A cheap estimate of the memory a queued span holds: its top-level lists, and the lists directly
-    inside a dict or object result (``{"token_ids": [...]}``, a pydantic output)."""
-    size = 256
-    for value in args:
-        if type(value) is list:
-            size += len(value) * _ITEM_BYTES
-    for value in kwargs.values():
-        if type(value) is list:
-            size += len(value) * _ITEM_BYTES
-    if type(result) is list:
-        size += len(result) * _ITEM_BYTES
-    elif result is not None:
-        if type(result) is dict:
-            fields = result
-        else:
-            try:
-                fields = getattr(result, "__dict__", None)
-            except Exception:
-                fields = None
-        if type(fields) is dict and len(fields) < 64:
-            for value in list(fields.values()):
-                if type(value) is list:
-                    size += len(value) * _ITEM_BYTES
-    return size
-
-
-def _untraced_failure(rec: Recorder, exc: Exception) -> None:
-    with contextlib.suppress(Exception):
-        rec._count_loss("lost", 1, "hotpath", f"tracing failed ({type(exc).__name__}: {exc})")
-
-
-def trace_op(
-    fn: F | None = None,
-    *,
-    name: str | None = None,
-    kind: str = KIND_OP,
-    reduce_inputs: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-    reduce_output: Callable[[Any], Any] | None = None,
-    reward: Callable[[Any], float | None] | None = None,
-) -> Any:
-    """Record each call of a sync or async function as a span (``@trace_op`` or ``@trace_op(...)``)."""
-    if fn is None:
-        return functools.partial(
-            trace_op,
-            name=name,
-            kind=kind,
-            reduce_inputs=reduce_inputs,
-            reduce_output=reduce_output,
-            reward=reward,
-        )
-    meta = OpMeta(
-        name=name or fn.__qualname__,
-        kind=kind,
-        fn=fn,
-        reduce_inputs=reduce_inputs,
-        reduce_output=reduce_output,
-        reward=reward,
-    )
-    snapshot = payload.snapshot
-    time_ns = time.time_ns
-    current = _CURRENT
-
-    if inspect.iscoroutinefunction(fn):
-
-        @functools.wraps(fn)
-        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-            rec = _recorder if _env_checked else _from_env()
-            ctx = current.get()
-            if rec is None or ctx is _OFF:
-                return await fn(*args, **kwargs)
-            try:
-                if ctx is None:
-                    traj, parent = _Trajectory(explicit=False), None
-                else:
-                    traj, parent = ctx
-                span_id = next(_span_ids)
-                sargs = tuple(map(snapshot, args))
-                skw = {k: snapshot(v) for k, v in kwargs.items()} if kwargs else kwargs
-                token = current.set((traj, span_id))
-            except Exception as exc:  # tracing must never break the call
-                _untraced_failure(rec, exc)
-                return await fn(*args, **kwargs)
-            start = time_ns()
-            try:
-                result = await fn(*args, **kwargs)
-            except BaseException as exc:
-                end = time_ns()
-                current.reset(token)
-                rec.submit((_SPAN, traj, span_id, parent, meta, start, end, exc, sargs, skw, None, 256))
-                raise
-            end = time_ns()
-            current.reset(token)
-            try:
-                out = snapshot(result)
-            except Exception:  # a dict changed by another thread meanwhile
-                out = result
-            rec.submit(
-                (
-                    _SPAN,
-                    traj,
-                    span_id,
-                    parent,
-                    meta,
-                    start,
-                    end,
-                    None,
-                    sargs,
-                    skw,
-                    out,
-                    _nbytes(sargs, skw, out),
-                )
-            )
-            return result
-
-        async_wrapper.__rlreplay_meta__ = meta  # type: ignore[attr-defined]
-        return async_wrapper
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        rec = _recorder if _env_checked else _from_env()
-        ctx = current.get()
-        if rec is None or ctx is _OFF:
-            return fn(*args, **kwargs)
-        try:
-            if ctx is None:
-                traj, parent = _Trajectory(explicit=False), None
-            else:
-                traj, parent = ctx
-            span_id = next(_span_ids)
-            sargs = tuple(map(snapshot, args))
-            skw = {k: snapshot(v) for k, v in kwargs.items()} if kwargs else kwargs
-            token = current.set((traj, span_id))
-        except Exception as exc:  # tracing must never break the call
-            _untraced_failure(rec, exc)
-            return fn(*args, **kwargs)
-        start = time_ns()
-        try:
-            result = fn(*args, **kwargs)
-        except BaseException as exc:
-            end = time_ns()
-            current.reset(token)
-            rec.submit((_SPAN, traj, span_id, parent, meta, start, end, exc, sargs, skw, None, 256))
-            raise
-        end = time_ns()
-        current.reset(token)
-        try:
-            out = snapshot(result)
-        except Exception:  # a dict changed by another thread meanwhile
-            out = result
-        rec.submit(
-            (_SPAN, traj, span_id, parent, meta, start, end, None, sargs, skw, out, _nbytes(sargs, skw, out))
-        )
-        return result
-
-    wrapper.__rlreplay_meta__ = meta  # type: ignore[attr-defined]
-    return wrapper
-
-
-class trajectory:
-    """Open a trajectory: its root span carries step, sample_index, rollout_n, validate, experiment.
-
-    Usable as ``with`` or ``async with``; ``trace=False`` disables recording inside the block. The
-    writer takes a finished trajectory at once; with ``write_at_end=False``, at its next cycle
-    (within ``flush_interval_s``), for callers that make a whole batch durable themselves
-    (``Recorder.request_flush``, ``Recorder.wait_written``): each wake-up of an idle writer costs.
-    """
-
-    __slots__ = ("_meta", "_rec", "_span_id", "_start", "_token", "_trace", "_traj", "_write_at_end")
-
-    def __init__(
-        self,
-        step: int | str | None = None,
-        sample_index: int | str | None = None,
-        rollout_n: int | str | None = None,
-        validate: bool = False,
-        experiment: str | None = None,
-        name: str = "trajectory",
-        trace: bool = True,
-        write_at_end: bool = True,
-        **attributes: Any,
-    ) -> None:
-        self._trace = trace
-        self._write_at_end = write_at_end
-        self._traj = _Trajectory(
-            key_int(step),
-            key_int(sample_index),
-            key_int(rollout_n),
-            bool(validate),
-            experiment,
-            attributes or None,
-        )
-        self._traj.keys = (step, sample_index, rollout_n)
-        self._meta = _trajectory_meta(name)
-        self._token: Any = None
-        self._rec: Recorder | None = None
-        self._span_id = 0
-        self._start = 0
-
-    def __enter__(self) -> trajectory:
-        rec = _recorder if _env_checked else _from_env()
-        if not self._trace or rec is None or _CURRENT.get() is _OFF:
-            self._token = _CURRENT.set(_OFF)
-            self._span_id = 0
-            return self
-        self._rec = rec
-        self._span_id = next(_span_ids)
-        rec.submit((_OPEN, self._traj, _OPEN_BYTES))
-        self._token = _CURRENT.set((self._traj, self._span_id))
-        self._start = time.time_ns()
-        return self
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        end = time.time_ns()
-        with contextlib.suppress(ValueError):
-            _CURRENT.reset(self._token)
-        rec = self._rec
-        if self._span_id and rec is not None:
-            self._rec = None
-            rec.submit(
-                (_SPAN, self._traj, self._span_id, None, self._meta, self._start, end, exc, (), {}, None, 256)
-            )
-            if self._write_at_end:
-                rec._wake.set()  # write the finished trajectory now: Ray kills actors without atexit
-
-    async def __aenter__(self) -> trajectory:
-        return self.__enter__()
-
-    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        self.__exit__(exc_type, exc, tb)
-
-    @property
-    def id(self) -> str:
-        return format_trajectory_id(self._traj.id)
-
-
-@functools.lru_cache(maxsize=256)
-def _trajectory_meta(name: str) -> OpMeta:
-    return OpMeta(name=name, kind=KIND_TRAJECTORY)
-
-
-@contextlib.contextmanager
-def disabled() -> Any:
-    """Record nothing inside this block (in this task or thread)."""
-    token = _CURRENT.set(_OFF)
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)

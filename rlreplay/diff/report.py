@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlreplay.diff import DELTA_FIELDS, EQUAL, TrajectoryDiff, TurnDiff, format_tool_calls
-from rlreplay.manifest import MANIFEST
-from rlreplay.shards import SPANS_DIR
-from rlreplay.store import RunError
+from rlreplay.diff.align import DELTA_FIELDS, EQUAL, TrajectoryDiff, TurnDiff, format_tool_calls
+from rlreplay.errors import RunError
+from rlreplay.format.manifest import MANIFEST
+from rlreplay.shards.layout import SPANS_DIR
 
 #: Rows of the summary table, named as in --json, ``ls`` and ``show``.
 SUMMARY_FIELDS = ("reward", "status", *DELTA_FIELDS[1:])

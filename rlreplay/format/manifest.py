@@ -13,14 +13,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from rlreplay.redact import (  # noqa: F401 - redaction lives in rlreplay.redact; re-exported here
-    REDACTED,
-    redact_argv,
-    redact_mapping,
-    redact_url,
-    redact_value,
-)
-from rlreplay.schema import FORMAT_VERSION, FormatError
+from rlreplay.errors import UnsafePathError
+from rlreplay.format.redact import redact_argv, redact_mapping
+from rlreplay.format.schema import FORMAT_VERSION
 
 log = logging.getLogger("rlreplay")
 
@@ -61,10 +56,6 @@ def version() -> str:
         return dist_version("rlreplay")
     except PackageNotFoundError:
         return "0+unknown"
-
-
-class UnsafePathError(FormatError):
-    """A path inside a run that resolves outside it (a symlink): rlreplay never writes or deletes there."""
 
 
 def safe_run_path(run_dir: str | os.PathLike[str], *parts: str | os.PathLike[str]) -> Path:
