@@ -92,7 +92,7 @@ _closed_cluster = False
 
 
 def close_cluster_writers(wait_s: float = CLOSE_WAIT_S) -> int:
-    """Run :func:`rlreplay.storage.close_node_writers` on every live node of the cluster."""
+    """Run :func:`rlreplay.remote.publish.close_node_writers` on every live node of the cluster."""
     global _closed_cluster
     ray = sys.modules.get("ray")
     target = os.environ.get("RLREPLAY_DIR")

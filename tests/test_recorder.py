@@ -627,10 +627,11 @@ def test_sigterm_while_the_calling_thread_holds_the_writers_lock(tmp_path: Path)
         import os, signal, sys, time
         import rlreplay
         from rlreplay import recorder
+        from rlreplay.recorder import writer
         rlreplay.init(sys.argv[1], worker="w", max_queue_mb=0.001, policy="spill")
         rec = recorder.get_recorder()
         rec._wake.wait = lambda timeout=None: time.sleep(0.05) or False  # a slow writer: the queue fills
-        ingest = recorder.Recorder._ingest
+        ingest = writer.Recorder._ingest
 
         def ingest_then_term(self, event, spilled=False):
             if spilled and not getattr(self, "termed", False):
@@ -638,7 +639,7 @@ def test_sigterm_while_the_calling_thread_holds_the_writers_lock(tmp_path: Path)
                 os.kill(os.getpid(), signal.SIGTERM)  # handled while the lock is held
             return ingest(self, event, spilled)
 
-        recorder.Recorder._ingest = ingest_then_term
+        writer.Recorder._ingest = ingest_then_term
 
         @rlreplay.trace_op(kind="llm")
         def generate(prompt_ids):

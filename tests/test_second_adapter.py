@@ -173,8 +173,8 @@ def test_conversation_and_messages_come_from_the_adapter(site: Path, recorded: P
         f"""
         import json, rlreplay
         from rlreplay.text.adapters import adapter_for_run
-        from rlreplay.text.conversation import turns
-        from rlreplay.text.messages import openai_messages
+        from rlreplay.text.adapters import turns
+        from rlreplay.text.adapters import openai_messages
         run = rlreplay.open_run({str(recorded)!r})
         adapter = adapter_for_run(run)
         traj = run.trajectory(run.trajectories(step=1, sample_index=1, rollout_n=1)["id"][0].as_py())

@@ -77,11 +77,13 @@ WORKER = textwrap.dedent(
 
     from rlreplay import recorder
 
-    write = recorder.Recorder._write
+    from rlreplay.recorder import writer
+
+    write = writer.Recorder._write
     def slow_disk(self, *args, **kwargs):  # a slow shared filesystem: each write takes 0.3 s
         time.sleep(0.3)
         return write(self, *args, **kwargs)
-    recorder.Recorder._write = slow_disk
+    writer.Recorder._write = slow_disk
 
     workdir = sys.argv[1]
     model_dir = verl_parts.make_model_dir(os.path.join(workdir, "model"))

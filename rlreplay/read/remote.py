@@ -31,7 +31,7 @@ from rlreplay.shards.layout import SEALED_SUFFIX, SPANS_DIR
 
 
 def open_remote(uri: str) -> Any:
-    """A :class:`rlreplay.store.Run` over a run URI, reading through a local cache."""
+    """A :class:`rlreplay.read.run.Run` over a run URI, reading through a local cache."""
     try:
         loc = location(uri)
         cache = Cache(loc)

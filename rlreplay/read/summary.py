@@ -8,6 +8,7 @@ from typing import Any
 from rlreplay.errors import RunError
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format import manifest
+from rlreplay.format import redact as redaction
 from rlreplay.read.run import Run
 from rlreplay.remote import location
 from rlreplay.shards.layout import SPANS_DIR
@@ -38,7 +39,9 @@ def run_summary(run: Run) -> dict[str, Any]:
         "run_id": m.get("run_id"),
         "experiment": m.get("experiment"),
         "tokenizer": m.get("tokenizer"),
-        "command": " ".join(manifest.redact_argv([str(a) for a in m.get("command") or []])),  # older runs too
+        "command": " ".join(
+            redaction.redact_argv([str(a) for a in m.get("command") or []])
+        ),  # older runs too
         "steps": len(steps),
         "trajectories": len(ops.unique(spans["trajectory_id"])) if spans.num_rows else 0,
         "spans": spans.num_rows,

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rlreplay.format import manifest, payload
+from rlreplay.format import payload
+from rlreplay.format import redact as redaction
 from rlreplay.format.schema import (
     KIND_AGENT,
     KIND_SIGNALS,
@@ -330,7 +331,7 @@ def _bound(meta: Any, args: tuple, kwargs: dict, problem: Problem) -> Any:
         problem("bind", f"could not bind the arguments of {meta.name}: {type(exc).__name__}")
         inputs = {"args": list(args), **kwargs}
     try:
-        return manifest.redact_mapping(inputs)
+        return redaction.redact_mapping(inputs)
     except Exception:
         return {k: "***" for k in inputs} if isinstance(inputs, dict) else None
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rlreplay.errors import StorageError
-from rlreplay.format import manifest
+from rlreplay.format import redact as redaction
 
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/+(.*)$")  # also "s3:/b/p": a URI after Path() folded "//"
 _USERINFO = re.compile(r"(://)[^/@\s]+@")
@@ -43,12 +43,14 @@ def local_path(value: str | os.PathLike[str]) -> Path:
 
 def redact(text: str) -> str:
     """Hide credentials a message may carry: URI user info, secret query values, env key values."""
-    text = _QUERY_SECRET.sub(r"\1" + manifest.REDACTED, _USERINFO.sub(r"\1" + manifest.REDACTED + "@", text))
+    text = _QUERY_SECRET.sub(
+        r"\1" + redaction.REDACTED, _USERINFO.sub(r"\1" + redaction.REDACTED + "@", text)
+    )
     for name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID"):
         secret = os.environ.get(name)
         if secret and len(secret) >= 4:
-            text = text.replace(secret, manifest.REDACTED)
-    return manifest.redact_value(text)
+            text = text.replace(secret, redaction.REDACTED)
+    return redaction.redact_value(text)
 
 
 def error_line(exc: BaseException) -> str:
