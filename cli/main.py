@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app, plain_coercion
+from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app
 
 #: Each command and the module that registers it: a command imports only its own module.
 COMMANDS = {
@@ -60,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
         from rlreplay.read.run import skip_pandas
 
         skip_pandas()  # the command-line process of a reading command: no pandas import
-    plain_coercion()
     command = command_group(list(args if argv is None else argv))
     try:
         result = command.main(args=argv, prog_name="rlreplay", standalone_mode=False)

@@ -1,15 +1,12 @@
-"""The Arrow compute kernels rlreplay's reading paths use, called without ``pyarrow.compute``.
+"""The Arrow compute kernels rlreplay's reading paths use, called through ``pyarrow.compute``.
 
-``import pyarrow.compute`` writes a Python wrapper with a docstring for every kernel Arrow has
-(~30 ms of each command's start-up); the kernels and their options live in the extension module
-``pyarrow._compute``, which loads in a few ms. Each function here calls one kernel by name, with
-the options ``pyarrow.compute`` would pass, so it gives that function's result. A pyarrow
-without that module or one of its names: the same calls go through ``pyarrow.compute``.
+Each function gives what the ``pyarrow.compute`` function (or the pyarrow method) of its name
+gives. ``pyarrow.compute`` is imported inside the functions that call a kernel, not when this
+module loads: a command that never calls one (``--help``, a listing of every trajectory) does
+not pay for its import.
 
-Methods such as ``Table.filter``, ``Table.sort_by``, ``Table.take`` or ``Table.cast`` import
-``pyarrow.compute`` themselves: reading code calls :func:`filter`, :func:`sort_by`, :func:`take`
-and :func:`cast_table` instead, and :func:`from_numpy` for ``pa.array`` of a numpy array (which
-imports ``numpy.ma``).
+:func:`from_numpy` gives ``pa.array`` of a numpy array without its check for a numpy masked
+array (which imports ``numpy.ma``).
 """
 
 from __future__ import annotations
@@ -18,34 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
-
-#: What the kernels are called through: its ``call_function`` and these options classes.
-NAMES = (
-    "call_function",
-    "CastOptions",
-    "DictionaryEncodeOptions",
-    "FilterOptions",
-    "MatchSubstringOptions",
-    "ScalarAggregateOptions",
-    "SetLookupOptions",
-    "SortOptions",
-    "TakeOptions",
-)
-
-
-def _kernels() -> Any:
-    """``pyarrow._compute`` when it has every name, else ``pyarrow.compute`` (which re-exports them)."""
-    try:
-        import pyarrow._compute as kernels
-    except ImportError:
-        kernels = None
-    if kernels is None or not all(hasattr(kernels, name) for name in NAMES):
-        import pyarrow.compute as kernels
-    return kernels
-
-
-kernels = _kernels()
-_call = kernels.call_function
 
 
 def from_numpy(values: Any, null: Any = None) -> pa.Array:
@@ -72,76 +41,104 @@ def from_numpy(values: Any, null: Any = None) -> pa.Array:
 
 
 def equal(a: Any, b: Any) -> Any:
-    return _call("equal", [a, b])
+    import pyarrow.compute as pc
+
+    return pc.equal(a, b)
 
 
 def greater_equal(a: Any, b: Any) -> Any:
-    return _call("greater_equal", [a, b])
+    import pyarrow.compute as pc
+
+    return pc.greater_equal(a, b)
 
 
 def less_equal(a: Any, b: Any) -> Any:
-    return _call("less_equal", [a, b])
+    import pyarrow.compute as pc
+
+    return pc.less_equal(a, b)
 
 
 def and_(a: Any, b: Any) -> Any:
     """Boolean and (null where either side is null, as ``pyarrow.compute.and_``)."""
-    return _call("and", [a, b])
+    import pyarrow.compute as pc
+
+    return pc.and_(a, b)
 
 
 def or_(a: Any, b: Any) -> Any:
-    return _call("or", [a, b])
+    import pyarrow.compute as pc
+
+    return pc.or_(a, b)
 
 
 def invert(a: Any) -> Any:
-    return _call("invert", [a])
+    import pyarrow.compute as pc
+
+    return pc.invert(a)
 
 
 def is_null(a: Any) -> Any:
-    return _call("is_null", [a])
+    import pyarrow.compute as pc
+
+    return pc.is_null(a)
 
 
 def is_valid(a: Any) -> Any:
-    return _call("is_valid", [a])
+    import pyarrow.compute as pc
+
+    return pc.is_valid(a)
 
 
 def is_in(values: Any, value_set: pa.Array) -> Any:
     """Whether each value is one of ``value_set`` (a null matches a null in the set)."""
-    return _call("is_in", [values], kernels.SetLookupOptions(value_set))
+    import pyarrow.compute as pc
+
+    return pc.is_in(values, value_set=value_set)
 
 
 def fill_null(values: Any, fill: Any) -> Any:
     """``values`` with nulls replaced by ``fill`` (a Python value is taken as of ``values``' type)."""
-    if not isinstance(fill, (pa.Array, pa.ChunkedArray, pa.Scalar)):
-        fill = pa.scalar(fill, type=values.type)
-    elif fill.type != values.type:
-        fill = pa.scalar(fill.as_py(), type=values.type)
-    return _call("coalesce", [values, fill])
+    import pyarrow.compute as pc
+
+    return pc.fill_null(values, fill)
 
 
 def coalesce(*values: Any) -> Any:
     """The first non-null value of each row."""
-    return _call("coalesce", list(values))
+    import pyarrow.compute as pc
+
+    return pc.coalesce(*values)
 
 
 def if_else(cond: Any, left: Any, right: Any) -> Any:
-    return _call("if_else", [cond, left, right])
+    import pyarrow.compute as pc
+
+    return pc.if_else(cond, left, right)
 
 
 def starts_with(strings: Any, prefix: str) -> Any:
-    return _call("starts_with", [strings], kernels.MatchSubstringOptions(prefix))
+    import pyarrow.compute as pc
+
+    return pc.starts_with(strings, pattern=prefix)
 
 
 def binary_length(values: Any) -> Any:
-    return _call("binary_length", [values])
+    import pyarrow.compute as pc
+
+    return pc.binary_length(values)
 
 
 def list_value_length(values: Any) -> Any:
-    return _call("list_value_length", [values])
+    import pyarrow.compute as pc
+
+    return pc.list_value_length(values)
 
 
 def cast(values: Any, target: pa.DataType) -> Any:
     """A safe cast (raises rather than lose values), as ``Array.cast``."""
-    return _call("cast", [values], kernels.CastOptions.safe(target))
+    import pyarrow.compute as pc
+
+    return pc.cast(values, target, safe=True)
 
 
 def cast_table(table: pa.Table, schema: pa.Schema) -> pa.Table:
@@ -164,17 +161,23 @@ def cast_table(table: pa.Table, schema: pa.Schema) -> pa.Table:
 
 def take(data: Any, indices: Any) -> Any:
     """Rows (or values) of ``data`` at ``indices``; a null index gives a null row."""
-    return _call("take", [data, indices], kernels.TakeOptions(boundscheck=True))
+    import pyarrow.compute as pc
+
+    return pc.take(data, indices, boundscheck=True)
 
 
 def filter(data: Any, mask: Any) -> Any:
     """Rows (or values) of ``data`` where ``mask`` is true; null counts as false."""
-    return _call("filter", [data, mask], kernels.FilterOptions("drop"))
+    import pyarrow.compute as pc
+
+    return pc.filter(data, mask, null_selection_behavior="drop")
 
 
 def sort_indices(data: Any, keys: Sequence[tuple[str, str]]) -> Any:
     """Indices of a stable sort by ``keys`` (``(column, "ascending"|"descending")``), nulls last."""
-    return _call("sort_indices", [data], kernels.SortOptions(sort_keys=list(keys)))
+    import pyarrow.compute as pc
+
+    return pc.sort_indices(data, sort_keys=list(keys))
 
 
 def sort_by(table: pa.Table, keys: Sequence[tuple[str, str]]) -> pa.Table:
@@ -184,22 +187,32 @@ def sort_by(table: pa.Table, keys: Sequence[tuple[str, str]]) -> pa.Table:
 
 def dictionary_encode(values: Any) -> Any:
     """Values as indices into their distinct values, in order of first appearance (nulls stay null)."""
-    return _call("dictionary_encode", [values], kernels.DictionaryEncodeOptions("mask"))
+    import pyarrow.compute as pc
+
+    return pc.dictionary_encode(values, null_encoding="mask")
 
 
 def unique(values: Any) -> Any:
-    return _call("unique", [values])
+    import pyarrow.compute as pc
+
+    return pc.unique(values)
 
 
 def drop_null(values: Any) -> Any:
-    return _call("drop_null", [values])
+    import pyarrow.compute as pc
+
+    return pc.drop_null(values)
 
 
 def sum(values: Any) -> pa.Scalar:
     """The sum of the non-null values (null when there are none)."""
-    return _call("sum", [values], kernels.ScalarAggregateOptions())
+    import pyarrow.compute as pc
+
+    return pc.sum(values)
 
 
 def min(values: Any) -> pa.Scalar:
     """The least non-null value (null when there are none)."""
-    return _call("min", [values], kernels.ScalarAggregateOptions())
+    import pyarrow.compute as pc
+
+    return pc.min(values)
