@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import rlreplay
-from rlreplay import manifest
+from rlreplay.format import manifest
 
 
 def _package_dir(name: str) -> Path:
@@ -158,8 +158,8 @@ def main() -> None:
     from rich.console import Console
 
     from rlreplay.cli.diff import print_parts, render_diff
-    from rlreplay.diff import diff_trajectories, split_words
-    from rlreplay.token2text import Decoder
+    from rlreplay.diff.align import diff_trajectories, split_words
+    from rlreplay.text.token2text import Decoder
 
     prompt, a_turns, b_turns = build_conversations(args.tokens, args.turns)
     with tempfile.TemporaryDirectory(prefix="rlreplay-bench-diff-") as tmp:
@@ -217,10 +217,10 @@ def main() -> None:
             cli_s[label] = time.perf_counter() - start
             assert proc.returncode == 0, proc.stderr
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import rlreplay.cli.main, rlreplay.diff"], check=True)
+        subprocess.run([sys.executable, "-c", "import rlreplay.cli.main, rlreplay.diff.align"], check=True)
         import_s = time.perf_counter() - start
         start = time.perf_counter()
-        code = f"from rlreplay.token2text import Decoder; Decoder.load({str(TOKENIZER_DIR)!r})"
+        code = f"from rlreplay.text.token2text import Decoder; Decoder.load({str(TOKENIZER_DIR)!r})"
         subprocess.run([sys.executable, "-c", code], check=True)
         tokenizer_s = time.perf_counter() - start
 

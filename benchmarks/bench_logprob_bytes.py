@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlreplay.shards import SEALED_ZSTD_LEVEL
+from rlreplay.shards.seal import SEALED_ZSTD_LEVEL
 
 REAL_RUN = Path(__file__).parent.parent / "sample_runs" / "verl-toolagent-smollm2"
 

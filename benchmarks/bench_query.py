@@ -29,10 +29,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import rlreplay
-from rlreplay import query
-from rlreplay.schema import PAYLOAD_COLUMNS
-from rlreplay.selection import Selection
-from rlreplay.shards import partition_dir, write_sealed
+from rlreplay.format.schema import PAYLOAD_COLUMNS
+from rlreplay.read import query
+from rlreplay.read.selection import Selection
+from rlreplay.shards.layout import partition_dir
+from rlreplay.shards.seal import write_sealed
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_RUN = ROOT / "sample_runs" / "gsm8k-grpo-qwen3"

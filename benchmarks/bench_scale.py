@@ -162,10 +162,10 @@ def write_v1(run_dir: Path, v1_dir: Path) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from rlreplay import manifest
-    from rlreplay.schema import V1_COLUMNS
-    from rlreplay.shards import list_files
-    from rlreplay.store import decoded_rows
+    from rlreplay.format import manifest
+    from rlreplay.format.schema import V1_COLUMNS
+    from rlreplay.model import decoded_rows
+    from rlreplay.shards.layout import list_files
 
     v1_dir.mkdir(parents=True)
     manifest.write_json_atomic(v1_dir / "run.json", {**manifest.read_manifest(run_dir), "format_version": 1})
@@ -341,7 +341,7 @@ def main() -> None:
             rounds[name].append(cpu / _recorded_ids(out) * 1e6)
 
     import rlreplay
-    from rlreplay.shards import list_files
+    from rlreplay.shards.layout import list_files
 
     run = rlreplay.open_run(run_dir)
     listing = run.trajectories()

@@ -34,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 
+from rlreplay.shards.layout import SPANS_DIR
+
 BUCKET = "rlreplay-bench"
 
 CALLER = textwrap.dedent(
@@ -212,8 +214,8 @@ def main() -> None:
         import boto3
 
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
-        from rlreplay import storage
-        from rlreplay.store import open_run
+        from rlreplay.read.open import open_run
+        from rlreplay.remote import location, publish
 
         if args.only_listing:
             whole_run_listing(args, env, tmp, endpoint)
@@ -247,10 +249,10 @@ def main() -> None:
         copy_s = time.perf_counter() - t0
 
         uri = f"s3://{BUCKET}/runs/bench"
-        loc = storage.location(uri)
+        loc = location.location(uri)
         spool = tmp / "publish-spool"
         shutil.copytree(run, spool)
-        publisher = storage.Publisher(loc, spool)
+        publisher = publish.Publisher(loc, spool)
         t0 = time.perf_counter()
         stats = publisher.close(timeout_s=600)
         upload_s = time.perf_counter() - t0
@@ -304,9 +306,10 @@ def cache_bytes(cache: Path) -> tuple[int, int, int]:
 
 
 def whole_run_listing(args: argparse.Namespace, env: dict[str, str], tmp: Path, endpoint: str) -> None:
-    from rlreplay import storage
-    from rlreplay.store import Run, open_run
-    from rlreplay.summary import run_summary
+    from rlreplay.read.open import open_run
+    from rlreplay.read.run import Run
+    from rlreplay.read.summary import run_summary
+    from rlreplay.remote import location, publish
 
     run = tmp / "payload-run"
     subprocess.run(
@@ -322,7 +325,7 @@ def whole_run_listing(args: argparse.Namespace, env: dict[str, str], tmp: Path, 
     uri = f"s3://{BUCKET}/runs/payload"
     spool = tmp / "payload-spool"
     shutil.copytree(run, spool, ignore=shutil.ignore_patterns("_trajectories.index"))
-    assert storage.Publisher(storage.location(uri), spool).close(timeout_s=600).pending == 0
+    assert publish.Publisher(location.location(uri), spool).close(timeout_s=600).pending == 0
     local_run = open_run(run)
     expected = local_run.trajectories()
     some_id = expected["id"][len(expected) // 2].as_py()
@@ -332,7 +335,7 @@ def whole_run_listing(args: argparse.Namespace, env: dict[str, str], tmp: Path, 
 
     def mirror() -> Run:  # the previous reader: every object under spans/ into the cache first
         remote = open_run(uri)
-        remote.cache.fetch(storage.SPANS_DIR)
+        remote.cache.fetch(SPANS_DIR)
         return Run(remote.cache.dir)
 
     cases = [

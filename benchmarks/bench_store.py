@@ -24,8 +24,10 @@ import pyarrow.dataset as ds
 import zstandard
 
 import rlreplay
-from rlreplay.schema import SPAN_SCHEMA
-from rlreplay.shards import live_options, partition_dir, write_sealed
+from rlreplay.format.schema import SPAN_SCHEMA
+from rlreplay.shards.layout import partition_dir
+from rlreplay.shards.live import live_options
+from rlreplay.shards.seal import write_sealed
 
 SAMPLE_RUN = Path(__file__).resolve().parent.parent / "sample_runs" / "gsm8k-grpo-qwen3"
 

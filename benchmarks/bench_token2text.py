@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import rlreplay
-from rlreplay import conversation
-from rlreplay.token2text import Decoder, _llm_output_ids, _llm_prompt_ids, add_text
+from rlreplay.text import adapters
+from rlreplay.text.token2text import Decoder, _llm_output_ids, _llm_prompt_ids, add_text
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_RUN = REPO / "sample_runs" / "gsm8k-grpo-qwen3"
@@ -145,7 +145,7 @@ def sequences(trajs: list[rlreplay.Trajectory]) -> list[list[int]]:
                 ]
             elif span.kind == "agent" and isinstance(span.output, dict):
                 seqs += [span.output.get("prompt_ids") or [], span.output.get("response_ids") or []]
-        seqs += [t.token_ids for t in conversation.turns(traj)]
+        seqs += [t.token_ids for t in adapters.turns(traj)]
     return seqs
 
 

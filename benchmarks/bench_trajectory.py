@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import rlreplay
-from rlreplay.store import Span, Trajectory
+from rlreplay.model import Span, Trajectory
 
 SAMPLE_RUN = Path(__file__).resolve().parent.parent / "sample_runs" / "gsm8k-grpo-qwen3"
 

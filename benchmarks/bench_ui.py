@@ -25,8 +25,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import rlreplay
-from rlreplay.schema import FORMAT_VERSION, PAYLOAD_COLUMNS, SPAN_SCHEMA
-from rlreplay.shards import partition_dir, write_sealed
+from rlreplay.format.schema import FORMAT_VERSION, PAYLOAD_COLUMNS, SPAN_SCHEMA
+from rlreplay.shards.layout import partition_dir
+from rlreplay.shards.seal import write_sealed
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = [ROOT / "sample_runs" / "gsm8k-grpo-qwen3", ROOT / "sample_runs" / "verl-toolagent-smollm2"]
@@ -137,7 +138,7 @@ def sample_pages() -> None:
 
 
 def big_pages(steps: int, per_step: int) -> None:
-    from rlreplay.selection import Selection
+    from rlreplay.read.selection import Selection
 
     with tempfile.TemporaryDirectory(prefix="bench-ui-") as tmp:
         run_dir = Path(tmp) / "big"

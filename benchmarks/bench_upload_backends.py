@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TRACKIO_DIR"] = str(home / "trackio")  # before trackio is imported
 
     import rlreplay
-    from rlreplay import selection
+    from rlreplay.read import selection
     from rlreplay.uploaders.mlflow import MlflowUploader
     from rlreplay.uploaders.otlp import OtlpUploader
     from rlreplay.uploaders.pipeline import load_decoder, upload

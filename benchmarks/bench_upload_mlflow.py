@@ -81,7 +81,7 @@ def arrived(uri: str, experiment: str) -> tuple[int, int]:
 
 def run_rlreplay(run_dir: Path, uri: str, experiment: str, text: bool) -> float:
     import rlreplay
-    from rlreplay import selection
+    from rlreplay.read import selection
     from rlreplay.uploaders.mlflow import MlflowUploader
     from rlreplay.uploaders.pipeline import load_decoder, upload
 

@@ -140,7 +140,7 @@ def throughput(run: Any) -> tuple[int, float, int, float]:
 def rlreplay_step_bytes(run: Any, step: int, max_samples: int | None = None) -> tuple[int, int, int, int]:
     from weave_loopback import WeaveLoopback
 
-    from rlreplay import selection
+    from rlreplay.read import selection
     from rlreplay.uploaders.pipeline import load_decoder, upload
     from rlreplay.uploaders.weave import WeaveUploader
 

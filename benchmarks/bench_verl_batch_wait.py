@@ -21,19 +21,20 @@ import asyncio, os, statistics, sys, tempfile, time
 import verl_parts
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from rlreplay import recorder
+from rlreplay.recorder import writer
 
 workdir = tempfile.mkdtemp()
 model_dir = verl_parts.make_model_dir(os.path.join(workdir, "model"))
 tools = verl_parts.write_tool_yaml(os.path.join(workdir, "tools.yaml"))
 config = verl_parts.build_config(model_dir, tools, backend="rlreplay")
 worker = AgentLoopWorker(config, llm_client=verl_parts.ScriptedLLMClient(config, model_dir))
-wait = recorder.Recorder.wait_written
+wait = writer.Recorder.wait_written
 times = {"batch waits until written": [], "no wait": []}
 
 async def main():
     for step in range(int(sys.argv[1]) + 1):
         for mode in times:
-            recorder.Recorder.wait_written = wait if mode != "no wait" else (lambda self, timeout=0: True)
+            writer.Recorder.wait_written = wait if mode != "no wait" else (lambda self, timeout=0: True)
             started = time.perf_counter()
             await worker.generate_sequences(verl_parts.make_batch(list(range(8)), 2, step, False))
             if step:  # the first round warms up
@@ -54,7 +55,7 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args()
-    from rlreplay.cli.record import child_env
+    from rlreplay.cli.launch import child_env
 
     env = child_env(Path(tempfile.mkdtemp()) / "run", None)
     env["PYTHONPATH"] += os.pathsep + str(ROOT / "tests" / "verl_scripts")

@@ -39,9 +39,10 @@ def make_events(
     """The queue events of ``trajectories`` agent loops, and the ids they record."""
     import rlreplay
     from rlreplay import recorder
+    from rlreplay.recorder import writer
 
     events: list[tuple] = []
-    rec = recorder.Recorder(recorder.RecorderConfig(run_dir=Path(tempfile.mkdtemp())))
+    rec = writer.Recorder(writer.RecorderConfig(run_dir=Path(tempfile.mkdtemp())))
     rec.submit = events.append  # type: ignore[method-assign]
     recorder._recorder, recorder._env_checked = rec, True
     rng = random.Random(seed)
@@ -64,7 +65,7 @@ def make_events(
 
     asyncio.run(main())
     recorder._recorder = None
-    events = [e for e in events if e[0] == recorder._SPAN]
+    events = [e for e in events if e[0] == recorder.SPAN]
     return events, sum(_ids(e) for e in events)
 
 
@@ -78,10 +79,11 @@ def _ids(event: tuple) -> int:
 def write_all(events: list[tuple], out: Path, batch_rows: int, idle_s: float = 0.0) -> dict[str, float]:
     """What the writer thread does with ``events``; CPU seconds per phase. ``idle_s``: the thread
     sleeps that long before each span (not timed), as the writer in a paced rollout wakes to a few."""
-    from rlreplay import recorder, rows
-    from rlreplay.shards import PartialWriter
+    from rlreplay import recorder
+    from rlreplay.recorder import rows, writer
+    from rlreplay.shards.live import PartialWriter
 
-    config = recorder.RecorderConfig(run_dir=out)
+    config = writer.RecorderConfig(run_dir=out)
     prefixes = rows.PrefixCache()
     buf = rows.StepBuffer()
     writer = PartialWriter(out / "step=0")

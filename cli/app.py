@@ -42,55 +42,6 @@ def err_console() -> Console:
     return Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or not sys.stderr.isatty())
 
 
-def plain_coercion() -> None:
-    """Convert ``str``, ``bool`` and ``Path`` parameters exactly as typer does, without the pydantic
-    validator typer 0.29 builds for each parameter: importing pydantic costs ~80 ms of every
-    command's start-up. Other parameters keep typer's own conversion. Idempotent."""
-    try:
-        from typer._click.exceptions import BadParameter
-        from typer._coercion import RuntimeParam, build_runtime_param
-        from typer._param_types import coerce_cli_path
-        from typer.core import _TyperParameter
-    except ImportError:  # another typer: its own conversion everywhere
-        return
-    typer_runtime = getattr(_TyperParameter, "get_runtime_param", None)
-    if typer_runtime is None or getattr(typer_runtime, "plain", False):
-        return
-
-    class PlainParam(RuntimeParam):  # type: ignore[misc, valid-type]
-        """A string (or a flag's bool) stays itself; a ``Path`` is ``Path(string)`` (what pydantic
-        makes of it) checked by typer's own path checks. Other values, and a path that fails a
-        check (typer words that error from the text as given): typer's conversion."""
-
-        def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
-            if self.annotation in (str, bool):
-                if type(value) is self.annotation:
-                    return value
-            elif isinstance(value, (str, self.annotation)):
-                path = value if isinstance(value, self.annotation) else self.annotation(value)
-                try:
-                    return coerce_cli_path(
-                        path, self.parameter_info, path_type=self.annotation, param=param, ctx=ctx
-                    )
-                except (ValueError, BadParameter):  # typer's own words for the error
-                    pass
-            return build_runtime_param(param.type_descriptor)._coerce_value(value, param=param, ctx=ctx)
-
-    def get_runtime_param(param: Any) -> Any:
-        if param._runtime_param is None:
-            descriptor = param.type_descriptor
-            info, annotation = descriptor.parameter_info, descriptor.annotation
-            plain = annotation in (str, bool) or (
-                isinstance(annotation, type) and issubclass(annotation, Path) and info.path_type is None
-            )
-            if plain and descriptor.file_annotation is None and info.parser is None:
-                param._runtime_param = PlainParam(parameter_info=info, annotation=annotation)
-        return typer_runtime(param)
-
-    get_runtime_param.plain = True  # type: ignore[attr-defined]
-    _TyperParameter.get_runtime_param = get_runtime_param  # type: ignore[method-assign]
-
-
 class CliError(Exception):
     """Bad input: printed as one line on stderr, exit code 2."""
 
@@ -191,7 +142,7 @@ def selection_options(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from rlreplay.selection import Selection
+        from rlreplay.read.selection import Selection
 
         chosen = {name: kwargs.pop(name, None) for name in names}
         chosen["limit"] = whole_number("--limit", chosen["limit"], minimum=1)
@@ -264,7 +215,7 @@ def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
 
 def open_run_arg(run: Path | None, positional: Path | None = None):
     """The run named by a positional argument or --run (not both), else the default run."""
-    from rlreplay.store import open_run
+    from rlreplay.read.open import open_run
 
     if run is not None and positional is not None and Path(run) != Path(positional):
         fail(f"two runs given: {positional} and --run {run}")

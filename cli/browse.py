@@ -44,7 +44,7 @@ def ls_command(
     table = selection.trajectories(opened)
     report_warnings(opened)
     if as_json:
-        from rlreplay.store import listing_rows
+        from rlreplay.model import listing_rows
 
         write = sys.stdout.write
         for row in listing_rows(table):
@@ -88,7 +88,7 @@ _LS_COLUMNS = [
 
 def _listing_cells(table: Any) -> list[list[str]]:
     """The ls columns as strings, column by column."""
-    from rlreplay.selection import merged
+    from rlreplay.format.index import merged
 
     cols = merged(table).to_pydict()
 
@@ -230,8 +230,8 @@ def render_tree(traj: Any, text_lines: Any = None) -> Tree:
 
 def is_run_dir(text: str) -> bool:
     """Whether ``text`` names a run directory (it holds run.json or spans/)."""
-    from rlreplay.manifest import MANIFEST
-    from rlreplay.shards import SPANS_DIR
+    from rlreplay.format.manifest import MANIFEST
+    from rlreplay.shards.layout import SPANS_DIR
 
     path = Path(text)
     return path.is_dir() and ((path / MANIFEST).is_file() or (path / SPANS_DIR).is_dir())
@@ -272,7 +272,7 @@ def show_command(
     as_json: JsonOption = False,
 ) -> None:
     """Show one trajectory's span tree with timings, inputs and outputs, and its conversation as text."""
-    from rlreplay import diff as diffing
+    from rlreplay.diff import pick
 
     run_path, ref = (Path(first), second) if second is not None else (None, first)
     if second is None and is_run_dir(first):
@@ -280,12 +280,12 @@ def show_command(
 
         fail(f"give a trajectory after the run: rlreplay show {first} ID_OR_SELECTOR")
     opened = open_run_arg(run, run_path)
-    traj = opened.trajectory(diffing.resolve(opened, diffing.parse_selector(ref)))
+    traj = opened.trajectory(pick.resolve(opened, pick.parse_selector(ref)))
     report_warnings(opened)
     decoder = _show_decoder(opened, text, tokenizer)
     if decoder is not None:
-        from rlreplay.adapters import adapter_for_run
-        from rlreplay.token2text import add_text
+        from rlreplay.text.adapters import adapter_for_run
+        from rlreplay.text.token2text import add_text
 
         add_text([traj], decoder, skip_special_tokens=skip_special_tokens, adapter=adapter_for_run(opened))
     if as_json:
@@ -308,7 +308,7 @@ def _show_decoder(opened: Any, text: bool | None, tokenizer: str | None) -> Any:
     import sys
 
     from rlreplay.cli.app import fail
-    from rlreplay.token2text import Decoder, TokenizerUnavailable, resolve_tokenizer
+    from rlreplay.text.token2text import Decoder, TokenizerUnavailable, resolve_tokenizer
 
     if text is False:
         return None
@@ -388,7 +388,7 @@ def info_command(
 ) -> None:
     """Summarize a run: manifest, steps, trajectories, spans and bytes on disk now, and what the
     recording processes reported (spans written, dropped, spilled, lost)."""
-    from rlreplay.summary import RECORDER_KEYS, run_summary
+    from rlreplay.read.summary import RECORDER_KEYS, run_summary
 
     opened = open_run_arg(run, run_path)
     summary = run_summary(opened)
@@ -412,17 +412,18 @@ def recover_command(
     ] = None,
 ) -> None:
     """Seal the live files a killed recorder left behind (only once its processes are gone)."""
-    from rlreplay import storage
-    from rlreplay.summary import recover
+    from rlreplay import errors
+    from rlreplay.read.summary import recover
+    from rlreplay.remote import location, publish
 
-    if uri := storage.as_uri(run_path) or storage.as_uri(run):  # push what this node's spool holds
+    if uri := location.as_uri(run_path) or location.as_uri(run):  # push what this node's spool holds
         try:
-            totals = storage.recover(uri, spool)
-        except storage.StorageError as exc:
+            totals = publish.recover(uri, spool)
+        except errors.StorageError as exc:
             from rlreplay.cli.app import fail
 
             fail(str(exc))
-        console().print(storage.recover_message(uri, totals), markup=False)
+        console().print(publish.recover_message(uri, totals), markup=False)
         return
     opened = open_run_arg(run, run_path)
     results = recover(opened.path)

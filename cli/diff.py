@@ -132,7 +132,7 @@ def _fmt_items(value: Any, unit: str) -> str:
 def _trim_equal(value: Any, unit: str, head: bool, tail: bool, full: bool) -> str:
     """Context around changes: an equal run keeps its start when a change comes before it
     (``head``) and its end when one follows (``tail``); the middle is elided with a count."""
-    from rlreplay.diff import split_words
+    from rlreplay.diff.align import split_words
 
     if full:
         return _fmt_items(value, unit)
@@ -300,7 +300,7 @@ def render_diff(diff: Any, layout: str = "unified", full: bool = False) -> list[
         if t.status != "equal" or full:
             segments = t.segments
             if t.status == "equal":  # --full: show equal turns too
-                from rlreplay.diff import Segment
+                from rlreplay.diff.align import Segment
 
                 value = t.turn_a.text if diff.text else t.turn_a.token_ids
                 segments = [Segment("equal", value, value)]
@@ -311,7 +311,7 @@ def render_diff(diff: Any, layout: str = "unified", full: bool = False) -> list[
             )
             parts.append(Group(body) if layout == "side" else _indent(body))
         if t.role == "assistant" and t.tool_calls_changed:
-            from rlreplay.diff import format_tool_calls
+            from rlreplay.diff.align import format_tool_calls
 
             calls = Text("    tool calls: ")
             calls.append(
@@ -412,7 +412,7 @@ def load_decoder(runs: list[Any], tokenizer: str | None, no_text: bool) -> Any:
     """The decoder for the runs' tokenizer (or --tokenizer); None when there is none to use."""
     if no_text:
         return None
-    from rlreplay.token2text import Decoder, TokenizerUnavailable, resolve_tokenizer
+    from rlreplay.text.token2text import Decoder, TokenizerUnavailable, resolve_tokenizer
 
     names = [resolve_tokenizer(r, tokenizer) for r in runs]
     name = next((n for n in names if n), None)
@@ -494,8 +494,9 @@ def diff_command(
     selection: Any,
 ) -> None:
     """Compare two trajectories turn by turn: first divergence, changed text, reward, tools, timings."""
-    from rlreplay import diff as diffing
     from rlreplay.cli.browse import is_run_dir
+    from rlreplay.diff import align as diffing
+    from rlreplay.diff import pick
 
     run_path = None
     if is_run_dir(a):  # the run first, as on ls, show, info
@@ -513,7 +514,7 @@ def diff_command(
             fail("--group compares rollouts within one run; drop --run-b")
         if html is not None:
             fail("--html reports on a pair of trajectories; drop --group")
-        traj = run_a.trajectory(diffing.resolve(run_a, diffing.parse_selector(a), one_group=True))
+        traj = run_a.trajectory(pick.resolve(run_a, pick.parse_selector(a), one_group=True))
         decoder = load_decoder([run_a], tokenizer, no_text)
         result = diffing.diff_group(run_a, traj, decoder, selection)
         _warn([run_a])
@@ -523,17 +524,17 @@ def diff_command(
         print_parts(console(), render_group(result, decoder is not None))
         return
     if html is not None:
-        from rlreplay.diff_html import check_report_path
+        from rlreplay.diff.report import check_report_path
 
         check_report_path(html, force, [run_a.path, other.path])
     if selection != type(selection)():
         fail("--step, --where and the other selection options choose the rollouts of --group")
-    traj_a, traj_b = diffing.select_pair(run_a, a, other, b)
+    traj_a, traj_b = pick.select_pair(run_a, a, other, b)
     decoder = load_decoder([run_a, other] if other is not run_a else [run_a], tokenizer, no_text)
     result = diffing.diff_trajectories(traj_a, traj_b, decoder, run_a, other)
     _warn([run_a, other])
     if html is not None:
-        from rlreplay.diff_html import write_html
+        from rlreplay.diff.report import write_html
 
         write_html(result, html, force, [run_a.path, other.path])
     if as_json:

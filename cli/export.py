@@ -57,8 +57,8 @@ def export_command(
 ) -> None:
     """Write one record per trajectory: keys, reward, advantage, and messages in OpenAI chat format."""
     from rlreplay import export
-    from rlreplay import selection as choosing
-    from rlreplay.token2text import Decoder, resolve_tokenizer
+    from rlreplay.read import selection as choosing
+    from rlreplay.text.token2text import Decoder, resolve_tokenizer
 
     samples = whole_number("--max-samples", max_samples, minimum=1)
     seed_value = whole_number("--seed", seed)

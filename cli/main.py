@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app, plain_coercion
+from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app
 
 #: Each command and the module that registers it: a command imports only its own module.
 COMMANDS = {
@@ -46,7 +46,7 @@ def command_group(args: list[str]) -> Any:
 
 def _bad_input() -> tuple[type[BaseException], ...]:
     """Bad-input errors of the modules loaded so far (``--help`` loads no pyarrow, so no store)."""
-    names = (("rlreplay.store", "RunError"), ("rlreplay.schema", "FormatError"))
+    names = (("rlreplay.errors", "RlreplayError"),)
     return (CliError, *(getattr(sys.modules[m], n) for m, n in names if m in sys.modules))
 
 
@@ -57,10 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         # no linear algebra here: one OpenBLAS thread (as numpy loads, OpenBLAS starts one per core,
         # and they spin for a while, taking the CPU this command runs on)
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-        from rlreplay.store import skip_pandas
+        from rlreplay.read.run import skip_pandas
 
         skip_pandas()  # the command-line process of a reading command: no pandas import
-    plain_coercion()
     command = command_group(list(args if argv is None else argv))
     try:
         result = command.main(args=argv, prog_name="rlreplay", standalone_mode=False)

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from datetime import datetime
@@ -16,20 +13,12 @@ from typing import Annotated
 import typer
 
 from rlreplay.cli.app import TokenizerOption, app, fail
-
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-DEFAULT_FRAMEWORK = "verl"
-
-
-def bootstrap_dir() -> Path:
-    import rlreplay.recorders
-
-    return Path(rlreplay.recorders.__file__).resolve().parent / "bootstrap"
+from rlreplay.cli.launch import DEFAULT_FRAMEWORK, child_env, run_forwarding_signals
 
 
 def guess_from_argv(command: list[str], framework: str = DEFAULT_FRAMEWORK) -> tuple[str | None, str | None]:
     """(experiment, tokenizer) that the framework's adapter finds on the command line, if any."""
-    from rlreplay.adapters import get_adapter
+    from rlreplay.text.adapters import get_adapter
 
     adapter = get_adapter(framework)
     return adapter.experiment_from_argv(command), adapter.tokenizer_from_argv(command)
@@ -48,47 +37,6 @@ def default_out(command: list[str], experiment: str | None) -> Path:
         n += 1
         path = base.with_name(f"{base.name}-{n}")
     return path
-
-
-def child_env(
-    run_dir: Path, experiment: str | None, framework: str = DEFAULT_FRAMEWORK, token_signals: bool = False
-) -> dict[str, str]:
-    env = dict(os.environ)
-    env["RLREPLAY_DIR"] = str(run_dir.resolve())
-    env["RLREPLAY_FRAMEWORK"] = framework
-    if token_signals:
-        env["RLREPLAY_TOKEN_SIGNALS"] = "1"
-    if experiment:
-        env["RLREPLAY_EXPERIMENT"] = experiment
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(bootstrap_dir()), env.get("PYTHONPATH")) if p)
-    return env
-
-
-def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
-    """Run the command in its own process group; forward INT/TERM/HUP to that group."""
-    try:
-        proc = subprocess.Popen(command, env=env, preexec_fn=os.setpgrp)
-    except FileNotFoundError:
-        fail(f"command not found: {command[0]}")
-    except PermissionError:
-        fail(f"command not executable: {command[0]}")
-
-    def forward(signum: int, frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
-    try:
-        while True:
-            try:
-                code = proc.wait()
-                break
-            except InterruptedError:
-                continue
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 128 - code if code < 0 else code
 
 
 @app.command(
@@ -136,26 +84,27 @@ def record_command(
     ] = 15.0,
 ) -> int:
     """Run CMD with recording on in every Python process of the job, then seal and summarize the run."""
-    from rlreplay import manifest, storage
-    from rlreplay.store import open_run
-    from rlreplay.summary import recover, run_summary
+    from rlreplay.format import manifest
+    from rlreplay.read.open import open_run
+    from rlreplay.read.summary import recover, run_summary
+    from rlreplay.remote import location
 
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         fail("no command given: rlreplay record [OPTIONS] -- CMD ...")
-    from rlreplay.store import RunError
+    from rlreplay.errors import RunError
 
     try:
         guessed_experiment, guessed_tokenizer = guess_from_argv(command, framework)
     except RunError as exc:
         fail(str(exc))
     experiment = experiment or guessed_experiment
-    if (uri := storage.as_uri(out)) is not None:  # never a local folder named "s3:"
+    if (uri := location.as_uri(out)) is not None:  # never a local folder named "s3:"
         from rlreplay.cli.remote import record_to_uri
 
         return record_to_uri(uri, command, experiment, tokenizer or guessed_tokenizer, spool, grace)
-    run_dir = storage.local_path(out) if out else default_out(command, experiment)
+    run_dir = location.local_path(out) if out else default_out(command, experiment)
     if run_dir.exists() and not run_dir.is_dir():
         fail(f"--out {run_dir}: exists and is not a directory; give a new run directory")
     if run_dir.exists() and any(run_dir.iterdir()):

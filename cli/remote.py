@@ -24,38 +24,41 @@ def record_to_uri(
     spool: Path | None,
     grace: float,
 ) -> int:
-    from rlreplay import manifest, storage
-    from rlreplay.cli.record import child_env, run_forwarding_signals
-    from rlreplay.store import RunError, open_run
-    from rlreplay.summary import run_summary
+    from rlreplay import errors
+    from rlreplay.cli.launch import child_env, run_forwarding_signals
+    from rlreplay.errors import RunError
+    from rlreplay.format import manifest
+    from rlreplay.read.open import open_run
+    from rlreplay.read.summary import run_summary
+    from rlreplay.remote import location, publish
 
-    shown = storage.redact(uri)
+    shown = location.redact(uri)
     try:
-        loc = storage.location(uri)
-    except storage.StorageError as exc:
+        loc = location.location(uri)
+    except errors.StorageError as exc:
         fail(str(exc))
     reachable = True
     try:
-        if storage.exists(loc, manifest.MANIFEST) or storage.list_objects(loc, manifest.WORKERS_DIR):
+        if location.exists(loc, manifest.MANIFEST) or location.list_objects(loc, manifest.WORKERS_DIR):
             fail(f"{shown} already holds a run; recorded runs are never overwritten")
     except OSError as exc:
         reachable = False
-        _say(f"warning: cannot reach {shown} ({storage.error_line(exc)}); recording goes on into the spool")
-    spool_root = storage.spool_root(spool).resolve()
+        _say(f"warning: cannot reach {shown} ({location.error_line(exc)}); recording goes on into the spool")
+    spool_root = publish.spool_root(spool).resolve()
     spool_root.mkdir(parents=True, exist_ok=True)
     data = manifest.new_manifest(experiment, command, tokenizer=tokenizer, cwd=os.getcwd(), status="running")
-    local_manifest = storage.run_spool(loc, spool_root) / f"run-{os.getpid()}.json"
+    local_manifest = publish.run_spool(loc, spool_root) / f"run-{os.getpid()}.json"
     if not _publish_manifest(loc, local_manifest, data, tries=3 if reachable else 0) and reachable:
         _say(f"warning: could not write {manifest.MANIFEST} to {shown}; it is written again at the end")
 
     _say(f"recording into {shown} (spool: {spool_root})")
     env = child_env(Path("."), experiment)
     env["RLREPLAY_DIR"] = uri
-    env[storage.ENV_SPOOL] = str(spool_root)
+    env[publish.ENV_SPOOL] = str(spool_root)
     code = run_forwarding_signals(command, env)
 
-    live = storage.wait_for_writers(loc, grace)  # processes on every node uploading their last files
-    recovered = storage.recover(uri, spool_root, wait_s=grace, timeout_s=max(grace, 1.0))
+    live = publish.wait_for_writers(loc, grace)  # processes on every node uploading their last files
+    recovered = publish.recover(uri, spool_root, wait_s=grace, timeout_s=max(grace, 1.0))
     data.update(ended_at=time.time(), exit_code=code, status="finished" if code == 0 else "failed")
     summary: dict[str, Any] | None = None
     try:
@@ -89,14 +92,14 @@ def record_to_uri(
 
 def _publish_manifest(loc: Any, local: Path, data: dict[str, Any], tries: int = 2) -> bool:
     """Keep the driver's manifest beside the spools and write it to the store (a few tries)."""
-    from rlreplay import storage
+    from rlreplay.remote import location
 
     local.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
     for attempt in range(tries):
         if attempt:
             time.sleep(0.5 * 2**attempt)
         try:
-            storage.write_json(loc, "run.json", data)
+            location.write_json(loc, "run.json", data)
             return True
         except OSError:
             continue

@@ -49,7 +49,7 @@ def sql_command(
     as_json: JsonOption = False,
 ) -> None:
     """Query a run with SQL (DuckDB); files cannot be read or written from the query."""
-    from rlreplay.query import sql
+    from rlreplay.read.query import sql
 
     run_path, query = (Path(first), second) if second is not None else (None, first)
     if query is None:

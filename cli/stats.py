@@ -60,7 +60,7 @@ def stats_command(
     selection: Any,
 ) -> None:
     """Per step and split: rewards, group spread, lengths, tool use, errors, durations, and trends."""
-    from rlreplay.query import STATS_COLUMNS, stats
+    from rlreplay.read.query import STATS_COLUMNS, stats
 
     chosen = _columns(columns, STATS_COLUMNS)
     target = None

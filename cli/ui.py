@@ -73,7 +73,8 @@ def ui_command(
 def _default_root() -> Path:
     import os
 
-    from rlreplay.store import RUNS_DIR, default_run_path
+    from rlreplay.read.open import default_run_path
+    from rlreplay.read.run import RUNS_DIR
 
     if not os.environ.get("RLREPLAY_DIR") and Path(RUNS_DIR).is_dir():
         return Path(RUNS_DIR)

@@ -47,7 +47,7 @@ def _peek_backend(args: list[str]) -> str | None:
 def _declared(chosen: str | None) -> tuple[dict[str, tuple[Any, ...]], dict[str, str]]:
     """Options declared per installed backend (only ``chosen``'s when it is installed), and
     the backends that could not be imported (name → why)."""
-    from rlreplay.store import RunError
+    from rlreplay.errors import RunError
     from rlreplay.uploaders.pipeline import backend_class, backend_options, installed_backends
 
     names = sorted(installed_backends())
@@ -143,7 +143,7 @@ class UploadCommand(TyperCommand):
 
 
 def _size(text: str | None) -> int | None:
-    from rlreplay.selection import parse_size
+    from rlreplay.read.selection import parse_size
 
     if text is None:
         return None
@@ -290,7 +290,7 @@ def upload_command(
     to any collector (--endpoint). Trackio writes to its local store ($TRACKIO_DIR). A rerun
     sends only what is missing, and replaces traces sent without text once it can decode.
     """
-    from rlreplay.selection import select
+    from rlreplay.read.selection import select
     from rlreplay.uploaders.base import UploadError
     from rlreplay.uploaders.pipeline import backend_class, load_decoder, make_uploader, upload
 

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from rlreplay import plugins
+
 log = logging.getLogger("rlreplay")
 
 ENV_PREFIX = "RLREPLAY_"
@@ -33,22 +35,13 @@ VERL_TRACE_MODULE = "verl.utils.rollout_trace"
 _activated = False
 
 
-def _on_verl_trace(module: ModuleType) -> None:
-    from rlreplay.recorders import verl
+def _hook(spec: str) -> Callable[[ModuleType], None]:
+    """The hook named ``"module:function"``, imported when its watched module is."""
 
-    verl.install(module)
+    def call(module: ModuleType) -> None:
+        plugins.load(spec)(module)
 
-
-def _on_verl_agent_loop(module: ModuleType) -> None:
-    from rlreplay.recorders import verl
-
-    verl.install_agent_loop(module)
-
-
-def _on_verl_trainer(module: ModuleType) -> None:
-    from rlreplay.recorders import verl_trainer
-
-    verl_trainer.install(module)
+    return call
 
 
 def _on_ray(module: ModuleType) -> None:
@@ -99,7 +92,7 @@ _closed_cluster = False
 
 
 def close_cluster_writers(wait_s: float = CLOSE_WAIT_S) -> int:
-    """Run :func:`rlreplay.storage.close_node_writers` on every live node of the cluster."""
+    """Run :func:`rlreplay.remote.publish.close_node_writers` on every live node of the cluster."""
     global _closed_cluster
     ray = sys.modules.get("ray")
     target = os.environ.get("RLREPLAY_DIR")
@@ -124,15 +117,15 @@ def close_cluster_writers(wait_s: float = CLOSE_WAIT_S) -> int:
 
 
 def _close_node_writers(target: str, spool: str | None, wait_s: float, exclude_pid: int) -> int:
-    from rlreplay.storage import close_node_writers
+    from rlreplay.remote.publish import close_node_writers
 
     return close_node_writers(target, spool, wait_s, exclude_pid)
 
 
 HOOKS: dict[str, Callable[[ModuleType], None]] = {
-    VERL_TRACE_MODULE: _on_verl_trace,
-    "verl.experimental.agent_loop.agent_loop": _on_verl_agent_loop,
-    "verl.trainer.ppo.ray_trainer": _on_verl_trainer,
+    VERL_TRACE_MODULE: _hook("rlreplay.recorders.verl:install"),
+    "verl.experimental.agent_loop.agent_loop": _hook("rlreplay.recorders.verl:install_agent_loop"),
+    "verl.trainer.ppo.ray_trainer": _hook("rlreplay.recorders.verl_trainer:install"),
     "ray": _on_ray,
 }
 
@@ -214,7 +207,7 @@ def activate() -> None:
     framework = os.environ.get(ENV_FRAMEWORK, "").strip().lower()
     if framework and framework not in BUILTIN_FRAMEWORKS:
         try:
-            from rlreplay.adapters import get_adapter
+            from rlreplay.text.adapters import get_adapter
 
             get_adapter(framework).install()
         except Exception as exc:
@@ -231,7 +224,7 @@ def worker_setup() -> None:
 
 
 def _set_ray_worker_name() -> None:
-    from rlreplay.workers import set_worker_resolver
+    from rlreplay.recorder.workers import set_worker_resolver
 
     set_worker_resolver(ray_worker_name)
 

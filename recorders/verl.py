@@ -27,7 +27,7 @@ from contextvars import ContextVar
 from types import ModuleType
 from typing import Any
 
-from rlreplay.adapters import GenericAdapter
+from rlreplay.text.adapters import GenericAdapter
 
 log = logging.getLogger("rlreplay")
 
@@ -192,7 +192,7 @@ def _note_tokenizer(owner: Any) -> None:
     if name is None:
         return
     _tokenizer_recorded = True
-    from rlreplay.recorder import get_recorder
+    from rlreplay.recorder.api import get_recorder
 
     recorder = get_recorder()
     if recorder is None:
@@ -200,7 +200,7 @@ def _note_tokenizer(owner: Any) -> None:
     run_dir = recorder.config.run_dir
 
     def write() -> None:
-        from rlreplay import manifest
+        from rlreplay.format import manifest
 
         try:
             if not manifest.read_manifest(run_dir).get("tokenizer"):
@@ -257,7 +257,7 @@ def _wrap(verl_wrapper: Callable[..., Any], func: Callable[..., Any]) -> Callabl
             return verl_wrapper(*args, **kwargs)
 
     def build() -> Callable[..., Any]:
-        from rlreplay.recorder import trace_op
+        from rlreplay.recorder.api import trace_op
 
         traced = trace_op(
             call_through,
@@ -326,7 +326,7 @@ AGENT_LOOP_MODULE = "verl.experimental.agent_loop.agent_loop"
 
 
 def _root_span_id(traj: Any) -> str | None:
-    from rlreplay.recorder import format_span_id
+    from rlreplay.recorder.events import format_span_id
 
     number = getattr(traj, "_span_id", 0)
     return format_span_id(number) if number else None
@@ -380,7 +380,7 @@ def _wait_for_batch_on_disk(worker: Any) -> None:
         try:
             import asyncio
 
-            from rlreplay.recorder import get_recorder
+            from rlreplay.recorder.api import get_recorder
 
             recorder = get_recorder()
             if recorder is not None and not await asyncio.to_thread(
@@ -406,7 +406,7 @@ def _flush_batch() -> None:
     trainer may kill this worker. The calling thread (the rollout's event loop) only signals: the
     writer thread writes the finished trajectories at once, while verl post-processes the batch.
     """
-    from rlreplay.recorder import get_recorder
+    from rlreplay.recorder.api import get_recorder
 
     try:
         recorder = get_recorder()
@@ -433,7 +433,7 @@ def _make_trace_attr(original_attr: Callable[..., Any], config_cls: Any) -> Call
         """
         config = config_cls.get_instance()
         record = trace or config.max_samples_per_step_per_worker is None
-        from rlreplay.recorder import get_recorder, trajectory
+        from rlreplay.recorder.api import get_recorder, trajectory
 
         traj = trajectory(
             step=step,
@@ -530,7 +530,7 @@ def _prepare_recorder() -> None:
     own tests do), which then drops pandas from ``sys.modules`` and breaks later imports.
     """
     try:
-        from rlreplay.recorder import get_recorder
+        from rlreplay.recorder.api import get_recorder
 
         if get_recorder() is None:
             return

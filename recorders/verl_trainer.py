@@ -59,14 +59,12 @@ def token_signals_wanted() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _record_signals() -> tuple[Any, str | None]:
-    """The recorder's ``record_signals`` (``rlreplay.signals`` when present, else ``rlreplay.recorder``)
-    and the name of its argument for the trajectory's root span id, if it has one."""
+    """The recorder's ``record_signals`` and the name of its argument for the trajectory's root
+    span id, if it has one."""
     import inspect
 
-    try:
-        from rlreplay.signals import record_signals  # type: ignore[import-not-found]
-    except ImportError:
-        from rlreplay.recorder import record_signals
+    from rlreplay.recorder.signals import record_signals
+
     try:
         params = inspect.signature(record_signals).parameters
     except (TypeError, ValueError):
@@ -278,7 +276,7 @@ def _guarded(what: str, fn: Any, *args: Any) -> None:
     except Exception as exc:
         _warn_once(what, f"could not record {what} signals: {type(exc).__name__}: {exc}")
         try:
-            from rlreplay.recorder import _untraced_failure, get_recorder
+            from rlreplay.recorder.api import _untraced_failure, get_recorder
 
             rec = get_recorder()
             if rec is not None:
@@ -326,7 +324,7 @@ def wrap_extract_reward(original: Any) -> Any:
 def install(module: ModuleType) -> None:
     """Wrap ``compute_advantage`` and ``extract_reward`` in the trainer module (idempotent) and
     in verl modules that imported them by name before this ran."""
-    from rlreplay.recorder import get_recorder
+    from rlreplay.recorder.api import get_recorder
 
     if get_recorder() is None:  # this process does not record
         return

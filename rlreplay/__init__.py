@@ -26,29 +26,32 @@ __all__ = [
 ]
 
 _LAZY = {
-    "init": "rlreplay.recorder",
-    "trace_op": "rlreplay.recorder",
-    "trajectory": "rlreplay.recorder",
-    "flush": "rlreplay.recorder",
-    "close": "rlreplay.recorder",
-    "disabled": "rlreplay.recorder",
-    "stats": "rlreplay.recorder",
-    "open_run": "rlreplay.store",
-    "Run": "rlreplay.store",
-    "RunError": "rlreplay.store",
-    "Span": "rlreplay.store",
-    "Trajectory": "rlreplay.store",
+    "init": "rlreplay.recorder.api",
+    "trace_op": "rlreplay.recorder.api",
+    "trajectory": "rlreplay.recorder.api",
+    "flush": "rlreplay.recorder.api",
+    "close": "rlreplay.recorder.api",
+    "disabled": "rlreplay.recorder.api",
+    "stats": "rlreplay.recorder.api",
+    "open_run": "rlreplay.read.open",
+    "Run": "rlreplay.read.run",
+    "RunError": "rlreplay.errors",
+    "Span": "rlreplay.model",
+    "Trajectory": "rlreplay.model",
 }
 
 if TYPE_CHECKING:
-    from rlreplay.recorder import close, disabled, flush, init, stats, trace_op, trajectory
-    from rlreplay.store import Run, RunError, Span, Trajectory, open_run
+    from rlreplay.errors import RunError
+    from rlreplay.model import Span, Trajectory
+    from rlreplay.read.open import open_run
+    from rlreplay.read.run import Run
+    from rlreplay.recorder.api import close, disabled, flush, init, stats, trace_op, trajectory
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        # submodules (rlreplay.conversation, rlreplay.token2text, ...) load on first use
+        # submodules (rlreplay.text.conversation, rlreplay.text.token2text, ...) load on first use
         if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
             value = importlib.import_module(f"{__name__}.{name}")
             globals()[name] = value

@@ -1,3 +1,5 @@
+"""``python -m rlreplay``: the command line."""
+
 import sys
 
 from rlreplay.cli.main import main

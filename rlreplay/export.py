@@ -2,7 +2,7 @@
 
 Records hold the keys (merged as in ``ls --json``: a key with any non-int value is a string
 column), ``validate``, ``experiment``, ``reward``, ``advantage`` (both from the listing) and
-``messages`` from :func:`rlreplay.messages.openai_messages`; with ``ids``, also the agent
+``messages`` from :func:`rlreplay.text.adapters.openai_messages`; with ``ids``, also the agent
 span's ``prompt_ids``, ``response_ids`` and ``response_mask``. JSON lines and Parquet files
 load as they are with ``datasets.load_dataset("json" | "parquet", data_files=...)``.
 """
@@ -16,9 +16,13 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from rlreplay.schema import KIND_AGENT
-from rlreplay.selection import KEYS, merged
-from rlreplay.store import Filters, Run, Trajectory
+from rlreplay.format.index import merged
+from rlreplay.format.schema import KIND_AGENT
+from rlreplay.model import Trajectory
+from rlreplay.read.filters import Filters
+from rlreplay.read.run import Run
+from rlreplay.read.selection import KEYS
+from rlreplay.text.adapters import adapter_for_run, openai_messages
 
 FORMATS = ("jsonl", "parquet")
 RECORD_FIELDS = ("id", *KEYS, "validate", "experiment", "reward", "advantage")
@@ -73,9 +77,6 @@ def records(
     run: Run, listing: pa.Table, ids: list[str], decoder: Any, with_ids: bool = False
 ) -> Iterator[list[dict[str, Any]]]:
     """Batches of export records for ``ids`` (rows of ``listing``), in the order of ``ids``."""
-    from rlreplay.adapters import adapter_for_run
-    from rlreplay.messages import openai_messages
-
     adapter = adapter_for_run(run)
     shown = merged(listing)
     by_id = {row["id"]: row for row in shown.select(list(RECORD_FIELDS)).to_pylist()}

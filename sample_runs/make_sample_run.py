@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import rlreplay
-from rlreplay import manifest
+from rlreplay.format import manifest
 
 # ---- the run's configuration (tests compute expected counts from these) -----------------------------
 

@@ -592,7 +592,7 @@ def record(args: argparse.Namespace) -> int:
     command += ["--experiment", EXPERIMENT, "--tokenizer", TOKENIZER_NAME, "--", *job_command(args)]
     code = subprocess.call(command, env=env)
     if code == 0:  # ship the tokenizer with the run, so that it decodes on a fresh checkout
-        from rlreplay import manifest
+        from rlreplay.format import manifest
 
         tokenizer = json.loads((path / "tokenizer.json").read_text())  # the same, without indentation
         (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False, separators=(",", ":")))

@@ -40,7 +40,7 @@ def _record_run(run_dir: Path) -> None:
     from tokenizers import Tokenizer
 
     import rlreplay
-    from rlreplay import manifest
+    from rlreplay.format import manifest
 
     tok = Tokenizer.from_file(str(qwen_tokenizer_dir() / "tokenizer.json"))
 

@@ -8,10 +8,15 @@ from pathlib import Path
 import pytest
 
 import rlreplay
-from rlreplay.adapters import FrameworkAdapter, adapter_for_run, available, get_adapter
-from rlreplay.conversation import turns
-from rlreplay.messages import openai_messages
-from rlreplay.store import RunError
+from rlreplay.errors import RunError
+from rlreplay.text.adapters import (
+    FrameworkAdapter,
+    adapter_for_run,
+    available,
+    get_adapter,
+    openai_messages,
+    turns,
+)
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_runs" / "gsm8k-grpo-qwen3"
 
@@ -19,7 +24,7 @@ SAMPLE = Path(__file__).resolve().parents[1] / "sample_runs" / "gsm8k-grpo-qwen3
 def test_builtins_are_registered_as_entry_points() -> None:
     from importlib.metadata import entry_points
 
-    names = {ep.name for ep in entry_points(group="rlreplay.recorders")}
+    names = {ep.name for ep in entry_points(group="rlreplay.adapters")}
     assert {"generic", "verl"} <= names
     assert {"generic", "verl"} <= set(available())
     verl = get_adapter("verl")
@@ -63,7 +68,7 @@ def test_verl_adapter_reads_hydra_overrides() -> None:
 
 @pytest.fixture(scope="module")
 def sample() -> tuple[rlreplay.Run, object]:
-    from rlreplay.token2text import Decoder, resolve_tokenizer
+    from rlreplay.text.token2text import Decoder, resolve_tokenizer
 
     run = rlreplay.open_run(SAMPLE)
     return run, Decoder.load(resolve_tokenizer(run, None))

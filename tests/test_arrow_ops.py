@@ -1,22 +1,17 @@
-"""``rlreplay.arrow_ops`` gives what ``pyarrow.compute`` (and the pyarrow methods that call it) give,
-nulls included, through ``pyarrow._compute`` or, where that module or one of its names is missing,
-through ``pyarrow.compute`` itself."""
+"""``rlreplay.format.arrow_ops`` gives what ``pyarrow.compute`` (and the pyarrow methods that call it) give,
+nulls included."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import sys
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow._compute
 import pyarrow.compute as pc
 import pytest
 
-from rlreplay import arrow_ops as ops
+from rlreplay.format import arrow_ops as ops
 
 INTS = pa.chunked_array([[3, None, 1], [2, 2, None]], pa.int64())
 FLOATS = pa.array([0.5, None, -1.5, 2.0, None, 0.0])
@@ -99,10 +94,6 @@ def test_every_function_is_compared() -> None:
     assert public == {n for n, _ in SAME_AS_PC} | OWN_TESTS
 
 
-def test_the_module_calls_the_kernels_without_pyarrow_compute() -> None:
-    assert ops.kernels is pyarrow._compute
-
-
 def test_each_function_gives_what_pyarrow_compute_gives() -> None:
     check_same_as_pc()
 
@@ -163,32 +154,3 @@ def test_from_numpy_refuses_what_it_does_not_wrap() -> None:
     for values in (np.array(["ok", "error"]), np.array([[1, 2]]), np.array([None, 1], object)):
         with pytest.raises(TypeError):
             ops.from_numpy(values)
-
-
-@pytest.fixture
-def reload_ops(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], Any]]:
-    """Reload the module under the test's patches; afterwards, as it was."""
-    yield lambda: importlib.reload(ops)
-    monkeypatch.undo()
-    importlib.reload(ops)
-    assert ops.kernels is pyarrow._compute
-
-
-def test_without_pyarrow_compute_extension_module_it_calls_pyarrow_compute(
-    monkeypatch: pytest.MonkeyPatch, reload_ops: Callable[[], Any]
-) -> None:
-    monkeypatch.setitem(sys.modules, "pyarrow._compute", None)  # ``import pyarrow._compute`` fails
-    reload_ops()
-    assert ops.kernels is pc
-    check_same_as_pc()
-    assert ops.sort_by(TABLE, [("k", "ascending")]).equals(TABLE.sort_by([("k", "ascending")]))
-
-
-def test_a_name_missing_from_the_extension_module_falls_back_to_pyarrow_compute(
-    monkeypatch: pytest.MonkeyPatch, reload_ops: Callable[[], Any]
-) -> None:
-    monkeypatch.delattr(pyarrow._compute, "SortOptions")
-    reload_ops()
-    assert ops.kernels is pc
-    check_same_as_pc()
-    assert ops.sort_by(TABLE, [("s", "descending")]).equals(TABLE.sort_by([("s", "descending")]))

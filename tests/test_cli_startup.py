@@ -1,5 +1,5 @@
 """What the command-line process imports: each command loads its own module only, ``--help``
-loads no pyarrow, and listing to a pipe loads no pydantic, rich or pandas. Whole processes run as
+loads no pyarrow, and listing to a pipe loads no rich or pandas. Whole processes run as
 ``python -m rlreplay`` runs, reporting ``sys.modules`` at exit."""
 
 from __future__ import annotations
@@ -10,12 +10,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated
 
 import pytest
-import typer
 
-from rlreplay.cli.app import plain_coercion
 from rlreplay.cli.main import COMMANDS, main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,10 +94,10 @@ print(json.dumps(out))
 
 
 @pytest.mark.parametrize("args", [[], ["--json"], ["--step", "5"]], ids=["plain", "json", "step"])
-def test_ls_to_a_pipe_imports_no_pydantic_rich_or_pandas(args: list[str], tmp_path: Path) -> None:
+def test_ls_to_a_pipe_imports_no_rich_or_pandas(args: list[str], tmp_path: Path) -> None:
     proc, modules = run_cli("ls", str(SAMPLE_RUN), *args, tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert loaded(modules, "pydantic", "pydantic_core", "rich", "pandas", "duckdb") == set()
+    assert loaded(modules, "rich", "pandas", "duckdb") == set()
     # only the ls command's own module among the command modules
     assert {m for m in modules if m.startswith("rlreplay.cli.")} <= {
         "rlreplay.cli.main",
@@ -118,11 +115,11 @@ def test_ls_to_a_pipe_imports_no_pydantic_rich_or_pandas(args: list[str], tmp_pa
         assert len(lines) == SAMPLE_TRAJECTORIES + 2 and lines[0].split()[:2] == ["id", "step"]
 
 
-# ---- the listing path loads no pyarrow.compute (its import writes a wrapper for every kernel) ----
+# ---- the listing path loads no numpy.ma (``pa.array`` of a numpy array would import it) ----------
 
 V1_RUN = ROOT / "tests" / "fixtures" / "v1-run"  # format 1: indexes built from the spans, a live file
-#: Modules a listing command never loads: ``pyarrow.compute`` (~30 ms), ``numpy.ma`` (~9 ms).
-NOT_ON_THE_LISTING_PATH = {"pyarrow.compute", "numpy.ma"}
+#: Modules a listing command never loads: ``numpy.ma`` (~9 ms).
+NOT_ON_THE_LISTING_PATH = {"numpy.ma"}
 
 
 @pytest.mark.parametrize(
@@ -139,12 +136,12 @@ NOT_ON_THE_LISTING_PATH = {"pyarrow.compute", "numpy.ma"}
     ],
     ids=lambda args: " ".join(args),
 )
-def test_listing_commands_load_no_pyarrow_compute(args: list[str], tmp_path: Path) -> None:
+def test_listing_commands_load_no_numpy_ma(args: list[str], tmp_path: Path) -> None:
     run = {"SAMPLE": str(SAMPLE_RUN), "V1": str(V1_RUN)}
     proc, modules = run_cli(*(run.get(a, a) for a in args), tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert modules & NOT_ON_THE_LISTING_PATH == set()
-    assert "pyarrow._compute" in modules and "rlreplay.arrow_ops" in modules
+    assert "rlreplay.format.arrow_ops" in modules
     lines = proc.stdout.splitlines()
     if args[0] == "ls" and "--json" in args:
         rows = [json.loads(line) for line in lines]
@@ -163,10 +160,10 @@ def test_listing_commands_load_no_pyarrow_compute(args: list[str], tmp_path: Pat
         assert lines[0].split()[:2] == ["step", "split"] and "trends" in proc.stdout
 
 
-def test_the_run_index_is_written_and_read_loading_no_pyarrow_compute(tmp_path: Path) -> None:
+def test_the_run_index_is_written_and_read_loading_no_numpy_ma(tmp_path: Path) -> None:
     """A run of enough shards for a run index: the first listing writes it, a step's listing reads
-    its row groups; neither loads pyarrow.compute."""
-    from rlreplay.index import RUN_INDEX, RUN_INDEX_MIN_SHARDS
+    its row groups; neither loads numpy.ma."""
+    from rlreplay.format.index import RUN_INDEX, RUN_INDEX_MIN_SHARDS
 
     run = tmp_path / "run"
     shutil.copytree(SAMPLE_RUN, run)
@@ -234,7 +231,7 @@ def test_reading_commands_run_one_openblas_thread(
 def test_a_command_help_imports_no_pyarrow(command: str, tmp_path: Path) -> None:
     proc, modules = run_cli(command, "--help", tmp=tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith(f"Usage: rlreplay {command} ")
-    assert loaded(modules, "pyarrow", "numpy", "pandas", "pydantic", "rich", "duckdb") == set()
+    assert loaded(modules, "pyarrow", "numpy", "pandas", "rich", "duckdb") == set()
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
@@ -251,50 +248,3 @@ def test_bad_input_of_a_lazily_loaded_command_is_one_line_exit_2(tmp_path: Path)
     proc, _ = run_cli("nosuchcommand", tmp=tmp_path)
     errors = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(errors) == 1 and "No such command 'nosuchcommand'" in errors[0]
-
-
-# ---- str, bool and Path options: converted as typer's own (pydantic) conversion does ------------
-
-probe = typer.Typer(add_completion=False)
-
-
-@probe.command()
-def probe_command(
-    where: Annotated[str | None, typer.Option("--where")] = None,
-    flag: Annotated[bool | None, typer.Option("--flag/--no-flag")] = None,
-    run: Annotated[Path | None, typer.Option("--run")] = None,
-    existing: Annotated[Path | None, typer.Option("--existing", exists=True, dir_okay=False)] = None,
-    writable_dir: Annotated[Path | None, typer.Option("--dir", file_okay=False, resolve_path=True)] = None,
-) -> None:
-    pass
-
-
-def outcome(runtime: object, value: object, param: object, ctx: object) -> tuple[str, object]:
-    try:
-        result = runtime.coerce(value, param=param, ctx=ctx)  # type: ignore[attr-defined]
-    except Exception as exc:  # the error itself is compared
-        return type(exc).__name__, exc.format_message() if hasattr(exc, "format_message") else str(exc)
-    return type(result).__name__, result
-
-
-def test_plain_conversion_matches_typer_for_str_bool_and_path(tmp_path: Path) -> None:
-    from typer._coercion import build_runtime_param
-
-    plain_coercion()
-    command = typer.main.get_command(probe)
-    ctx = typer.main.get_command(probe).make_context("probe", [])
-    afile = tmp_path / "a file.txt"
-    afile.write_text("x")
-    values = ["", " ", "5", "s1-3", "reward > 0", "ü", "~/x", "a\x00b", str(tmp_path), str(afile)]
-    values += [f"{tmp_path}/", f"{afile}/", f"{tmp_path}//a file.txt", "./x", "-"]
-    values += [str(tmp_path / "missing"), True, False, 5, afile]
-    compared = 0
-    for param in command.params:
-        ours = param.get_runtime_param()
-        assert type(ours).__name__ == "PlainParam", param.name
-        theirs = build_runtime_param(param.type_descriptor)
-        assert type(theirs).__name__ == "AdapterRuntimeParam"
-        for value in values:
-            assert outcome(ours, value, param, ctx) == outcome(theirs, value, param, ctx), (param.name, value)
-            compared += 1
-    assert compared == 5 * len(values)

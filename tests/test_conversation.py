@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 import rlreplay
-from rlreplay.conversation import Turn, turns
+from rlreplay.text.adapters import turns
+from rlreplay.text.conversation import Turn
 
 PROMPT = [101, 102, 103, 104]
 # (role, ids) of the response, in order: the agent span's mask is built from these

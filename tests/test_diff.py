@@ -1,7 +1,7 @@
 """``rlreplay diff`` on runs recorded by the real recorder, with real Qwen3 token ids.
 
 Expected divergence points are computed here straight from the recorded
-``response_ids``/``response_mask`` columns, never through ``rlreplay.diff``.
+``response_ids``/``response_mask`` columns, never through ``rlreplay.diff.align``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 from conftest import qwen_tokenizer_dir
 
 import rlreplay
-from rlreplay import manifest
 from rlreplay.cli.main import main
+from rlreplay.format import manifest
 
 SAMPLE_RUN = Path(__file__).resolve().parent.parent / "sample_runs" / "gsm8k-grpo-qwen3"
 AGENT = "ToolAgentLoop.run"
@@ -436,8 +436,8 @@ def test_group_compares_every_rollout_with_the_best(runs, capsys) -> None:
 
 
 def test_python_api_on_loaded_trajectories(runs) -> None:
-    from rlreplay.diff import diff_trajectories
-    from rlreplay.token2text import Decoder
+    from rlreplay.diff.align import diff_trajectories
+    from rlreplay.text.token2text import Decoder
 
     run = rlreplay.open_run(runs[0])
     ids = [ids_of(runs[0], step=0, sample_index=8, rollout_n=n) for n in (0, 1)]
@@ -512,7 +512,7 @@ def test_sample_run_self_diff_and_validation_across_steps(capsys) -> None:
 def test_diff_sequences_rebuild_both_sides(monkeypatch, engine: str) -> None:
     import random
 
-    from rlreplay import diff as diffing
+    from rlreplay.diff import align as diffing
 
     if engine == "rapidfuzz":  # rlreplay[fast]: its C++ LCS keeps long diffs interactive
         assert importlib.util.find_spec("rapidfuzz") is not None, "pip install rapidfuzz"
@@ -539,7 +539,7 @@ def test_diff_sequences_rebuild_both_sides(monkeypatch, engine: str) -> None:
 
 
 def test_word_diff_keeps_text_and_folds_shared_spaces() -> None:
-    from rlreplay.diff import diff_sequences, split_words
+    from rlreplay.diff.align import diff_sequences, split_words
 
     a, b = "The answer is 72 apples.", "So the answer is 70 apples."
     segments = diff_sequences(split_words(a), split_words(b), words=True)
@@ -549,8 +549,8 @@ def test_word_diff_keeps_text_and_folds_shared_spaces() -> None:
 
 
 def test_first_divergence_on_plain_turns() -> None:
-    from rlreplay.conversation import Turn
-    from rlreplay.diff import first_divergence
+    from rlreplay.diff.align import first_divergence
+    from rlreplay.text.conversation import Turn
 
     def conv(prompt: list[int], *parts: tuple[str, list[int]]) -> list[Turn]:
         out, start = [Turn("prompt", prompt)], 0

@@ -22,13 +22,18 @@ import pyarrow.parquet as pq
 import pytest
 
 import rlreplay
-from rlreplay import index as tindex
-from rlreplay import shards
 from rlreplay.cli.main import main
-from rlreplay.rows import StepBuffer
-from rlreplay.schema import SPAN_SCHEMA
-from rlreplay.shards import list_files, recover_run, rewrite_run, write_sealed
-from rlreplay.store import Filters, listing_rows, summarize
+from rlreplay.format import index as tindex
+from rlreplay.format.index import summarize
+from rlreplay.format.schema import SPAN_SCHEMA
+from rlreplay.model import listing_rows
+from rlreplay.read.filters import Filters
+from rlreplay.recorder.rows import StepBuffer
+from rlreplay.rewrite import rewrite_run
+from rlreplay.shards import seal as seal_module
+from rlreplay.shards.layout import list_files
+from rlreplay.shards.recover import recover_run
+from rlreplay.shards.seal import write_sealed
 
 FIXTURES = Path(__file__).parent / "fixtures"
 V1_RUN = FIXTURES / "v1-run"
@@ -150,7 +155,7 @@ def test_token_arrays_and_20_turn_prefixes_read_back_exactly(tmp_path: Path) -> 
 
 def test_sealed_files_have_trajectory_row_groups_and_an_index(tmp_path: Path, monkeypatch) -> None:
     run_dir = tmp_path / "run"
-    monkeypatch.setattr(shards, "ROW_GROUP_BYTES", 16 << 10)
+    monkeypatch.setattr(seal_module, "ROW_GROUP_BYTES", 16 << 10)
     _record(run_dir, n=24, turns=6)
     (sealed,), partials = list_files(run_dir)
     assert partials == []
@@ -440,7 +445,7 @@ SIGNALS = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from rlreplay.signals import record_signals
+    from rlreplay.recorder.signals import record_signals
     trajectory_id, root = sys.argv[1], sys.argv[2]
     lp = np.linspace(-2, 0, 16, dtype=np.float32).tolist()
     ok = record_signals(trajectory_id, step=0, sample_index=0, rollout_n=1, validate=False, reward=1.5,

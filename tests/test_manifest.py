@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlreplay.manifest import REDACTED, redact_argv
+from rlreplay.format.redact import REDACTED, redact_argv
 
 
 def test_secret_options_and_values_are_hidden() -> None:

@@ -276,7 +276,8 @@ STEPPED = textwrap.dedent(
     """
     import json, sys
     import rlreplay
-    from rlreplay import storage
+    from rlreplay.remote import location
+    from rlreplay.remote import publish
 
     for line in sys.stdin:
         step = int(line)
@@ -286,7 +287,7 @@ STEPPED = textwrap.dedent(
         assert rlreplay.flush()
         print("STEP", step, flush=True)
     rlreplay.close()
-    print("STATS " + json.dumps(storage.upload_stats().__dict__), flush=True)
+    print("STATS " + json.dumps(publish.upload_stats().__dict__), flush=True)
     """
 )
 
@@ -422,7 +423,7 @@ def test_ray_cluster_of_three_nodes_records_into_one_run(s3: S3Server, ray_clust
 
 
 def test_a_uri_is_never_a_local_path() -> None:
-    from rlreplay.storage import as_uri, local_path, redact
+    from rlreplay.remote.location import as_uri, local_path, redact
 
     assert as_uri(Path("s3://bucket/p/run")) == "s3://bucket/p/run"  # a Path folds "//" into "/"
     assert as_uri("gs://bucket/run") == "gs://bucket/run"
@@ -438,7 +439,7 @@ def test_any_fsspec_filesystem_goes_through_the_same_layer(tmp_path: Path, monke
     import fsspec
 
     import rlreplay
-    from rlreplay import storage
+    from rlreplay.remote import location
 
     monkeypatch.setenv("RLREPLAY_SPOOL", str(tmp_path / "spool"))
     monkeypatch.setenv("RLREPLAY_CACHE", str(tmp_path / "cache"))
@@ -458,7 +459,7 @@ def test_any_fsspec_filesystem_goes_through_the_same_layer(tmp_path: Path, monke
     run = rlreplay.open_run(uri)
     assert sorted(run.trajectories(step=1)["sample_index"].to_pylist()) == [0, 1]
     assert {p.name for p in (tmp_path / "cache").glob("*/*/spans/*")} == {"step=1"}
-    assert len(run.trajectories()) == 6 and storage.as_uri(uri) == uri
+    assert len(run.trajectories()) == 6 and location.as_uri(uri) == uri
 
 
 def test_a_sealed_shard_is_published_right_after_sealing(tmp_path: Path, monkeypatch) -> None:
@@ -532,7 +533,7 @@ def _json_lines(proc: subprocess.CompletedProcess) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
 
 
-def _cached(cache: Path, suffix: str) -> list[str]:
+def is_cached(cache: Path, suffix: str) -> list[str]:
     return sorted(
         p.relative_to(next(cache.glob("*/*"))).as_posix() for p in cache.glob(f"*/*/spans/**/*{suffix}")
     )
@@ -568,20 +569,20 @@ def test_listing_a_remote_run_fetches_only_index_files(
         remote = _json_lines(rlreplay(env, command[0], uri, *command[1:], cwd=tmp_path))
         expected = _json_lines(rlreplay(env, command[0], str(local), *command[1:], cwd=tmp_path))
         assert remote == expected and remote, command
-        assert _cached(cache, ".parquet") == [], command  # no shard was fetched
+        assert is_cached(cache, ".parquet") == [], command  # no shard was fetched
     query = (
         "SELECT step, count(*) AS n, sum(model_calls) AS calls FROM trajectories GROUP BY step ORDER BY step"
     )
     remote = _json_lines(rlreplay(env, "sql", query, "--run", uri, "--json", cwd=tmp_path))
     assert remote == _json_lines(rlreplay(env, "sql", query, "--run", str(local), "--json", cwd=tmp_path))
-    assert len(remote) == 16 and _cached(cache, ".parquet") == []
+    assert len(remote) == 16 and is_cached(cache, ".parquet") == []
     info = json.loads(rlreplay(env, "info", uri, "--json", cwd=tmp_path).stdout)
     local_info = json.loads(rlreplay(env, "info", str(local), "--json", cwd=tmp_path).stdout)
     counts = ("steps", "trajectories", "spans", "token_ids")
     assert [info[k] for k in counts] == [local_info[k] for k in counts] == [16, 64, 128, 64 * 128]
-    assert _cached(cache, ".parquet") == []  # its span counts read the metadata columns in place
+    assert is_cached(cache, ".parquet") == []  # its span counts read the metadata columns in place
     listed = [k for k in s3.keys("exp/listed/spans/") if k.endswith(".index")]
-    assert len(_cached(cache, ".index")) == len(listed) == 32
+    assert len(is_cached(cache, ".index")) == len(listed) == 32
     assert len(_json_lines(rlreplay(env, "ls", uri, "--json", cwd=tmp_path))) == 64
     assert list(cache.glob("*/*/_trajectories.index"))  # the run index, kept in the cache
 
@@ -591,7 +592,7 @@ def test_listing_a_remote_run_fetches_only_index_files(
     assert json.loads(show.stdout)["id"] == rows[0]["id"]
     expected = rlreplay(env, "show", rows[0]["id"], "--run", str(local), "--json", "--no-text", cwd=tmp_path)
     assert json.loads(show.stdout)["spans"] == json.loads(expected.stdout)["spans"]
-    (holder,) = _cached(cache, ".parquet")  # only the shard holding it, not its step's other one
+    (holder,) = is_cached(cache, ".parquet")  # only the shard holding it, not its step's other one
     assert holder.startswith("spans/step=7/") and (local / holder).exists()
     import pyarrow.parquet as pq
 
@@ -609,7 +610,7 @@ def test_a_shard_published_after_a_listing_appears_in_the_next(
     for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         monkeypatch.setenv(key, env[key])
     monkeypatch.setenv("RLREPLAY_CACHE", env["RLREPLAY_CACHE"])
-    from rlreplay.store import open_run
+    from rlreplay.read.open import open_run
 
     later = uri + "-later"
     _record_worker(env, later, 0, 2, "0,1", tmp_path)
@@ -624,7 +625,7 @@ def test_a_shard_published_after_a_listing_appears_in_the_next(
     assert sorted(run.trajectories()["step"].to_pylist()) == [0, 0, 1, 1, 2, 2, 2]
     assert len(run.trajectories(step=2)) == 3
     assert len(_json_lines(rlreplay(env, "ls", later, "--json", cwd=tmp_path))) == 7
-    assert _cached(tmp_path / "cache", ".parquet") == []
+    assert is_cached(tmp_path / "cache", ".parquet") == []
 
 
 def test_concurrent_listings_share_one_cache(
@@ -647,7 +648,7 @@ def test_concurrent_listings_share_one_cache(
     assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in outs]
     listings = [[json.loads(line) for line in out.splitlines()] for out, _ in outs]
     assert len(listings[0]) == 64 and listings[1] == listings[0] and listings[2] == listings[0]
-    assert _cached(tmp_path / "cache", ".parquet") == []
+    assert is_cached(tmp_path / "cache", ".parquet") == []
     assert not list((tmp_path / "cache").rglob("*.tmp"))
 
 
@@ -666,11 +667,11 @@ def test_shards_without_index_files_are_listed_without_fetching_them(s3: S3Serve
     uri = f"s3://{BUCKET}/exp/v1"
     remote = _json_lines(rlreplay(env, "ls", uri, "--json", cwd=tmp_path))
     assert remote == _json_lines(rlreplay(env, "ls", str(fixture), "--json", cwd=tmp_path)) and remote
-    assert _cached(tmp_path / "cache", ".parquet") == []
+    assert is_cached(tmp_path / "cache", ".parquet") == []
     show = rlreplay(env, "show", remote[-1]["id"], "--run", uri, "--json", "--no-text", cwd=tmp_path)
     expected = rlreplay(
         env, "show", remote[-1]["id"], "--run", str(fixture), "--json", "--no-text", cwd=tmp_path
     )
     assert show.returncode == 0, show.stderr
     assert json.loads(show.stdout) == json.loads(expected.stdout)
-    assert len(_cached(tmp_path / "cache", ".parquet")) == 1
+    assert len(is_cached(tmp_path / "cache", ".parquet")) == 1

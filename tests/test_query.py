@@ -17,7 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlreplay.cli.main import main
-from rlreplay.selection import SelectionError, parse_keys, parse_sort
+from rlreplay.errors import SelectionError
+from rlreplay.read.selection import parse_keys, parse_sort
 
 ROOT = Path(__file__).resolve().parent.parent
 GSM8K = ROOT / "sample_runs" / "gsm8k-grpo-qwen3"

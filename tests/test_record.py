@@ -144,7 +144,7 @@ def test_record_refuses_to_overwrite_and_needs_a_command(tmp_path: Path) -> None
 
 def test_activation_is_light_in_processes_without_verl(tmp_path: Path) -> None:
     """The bootstrap imports no pyarrow/verl/ray into a process that records nothing."""
-    from rlreplay.cli.record import bootstrap_dir
+    from rlreplay.cli.launch import bootstrap_dir
 
     code = "import sys; print(sorted(m for m in ('pyarrow', 'verl', 'ray', 'torch') if m in sys.modules))"
     env = {**os.environ, "RLREPLAY_DIR": str(tmp_path / "r"), "PYTHONPATH": str(bootstrap_dir())}

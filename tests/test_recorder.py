@@ -27,9 +27,9 @@ import pytest
 
 import rlreplay
 from rlreplay.cli.main import main
-from rlreplay.recorder import get_recorder
-from rlreplay.shards import list_files
-from rlreplay.store import decoded_rows
+from rlreplay.model import decoded_rows
+from rlreplay.recorder.api import get_recorder
+from rlreplay.shards.layout import list_files
 
 
 @pytest.fixture
@@ -429,7 +429,7 @@ def test_payload_module_without_torch_and_never_raising() -> None:
     script = textwrap.dedent(
         """
         import sys
-        from rlreplay import payload
+        from rlreplay.format import payload
         print(payload.encode({"ids": [1, 2], "b": b"x", "s": {1}}))
         print("torch" in sys.modules)
         """
@@ -627,10 +627,11 @@ def test_sigterm_while_the_calling_thread_holds_the_writers_lock(tmp_path: Path)
         import os, signal, sys, time
         import rlreplay
         from rlreplay import recorder
+        from rlreplay.recorder import writer
         rlreplay.init(sys.argv[1], worker="w", max_queue_mb=0.001, policy="spill")
         rec = recorder.get_recorder()
         rec._wake.wait = lambda timeout=None: time.sleep(0.05) or False  # a slow writer: the queue fills
-        ingest = recorder.Recorder._ingest
+        ingest = writer.Recorder._ingest
 
         def ingest_then_term(self, event, spilled=False):
             if spilled and not getattr(self, "termed", False):
@@ -638,7 +639,7 @@ def test_sigterm_while_the_calling_thread_holds_the_writers_lock(tmp_path: Path)
                 os.kill(os.getpid(), signal.SIGTERM)  # handled while the lock is held
             return ingest(self, event, spilled)
 
-        recorder.Recorder._ingest = ingest_then_term
+        writer.Recorder._ingest = ingest_then_term
 
         @rlreplay.trace_op(kind="llm")
         def generate(prompt_ids):

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rlreplay.recorder import OpMeta
+from rlreplay.recorder.events import OpMeta
 
 
 def plain(request_id, prompt_ids, sampling_params=None, *, image_data=None, tag="x"): ...

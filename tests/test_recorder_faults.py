@@ -17,9 +17,9 @@ import pytest
 
 import rlreplay
 from rlreplay.cli.main import main
-from rlreplay.shards import list_files
-from rlreplay.store import decoded_rows
-from rlreplay.summary import recover
+from rlreplay.model import decoded_rows
+from rlreplay.read.summary import recover
+from rlreplay.shards.layout import list_files
 
 FULL_DISK = textwrap.dedent(
     """

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import rlreplay
-from rlreplay.summary import recover
+from rlreplay.read.summary import recover
 
 FORK = textwrap.dedent(
     """

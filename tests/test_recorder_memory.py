@@ -16,9 +16,9 @@ WRITE = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import numpy as np
-    from rlreplay.rows import StepBuffer
-    from rlreplay.schema import SPAN_SCHEMA
-    from rlreplay.shards import PartialWriter
+    from rlreplay.recorder.rows import StepBuffer
+    from rlreplay.format.schema import SPAN_SCHEMA
+    from rlreplay.shards.live import PartialWriter
 
     rng = np.random.default_rng(0)
     writer = PartialWriter(Path(sys.argv[1]))
@@ -44,7 +44,7 @@ SEAL = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import pyarrow as pa
-    from rlreplay.shards import seal
+    from rlreplay.shards.seal import seal
 
     result = seal(Path(sys.argv[1]))
     print(json.dumps({"peak": pa.default_memory_pool().max_memory(), "sealed": str(result.sealed)}))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import rlreplay
-from rlreplay.recorder import get_recorder
+from rlreplay.recorder.api import get_recorder
 
 
 @pytest.mark.parametrize("policy", ["spill", "drop"])

@@ -11,8 +11,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 import rlreplay
-from rlreplay.recorder import _nbytes, get_recorder
-from rlreplay.shards import list_files, read_partial
+from rlreplay.recorder.api import get_recorder
+from rlreplay.recorder.events import payload_bytes
+from rlreplay.shards.layout import list_files
+from rlreplay.shards.live import read_partial
 
 
 @rlreplay.trace_op(kind="llm")
@@ -101,5 +103,5 @@ def test_spilled_spans_are_written_in_batches(tmp_path: Path) -> None:
 
 def test_queue_cap_counts_token_lists_inside_results() -> None:
     ids = list(range(10_000))
-    assert _nbytes((), {}, {"token_ids": ids}) >= 10_000 * 36  # kept ints, not just pointers
-    assert _nbytes((ids,), {}, None) >= 10_000 * 36
+    assert payload_bytes((), {}, {"token_ids": ids}) >= 10_000 * 36  # kept ints, not just pointers
+    assert payload_bytes((ids,), {}, None) >= 10_000 * 36

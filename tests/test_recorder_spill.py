@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 import rlreplay
-from rlreplay.recorder import get_recorder
+from rlreplay.recorder.api import get_recorder
 
 
 def _record(run_dir: Path, max_queue_mb: float) -> tuple[dict[str, int], list[list[int]]]:

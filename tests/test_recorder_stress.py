@@ -253,7 +253,7 @@ def _key_from_inputs(row: dict[str, Any]) -> str:
 def group_by_trajectory(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
     t0 = time.perf_counter()
     groups: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
-    from rlreplay.store import decoded_rows  # here: the recording processes import this module
+    from rlreplay.model import decoded_rows
 
     for r in decoded_rows(rlreplay.open_run(run_dir).spans()):
         for k in ("inputs", "output", "attributes"):  # as JSON text, as the checks below read it
@@ -264,7 +264,7 @@ def group_by_trajectory(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def test_thousand_concurrent_trajectories_across_processes_land_exactly(tmp_path: Path) -> None:
-    from rlreplay.shards import list_files  # here, not at the top: the recording processes import this module
+    from rlreplay.shards.layout import list_files
 
     t0 = time.perf_counter()
     run_dir = tmp_path / "run"
@@ -295,8 +295,8 @@ def test_thousand_concurrent_trajectories_across_processes_land_exactly(tmp_path
 
 
 def test_sigkill_mid_step_loses_only_the_last_flush_interval(tmp_path: Path) -> None:
-    from rlreplay.shards import list_files
-    from rlreplay.summary import recover
+    from rlreplay.read.summary import recover
+    from rlreplay.shards.layout import list_files
 
     run_dir = tmp_path / "run"
     ack_path = tmp_path / "acks"

@@ -13,10 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 
 import rlreplay
-from rlreplay import manifest
 from rlreplay.cli.main import main
-from rlreplay.schema import FORMAT_KEY, SPAN_SCHEMA
-from rlreplay.shards import PartialWriter, list_files, partition_dir, sealed_path_for
+from rlreplay.format import manifest
+from rlreplay.format.schema import FORMAT_KEY, SPAN_SCHEMA
+from rlreplay.shards.layout import list_files, partition_dir, sealed_path_for
+from rlreplay.shards.live import PartialWriter
 
 ROWS = 20
 

@@ -14,16 +14,18 @@ import pyarrow.parquet as pq
 
 import rlreplay
 from rlreplay.cli.main import main
-from rlreplay.shards import list_files, read_partial
+from rlreplay.shards.layout import list_files
+from rlreplay.shards.live import read_partial
 
 WRITER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
     import pyarrow as pa
-    from rlreplay import manifest
-    from rlreplay.schema import SPAN_SCHEMA
-    from rlreplay.shards import PartialWriter, partition_dir
+    from rlreplay.format import manifest
+    from rlreplay.format.schema import SPAN_SCHEMA
+    from rlreplay.shards.layout import partition_dir
+    from rlreplay.shards.live import PartialWriter
 
     run = Path(sys.argv[1])
     manifest.ensure_manifest(run, "crash")

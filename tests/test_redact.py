@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlreplay import manifest
-from rlreplay.manifest import REDACTED, redact_argv, redact_mapping, redact_url, redact_value
+from rlreplay.format import manifest
+from rlreplay.format.redact import REDACTED, redact_argv, redact_mapping, redact_url, redact_value
 
 SECRET = "s3cr3t-Value-9f8e7d"
 

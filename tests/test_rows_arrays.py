@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 import rlreplay
-from rlreplay import payload
+from rlreplay.format import payload
 
 VOCAB = 151_643
 

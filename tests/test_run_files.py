@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import rlreplay
-from rlreplay import manifest
 from rlreplay.cli.main import main
+from rlreplay.format import manifest
 
 
 def _init_at_signal(run_dir: str, go: multiprocessing.synchronize.Event) -> None:

@@ -16,11 +16,13 @@ import pyarrow.compute as pc
 import pytest
 
 import rlreplay
-from rlreplay import index as tindex
-from rlreplay import summary
-from rlreplay.schema import SPAN_SCHEMA
-from rlreplay.selection import Selection
-from rlreplay.shards import PartialWriter, new_uid, partition_dir, write_sealed
+from rlreplay.format import index as tindex
+from rlreplay.format.schema import SPAN_SCHEMA
+from rlreplay.read import summary
+from rlreplay.read.selection import Selection
+from rlreplay.shards.layout import new_uid, partition_dir
+from rlreplay.shards.live import PartialWriter
+from rlreplay.shards.seal import write_sealed
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_runs" / "gsm8k-grpo-qwen3"
 SHARDS = tindex.RUN_INDEX_MIN_SHARDS + 4  # enough for the run index to be written

@@ -52,7 +52,7 @@ ADAPTER = '''
 
 import functools
 
-from rlreplay.adapters import ConversationFields, GenericAdapter
+from rlreplay.text.adapters import ConversationFields, GenericAdapter
 
 
 class ToyAdapter(GenericAdapter):
@@ -172,9 +172,9 @@ def test_conversation_and_messages_come_from_the_adapter(site: Path, recorded: P
     code = textwrap.dedent(
         f"""
         import json, rlreplay
-        from rlreplay.adapters import adapter_for_run
-        from rlreplay.conversation import turns
-        from rlreplay.messages import openai_messages
+        from rlreplay.text.adapters import adapter_for_run
+        from rlreplay.text.adapters import turns
+        from rlreplay.text.adapters import openai_messages
         run = rlreplay.open_run({str(recorded)!r})
         adapter = adapter_for_run(run)
         traj = run.trajectory(run.trajectories(step=1, sample_index=1, rollout_n=1)["id"][0].as_py())

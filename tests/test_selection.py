@@ -10,7 +10,7 @@ import pytest
 from conftest import ROLLOUTS, TRAIN_SAMPLES, TRAIN_STEPS, VAL_ROLLOUTS, VAL_SAMPLES, VAL_STEPS
 
 import rlreplay
-from rlreplay import selection
+from rlreplay.read import selection
 
 
 @pytest.fixture(scope="module")

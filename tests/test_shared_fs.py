@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 import rlreplay
-from rlreplay.shards import LEASE_DIR, Lease, is_live, list_files, live_leases, recover_run
+from rlreplay.shards.layout import LEASE_DIR, list_files
+from rlreplay.shards.lease import Lease, is_live, live_leases
+from rlreplay.shards.recover import recover_run
 
 OTHER_NODE = textwrap.dedent(
     """

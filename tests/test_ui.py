@@ -22,11 +22,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from rlreplay import manifest
-from rlreplay.conversation import turns
-from rlreplay.selection import listing as c2_listing
-from rlreplay.store import open_run
-from rlreplay.token2text import Decoder
+from rlreplay.format import manifest
+from rlreplay.read.open import open_run
+from rlreplay.read.selection import listing as c2_listing
+from rlreplay.text.adapters import turns
+from rlreplay.text.token2text import Decoder
 
 HERE = Path(__file__).parent
 SAMPLE = HERE.parent / "sample_runs" / "gsm8k-grpo-qwen3"

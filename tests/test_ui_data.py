@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import qwen_tokenizer_dir
 
-from rlreplay.store import open_run
+from rlreplay.read.open import open_run
 from rlreplay.ui import data
 from rlreplay.ui.data import RunSet, RunView
 
@@ -76,8 +76,8 @@ def test_a_folder_lists_only_runs_inside_it(tmp_path: Path) -> None:
 
 
 def test_a_tokenizer_given_to_the_app_overrides_the_manifest(tmp_path: Path) -> None:
-    from rlreplay import manifest
-    from rlreplay.token2text import TOKENIZER_FILE
+    from rlreplay.format import manifest
+    from rlreplay.text.token2text import TOKENIZER_FILE
 
     run = tmp_path / "run"
     shutil.copytree(SAMPLE, run)

@@ -23,7 +23,7 @@ from conftest import EXPERIMENT, VAL_STEPS, qwen_tokenizer_dir
 
 import rlreplay
 from rlreplay.cli.main import main
-from rlreplay.manifest import update_manifest
+from rlreplay.format.manifest import update_manifest
 from rlreplay.uploaders import pipeline as upload_module
 from rlreplay.uploaders.base import LEDGER_DIR, SendResult, UploadError
 from rlreplay.uploaders.mlflow import MlflowUploader

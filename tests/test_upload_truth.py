@@ -16,7 +16,7 @@ from conftest import qwen_tokenizer_dir
 
 import rlreplay
 from rlreplay.cli.main import main
-from rlreplay.manifest import update_manifest
+from rlreplay.format.manifest import update_manifest
 from rlreplay.uploaders.base import LEDGER_DIR
 
 

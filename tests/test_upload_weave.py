@@ -620,7 +620,7 @@ def test_trajectory_without_its_root_span_still_forms_one_trace(
     run_dir: Path, loopback: WeaveLoopback
 ) -> None:
     """A run killed mid-trajectory keeps the finished children but never writes the root."""
-    from rlreplay.store import Trajectory, trajectory_from_table
+    from rlreplay.model import Trajectory, trajectory_from_table
 
     run = rlreplay.open_run(run_dir)
     tid = run.trajectories(rollout_n=1)["id"][0].as_py()

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import rlreplay
-from rlreplay.summary import recover
+from rlreplay.read.summary import recover
 
 SCRIPT = textwrap.dedent(
     """
@@ -77,11 +77,13 @@ WORKER = textwrap.dedent(
 
     from rlreplay import recorder
 
-    write = recorder.Recorder._write
+    from rlreplay.recorder import writer
+
+    write = writer.Recorder._write
     def slow_disk(self, *args, **kwargs):  # a slow shared filesystem: each write takes 0.3 s
         time.sleep(0.3)
         return write(self, *args, **kwargs)
-    recorder.Recorder._write = slow_disk
+    writer.Recorder._write = slow_disk
 
     workdir = sys.argv[1]
     model_dir = verl_parts.make_model_dir(os.path.join(workdir, "model"))
@@ -114,7 +116,7 @@ def test_last_loop_of_a_batch_never_waits_for_the_writer(tmp_path: Path) -> None
 
 
 def test_worker_killed_right_after_its_batch_returned_keeps_the_batch(tmp_path: Path) -> None:
-    from rlreplay.cli.record import child_env
+    from rlreplay.cli.launch import child_env
 
     run_dir = tmp_path / "run"
     env = child_env(run_dir, None)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import rlreplay
-from rlreplay import payload
+from rlreplay.format import payload
 
 RUN = Path(__file__).resolve().parents[1] / "sample_runs" / "verl-toolagent-smollm2"
 FIGURES = ("reward", "advantage", "logprob_diff_mean", "logprob_diff_max", "importance_ratio")

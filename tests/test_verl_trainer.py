@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import rlreplay
-from rlreplay import payload
+from rlreplay.format import payload
 
 torch = pytest.importorskip("torch")
 

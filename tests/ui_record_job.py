@@ -17,7 +17,7 @@ from pathlib import Path
 from conftest import qwen_tokenizer_dir as tokenizer_dir
 
 import rlreplay
-from rlreplay import manifest
+from rlreplay.format import manifest
 
 HOSTILE_TEXT = '<script>window.__xss = 1</script> "><img src=x onerror="window.__xss = 2"> & done'
 HOSTILE_ARG = '"><img src=x onerror=window.__xss=3>'
@@ -88,7 +88,7 @@ async def _one(tok, step: int, sample: int, rollout: int, text: str) -> None:
     async with rlreplay.trajectory(**keys, name="agent_loop") as traj:
         out = await ToolAgentLoop().run(tok, text, rollout)
     if rollout == 0:  # as the trainer does later, from its own process, for the same trajectory
-        from rlreplay.signals import record_signals
+        from rlreplay.recorder.signals import record_signals
 
         record_signals(
             traj.id,

@@ -21,7 +21,8 @@ from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import orjson
 
-from rlreplay.store import RunError, Trajectory
+from rlreplay.errors import RunError
+from rlreplay.model import Trajectory
 
 LEDGER_DIR = "_uploads"
 

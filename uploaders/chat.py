@@ -1,6 +1,6 @@
 """A trajectory's conversation as OpenAI chat messages, for the backends that show chats.
 
-``rlreplay.messages.openai_messages`` (the framework adapter's) when it is available, else the
+``rlreplay.text.adapters.openai_messages`` (the framework adapter's) when it is available, else the
 decoded conversation token2text put on the agent span.
 """
 
@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rlreplay.schema import KIND_AGENT
-from rlreplay.store import Trajectory
+from rlreplay.format.schema import KIND_AGENT
+from rlreplay.model import Trajectory
 
 
 def messages(traj: Trajectory, decoder: Any) -> list[dict[str, Any]]:
-    """The conversation in OpenAI chat form (``rlreplay.messages`` when available)."""
+    """The conversation in OpenAI chat form (``rlreplay.text.messages`` when available)."""
     try:
-        from rlreplay.messages import openai_messages  # type: ignore[import-not-found]
+        from rlreplay.text.adapters import openai_messages
     except ImportError:
         openai_messages = None
     if openai_messages is not None and decoder is not None:

@@ -19,15 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlreplay.schema import (
-    KIND_AGENT,
-    KIND_LLM,
-    KIND_OP,
-    KIND_PARSER,
-    KIND_TOOL,
-    KIND_TRAJECTORY,
-)
-from rlreplay.store import Span, Trajectory
+from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_OP, KIND_PARSER, KIND_TOOL, KIND_TRAJECTORY
+from rlreplay.model import Span, Trajectory
 from rlreplay.uploaders.base import (
     LEDGER_DIR,
     Prepared,

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlreplay.schema import KIND_AGENT, KIND_LLM, KIND_TOOL, KIND_TRAJECTORY
-from rlreplay.store import Span, Trajectory
+from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_TOOL, KIND_TRAJECTORY
+from rlreplay.model import Span, Trajectory
 from rlreplay.uploaders import chat
 from rlreplay.uploaders.base import (
     BackendOption,

@@ -15,8 +15,8 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from rlreplay.schema import STATUS_ERROR
-from rlreplay.store import Span, Trajectory
+from rlreplay.format.schema import STATUS_ERROR
+from rlreplay.model import Span, Trajectory
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _INT, _FLOAT = {int}, {float}

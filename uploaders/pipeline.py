@@ -20,7 +20,6 @@ and imported only when used. :func:`make_uploader` builds it with
 from __future__ import annotations
 
 import contextlib
-import importlib
 import queue
 import threading
 import time
@@ -29,15 +28,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rlreplay.selection import Group
-from rlreplay.store import Filters, Run, RunError
+from rlreplay import plugins
+from rlreplay.errors import RunError
+from rlreplay.read.filters import Filters
+from rlreplay.read.run import Run
+from rlreplay.read.selection import Group
 
 if TYPE_CHECKING:
     from rlreplay.uploaders.base import Ledger, Prepared, Uploader
 
-ENTRY_POINT_GROUP = "rlreplay.uploaders"
 #: Backends registered in-process (``name → "module:Class"``), on top of the entry points.
-BACKENDS: dict[str, str] = {}
+BACKENDS: dict[str, str] = plugins.REGISTERED["uploaders"]
 #: The extra that installs a built-in backend's packages.
 EXTRAS = {"mlflow": "mlflow", "weave": "weave", "otlp": "otlp", "trackio": "trackio"}
 
@@ -66,11 +67,7 @@ class BackendOptions:
 
 def installed_backends() -> dict[str, str]:
     """Every backend installed: ``name → "module:Class"`` (entry points, then :data:`BACKENDS`)."""
-    from importlib.metadata import entry_points
-
-    found = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    found.update(BACKENDS)
-    return found
+    return plugins.specs("uploaders")
 
 
 def backend_class(name: str) -> type:
@@ -81,18 +78,13 @@ def backend_class(name: str) -> type:
         raise RunError(
             f"--backend must be one of: {', '.join(sorted(installed)) or '(none installed)'} (got {name!r})"
         )
-    module_name, _, class_name = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        return plugins.load(spec)
     except ImportError as exc:
         hint = f"; pip install 'rlreplay[{EXTRAS[name]}]'" if name in EXTRAS else ""
         raise RunError(f"the {name} backend needs packages that are missing ({exc}){hint}") from None
     except Exception as exc:  # a broken plug-in: one line, and the other backends still work
         raise RunError(f"the {name} backend ({spec}) failed to import: {_one_line(exc)}") from None
-    try:
-        return getattr(module, class_name)
-    except AttributeError:
-        raise RunError(f"backend {name!r}: {module_name} has no {class_name}") from None
 
 
 def backend_options(cls: type) -> tuple[Any, ...]:
@@ -131,7 +123,7 @@ def load_decoder(run: Run, tokenizer: str | None, warn: Callable[[str], None]) -
     one warning, and the upload goes on with token ids only.
     """
     try:
-        from rlreplay import token2text
+        from rlreplay.text import token2text
     except ImportError:
         return None
     name = token2text.resolve_tokenizer(run, tokenizer)
@@ -361,7 +353,7 @@ def upload(
 ) -> UploadSummary:
     """Send the trajectories of ``groups`` (in order) that the backend does not have yet.
 
-    ``groups`` come from :func:`rlreplay.selection.select`. With ``max_bytes``, groups are kept
+    ``groups`` come from :func:`rlreplay.read.selection.select`. With ``max_bytes``, groups are kept
     while the bytes of everything kept (already uploaded or not) fit. With ``dry_run`` nothing
     is sent and nothing is written; the summary says what would be sent and its bytes.
 
@@ -412,8 +404,8 @@ def upload(
             trajs = run.load(missing, Filters(step=chunk[0].step)) if missing else []
             if decoder is not None and trajs and not text_failed:
                 try:
-                    from rlreplay.adapters import adapter_for_run
-                    from rlreplay.token2text import add_text
+                    from rlreplay.text.adapters import adapter_for_run
+                    from rlreplay.text.token2text import add_text
 
                     add_text(trajs, decoder, adapter=adapter_for_run(run))
                 except (ValueError, RunError) as exc:

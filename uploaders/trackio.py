@@ -28,8 +28,8 @@ from typing import Any
 
 import orjson
 
-from rlreplay.schema import KIND_AGENT, KIND_TRAJECTORY, STATUS_ERROR
-from rlreplay.store import Span, Trajectory
+from rlreplay.format.schema import KIND_AGENT, KIND_TRAJECTORY, STATUS_ERROR
+from rlreplay.model import Span, Trajectory
 from rlreplay.uploaders import chat
 from rlreplay.uploaders.base import Prepared, SendResult, UploadError, within
 

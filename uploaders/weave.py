@@ -25,8 +25,8 @@ from typing import Any
 
 import orjson
 
-from rlreplay.schema import STATUS_ERROR
-from rlreplay.store import Span, Trajectory
+from rlreplay.format.schema import STATUS_ERROR
+from rlreplay.model import Span, Trajectory
 from rlreplay.uploaders.base import Prepared, RequestTimeout, SendResult, UploadError, within
 
 #: weave's own request limit ("32 MiB real limit - 1 MiB buffer", weave http_utils).

@@ -16,7 +16,7 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from rlreplay.store import RunError
+from rlreplay.errors import RunError
 from rlreplay.ui import charts, views
 from rlreplay.ui.data import (
     PAGE_SIZES,
@@ -101,7 +101,7 @@ class UI:
 
     def warm(self) -> None:
         """Do the first request's work now: templates, query engine, a single run's listing."""
-        import rlreplay.query  # noqa: F401
+        import rlreplay.read.query  # noqa: F401
 
         for name in self.env.list_templates():
             self.env.get_template(name)
@@ -219,7 +219,7 @@ class UI:
         traj = view.trajectory(request.path_params["tid"])
         decoder = view.decoder()
         if decoder is not None:
-            from rlreplay.token2text import add_text
+            from rlreplay.text.token2text import add_text
 
             add_text([traj], decoder)
         row = view.row(traj.id) or {}
@@ -250,15 +250,15 @@ class UI:
         )
 
     def group(self, request: Request) -> Response:
-        from rlreplay.conversation import turns
-        from rlreplay.diff import diff_group
+        from rlreplay.diff.align import diff_group
+        from rlreplay.text.adapters import turns
 
         view = self.view(request)
         traj = view.trajectory(request.path_params["tid"])
         decoder = view.decoder()
         group = diff_group(view.run, traj, decoder)
         ids = [m.side.id for m in group.members]
-        from rlreplay.store import Filters
+        from rlreplay.read.filters import Filters
 
         step = traj.step if isinstance(traj.step, int) else None
         loaded = {t.id: t for t in view.run.load(ids, Filters(step=step))}
@@ -278,8 +278,8 @@ class UI:
         )
 
     def diff(self, request: Request) -> Response:
-        from rlreplay.diff import diff_trajectories
-        from rlreplay.diff_html import render_html
+        from rlreplay.diff.align import diff_trajectories
+        from rlreplay.diff.report import render_html
 
         view = self.view(request)
         a_ref = request.query_params.get("a", "").strip()

@@ -19,9 +19,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rlreplay import manifest
-from rlreplay.selection import listing
-from rlreplay.store import Run, RunError, open_run
+from rlreplay.errors import RunError
+from rlreplay.format import manifest
+from rlreplay.read.open import open_run
+from rlreplay.read.run import Run
+from rlreplay.read.selection import listing
 
 SPANS_DIR = "spans"
 WORKERS_DIR = "_workers"
@@ -189,7 +191,8 @@ class RunView:
     def trajectory(self, ref: str) -> Any:
         """One trajectory by id or unique prefix; the cached listing tells its step, so only that
         step's files are read."""
-        from rlreplay.store import Filters, trajectory_from_table
+        from rlreplay.model import trajectory_from_table
+        from rlreplay.read.filters import Filters
 
         if not re.fullmatch(r"[0-9a-fA-F]{1,64}", ref or ""):
             raise NotFound(f"not a trajectory id: {ref!r}")
@@ -209,7 +212,7 @@ class RunView:
         """The run's tokenizer, or None (``decoder_error`` says why)."""
         with self._lock:
             if not self._decoder_loaded:
-                from rlreplay.token2text import Decoder, resolve_tokenizer
+                from rlreplay.text.token2text import Decoder, resolve_tokenizer
 
                 # the manifest as it is now: a live run may name its tokenizer after it was opened
                 current = SimpleNamespace(path=self.run.path, manifest=self.manifest())
@@ -225,7 +228,7 @@ class RunView:
             return self._decoder
 
     def adapter(self) -> Any:
-        from rlreplay.adapters import adapter_for_run
+        from rlreplay.text.adapters import adapter_for_run
 
         return adapter_for_run(self.run)
 
@@ -279,7 +282,7 @@ class ListQuery:
 
 def select(table: pa.Table, q: ListQuery) -> pa.Table:
     """The rows of the listing ``q`` asks for, in its order (not paginated): ``ls``'s selection."""
-    from rlreplay.selection import Selection
+    from rlreplay.read.selection import Selection
 
     if q.split not in ("", "train", "val"):
         raise RunError(f"split is train or val, not {q.split!r}")
@@ -325,7 +328,7 @@ STAT_SERIES = (
 
 def step_stats(table: pa.Table) -> list[dict[str, Any]]:
     """Per step and split: the columns of ``rlreplay stats`` (validation after training)."""
-    from rlreplay.query import stats_of
+    from rlreplay.read.query import stats_of
 
     if table.num_rows == 0:
         return []

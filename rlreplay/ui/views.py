@@ -9,8 +9,8 @@ from typing import Any
 import orjson
 from markupsafe import Markup, escape
 
-from rlreplay.schema import KIND_AGENT, KIND_LLM, KIND_TOOL
-from rlreplay.store import Span, Trajectory
+from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_TOOL
+from rlreplay.model import Span, Trajectory
 
 KIND_SIGNALS = "signals"
 LOGPROB_KEYS = ("response_logprobs", "rollout_log_probs", "log_probs", "logprobs")
@@ -46,7 +46,7 @@ class Message:
 def messages(traj: Trajectory, decoder: Any, adapter: Any = None) -> list[Message]:
     """The conversation as OpenAI-style chat messages (system, user, assistant, tool); without a
     tokenizer, the turns (prompt, assistant, tool) with their token ids."""
-    from rlreplay.messages import openai_messages
+    from rlreplay.text.adapters import openai_messages
 
     if decoder is None:
         return _id_messages(traj)
@@ -61,7 +61,7 @@ def messages(traj: Trajectory, decoder: Any, adapter: Any = None) -> list[Messag
 
 
 def _id_messages(traj: Trajectory) -> list[Message]:
-    from rlreplay.conversation import turns
+    from rlreplay.text.adapters import turns
 
     out = []
     for turn in turns(traj):
@@ -177,7 +177,8 @@ def _first(d: dict[str, Any], keys: tuple[str, ...], n: int) -> list[float | Non
 
 def _response(traj: Trajectory) -> tuple[list[int], list[int], list[float | None] | None]:
     """Response ids, mask (1 model, 0 tool) and rollout log-probs, from the agent span or the turns."""
-    from rlreplay.conversation import ROLE_ASSISTANT, ROLE_PROMPT, turns
+    from rlreplay.text.adapters import turns
+    from rlreplay.text.conversation import ROLE_ASSISTANT, ROLE_PROMPT
 
     agents = [s for s in traj.by_kind(KIND_AGENT) if isinstance(s.output, dict)]
     for agent in agents:

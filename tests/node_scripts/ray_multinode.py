@@ -29,7 +29,7 @@ class Rollout:
         for sample in samples:
             with rlreplay.trajectory(step=step, sample_index=sample, rollout_n=0):
                 generate(list(range(sample, sample + 8)))
-        from rlreplay.recorder import get_recorder
+        from rlreplay.recorder.api import get_recorder
         from rlreplay.recorders.activate import ray_worker_name
 
         ctx = ray.get_runtime_context()

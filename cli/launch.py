@@ -1,0 +1,61 @@
+"""Starting the recorded command: its environment (recording on in every process) and signal forwarding."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from rlreplay.cli.app import fail
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+DEFAULT_FRAMEWORK = "verl"
+
+
+def bootstrap_dir() -> Path:
+    import rlreplay.recorders
+
+    return Path(rlreplay.recorders.__file__).resolve().parent / "bootstrap"
+
+
+def child_env(
+    run_dir: Path, experiment: str | None, framework: str = DEFAULT_FRAMEWORK, token_signals: bool = False
+) -> dict[str, str]:
+    env = dict(os.environ)
+    env["RLREPLAY_DIR"] = str(run_dir.resolve())
+    env["RLREPLAY_FRAMEWORK"] = framework
+    if token_signals:
+        env["RLREPLAY_TOKEN_SIGNALS"] = "1"
+    if experiment:
+        env["RLREPLAY_EXPERIMENT"] = experiment
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(bootstrap_dir()), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
+    """Run the command in its own process group; forward INT/TERM/HUP to that group."""
+    try:
+        proc = subprocess.Popen(command, env=env, preexec_fn=os.setpgrp)
+    except FileNotFoundError:
+        fail(f"command not found: {command[0]}")
+    except PermissionError:
+        fail(f"command not executable: {command[0]}")
+
+    def forward(signum: int, frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except InterruptedError:
+                continue
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code

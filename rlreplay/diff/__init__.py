@@ -1,0 +1,1 @@
+"""Comparing trajectories: where two conversations part ways, and an HTML report of it."""

@@ -1,0 +1,60 @@
+"""One plug-in loader: framework adapters and uploaders, found by entry point; built-ins are entry points too.
+
+A plug-in is a ``"module:attribute"`` spec registered under a name in an entry-point group, the
+way rlreplay's own adapters and uploaders are (see ``pyproject.toml``). Specs registered
+in-process (:func:`register`) come last and win. Nothing is imported until :func:`load`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+
+#: Entry-point groups per kind of plug-in; a later group wins. ``rlreplay.recorders`` is the
+#: adapters' former group, still read for one release.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "adapters": ("rlreplay.recorders", "rlreplay.adapters"),
+    "uploaders": ("rlreplay.uploaders",),
+}
+
+#: Built-ins, used when the installed metadata lacks their entry points (e.g. an old editable install).
+BUILTINS: dict[str, dict[str, str]] = {
+    "adapters": {
+        "generic": "rlreplay.text.adapters:GenericAdapter",
+        "verl": "rlreplay.recorders.verl:VerlAdapter",
+    },
+    "uploaders": {
+        "mlflow": "rlreplay.uploaders.mlflow:MlflowUploader",
+        "weave": "rlreplay.uploaders.weave:WeaveUploader",
+        "otlp": "rlreplay.uploaders.otlp:OtlpUploader",
+        "trackio": "rlreplay.uploaders.trackio:TrackioUploader",
+    },
+}
+
+#: Specs registered in this process, per kind (``name -> "module:attribute"``).
+REGISTERED: dict[str, dict[str, str]] = {kind: {} for kind in GROUPS}
+
+
+def register(kind: str, name: str, spec: str) -> None:
+    """Register ``spec`` (``"module:attribute"``) as plug-in ``name`` of ``kind`` in this process."""
+    REGISTERED[kind][name] = spec
+
+
+def specs(kind: str) -> dict[str, str]:
+    """Every plug-in of ``kind`` installed: ``name -> "module:attribute"``."""
+    found = dict(BUILTINS.get(kind, {}))
+    for group in GROUPS[kind]:
+        found.update({ep.name: ep.value for ep in entry_points(group=group)})
+    found.update(REGISTERED[kind])
+    return found
+
+
+def load(spec: str) -> Any:
+    """Import a ``"module:attribute"`` spec. ImportError (a missing package) passes through."""
+    module_name, _, attribute = spec.partition(":")
+    module = importlib.import_module(module_name)
+    try:
+        return getattr(module, attribute) if attribute else module
+    except AttributeError:
+        raise ImportError(f"{module_name} has no {attribute}", name=module_name) from None

@@ -1,0 +1,174 @@
+"""SQL over a run with DuckDB: the views ``trajectories`` and ``spans``, ``--where``, per-step stats.
+
+DuckDB is imported when a query runs, never at import. Connections read only what they are
+given: external file access is switched off (a query cannot read or write files), the listing
+is an in-memory Arrow table and ``spans`` is an Arrow dataset over the run's span files, so a
+query reads only the columns it names.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pyarrow as pa
+
+from rlreplay.errors import FormatError, QueryError
+from rlreplay.format.index import merged
+from rlreplay.format.schema import SPAN_SCHEMA, file_version
+from rlreplay.read.selection import KEYS, Selection
+from rlreplay.read.where import connect, one_line, run_query, shared_connection
+from rlreplay.shards.layout import list_files
+
+#: The columns of :func:`stats`, in order.
+STATS_COLUMNS = (
+    "step",
+    "validate",
+    "trajectories",
+    "groups",
+    "reward_mean",
+    "reward_std",
+    "frac_reward_positive",
+    "frac_groups_zero_std",
+    "response_tokens_mean",
+    "response_tokens_p95",
+    "model_calls_mean",
+    "tool_calls_mean",
+    "tool_error_rate",
+    "error_rate",
+    "duration_p50_s",
+    "duration_p95_s",
+)
+
+
+def _spans_table(run: Any) -> Any:
+    """The run's span rows as an Arrow dataset: sealed files scanned lazily (format 1 files get
+    the format 2 columns as nulls), live files read."""
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    fetch = getattr(run, "fetch", None)  # a remote run: bring every shard into its cache first
+    if callable(fetch):
+        fetch()
+    sealed, partials = list_files(run.path)
+    good = []
+    for path in sealed:
+        try:
+            file_version(pq.read_schema(path), "file")
+            good.append(str(path))
+        except (pa.ArrowException, OSError, FormatError) as exc:
+            run._warn(f"skipped unreadable file {path.relative_to(run.path)}: {one_line(exc)}")
+    parts = [ds.dataset(good, schema=SPAN_SCHEMA, format="parquet")] if good else []
+    live = [t for t in (run._partial(path) for path in partials) if t is not None]
+    if live:
+        parts.append(ds.dataset([t.cast(SPAN_SCHEMA) for t in live], schema=SPAN_SCHEMA))
+    if not parts:
+        return SPAN_SCHEMA.empty_table()
+    return parts[0] if len(parts) == 1 else ds.dataset(parts)
+
+
+def register_spans(con: Any, run: Any) -> None:
+    """View ``spans``: every span row, key values merged as in the listing; ``attributes``, ``inputs``,
+    ``output`` are the stored JSON text (token arrays stand there as placeholders pointing into the
+    typed ``token_*`` list columns)."""
+    con.register("_spans", _spans_table(run))
+    names = [row[0] for row in con.sql("DESCRIBE _spans").fetchall()]
+    present = [(key, f"{key}_str") for key in KEYS if f"{key}_str" in names]
+    if not present:
+        con.sql("CREATE OR REPLACE TEMP VIEW spans AS SELECT * FROM _spans")
+        return
+    probe = ", ".join(f"bool_or({s} IS NOT NULL)" for _, s in present)
+    has_strings = con.sql(f"SELECT {probe} FROM _spans").fetchall()[0]
+    replace = [
+        f"coalesce(CAST({key} AS VARCHAR), {str_key}) AS {key}"
+        for (key, str_key), strings in zip(present, has_strings)
+        if strings
+    ]
+    drop = ", ".join(s for _, s in present)
+    replaced = f" REPLACE ({', '.join(replace)})" if replace else ""
+    con.sql(f"CREATE OR REPLACE TEMP VIEW spans AS SELECT * EXCLUDE ({drop}){replaced} FROM _spans")
+
+
+def register_trajectories(con: Any, table: pa.Table) -> None:
+    """View ``trajectories``: the listing's rows with merged key values (the ``ls --json`` keys)."""
+    con.register("trajectories", merged(table))
+
+
+def _mentions(text: str, name: str) -> bool:
+    return re.search(rf"\b{name}\b", text, re.IGNORECASE) is not None
+
+
+def sql(run: Any, text: str, selection: Selection | None = None) -> pa.Table:
+    """Run SQL over the views ``trajectories`` and ``spans`` of ``run``; the last statement's rows."""
+    if not text.strip():
+        raise QueryError("empty SQL query")
+    con = connect()
+    if _mentions(text, "trajectories"):
+        register_trajectories(con, (selection or Selection()).trajectories(run))
+    if _mentions(text, "spans"):
+        register_spans(con, run)
+    return run_query(con, text, "sql")
+
+
+_STATS_SQL = """
+WITH t AS (
+    SELECT *, coalesce(CAST(sample_index AS VARCHAR), 'id:' || id) AS _group FROM trajectories
+),
+g AS (
+    SELECT step, validate, _group, count(reward) AS rewarded, min(reward) = max(reward) AS same
+    FROM t GROUP BY step, validate, _group
+),
+gs AS (
+    SELECT step, validate,
+        avg(CASE WHEN same THEN 1.0 ELSE 0.0 END) FILTER (WHERE rewarded >= 2) AS frac_groups_zero_std
+    FROM g GROUP BY step, validate
+)
+SELECT
+    t.step,
+    t.validate,
+    count(*) AS trajectories,
+    count(DISTINCT _group) AS groups,
+    avg(reward) AS reward_mean,
+    stddev_pop(reward) AS reward_std,
+    avg(CASE WHEN reward > 0 THEN 1.0 WHEN reward IS NOT NULL THEN 0.0 END) AS frac_reward_positive,
+    any_value(gs.frac_groups_zero_std) AS frac_groups_zero_std,
+    avg(response_tokens) AS response_tokens_mean,
+    quantile_cont(response_tokens, 0.95) AS response_tokens_p95,
+    avg(model_calls) AS model_calls_mean,
+    avg(tool_calls) AS tool_calls_mean,
+    sum(tool_errors) / nullif(sum(tool_calls), 0) AS tool_error_rate,
+    avg(CASE WHEN status = 'error' THEN 1.0 ELSE 0.0 END) AS error_rate,
+    quantile_cont(duration_s, 0.5) AS duration_p50_s,
+    quantile_cont(duration_s, 0.95) AS duration_p95_s
+FROM t LEFT JOIN gs
+    ON t.step IS NOT DISTINCT FROM gs.step AND t.validate IS NOT DISTINCT FROM gs.validate
+GROUP BY t.step, t.validate
+ORDER BY TRY_CAST(t.step AS BIGINT) NULLS LAST, t.step NULLS LAST, t.validate NULLS LAST
+"""
+
+
+def stats(run: Any, selection: Selection | None = None) -> pa.Table:
+    """One row per step and split (:data:`STATS_COLUMNS`) over the selected trajectories."""
+    table = (selection or Selection()).trajectories(run)
+    return stats_of(table)
+
+
+def stats_of(table: pa.Table) -> pa.Table:
+    """:func:`stats` over a listing already read."""
+    con = shared_connection()
+    register_trajectories(con, table)
+    try:
+        out = run_query(con, _STATS_SQL, "stats")
+    finally:
+        con.unregister("trajectories")
+    return out.select(list(STATS_COLUMNS))
+
+
+__all__ = [
+    "STATS_COLUMNS",
+    "register_spans",
+    "register_trajectories",
+    "sql",
+    "stats",
+    "stats_of",
+]

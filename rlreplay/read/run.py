@@ -1,0 +1,484 @@
+"""A recorded run on local disk: its manifest, the trajectory listing, span reads and counters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlreplay.errors import FormatError, RunError
+from rlreplay.format import arrow_ops as ops
+from rlreplay.format import index as tindex
+from rlreplay.format import manifest
+from rlreplay.format.schema import (
+    FORMAT_VERSION,
+    KEY_STR,
+    KEYS,
+    PAYLOAD_COLUMNS,
+    SPAN_SCHEMA,
+    V1_COLUMNS,
+    file_version,
+    upgrade,
+)
+from rlreplay.model import Trajectory, trajectory_from_table
+from rlreplay.read.filters import Filters, _as_key_int
+from rlreplay.shards.layout import SPANS_DIR, list_files, step_dirs
+from rlreplay.shards.live import read_partial
+
+RUNS_DIR = "rlreplay-runs"
+
+
+@dataclass
+class _File:
+    path: Path
+    sealed: bool
+    index: pa.Table  # its index rows (row_groups set for sealed files)
+
+
+class Run:
+    """A recorded run directory. Corrupt or foreign files are skipped and listed in ``warnings``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.warnings: list[str] = []
+        self.manifest = manifest.read_manifest(path, self.warnings)
+        self._indexes: dict[Path, tuple[float, int, pa.Table]] = {}
+        self._partials: dict[Path, tuple[float, int, pa.Table]] = {}
+        version = self.manifest.get("format_version", FORMAT_VERSION)
+        if int(version) > FORMAT_VERSION:
+            raise RunError(
+                f"{path}: recorded in format {version}, this rlreplay reads up to {FORMAT_VERSION}; "
+                "upgrade rlreplay"
+            )
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r})"
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def experiment(self) -> str | None:
+        return self.manifest.get("experiment")
+
+    @property
+    def tokenizer(self) -> str | None:
+        return self.manifest.get("tokenizer")
+
+    def _warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+
+    def _skip(self, path: Path, exc: BaseException) -> None:
+        self._warn(f"skipped unreadable file {path.relative_to(self.path)}: {_one_line(exc)}")
+
+    # ---- files ------------------------------------------------------------------------------
+
+    def _read_sealed(
+        self,
+        path: Path,
+        filters: Filters,
+        columns: list[str] | None,
+        row_groups: list[int] | None = None,
+    ) -> pa.Table | None:
+        """Matching rows of one sealed file (format 2 columns), reading only the row groups that may
+        match (``row_groups``, else those whose statistics do not exclude them)."""
+        wanted = filters.items()
+        source = self._sealed_source(
+            path, whole=columns is None or any(c in PAYLOAD_COLUMNS for c in columns)
+        )
+        try:
+            pf = pq.ParquetFile(source)
+            version = file_version(pf.schema_arrow, "file")
+            if row_groups is None:
+                row_groups = [
+                    i
+                    for i in range(pf.num_row_groups)
+                    if _row_group_may_match(pf.metadata.row_group(i), wanted)
+                ]
+            if not row_groups:
+                return None
+            need = None if columns is None else set(columns) | {k for k, _ in wanted}
+            if need is not None and any(k in KEYS for k in need):
+                need |= {KEY_STR[k] for k in KEYS if k in need}
+            if need is not None and "trajectory_id" in need:
+                need.add("trajectory_id")
+            names = V1_COLUMNS if version == 1 else SPAN_SCHEMA.names
+            read_cols = None if need is None else [c for c in names if c in need]
+            table = pf.read_row_groups(row_groups, columns=read_cols)
+            if version == 1:
+                table = upgrade(table, [c for c in SPAN_SCHEMA.names if need is None or c in need])
+        except (pa.ArrowException, OSError, FormatError) as exc:
+            self._skip(path, exc)
+            return None
+        table = filters.apply(table)
+        return table.select(columns) if columns is not None else table
+
+    def _partial(self, path: Path) -> pa.Table | None:
+        """A live file's rows (format 2 columns), cached while it does not change."""
+        try:
+            stat = path.stat()
+            cached = self._partials.get(path)
+            if cached is not None and cached[:2] == (stat.st_mtime, stat.st_size):
+                return cached[2]
+            table = read_partial(path).table
+        except (pa.ArrowException, OSError, FormatError) as exc:
+            self._skip(path, exc)
+            return None
+        self._partials[path] = (stat.st_mtime, stat.st_size, table)
+        return table
+
+    def _index(self, path: Path, sealed: bool) -> pa.Table | None:
+        """A file's trajectory index: the sidecar of a sealed file, else built from its spans."""
+        try:
+            size, mtime_ns = self._stamp(path)
+        except OSError as exc:
+            self._skip(path, exc)
+            return None
+        cached = self._indexes.get(path)
+        if cached is not None and cached[:2] == (mtime_ns, size):
+            return cached[2]
+        index = None
+        if sealed:
+            index = tindex.read(tindex.index_path(path), size)
+            if index is None:
+                index = self._build_index(path)
+        else:
+            table = self._partial(path)
+            if table is not None:
+                index = tindex.build(table.select(tindex.SPAN_COLUMNS))
+        if index is not None:
+            self._indexes[path] = (mtime_ns, size, index)
+        return index
+
+    def _stamp(self, path: Path) -> tuple[int, int]:
+        """(bytes, mtime in ns) of a run file: what tells an index or a run index it is current."""
+        stat = path.stat()
+        return stat.st_size, stat.st_mtime_ns
+
+    def _sealed_source(self, path: Path, whole: bool) -> Any:
+        """What a sealed file is read from (a run on an object store fetches it first, or reads
+        only some columns of it in place when not ``whole``)."""
+        return path
+
+    def _build_index(self, path: Path) -> pa.Table | None:
+        """The index of a sealed file without one (format 1, or its index lost)."""
+        import numpy as np
+
+        source = self._sealed_source(path, whole=False)
+        try:
+            pf = pq.ParquetFile(source)
+            version = file_version(pf.schema_arrow, "file")
+            names = V1_COLUMNS if version == 1 else SPAN_SCHEMA.names
+            cols = [c for c in names if c in tindex.SPAN_COLUMNS]
+            table = pf.read(columns=cols)
+            if version == 1:
+                table = upgrade(table, tindex.SPAN_COLUMNS)
+            sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
+        except (pa.ArrowException, OSError, FormatError) as exc:
+            self._skip(path, exc)
+            return None
+        groups = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
+        return tindex.build(table.select(tindex.SPAN_COLUMNS), groups)
+
+    def step_partitions(self) -> list[str]:
+        """The values of the run's ``spans/step=*`` folders, as written (unsorted)."""
+        return [d.name.removeprefix("step=") for d in step_dirs(self.path)]
+
+    def _paths(self, filters: Filters) -> tuple[list[Path], list[Path]]:
+        """(sealed files, live files) the filters may need: those of their steps, else all."""
+        steps = filters.step if isinstance(filters.step, (list, tuple, set, frozenset)) else None
+        if steps is None or not all(type(s) is int for s in steps):
+            return list_files(self.path, filters.single_step())
+        sealed: list[Path] = []
+        partials: list[Path] = []
+        for step in sorted(set(steps)):
+            more = list_files(self.path, step)
+            sealed += more[0]
+            partials += more[1]
+        return sealed, partials
+
+    def _files(self, filters: Filters) -> list[_File]:
+        sealed, partials = self._paths(filters)
+        files = []
+        for path, is_sealed in [(p, True) for p in sealed] + [(p, False) for p in partials]:
+            index = self._index(path, is_sealed)
+            if index is not None:
+                files.append(_File(path, is_sealed, index))
+        return files
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def spans(
+        self, filters: Filters | None = None, columns: Sequence[str] | None = None, **kw: Any
+    ) -> pa.Table:
+        """Span rows matching the filters (keyword filters: step, sample_index, rollout_n, validate, ...)."""
+        filters = filters or Filters(**kw)
+        cols = list(columns) if columns is not None else None
+        sealed, partials = self._paths(filters)
+        tables = [t for t in (self._read_sealed(f, filters, cols) for f in sealed) if t is not None]
+        for partial in partials:
+            table = self._partial(partial)
+            if table is None:
+                continue
+            table = filters.apply(table)
+            tables.append(table.select(cols) if cols else table)
+        return concat_spans(tables, cols)
+
+    def index(self, filters: Filters | None = None, **kw: Any) -> pa.Table:
+        """Merged index rows (one per trajectory) passing the filters."""
+        filters = filters or Filters(**kw)
+        if filters.step is None:
+            return filters.apply(self._run_index(), id_column="id")
+        rows = self._steps_index(filters)
+        if rows is not None:
+            return filters.apply(rows, id_column="id")
+        files = self._files(filters)
+        rows = (
+            tindex.merge(pa.concat_tables([f.index for f in files]))
+            if files
+            else tindex.INDEX_SCHEMA.empty_table()
+        )
+        return filters.apply(rows, id_column="id")
+
+    def _run_index(self) -> pa.Table:
+        """Merged index rows of every trajectory: the run index file for the sealed shards it
+        covers (brought up to date here), the index files of shards sealed since, and live files."""
+        sealed, partials = self._paths(Filters())
+        stamps: dict[str, list[int]] = {}
+        for path in sealed:
+            try:
+                stamps[path.relative_to(self.path).as_posix()] = list(self._stamp(path))
+            except OSError as exc:
+                self._skip(path, exc)
+                continue
+        rows, covered, where, repair = self._read_run_index(stamps)
+        added: dict[str, list[int]] = {}
+        more = []
+        for path in sealed:
+            rel = path.relative_to(self.path).as_posix()
+            if rel in stamps and rel not in covered:
+                index = self._index(path, True)
+                if index is not None:
+                    more.append(index)
+                    added[rel] = stamps[rel]
+        rows = tindex.merge_into(rows, more)
+        if (added or repair) and len(covered) + len(added) >= tindex.RUN_INDEX_MIN_SHARDS:
+            self._write_run_index(rows, {**covered, **added}, where)
+        live = [index for index in (self._index(path, False) for path in partials) if index is not None]
+        return tindex.merge_into(rows, live)
+
+    def _steps_index(self, filters: Filters) -> pa.Table | None:
+        """Merged index rows of the filters' steps (integers) from the run index's row groups that
+        hold them, the shards of these steps sealed since, and their live files; None when no run
+        index covers these steps' shards as they are now."""
+        single = filters.single_step()
+        steps = [single] if single is not None else filters.step
+        if not isinstance(steps, (list, tuple, set, frozenset)) or not all(type(s) is int for s in steps):
+            return None
+        candidates = []
+        for where in tindex.run_index_paths(self.path):
+            try:
+                found = tindex.read_run_index(where, sorted(set(steps)))
+            except ValueError:
+                continue  # the whole-run listing reports it and writes a good one
+            if found is not None:
+                candidates.append(found)
+        if not candidates:
+            return None
+        sealed, partials = self._paths(filters)
+        stamps: dict[str, list[int]] = {}
+        for path in sealed:
+            try:
+                stamps[path.relative_to(self.path).as_posix()] = list(self._stamp(path))
+            except OSError:
+                return None
+        prefixes = tuple(f"{SPANS_DIR}/step={s}/" for s in steps)
+        for rows, covered in candidates:
+            mine = {rel: stamp for rel, stamp in covered.items() if rel.startswith(prefixes)}
+            if any(stamps.get(rel) != stamp for rel, stamp in mine.items()):
+                continue
+            more = [self._index(p, True) for p in sealed if p.relative_to(self.path).as_posix() not in mine]
+            live = [self._index(p, False) for p in partials]
+            rows = tindex.merge_into(rows, [t for t in more if t is not None])
+            return tindex.merge_into(rows, [t for t in live if t is not None])
+        return None
+
+    def _read_run_index(
+        self, stamps: dict[str, list[int]]
+    ) -> tuple[pa.Table, dict[str, list[int]], Path | None, bool]:
+        """(rows, shards covered, its file, whether an unreadable one was met) of the run index
+        covering the most shards, and only shards as they are now (``stamps``); else no rows."""
+        repair = False
+        best: tuple[pa.Table, dict[str, list[int]], Path | None] = (
+            tindex.INDEX_SCHEMA.empty_table(),
+            {},
+            None,
+        )
+        for path in tindex.run_index_paths(self.path):
+            try:
+                found = tindex.read_run_index(path)
+            except ValueError as exc:
+                self._warn(f"ignored unreadable run index {path}: {_one_line(exc)} (rebuilding it)")
+                repair = True
+                continue
+            if found is None or any(stamps.get(rel) != stamp for rel, stamp in found[1].items()):
+                continue
+            if len(found[1]) > len(best[1]):
+                best = (found[0], found[1], None if repair else path)
+            if len(best[1]) == len(stamps):
+                break
+        return (*best, repair)
+
+    def _write_run_index(self, rows: pa.Table, covered: dict[str, list[int]], where: Path | None) -> None:
+        """Save the run index where it was read, else in the run, else in the user's cache."""
+        paths = tindex.run_index_paths(self.path)
+        if where is not None:
+            paths = [where] + [p for p in paths if p != where]
+        for path in paths:
+            try:
+                tindex.write_run_index(rows, covered, path)
+                return
+            except (OSError, pa.ArrowException):
+                continue
+
+    def trajectories(self, filters: Filters | None = None, **kw: Any) -> pa.Table:
+        """One row per trajectory (contract C2), sorted by step, sample_index, rollout_n, start.
+
+        Read from the trajectory indexes, not the spans (a span-name filter reads span rows).
+        """
+        filters = filters or Filters(**kw)
+        if filters.name is not None:
+            return tindex.summarize(self.spans(filters, columns=tindex.SPAN_COLUMNS))
+        return tindex.listing(self.index(filters))
+
+    def resolve(self, ref: str) -> tuple[str, int | None]:
+        """Full trajectory id and step for an id or a unique id prefix."""
+        ref = ref.strip().lower()
+        if not ref or any(c not in "0123456789abcdef" for c in ref):
+            raise RunError(f"not a trajectory id: {ref!r} (expected hex characters)")
+        table = self.index()
+        matches = ops.filter(table, ops.starts_with(table["id"], ref))
+        unique = sorted(set(matches["id"].to_pylist()))
+        if not unique:
+            raise RunError(f"no trajectory {ref!r} in {self.path}")
+        if len(unique) > 1:
+            shown = ", ".join(u[: len(ref) + 4] for u in unique[:5])
+            raise RunError(f"ambiguous id prefix {ref!r}: matches {len(unique)} trajectories ({shown}...)")
+        return unique[0], matches["step"][0].as_py()
+
+    def trajectory(
+        self, ref: str, text: bool = False, tokenizer: str | None = None, skip_special_tokens: bool = False
+    ) -> Trajectory:
+        """One trajectory, by id or unique prefix: its span tree with inputs and outputs as recorded
+        (token ids). With ``text=True`` the ids are also decoded (``prompt_text``,
+        ``response_text``, the agent's ``conversation``) with ``tokenizer`` or the run's own."""
+        traj_id, step = self.resolve(ref)
+        found = self.load([traj_id], Filters(step=step) if step is not None else None)
+        if not found:
+            raise RunError(f"no trajectory {ref!r} in {self.path}")
+        traj = found[0]
+        if text:
+            from rlreplay.text.token2text import Decoder, add_text, resolve_tokenizer
+
+            name = resolve_tokenizer(self, tokenizer)
+            if name is None:
+                raise RunError(f"no tokenizer is known for {self.path}; pass tokenizer='/path/to/dir'")
+            add_text([traj], Decoder.load(name), skip_special_tokens=skip_special_tokens)
+        return traj
+
+    def load(self, traj_ids: Iterable[str], filters: Filters | None = None) -> list[Trajectory]:
+        """Several trajectories at once, in the order given, reading only the row groups that hold them."""
+        wanted = list(traj_ids)
+        if not wanted:
+            return []
+        base = filters or Filters()
+        base = Filters(**{**base.__dict__, "trajectory_id": wanted})
+        wanted_set = pa.array(sorted(set(wanted)), type=pa.string())
+        tables = []
+        sources: dict[str, list[str]] = {}
+        for f in self._files(base):
+            hits = ops.filter(f.index, ops.is_in(f.index["id"], wanted_set))
+            if hits.num_rows == 0:
+                continue
+            for tid in hits["id"].to_pylist():
+                sources.setdefault(tid, []).append(str(f.path.relative_to(self.path)))
+            if f.sealed:
+                groups = sorted({g for gs in hits["row_groups"].to_pylist() if gs for g in gs})
+                table = self._read_sealed(f.path, base, None, groups or None)
+            else:
+                table = self._partial(f.path)
+                table = base.apply(table) if table is not None else None
+            if table is not None and table.num_rows:
+                tables.append(table)
+        table = concat_spans(tables, None)
+        groups: dict[str, list[int]] = {}
+        for i, tid in enumerate(table["trajectory_id"].to_pylist()):
+            groups.setdefault(tid, []).append(i)
+        return [
+            trajectory_from_table(
+                ops.take(table, groups[t]), lambda m, t=t: self._warn(f"{', '.join(sources.get(t, []))}: {m}")
+            )
+            for t in wanted
+            if t in groups
+        ]
+
+    def counters(self) -> dict[str, int]:
+        """Spans dropped, spilled, lost or not encodable in the recording processes, and recoveries."""
+        totals = manifest.total_counters(self.path, self.warnings)
+        totals["recovered_shards"] = int(self.manifest.get("recovered_shards", 0) or 0)
+        return totals
+
+
+def _row_group_may_match(group: pq.RowGroupMetaData, wanted: list[tuple[str, list[Any]]]) -> bool:
+    if not wanted:
+        return True
+    index = {group.column(i).path_in_schema: i for i in range(group.num_columns)}
+    for key, values in wanted:
+        if key in KEYS and any(_as_key_int(v) is None for v in values if v is not None):
+            continue  # string keys live in the _str column
+        stats = group.column(index[key]).statistics if key in index else None
+        if stats is None or not stats.has_min_max:
+            continue
+        present = [v for v in values if v is not None]
+        if key in KEYS:
+            present = [_as_key_int(v) for v in present]
+        try:
+            if present and not any(stats.min <= v <= stats.max for v in present):
+                return False
+        except TypeError:
+            continue
+    return True
+
+
+def concat_spans(tables: list[pa.Table], columns: list[str] | None) -> pa.Table:
+    schema = pa.schema([SPAN_SCHEMA.field(c) for c in columns]) if columns else SPAN_SCHEMA
+    tables = [ops.cast_table(t, schema) if t.schema != schema else t for t in tables]
+    return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+class _NoPandas:
+    """An import finder refusing pandas (pyarrow then skips its pandas integration)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "pandas" or name.startswith("pandas."):
+            raise ModuleNotFoundError("pandas is not used by rlreplay's reading commands", name=name)
+
+
+def skip_pandas() -> None:
+    """Keep pandas out of this process: pyarrow imports it on its first conversion (0.2–0.8 s),
+    and reading a run never needs it. For the CLI's reading commands only (a process that may
+    need pandas later must not call this)."""
+    import sys
+
+    if "pandas" not in sys.modules and not any(isinstance(f, _NoPandas) for f in sys.meta_path):
+        sys.meta_path.insert(0, _NoPandas())
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200] or type(exc).__name__

@@ -1,0 +1,224 @@
+"""What crosses from the calling thread to the writer: span events, op metadata, ids."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from rlreplay.format.schema import KIND_OP
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+_MASK128 = (1 << 128) - 1
+_MASK64 = (1 << 64) - 1
+_MIX128 = 0x9E3779B97F4A7C15F39CC0605CEDC835  # odd: multiplying is a bijection mod 2**128
+_MIX64 = 0x9E3779B97F4A7C15
+
+
+def _id_source() -> tuple[itertools.count, itertools.count, int]:
+    return itertools.count(1), itertools.count(1), random.SystemRandom().getrandbits(128)
+
+
+trajectory_ids, span_ids, id_salt = _id_source()
+
+
+def reset_ids() -> None:
+    """New counters and salt: a forked child must not repeat its parent's ids."""
+    global trajectory_ids, span_ids, id_salt
+    trajectory_ids, span_ids, id_salt = _id_source()
+
+
+class OpenTrajectory:
+    __slots__ = (
+        "attributes",
+        "experiment",
+        "explicit",
+        "id",
+        "keys",
+        "rollout_n",
+        "sample_index",
+        "step",
+        "validate",
+    )
+
+    def __init__(
+        self,
+        step: int | None = None,
+        sample_index: int | None = None,
+        rollout_n: int | None = None,
+        validate: bool | None = None,
+        experiment: str | None = None,
+        attributes: dict[str, Any] | None = None,
+        explicit: bool = True,
+    ) -> None:
+        self.id = next(trajectory_ids)
+        self.step = step
+        self.sample_index = sample_index
+        self.rollout_n = rollout_n
+        self.validate = validate
+        self.experiment = experiment
+        self.attributes = attributes
+        self.explicit = explicit
+        self.keys: tuple[Any, Any, Any] | None = None  # as given, when not plain ints
+
+
+def format_trajectory_id(n: int) -> str:
+    """32 hex digits, unique per process counter, with well-spread prefixes (like git ids)."""
+    return f"{((n * _MIX128) & _MASK128) ^ id_salt:032x}"
+
+
+def format_span_id(n: int) -> str:
+    return f"{((n * _MIX64) & _MASK64) ^ (id_salt & _MASK64):016x}"
+
+
+@dataclass
+class OpMeta:
+    """What the writer needs to turn a call into a span; one per decorated function."""
+
+    name: str
+    kind: str = KIND_OP
+    fn: Callable[..., Any] | None = None
+    reduce_inputs: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    reduce_output: Callable[[Any], Any] | None = None
+    reward: Callable[[Any], float | None] | None = None
+    _signature: inspect.Signature | None = field(default=None, repr=False)
+    _skip_first: bool = False
+    # (names in order, how many may be positional, defaults, names as a set): the usual signature,
+    # bound without inspect (~5x faster); None for *args, **kwargs or positional-only parameters
+    _plan: tuple[tuple[str, ...], int, dict[str, Any], frozenset[str]] | None = field(
+        default=None, repr=False
+    )
+
+    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """Inputs as verl records them: bound arguments minus ``self``, ``**kwargs`` nested."""
+        if self.fn is None:
+            return {"args": list(args), **kwargs} if args else dict(kwargs)
+        if self._signature is None:
+            try:
+                self._signature = inspect.signature(self.fn)
+            except (TypeError, ValueError):
+                self.fn = None
+                return self.bind(args, kwargs)
+            params = list(self._signature.parameters)
+            self._skip_first = bool(params) and params[0] in ("self", "cls")
+            self._plan = _bind_plan(self._signature)
+        inputs = _fast_bind(self._plan, args, kwargs) if self._plan is not None else None
+        if inputs is None:
+            try:
+                bound = self._signature.bind(*args, **kwargs)
+            except TypeError:
+                return {"args": list(args), **kwargs}
+            bound.apply_defaults()  # as verl records them
+            inputs = dict(bound.arguments)
+        if self._skip_first and inputs:
+            inputs.pop(next(iter(inputs)))
+        return inputs
+
+
+def _bind_plan(
+    signature: inspect.Signature,
+) -> tuple[tuple[str, ...], int, dict[str, Any], frozenset[str]] | None:
+    kinds = [p.kind for p in signature.parameters.values()]
+    if any(k not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) for k in kinds):
+        return None
+    names = tuple(signature.parameters)
+    defaults = {
+        n: p.default for n, p in signature.parameters.items() if p.default is not inspect.Parameter.empty
+    }
+    return names, kinds.count(inspect.Parameter.POSITIONAL_OR_KEYWORD), defaults, frozenset(names)
+
+
+def _fast_bind(plan: tuple, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """What ``signature.bind`` + ``apply_defaults`` give, or None where inspect must decide (an
+    unknown, missing or twice-given argument: it raises, and the call is recorded as given)."""
+    names, positional, defaults, known = plan
+    if len(args) > positional or (kwargs and not known.issuperset(kwargs)):
+        return None
+    inputs = {}
+    n = len(args)
+    for i, name in enumerate(names):
+        if i < n:
+            if name in kwargs:
+                return None
+            inputs[name] = args[i]
+        elif name in kwargs:
+            inputs[name] = kwargs[name]
+        elif name in defaults:
+            inputs[name] = defaults[name]
+        else:
+            return None
+    return inputs
+
+
+# Queue events; the last item of every event is its estimated size in bytes.
+SPAN = 0  # (SPAN, traj, span_id, parent_id, meta, start, end, exc, args, kwargs, result, nbytes)
+OPEN = 1  # (OPEN, traj, nbytes): an explicit trajectory started
+FLUSH = 2  # (FLUSH, threading.Event, nbytes)
+CLOSE = 3  # (CLOSE, traj, nbytes): the root span of a trajectory was dropped (queue full)
+OPEN_BYTES = 64
+
+
+# ---- the public tracing API -----------------------------------------------------------------------
+
+
+# What a queued span keeps alive per item of a list it holds: the copy's 8-byte pointer and the item
+# itself (an int id is a 28-byte object in a 32-byte slot; the caller may have dropped its own list).
+_ITEM_BYTES = 40
+
+
+def payload_bytes(args: tuple, kwargs: dict, result: Any) -> int:
+    """A cheap estimate of the memory a queued span holds: its top-level lists, and the lists directly
+    inside a dict or object result (``{"token_ids": [...]}``, a pydantic output)."""
+    size = 256
+    for value in args:
+        if type(value) is list:
+            size += len(value) * _ITEM_BYTES
+    for value in kwargs.values():
+        if type(value) is list:
+            size += len(value) * _ITEM_BYTES
+    if type(result) is list:
+        size += len(result) * _ITEM_BYTES
+    elif result is not None:
+        if type(result) is dict:
+            fields = result
+        else:
+            try:
+                fields = getattr(result, "__dict__", None)
+            except Exception:
+                fields = None
+        if type(fields) is dict and len(fields) < 64:
+            for value in list(fields.values()):
+                if type(value) is list:
+                    size += len(value) * _ITEM_BYTES
+    return size
+
+
+SpanEvent = (
+    tuple  # (SPAN, traj, span_id, parent_id, meta, start_ns, end_ns, exc, args, kwargs, result, nbytes)
+)
+
+
+def span_event(
+    traj: Any,
+    span_id: int,
+    parent_id: int | str | None,
+    meta: OpMeta,
+    start_ns: int,
+    end_ns: int,
+    exc: BaseException | None,
+    args: tuple,
+    kwargs: dict[str, Any],
+    result: Any,
+    nbytes: int,
+) -> SpanEvent:
+    """A finished call, as the writer takes it: the one place a span event is built.
+
+    A plain tuple, not a class: it is made on the calling thread for every traced call, and a
+    tuple costs a tenth of a named tuple there. ``rows.encode_row`` unpacks it in this order.
+    """
+    return (SPAN, traj, span_id, parent_id, meta, start_ns, end_ns, exc, args, kwargs, result, nbytes)

@@ -1,0 +1,391 @@
+"""Span rows: turning a finished call (a queue event) into a row of the span schema, and batching rows.
+
+Everything here runs on the recorder's writer thread (or on a caller spilling a full queue) and
+never raises: a value that cannot be kept as given is made safe and reported through ``problem``
+(the recorder counts it in ``encode_errors``), costing only that value.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from rlreplay.format import payload
+from rlreplay.format import redact as redaction
+from rlreplay.format.schema import (
+    KIND_AGENT,
+    KIND_SIGNALS,
+    KIND_TRAJECTORY,
+    SIGNAL_COLUMNS,
+    SPAN_SCHEMA,
+    STATUS_ERROR,
+    STATUS_OK,
+    TOKEN_COLUMNS,
+)
+
+COLUMN_NAMES = tuple(SPAN_SCHEMA.names)
+_TOKEN_START = COLUMN_NAMES.index("token_ids")
+_NUMPY_TYPES = {"int32": np.int32, "int8": np.int8, "float": np.float32}
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+Problem = Callable[[str, str], None]  # (key, message): count one value that was changed, warn once per key
+_PROMPT_KEYS = ("prompt_ids",)
+_RESPONSE_KEYS = ("response_ids", "token_ids", "output_ids")
+
+
+_SCALARS = pa.struct(list(SPAN_SCHEMA)[:_TOKEN_START])  # every column but the typed token lists
+
+
+class StepBuffer:
+    """Rows of one step waiting to be written, and the step's live file."""
+
+    __slots__ = (
+        "first_at",
+        "nbytes",
+        "open",
+        "root_ended",
+        "rows",
+        "spilled",
+        "spilled_in_file",
+        "table",
+        "writer",
+    )
+
+    def __init__(self) -> None:
+        self.table: list[tuple] = []
+        self.rows = 0
+        self.spilled = 0  # rows in ``table`` a calling thread encoded (queue full, policy=spill)
+        self.spilled_in_file = 0  # such rows written to ``writer``
+        self.nbytes = 0
+        self.first_at = 0.0
+        self.root_ended = False
+        self.open = 0
+        self.writer: Any = None  # the step's PartialWriter, owned by the recorder
+
+    def append(self, row: tuple, nbytes: int) -> None:
+        if not self.rows:
+            self.first_at = time.monotonic()
+        self.table.append(row)
+        self.rows += 1
+        self.nbytes += nbytes
+
+    def take_batch(self, problem: Problem | None = None) -> pa.RecordBatch:
+        """The buffered rows as a batch, and the buffer emptied. Never raises: a value Arrow
+        refuses is made safe (or null) alone and reported through ``problem``."""
+        table, self.table = self.table, []
+        self.rows = self.nbytes = 0
+        self.root_ended = False
+        tokens = [_list_column([row[i] for row in table], f.type) for i, f in _TOKEN_FIELDS]
+        try:  # one conversion for all scalar columns: a call per column costs ~6 us, whatever its size
+            scalars = pa.array([row[:_TOKEN_START] for row in table], type=_SCALARS)
+        except Exception:
+            columns = zip(*table) if table else ([] for _ in COLUMN_NAMES)
+            arrays = [_column(list(values), f, problem) for values, f in zip(columns, _SCALARS)]
+            return pa.RecordBatch.from_arrays([*arrays, *tokens], schema=SPAN_SCHEMA)
+        batch = pa.RecordBatch.from_struct_array(scalars)  # no Python object per column
+        for (_, field), column in zip(_TOKEN_FIELDS, tokens):
+            batch = batch.append_column(field, column)
+        return batch.replace_schema_metadata(SPAN_SCHEMA.metadata)
+
+
+_TOKEN_FIELDS = [(i, f) for i, f in enumerate(SPAN_SCHEMA) if i >= _TOKEN_START]
+
+
+def _column(values: list, field: pa.Field, problem: Problem | None) -> pa.Array:
+    if field.name in TOKEN_COLUMNS:
+        return _list_column(values, field.type)
+    try:
+        return pa.array(values, type=field.type)
+    except Exception:
+        pass
+    fixed = []
+    for value in values:
+        try:
+            pa.array([value], type=field.type)
+            fixed.append(value)
+            continue
+        except Exception:
+            pass
+        safe = payload.safe_text(value) if isinstance(value, str) else None
+        if safe is None and not field.nullable:
+            safe = "" if pa.types.is_string(field.type) or pa.types.is_large_string(field.type) else 0
+        fixed.append(safe)
+        if problem is not None:
+            problem("column", f"a value of column {field.name} could not be stored ({type(value).__name__})")
+    return pa.array(fixed, type=field.type)
+
+
+def _list_column(values: list, typ: pa.DataType) -> pa.Array:
+    """A large_list column from per-row numpy arrays (None: empty)."""
+    value_type = typ.value_type
+    offsets = np.zeros(len(values) + 1, dtype=np.int64)
+    parts = []
+    for i, array in enumerate(values):
+        n = 0 if array is None else len(array)
+        offsets[i + 1] = offsets[i] + n
+        if n:
+            parts.append(array)
+    dtype = _NUMPY_TYPES[str(value_type)]
+    flat = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat, type=value_type))
+
+
+class PrefixCache:
+    """Per open trajectory, the id streams that its next spans may share a prefix with (bounded)."""
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._by_trajectory: OrderedDict[Any, payload.SharedIndex] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, trajectory: Any) -> payload.SharedIndex:
+        index = self._by_trajectory.get(trajectory)
+        if index is None:
+            index = self._by_trajectory[trajectory] = payload.SharedIndex()
+        else:
+            self._by_trajectory.move_to_end(trajectory)
+        return index
+
+    def added(self, trajectory: Any, before: int, after: int) -> None:
+        self._bytes += after - before
+        while self._bytes > self.max_bytes and len(self._by_trajectory) > 1:
+            _, index = self._by_trajectory.popitem(last=False)
+            self._bytes -= index.nbytes
+
+    def drop(self, trajectory: Any) -> None:
+        index = self._by_trajectory.pop(trajectory, None)
+        if index is not None:
+            self._bytes -= index.nbytes
+
+
+def key_parts(value: Any) -> tuple[int | None, str | None, str | None]:
+    """(int value, string value, problem) for a key: ints (numpy ints too) stay ints, strings stay
+    strings; anything else is kept as its ``str()`` and described as a problem."""
+    if value is None:
+        return None, None, None
+    cls = type(value)
+    if cls is str:
+        safe = payload.safe_text(value)
+        return None, safe, None if safe is value else "a key that is not valid Unicode"
+    if cls is not bool and hasattr(cls, "__index__"):
+        try:
+            number = operator.index(value)
+        except Exception:
+            number = None
+        if number is not None and _INT64_MIN <= number <= _INT64_MAX:
+            return number, None, None
+    if isinstance(value, str):
+        return None, payload.safe_text(str.__str__(value)), None
+    try:
+        text = payload.safe_text(str(value))
+    except Exception:
+        text = f"<{cls.__name__}>"
+    return None, text, f"a key of type {cls.__name__} was stored as the string {text[:40]!r}"
+
+
+def key_int(value: Any) -> int | None:
+    """The integer a key value stands for (its partition), or None."""
+    return key_parts(value)[0]
+
+
+def encode_row(
+    event: tuple,
+    config: Any,
+    worker: str,
+    problem: Problem,
+    trajectory_id: Callable[[int], str],
+    span_id_of: Callable[[int], str],
+    prefixes: PrefixCache | None = None,
+    warn: Problem | None = None,
+) -> tuple[tuple, int]:
+    """The span's row, in SPAN_SCHEMA column order, and its approximate encoded size.
+
+    ``config`` carries ``experiment`` and ``max_field_bytes``; ``trajectory_id``/``span_id_of``
+    format the process-local counters as ids (a string id is used as it is); ``prefixes`` (the
+    writer thread's) lets id lists share prefixes with the trajectory's earlier spans; a failing
+    user reducer is reported through ``warn`` (default ``problem``): its span keeps a marker.
+    """
+    warn = warn or problem
+    _, traj, span_id, parent_id, meta, start, end, exc, args, kwargs, result, _nbytes = event
+    cap = config.max_field_bytes
+    issues: list[str] = []
+    tid = traj.id if type(traj.id) is str else trajectory_id(traj.id)
+    sid = span_id if type(span_id) is str else span_id_of(span_id)
+    pid = None if parent_id is None else parent_id if type(parent_id) is str else span_id_of(parent_id)
+    signals: dict[str, Any] = {}
+    kinds: dict[int, Any] = {}  # number lists to_jsonable kept, for Arrays
+    inputs_data: Any = None
+    if meta.kind == KIND_SIGNALS:
+        signals = kwargs
+    elif meta.kind != KIND_TRAJECTORY:
+        inputs_obj = _bound(meta, args, kwargs, problem)
+        if meta.reduce_inputs is not None:
+            inputs_obj = _reduce(meta, "reduce_inputs", meta.reduce_inputs, inputs_obj, warn)
+        inputs_data = payload.to_jsonable(inputs_obj, issues=issues, kinds=kinds)
+    reward = None
+    if exc is not None:
+        output_data: Any = exception_data(exc)
+        error = payload.safe_text(f"{output_data['type']}: {output_data['message']}")
+    else:
+        out = result
+        if meta.reduce_output is not None:
+            out = _reduce(meta, "reduce_output", meta.reduce_output, result, warn)
+        output_data = payload.to_jsonable(out, issues=issues, kinds=kinds) if out is not None else None
+        error = None
+        if meta.reward is not None:
+            reward = as_reward(_reduce(meta, "reward", meta.reward, result, warn))
+        elif isinstance(output_data, dict):
+            reward = as_reward(output_data.get("reward_score", output_data.get("reward")))
+    if signals:
+        reward = as_reward(signals.get("reward"))
+    num_tokens = payload.count_token_ids(inputs_data) + payload.count_token_ids(output_data)
+    prompt_tokens, response_tokens = _token_counts(meta.kind, inputs_data, output_data)
+
+    index = prefixes.get(tid) if prefixes is not None else None
+    arrays = payload.Arrays(index, kinds)
+    inputs_text = None
+    if inputs_data is not None:
+        inputs_text = payload.dumps(arrays.extract(inputs_data), cap, issues)
+    output_text = None
+    if output_data is not None:
+        output_text = payload.dumps(arrays.extract(output_data), cap, issues)
+    if index is not None:
+        if parent_id is None and meta.kind != KIND_SIGNALS:
+            prefixes.drop(tid)  # the trajectory ended
+        elif any(arrays.stream_len.values()) and not (_truncated(inputs_text) or _truncated(output_text)):
+            before = index.nbytes
+            index.add(sid, arrays)
+            prefixes.added(tid, before, index.nbytes)
+    attributes = None
+    if traj.attributes and (parent_id is None or meta.kind == KIND_SIGNALS):
+        attributes = payload.dumps(payload.to_jsonable(traj.attributes, issues=issues), None, issues)
+
+    keys = getattr(traj, "keys", None) or (traj.step, traj.sample_index, traj.rollout_n)
+    ints, strs = [], []
+    for value in keys:
+        number, text, issue = key_parts(value)
+        ints.append(number)
+        strs.append(text)
+        if issue:
+            issues.append(issue)
+    experiment = traj.experiment or config.experiment
+    if experiment is not None:
+        experiment = _text(experiment, issues)
+    for issue in issues:
+        problem("value", f"a value could not be recorded as given: {issue}")
+    row = (
+        tid,
+        sid,
+        pid,
+        _text(meta.name, issues),
+        meta.kind,
+        start,
+        end,
+        STATUS_OK if exc is None else STATUS_ERROR,
+        error,
+        worker,
+        experiment,
+        traj.validate,
+        *ints,
+        *strs,
+        reward,
+        *(_float(signals.get(c)) for c in SIGNAL_COLUMNS[1:]),
+        num_tokens,
+        prompt_tokens,
+        response_tokens,
+        attributes,
+        inputs_text,
+        output_text,
+        *arrays.columns(),
+    )
+    return row, 200 + len(inputs_text or "") + len(output_text or "") + arrays.bytes
+
+
+def _truncated(text: str | None) -> bool:
+    return text is not None and '"__type__":"truncated"' in text
+
+
+def _text(value: Any, issues: list[str]) -> str:
+    text = value if type(value) is str else str(value)
+    safe = payload.safe_text(text)
+    if safe is not text:
+        issues.append(f"a string that is not valid Unicode: {safe[:80]}")
+    return safe
+
+
+def _float(value: Any) -> float | None:
+    return as_reward(value)
+
+
+def _bound(meta: Any, args: tuple, kwargs: dict, problem: Problem) -> Any:
+    try:
+        inputs = meta.bind(args, kwargs)
+    except Exception as exc:
+        problem("bind", f"could not bind the arguments of {meta.name}: {type(exc).__name__}")
+        inputs = {"args": list(args), **kwargs}
+    try:
+        return redaction.redact_mapping(inputs)
+    except Exception:
+        return {k: "***" for k in inputs} if isinstance(inputs, dict) else None
+
+
+def _token_counts(kind: str, inputs: Any, output: Any) -> tuple[int | None, int | None]:
+    prompt = response = None
+    source = output if kind == KIND_AGENT else inputs
+    for data in (source, output):
+        if isinstance(data, dict) and prompt is None:
+            prompt = _length(data, _PROMPT_KEYS)
+    if isinstance(output, dict):
+        response = _length(output, _RESPONSE_KEYS)
+    return prompt, response
+
+
+def _length(data: dict, keys: tuple[str, ...]) -> int | None:
+    for key in keys:
+        value = data.get(key)
+        if type(value) is list or type(value) is tuple:
+            return len(value)
+    return None
+
+
+def _reduce(meta: Any, what: str, fn: Callable[[Any], Any], value: Any, warn: Problem) -> Any:
+    """A user-supplied reducer's result; if it raises, an error marker (the span is kept)."""
+    try:
+        return fn(value)
+    except Exception as exc:
+        message = payload.safe_text(f"{what} of {meta.name} raised {type(exc).__name__}: {exc}")
+        warn(f"reduce:{meta.name}:{what}", message)
+        return None if what == "reward" else {"__type__": "error", "error": message[:2000]}
+
+
+def exception_data(exc: BaseException) -> dict[str, str]:
+    try:
+        message = payload.safe_text(str(exc))
+    except Exception:
+        message = "<str() failed>"
+    try:
+        tb = payload.safe_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    except Exception:
+        tb = ""
+    return {
+        "__type__": "exception",
+        "type": payload.safe_text(type(exc).__qualname__),
+        "message": message,
+        "traceback": tb,
+    }
+
+
+def as_reward(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            return None
+    return None

@@ -1,0 +1,1 @@
+"""Runs on object stores (``s3://``, ``gs://``, pyarrow or fsspec filesystems): location, publisher, cache."""

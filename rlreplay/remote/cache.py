@@ -1,0 +1,78 @@
+"""A local mirror of a remote run that fetches only what a read needs."""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from rlreplay.format import manifest
+from rlreplay.remote.location import Location, list_objects, read_bytes
+
+ENV_CACHE = "RLREPLAY_CACHE"
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+def cache_root() -> Path:
+    chosen = os.environ.get(ENV_CACHE)
+    if chosen:
+        return Path(chosen).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "rlreplay" / "remote"
+
+
+class Cache:
+    """A local mirror of a remote run that fetches only the prefixes asked for."""
+
+    def __init__(self, loc: Location, directory: Path | None = None) -> None:
+        self.loc = loc
+        self.dir = directory or cache_root() / loc.key / loc.name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._synced: set[str] = set()
+
+    def fetch(self, rel: str, *, skip_private: bool = True) -> int:
+        """Mirror every object under ``rel`` that the cache lacks; returns how many were fetched."""
+        infos = list_objects(self.loc, rel)
+        todo = []
+        for info in infos:
+            name = info.path[len(self.loc.root) + 1 :]
+            if skip_private and any(part.startswith(("_", ".")) for part in name.split("/")[-1:]):
+                continue
+            local = self.dir / name
+            if local.exists() and local.stat().st_size == info.size:
+                continue
+            todo.append((info.path, local))
+        if todo:
+            with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
+                list(pool.map(lambda job: self._download(*job), todo))
+        return len(todo)
+
+    def _download(self, remote: str, local: Path) -> None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(f".{local.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with self.loc.fs.open_input_stream(remote) as src, open(tmp, "wb") as out:
+            while chunk := src.read(8 << 20):
+                out.write(chunk)
+        os.replace(tmp, local)
+
+    def fetch_manifest(self) -> bool:
+        """Refresh ``run.json``; False when the run has none."""
+        try:
+            data = read_bytes(self.loc, manifest.MANIFEST)
+        except FileNotFoundError:
+            return False
+        tmp = self.dir / f".{manifest.MANIFEST}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, self.dir / manifest.MANIFEST)
+        return True
+
+
+def is_cached(path: Path, size: int) -> bool:
+    """Whether the cache holds this file as the store has it (objects are written once, whole)."""
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False

@@ -1,0 +1,139 @@
+"""Sealing: a finished live file rewritten as a sorted, compressed Parquet shard with its index."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlreplay.format import arrow_ops as ops
+from rlreplay.format import index as tindex
+from rlreplay.format.schema import (
+    KEY_STR,
+    META_COLUMNS,
+    SPAN_SCHEMA,
+    TOKEN_COLUMNS,
+)
+from rlreplay.shards.layout import fsync_dir, sealed_path_for
+from rlreplay.shards.live import read_partial
+
+SEALED_ZSTD_LEVEL = 3
+SORT_KEYS = [
+    ("sample_index", "ascending"),
+    (KEY_STR["sample_index"], "ascending"),
+    ("rollout_n", "ascending"),
+    (KEY_STR["rollout_n"], "ascending"),
+    ("trajectory_id", "ascending"),
+    ("start_ns", "ascending"),
+]
+ROW_GROUP_BYTES = 512 << 10
+_DICTIONARY_COLUMNS = ["trajectory_id", "name", "kind", "status", "experiment", "worker"]
+
+
+@dataclass
+class SealResult:
+    sealed: Path | None
+    rows: int
+    discarded_bytes: int
+    recovered: bool
+
+
+def seal(partial: Path, *, recovered: bool = False) -> SealResult:
+    """Compact a closed (or crashed) partial into its sorted Parquet file, then remove the partial."""
+    final = sealed_path_for(partial)
+    if final.exists():  # sealed before a crash that left the partial behind
+        partial.unlink(missing_ok=True)
+        return SealResult(final, 0, 0, recovered)
+    contents = read_partial(partial)
+    rows, discarded = contents.table.num_rows, contents.discarded_bytes
+    if rows == 0:
+        partial.unlink(missing_ok=True)
+        return SealResult(None, 0, discarded, recovered)
+    table = contents.table.combine_chunks()  # one copy; the file's batches are let go
+    del contents
+    write_sealed(
+        table,
+        final,
+        {
+            b"rlreplay.recovered": b"true" if recovered else b"false",
+            b"rlreplay.discarded_bytes": str(discarded).encode(),
+        },
+    )
+    partial.unlink()
+    return SealResult(final, rows, discarded, recovered)
+
+
+def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes] | None = None) -> None:
+    """Sort and write a sealed shard and its index durably: temp names, fsync, rename, directory fsync.
+
+    Rows are sorted by index and taken one row group at a time, so writing needs ``table`` and one
+    row group in memory, not a sorted copy of it."""
+    if final.exists():
+        raise FileExistsError(final)
+    metadata = {**SPAN_SCHEMA.metadata, **(extra_metadata or {})}
+    table = table.replace_schema_metadata(metadata).combine_chunks()
+    order = ops.sort_indices(table, SORT_KEYS)
+    sizes = ops.take(row_sizes(table), order)
+    spans = ops.take(table.select(tindex.SPAN_COLUMNS), order)
+    bounds = row_group_bounds(spans, sizes=sizes)
+    row_group_of = [i for i, (a, b) in enumerate(bounds) for _ in range(b - a)]
+    tmp = final.with_name("_" + final.name + ".tmp")
+    with open(tmp, "xb") as f:
+        writer = pq.ParquetWriter(
+            f,
+            table.schema,
+            compression="zstd",
+            compression_level=SEALED_ZSTD_LEVEL,
+            use_dictionary=_DICTIONARY_COLUMNS,
+            write_statistics=META_COLUMNS,
+            use_byte_stream_split=["token_logprobs.list.element"],
+            data_page_size=1 << 20,
+        )
+        for start, stop in bounds:
+            writer.write_table(ops.take(table, order[start:stop]), row_group_size=stop - start)
+        writer.close()
+        f.flush()
+        os.fsync(f.fileno())
+        size = f.tell()
+    index = tindex.build(spans, row_group_of)
+    tindex.write(index, tindex.index_path(final), size)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+
+
+def row_sizes(table: pa.Table) -> pa.Array:
+    """About how many payload bytes each row holds."""
+    size = np.full(table.num_rows, 200, dtype=np.int64)
+    for name in ("attributes", "inputs", "output"):
+        size += ops.fill_null(ops.binary_length(table[name]), 0).to_numpy(zero_copy_only=False)
+    for name, typ in TOKEN_COLUMNS.items():
+        lengths = ops.fill_null(ops.list_value_length(table[name]), 0)
+        size += lengths.to_numpy(zero_copy_only=False).astype(np.int64) * typ.byte_width
+    return pa.array(size)
+
+
+def row_group_bounds(
+    table: pa.Table, target: int | None = None, sizes: pa.Array | None = None
+) -> list[tuple[int, int]]:
+    """[start, stop) row ranges of about ``target`` payload bytes, cut between trajectories
+    (``sizes``: the rows' sizes, when ``table`` lacks the payload columns)."""
+    target = ROW_GROUP_BYTES if target is None else target
+    n = table.num_rows
+    if n == 0:
+        return []
+    size = (row_sizes(table) if sizes is None else sizes).to_numpy()
+    ids = table["trajectory_id"].to_numpy(zero_copy_only=False)
+    cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1  # where a trajectory starts
+    bounds, start, total = [], 0, 0
+    cumulative = np.cumsum(size)
+    for cut in cuts:
+        total = cumulative[cut - 1] - (cumulative[start - 1] if start else 0)
+        if total >= target:
+            bounds.append((start, int(cut)))
+            start = int(cut)
+    bounds.append((start, n))
+    return bounds

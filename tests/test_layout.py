@@ -1,0 +1,191 @@
+"""The house rules of the code base, checked on its source: imports point one way, no import circles,
+no other package's private modules, and every module says its job in its first line."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"rlreplay": ROOT / "rlreplay", "rlreplay.cli": ROOT / "cli"}
+PACKAGES |= {"rlreplay.recorders": ROOT / "recorders", "rlreplay.uploaders": ROOT / "uploaders"}
+
+# Layers of rlreplay/, lowest first: a module imports only from its own layer or below.
+LAYERS = [
+    ("rlreplay.errors", "rlreplay.plugins"),
+    ("rlreplay.format",),
+    ("rlreplay.model",),
+    ("rlreplay.shards",),
+    ("rlreplay.remote",),
+    ("rlreplay.recorder",),
+    ("rlreplay.text",),
+    ("rlreplay.read",),
+    ("rlreplay.diff", "rlreplay.export", "rlreplay.rewrite", "rlreplay.ui"),
+]
+# Hooking verl is rlreplay's job: its private parts may be imported.
+PRIVATE_ALLOWED = ("verl",)
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            if "bootstrap" in path.parts:
+                continue
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *parts))
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(path: Path, name: str) -> list[tuple[str, int]]:
+    """Every module ``name`` imports (at any depth, in functions too; not under ``if TYPE_CHECKING``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for stmt in child.orelse:
+                    visit(stmt)
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, child.lineno) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parent = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join([*parent, *([base] if base else [])])
+                found.append((base, child.lineno))
+                found.extend((f"{base}.{alias.name}", child.lineno) for alias in child.names)
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    edges: dict[str, set[str]] = {name: set() for name in mods}
+    for name, path in mods.items():
+        for target, _ in imports(path, name):
+            parts = target.split(".")
+            for i in range(len(parts), 0, -1):  # the longest prefix that is one of ours
+                candidate = ".".join(parts[:i])
+                if candidate in mods:
+                    if candidate != name and not name.startswith(candidate + "."):
+                        edges[name].add(candidate)
+                    break
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def layer(name: str) -> int | None:
+    for i, prefixes in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def test_the_checker_finds_a_circle_and_an_arrow_up() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert layer("rlreplay.format.schema") == 1 and layer("rlreplay.read.run") == 7
+    assert layer("rlreplay.cli.main") is None
+
+
+def test_no_import_circles() -> None:
+    assert cycles(graph()) == []
+
+
+def test_imports_point_down() -> None:
+    edges = graph()
+    up = []
+    for name, targets in edges.items():
+        mine = layer(name)
+        if mine is None:  # cli, recorders, uploaders sit on top; the package root loads lazily
+            continue
+        for target in targets:
+            theirs = layer(target)
+            if theirs is None or theirs > mine:
+                up.append(f"{name} -> {target}")
+    assert up == []
+
+
+def test_every_core_module_has_a_layer() -> None:
+    core = [n for n in modules() if n.startswith("rlreplay.") and layer(n) is None]
+    outside = ("rlreplay.cli", "rlreplay.recorders", "rlreplay.uploaders", "rlreplay.__main__")
+    assert [n for n in core if not n.startswith(outside)] == []
+
+
+def _private(module: str) -> bool:
+    return any(
+        part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+        for part in module.split(".")
+    )
+
+
+def test_no_private_modules_of_other_packages() -> None:
+    mods = modules()
+    bad = []
+    for name, path in mods.items():
+        for target, line in imports(path, name):
+            top = target.split(".")[0]
+            if top == "rlreplay" or top in PRIVATE_ALLOWED or not _private(target):
+                continue
+            head = target.rpartition(".")[0]
+            if _private(head):
+                bad.append(f"{path.relative_to(ROOT)}:{line} {target}")
+                continue
+            try:  # ``from pkg import _name``: bad only when _name is a module
+                is_module = importlib.util.find_spec(target) is not None
+            except (ImportError, ValueError):
+                is_module = False
+            if is_module:
+                bad.append(f"{path.relative_to(ROOT)}:{line} {target}")
+    assert bad == []
+
+
+def test_every_module_opens_with_a_one_line_docstring() -> None:
+    missing = []
+    for name, path in modules().items():
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        first = (doc or "").split("\n", 1)[0].strip()
+        if len(first) < 20:
+            missing.append(name)
+    assert missing == []
