@@ -18,7 +18,7 @@ from rlreplay.text.adapters import (
     turns,
 )
 
-SAMPLE = Path(__file__).resolve().parents[1] / "sample_runs" / "gsm8k-grpo-qwen3"
+SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3"
 
 
 def test_builtins_are_registered_as_entry_points() -> None:

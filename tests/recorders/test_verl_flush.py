@@ -120,7 +120,7 @@ def test_worker_killed_right_after_its_batch_returned_keeps_the_batch(tmp_path: 
 
     run_dir = tmp_path / "run"
     env = child_env(run_dir, None)
-    env["PYTHONPATH"] += os.pathsep + str(Path(__file__).parent / "verl_scripts")
+    env["PYTHONPATH"] += os.pathsep + str(Path(__file__).parents[1] / "verl_scripts")
     proc = subprocess.Popen(
         [sys.executable, "-c", WORKER, str(tmp_path)],
         stdout=subprocess.PIPE,

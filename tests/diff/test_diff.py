@@ -22,7 +22,7 @@ import rlreplay
 from rlreplay.cli.main import main
 from rlreplay.format import manifest
 
-SAMPLE_RUN = Path(__file__).resolve().parent.parent / "sample_runs" / "gsm8k-grpo-qwen3"
+SAMPLE_RUN = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3"
 AGENT = "ToolAgentLoop.run"
 QUESTION = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many in May. How many?"

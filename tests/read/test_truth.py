@@ -193,7 +193,7 @@ def test_info_mid_run_counts_what_the_live_files_hold(
 
 # ---- show: the run first, text as text, counts named as everywhere ---------------------------------
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_runs" / "gsm8k-grpo-qwen3"
+SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3"
 TOOL_ROLLOUT = "step=5,sample_index=730,rollout_n=1"
 
 

@@ -244,7 +244,7 @@ def test_recorder_never_writes_through_a_symlinked_step(tmp_path: Path) -> None:
 
 def test_recover_reads_a_format_1_live_file(tmp_path: Path, capsys) -> None:
     run_dir = tmp_path / "v1-run"
-    shutil.copytree(Path(__file__).parent / "fixtures" / "v1-run", run_dir)
+    shutil.copytree(Path(__file__).parents[1] / "fixtures" / "v1-run", run_dir)
     before = rlreplay.open_run(run_dir).trajectories().num_rows
     out = _recover(run_dir, capsys)
     assert "recovered 1 shards" in out and list_files(run_dir)[1] == []

@@ -28,7 +28,7 @@ from rlreplay.read.selection import listing as c2_listing
 from rlreplay.text.adapters import turns
 from rlreplay.text.token2text import Decoder
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]
 SAMPLE = HERE.parent / "sample_runs" / "gsm8k-grpo-qwen3"
 JOB = HERE / "ui_record_job.py"
 CHROMIUM = "/usr/bin/chromium"

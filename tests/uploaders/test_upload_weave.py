@@ -418,7 +418,7 @@ def test_traceback_frames_match_weaves_exception_format() -> None:
 
 # -- end to end: `rlreplay upload --backend weave` on the shipped sample run ----------------------------
 
-SAMPLE_RUN = Path(__file__).resolve().parents[1] / "sample_runs" / "gsm8k-grpo-qwen3"
+SAMPLE_RUN = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3"
 
 
 @pytest.fixture

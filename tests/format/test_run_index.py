@@ -24,7 +24,7 @@ from rlreplay.shards.layout import new_uid, partition_dir
 from rlreplay.shards.live import PartialWriter
 from rlreplay.shards.seal import write_sealed
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_runs" / "gsm8k-grpo-qwen3"
+SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3"
 SHARDS = tindex.RUN_INDEX_MIN_SHARDS + 4  # enough for the run index to be written
 PER_SHARD = 3  # trajectories per shard
 

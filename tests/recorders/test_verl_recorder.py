@@ -23,7 +23,7 @@ import pytest
 
 import rlreplay
 
-SCRIPTS = Path(__file__).parent / "verl_scripts"
+SCRIPTS = Path(__file__).parents[1] / "verl_scripts"
 
 
 def record(out: Path, *command: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:

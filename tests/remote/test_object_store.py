@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).parent / "node_scripts"
+SCRIPTS = Path(__file__).parents[1] / "node_scripts"
 BUCKET = "rlreplay-runs"
 
 
@@ -656,7 +656,7 @@ def test_shards_without_index_files_are_listed_without_fetching_them(s3: S3Serve
     """Format 1 shards have no index file: their metadata columns are read in place on the store."""
     fixture = tmp_path / "v1-run"  # as published: sealed files only (the live one stays in its spool)
     shutil.copytree(
-        Path(__file__).parent / "fixtures" / "v1-run", fixture, ignore=shutil.ignore_patterns("_part-*")
+        Path(__file__).parents[1] / "fixtures" / "v1-run", fixture, ignore=shutil.ignore_patterns("_part-*")
     )
     client = s3.client()
     for path in sorted(p for p in fixture.rglob("*") if p.is_file()):

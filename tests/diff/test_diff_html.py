@@ -15,7 +15,7 @@ import pytest
 import rlreplay
 from rlreplay.cli.main import main
 
-SAMPLE_RUN = Path(__file__).resolve().parent.parent / "sample_runs" / "gsm8k-grpo-qwen3"
+SAMPLE_RUN = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3"
 DEL_BG = (0xFF, 0xD7, 0xD5)  # the CSS backgrounds of <del> and <ins>
 INS_BG = (0xCC, 0xF2, 0xD4)
 

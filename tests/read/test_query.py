@@ -20,7 +20,7 @@ from rlreplay.cli.main import main
 from rlreplay.errors import SelectionError
 from rlreplay.read.selection import parse_keys, parse_sort
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GSM8K = ROOT / "sample_runs" / "gsm8k-grpo-qwen3"
 SMOLLM = ROOT / "sample_runs" / "verl-toolagent-smollm2"
 META = [

@@ -35,7 +35,7 @@ from rlreplay.shards.layout import list_files
 from rlreplay.shards.recover import recover_run
 from rlreplay.shards.seal import write_sealed
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 V1_RUN = FIXTURES / "v1-run"
 VOCAB = 151_643  # Qwen3's vocabulary size
 

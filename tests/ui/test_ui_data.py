@@ -13,7 +13,7 @@ from rlreplay.read.open import open_run
 from rlreplay.ui import data
 from rlreplay.ui.data import RunSet, RunView
 
-SAMPLE = Path(__file__).parent.parent / "sample_runs" / "gsm8k-grpo-qwen3"
+SAMPLE = Path(__file__).parents[2] / "sample_runs" / "gsm8k-grpo-qwen3"
 
 
 @pytest.fixture

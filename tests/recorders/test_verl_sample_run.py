@@ -13,7 +13,7 @@ import pytest
 import rlreplay
 from rlreplay.format import payload
 
-RUN = Path(__file__).resolve().parents[1] / "sample_runs" / "verl-toolagent-smollm2"
+RUN = Path(__file__).resolve().parents[2] / "sample_runs" / "verl-toolagent-smollm2"
 FIGURES = ("reward", "advantage", "logprob_diff_mean", "logprob_diff_max", "importance_ratio")
 
 

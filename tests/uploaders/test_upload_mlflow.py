@@ -29,7 +29,7 @@ from rlreplay.uploaders.base import LEDGER_DIR, SendResult, UploadError
 from rlreplay.uploaders.mlflow import MlflowUploader
 
 MAX_SAMPLES = 2
-SAMPLE_RUN = Path(__file__).resolve().parents[1] / "sample_runs" / "gsm8k-grpo-qwen3"
+SAMPLE_RUN = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3"
 
 
 # -- helpers -------------------------------------------------------------------------------------

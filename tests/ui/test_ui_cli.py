@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-SAMPLE = Path(__file__).parent.parent / "sample_runs" / "verl-toolagent-smollm2"
+SAMPLE = Path(__file__).parents[2] / "sample_runs" / "verl-toolagent-smollm2"
 RLREPLAY = str(Path(sys.executable).with_name("rlreplay"))
 
 

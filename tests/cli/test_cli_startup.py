@@ -15,7 +15,7 @@ import pytest
 
 from rlreplay.cli.main import COMMANDS, main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_RUN = ROOT / "sample_runs" / "gsm8k-grpo-qwen3"
 SAMPLE_TRAJECTORIES = 272
 

@@ -35,7 +35,7 @@ from rlreplay.cli.main import main
 from rlreplay.uploaders.base import LEDGER_DIR
 from rlreplay.uploaders.otlp_proto import otel_span_id, otel_trace_id
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def phoenix_executable() -> Path:
