@@ -276,11 +276,11 @@ def _guarded(what: str, fn: Any, *args: Any) -> None:
     except Exception as exc:
         _warn_once(what, f"could not record {what} signals: {type(exc).__name__}: {exc}")
         try:
-            from rlreplay.recorder.api import _untraced_failure, get_recorder
+            from rlreplay.recorder.api import get_recorder, untraced_failure
 
             rec = get_recorder()
             if rec is not None:
-                _untraced_failure(rec, exc)
+                untraced_failure(rec, exc)
         except Exception:
             pass
 

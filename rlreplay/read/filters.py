@@ -58,13 +58,13 @@ class Filters:
         """The step's partition when the step filter is one integer."""
         if isinstance(self.step, (list, tuple, set, frozenset)):
             return None
-        return _as_key_int(self.step)
+        return as_key_int(self.step)
 
 
 def _key_term(table: pa.Table, key: str, values: list[Any]) -> Any:
     ints, strs = [], []
     for value in values:
-        number = _as_key_int(value)
+        number = as_key_int(value)
         if number is not None:
             ints.append(number)
         if isinstance(value, str) or (number is None and value is not None):
@@ -75,7 +75,7 @@ def _key_term(table: pa.Table, key: str, values: list[Any]) -> Any:
     return term
 
 
-def _as_key_int(value: Any) -> int | None:
+def as_key_int(value: Any) -> int | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, int):

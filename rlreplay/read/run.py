@@ -25,7 +25,7 @@ from rlreplay.format.schema import (
     upgrade,
 )
 from rlreplay.model import Trajectory, trajectory_from_table
-from rlreplay.read.filters import Filters, _as_key_int
+from rlreplay.read.filters import Filters, as_key_int
 from rlreplay.shards.layout import SPANS_DIR, list_files, step_dirs
 from rlreplay.shards.live import read_partial
 
@@ -440,14 +440,14 @@ def _row_group_may_match(group: pq.RowGroupMetaData, wanted: list[tuple[str, lis
         return True
     index = {group.column(i).path_in_schema: i for i in range(group.num_columns)}
     for key, values in wanted:
-        if key in KEYS and any(_as_key_int(v) is None for v in values if v is not None):
+        if key in KEYS and any(as_key_int(v) is None for v in values if v is not None):
             continue  # string keys live in the _str column
         stats = group.column(index[key]).statistics if key in index else None
         if stats is None or not stats.has_min_max:
             continue
         present = [v for v in values if v is not None]
         if key in KEYS:
-            present = [_as_key_int(v) for v in present]
+            present = [as_key_int(v) for v in present]
         try:
             if present and not any(stats.min <= v <= stats.max for v in present):
                 return False

@@ -38,7 +38,7 @@ from rlreplay.recorder.writer import (
     POLICY_SPILL,
     Recorder,
     RecorderConfig,
-    _warm_up,
+    warm_up,
 )
 from rlreplay.remote import publish
 
@@ -118,7 +118,7 @@ def init(
         _recorder = _new_recorder(config)
         _env_checked = True
     _install_exit_hooks()
-    _warm_up()
+    warm_up()
     _recorder._start()
     return _recorder
 
@@ -201,7 +201,7 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def _untraced_failure(rec: Recorder, exc: Exception) -> None:
+def untraced_failure(rec: Recorder, exc: Exception) -> None:
     with contextlib.suppress(Exception):
         rec.count_loss("lost", 1, "hotpath", f"tracing failed ({type(exc).__name__}: {exc})")
 
@@ -255,7 +255,7 @@ def trace_op(
                 skw = {k: snapshot(v) for k, v in kwargs.items()} if kwargs else kwargs
                 token = current.set((traj, span_id))
             except Exception as exc:  # tracing must never break the call
-                _untraced_failure(rec, exc)
+                untraced_failure(rec, exc)
                 return await fn(*args, **kwargs)
             start = time_ns()
             try:
@@ -307,7 +307,7 @@ def trace_op(
             skw = {k: snapshot(v) for k, v in kwargs.items()} if kwargs else kwargs
             token = current.set((traj, span_id))
         except Exception as exc:  # tracing must never break the call
-            _untraced_failure(rec, exc)
+            untraced_failure(rec, exc)
             return fn(*args, **kwargs)
         start = time_ns()
         try:

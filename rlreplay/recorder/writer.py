@@ -226,7 +226,7 @@ class Recorder:
         return manifest.safe_run_path(self.config.run_dir, folder.relative_to(self.config.run_dir))
 
     def _run(self) -> None:
-        _warm_up()
+        warm_up()
         while True:
             self._wake.wait(self.config.flush_interval_s)
             self._wake.clear()
@@ -586,7 +586,7 @@ def _release_memory() -> None:
             _malloc_trim(0)
 
 
-def _warm_up() -> None:
+def warm_up() -> None:
     """Pay every one-time cost of a first write here: pyarrow's lazy imports (it imports pandas on its
     first conversion, 0.3-2 s), the row encoder, the live files' codec and the stream writer. Done at
     ``init``, before any trajectory can end, so the first batch is as quick to reach disk as later

@@ -21,7 +21,7 @@ ENV_HOST = "RLREPLAY_HOST"
 ENV_LEASE_TTL = "RLREPLAY_LEASE_TTL_S"
 DEFAULT_LEASE_TTL_S = 60.0
 _PARTIAL_PID = re.compile(r"^_part-[0-9a-f]+-(\d+)-")
-_open_writers: weakref.WeakSet[Any] = weakref.WeakSet()  # files holding a lock: released in forked children
+open_writers: weakref.WeakSet[Any] = weakref.WeakSet()  # files holding a lock: released in forked children
 
 
 def host_name() -> str:
@@ -51,7 +51,7 @@ class Lease:
         self.path = folder / f"_lease-{new_uid()}.lock"
         self._file = open(self.path, "xb")  # noqa: SIM115 - closed in release()
         fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _open_writers.add(self)
+        open_writers.add(self)
         owner = {"host": host_name(), "pid": os.getpid(), "started_at": time.time()}
         self._file.write(json.dumps(owner).encode())
         self._file.flush()
@@ -122,14 +122,14 @@ def live_leases(run_dir: Path) -> list[Path]:
 def _release_inherited_writers() -> None:
     """In a forked child: drop the parent's open partials (and their locks) without writing to them."""
     devnull = os.open(os.devnull, os.O_WRONLY)
-    for writer in list(_open_writers):
+    for writer in list(open_writers):
         if not writer._file.closed:
             os.dup2(devnull, writer._file.fileno())
             raw = getattr(writer, "_raw", None)
             if raw is not None and not raw.closed:
                 os.dup2(devnull, raw.fileno())
     os.close(devnull)
-    _open_writers.clear()
+    open_writers.clear()
 
 
 def _locked(path: Path) -> bool:

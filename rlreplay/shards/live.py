@@ -18,7 +18,7 @@ from rlreplay.format.schema import (
     upgrade,
 )
 from rlreplay.shards.layout import PARTIAL_SUFFIX, new_uid
-from rlreplay.shards.lease import _open_writers
+from rlreplay.shards.lease import open_writers
 
 #: Live files are not compressed (read once, when sealed to Parquet zstd): a codec costs per IPC
 #: buffer (~60 per batch) whatever its size, lz4 ~1 ms per small batch against ~40 us uncompressed,
@@ -48,7 +48,7 @@ class PartialWriter:
         self.path = directory / f"_part-{new_uid()}{PARTIAL_SUFFIX}"
         self._file = open(self.path, "xb")  # noqa: SIM115 - closed in close(); holds the lock
         fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _open_writers.add(self)
+        open_writers.add(self)
         # Arrow writes through its own file (no Python call per buffer), buffered, flushed per batch
         self._raw = pa.OSFile(str(self.path), "wb")
         self._sink = pa.BufferedOutputStream(self._raw, 1 << 18)
