@@ -7,9 +7,9 @@ from typing import Any
 
 import pyarrow as pa
 
+from rlreplay.format import arrays, payload
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format import index as tindex
-from rlreplay.format import payload
 from rlreplay.format.index import summarize
 from rlreplay.format.schema import (
     KEY_STR,
@@ -249,7 +249,7 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
         resolving.discard(key)
         return stream
 
-    restorer = payload.Restorer(resolve)
+    restorer = arrays.Restorer(resolve)
     spans = []
     for i, r in enumerate(rows):
         cols = row_columns(i)

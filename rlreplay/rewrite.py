@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlreplay.errors import FormatError
+from rlreplay.format import arrays as token_arrays
 from rlreplay.format import manifest, payload
 from rlreplay.format.schema import (
     FORMAT_VERSION,
@@ -66,9 +67,9 @@ def rewrite_run(src: Path, dst: Path) -> RewriteResult:
         originals = {r["span_id"]: r for r in table.select(plain).to_pylist()}
         out_rows = []
         for traj in run.load(ids):
-            prefixes = payload.SharedIndex()
+            prefixes = token_arrays.SharedIndex()
             for span in sorted(traj.spans, key=lambda s: (s.end_ns, s.start_ns)):
-                arrays = payload.Arrays(prefixes)
+                arrays = token_arrays.Arrays(prefixes)
                 inputs = None if span.inputs is None else payload.dumps(arrays.extract(span.inputs))
                 output = None if span.output is None else payload.dumps(arrays.extract(span.output))
                 prefixes.add(span.span_id, arrays)

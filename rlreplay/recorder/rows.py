@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from rlreplay.format import arrays as token_arrays
 from rlreplay.format import payload
 from rlreplay.format import redact as redaction
 from rlreplay.format.schema import (
@@ -142,13 +143,13 @@ class PrefixCache:
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
         self.max_bytes = max_bytes
-        self._by_trajectory: OrderedDict[Any, payload.SharedIndex] = OrderedDict()
+        self._by_trajectory: OrderedDict[Any, token_arrays.SharedIndex] = OrderedDict()
         self._bytes = 0
 
-    def get(self, trajectory: Any) -> payload.SharedIndex:
+    def get(self, trajectory: Any) -> token_arrays.SharedIndex:
         index = self._by_trajectory.get(trajectory)
         if index is None:
-            index = self._by_trajectory[trajectory] = payload.SharedIndex()
+            index = self._by_trajectory[trajectory] = token_arrays.SharedIndex()
         else:
             self._by_trajectory.move_to_end(trajectory)
         return index
@@ -245,11 +246,11 @@ def encode_row(
             reward = as_reward(output_data.get("reward_score", output_data.get("reward")))
     if signals:
         reward = as_reward(signals.get("reward"))
-    num_tokens = payload.count_token_ids(inputs_data) + payload.count_token_ids(output_data)
+    num_tokens = token_arrays.count_token_ids(inputs_data) + token_arrays.count_token_ids(output_data)
     prompt_tokens, response_tokens = _token_counts(meta.kind, inputs_data, output_data)
 
     index = prefixes.get(tid) if prefixes is not None else None
-    arrays = payload.Arrays(index, kinds)
+    arrays = token_arrays.Arrays(index, kinds)
     inputs_text = None
     if inputs_data is not None:
         inputs_text = payload.dumps(arrays.extract(inputs_data), cap, issues)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 import rlreplay
+from rlreplay.format import arrays as token_arrays
 from rlreplay.format import payload
 
 VOCAB = 151_643
@@ -141,8 +142,8 @@ def test_list_prefix_claims_only_equal_runs() -> None:
     MIN_SHARED, or a first piece that differs inside, is left to the array search."""
     rng = np.random.default_rng(3)
     a, b = rng.integers(0, VOCAB, 120).tolist(), rng.integers(0, VOCAB, 90).tolist()
-    index = payload.SharedIndex()
-    arrays = payload.Arrays(index)
+    index = token_arrays.SharedIndex()
+    arrays = token_arrays.Arrays(index)
     arrays.extract({"prompt_ids": a, "token_ids": b})
     index.add("s1", arrays)
     stream = a + b
@@ -156,7 +157,7 @@ def test_list_prefix_claims_only_equal_runs() -> None:
     assert index.list_prefix([-1, *a], ("s2", 0)) is None
     edited = [*a[:70], a[70] + 1, *a[71:]]
     assert index.list_prefix(edited, None) is None
-    placeholder = payload.Arrays(index).extract({"prompt_ids": edited})["prompt_ids"]
+    placeholder = token_arrays.Arrays(index).extract({"prompt_ids": edited})["prompt_ids"]
     assert placeholder["r"][0][:3] == ["s1", 0, 70]  # the array search still shares the start
 
 

@@ -1,0 +1,453 @@
+"""Token arrays (format 2): number lists as typed columns, stretches shared with earlier spans, restored."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ClassVar
+
+import orjson
+
+from rlreplay.format.payload import MAX_PROBES, MIN_ARRAY, MIN_SHARED, TOKENS
+
+
+def count_token_ids(value: Any) -> int:
+    """Integer ids in top-level token-looking lists of an encoded payload (``*_ids``, ``token_ids``)."""
+    total = 0
+    if isinstance(value, dict):
+        for key, v in value.items():
+            if isinstance(key, str) and key.endswith("ids") and isinstance(v, list):
+                total += len(v)
+            elif isinstance(v, dict):
+                total += count_token_ids(v)
+    return total
+
+
+#
+# A number list of a span's inputs/output goes to a typed column; the JSON keeps a placeholder
+# ``{"__type__": "tokens", "t": dtype, "o": offset, "n": stored count, "s": stream position,
+# "r": [[span, start, length, at], ...]}``. ``r`` lists stretches copied from earlier spans of the
+# same trajectory (their "stream": all their arrays of that dtype, end to end): ``length`` values
+# of span ``span`` from ``start`` go at position ``at``; the stored values fill the rest in order.
+# That is how a model call's prompt (the previous prompt + response + an observation) and the
+# agent's response ids and log-probs (every turn's) are kept once.
+
+_I8, _I32, _F32 = "i8", "i32", "f32"
+#: Placeholder dtype → typed column (see ``rlreplay.format.schema.TOKEN_COLUMNS``).
+DTYPE_COLUMNS = {_I32: "token_ids", _I8: "token_masks", _F32: "token_logprobs"}
+_SHARED = (_I32, _F32)  # dtypes whose stretches are shared between spans
+
+
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def _small_ints(values: list | tuple) -> Any:
+    """``values`` as int8 when every one is an int (or bool) from 0 to 127, else None."""
+    import numpy as np
+
+    try:
+        array = np.frombuffer(bytes(values), dtype=np.int8)
+    except (TypeError, ValueError):
+        return None
+    return array if len(array) and array.min() >= 0 else None
+
+
+def _types_at(values: list | tuple, positions: Any) -> set[type]:
+    """The types of ``values`` at ``positions`` (a numpy index array), gathered at C speed."""
+    import operator
+
+    if not len(positions):
+        return set()
+    if len(positions) == 1:
+        return {type(values[int(positions[0])])}
+    return set(map(type, operator.itemgetter(*positions.tolist())(values)))
+
+
+class Arrays:
+    """Collects a span's number lists as typed arrays, leaving placeholders in its JSON.
+
+    ``shared`` (a ``SharedIndex`` of the trajectory, optional) lets a list store only what earlier
+    spans of the trajectory do not already hold.
+    """
+
+    def __init__(self, shared: Any = None, kinds: dict[int, Any] | None = None) -> None:
+        self.kinds = kinds  # from to_jsonable: number lists already summed
+        self.parts: dict[str, list[Any]] = {_I32: [], _I8: [], _F32: []}
+        self.sizes = dict.fromkeys(self.parts, 0)
+        self.streams: dict[str, list[Any]] = {_I32: [], _F32: []}  # full arrays, in order
+        self.stream_len = dict.fromkeys(self.streams, 0)
+        self.lists: list[Any] = []  # the id lists as given, parallel to streams[_I32]
+        self.shared = shared
+        self._last: tuple[str, int] | None = None  # where the previous array's last stretch ended
+        self.bytes = 0
+
+    def extract(self, data: Any, key: str = "") -> Any:
+        cls = type(data)
+        if cls is dict:
+            return {k: self.extract(v, k if type(k) is str else "") for k, v in data.items()}
+        if cls is list or cls is tuple:
+            if len(data) >= MIN_ARRAY:
+                placeholder = self._take(key, data)
+                if placeholder is not None:
+                    return placeholder
+            if any(type(v) in (dict, list, tuple) for v in data):
+                return [self.extract(v, key) for v in data]
+        return data
+
+    def _take(self, key: str, values: list | tuple) -> dict[str, Any] | None:
+        # sum() tells, at C speed, int lists (ints and bools) from float lists (floats, maybe ints,
+        # bools) and refuses anything else (strings, None, containers)
+        known = self.kinds.get(id(values)) if self.kinds else None
+        if known is not None and known[0] is values:
+            kind = known[1]
+        else:
+            try:
+                kind = type(sum(values))
+            except Exception:
+                return None
+        try:
+            if kind is int:
+                return self._ints(key, values)
+            if kind is float:
+                return self._floats(values)
+        except (OverflowError, ValueError, TypeError):
+            pass
+        return None
+
+    def _ints(self, key: str, values: list | tuple) -> dict[str, Any] | None:
+        """Ints exactly (bools refused), as int8 (masks) or int32 (shared with earlier spans)."""
+        import numpy as np
+
+        mask = "mask" in key.lower()
+        known = None
+        if not mask and self.shared is not None and type(values) is list and len(values) >= MIN_SHARED:
+            known = self.shared.list_prefix(values, self._last)  # no conversion of what repeats
+        n = 0 if known is None else known[2]
+        array = _small_ints(values) if mask else None  # 0..127: bytes() converts 3x faster than numpy
+        if array is None:
+            rest = values[n:] if n else values
+            if mask:
+                with contextlib.suppress(OverflowError):
+                    array = np.array(rest, dtype=np.int8)
+            if array is None:  # numpy refuses a value beyond int32 (OverflowError): JSON keeps them
+                array = np.array(rest, dtype=np.int32)
+                if known is not None:
+                    array = np.concatenate((known[3], array))
+        # a bool counts as 0 or 1 to sum() and numpy: only those positions need a look
+        small = np.flatnonzero((array >> 1) == 0)
+        if len(small) > 256:
+            if b"e" in orjson.dumps(values):  # true/false; JSON integers have no "e"
+                return None
+        elif bool in _types_at(values, small):
+            return None
+        if array.dtype == np.int8:
+            return self._add(_I8, array)
+        return self._shared(_I32, array, values, None if known is None else known[:3])
+
+    def _floats(self, values: list | tuple) -> dict[str, Any] | None:
+        """Floats exact in float32 (bit for bit: -0.0, NaN payloads); else None (JSON keeps them)."""
+        import numpy as np
+
+        array = np.array(values, dtype=np.float64)
+        single = array.astype(np.float32)
+        if not np.array_equal(single.astype(np.float64).view(np.int64), array.view(np.int64)):
+            return None
+        # ints and bools among the floats have whole values: only those positions need a look
+        whole = np.flatnonzero(array == np.trunc(array))
+        types = set(map(type, values)) if len(whole) > 256 else _types_at(values, whole)
+        if types - {float} and not all(issubclass(t, float) for t in types):
+            return None
+        return self._shared(_F32, single)
+
+    def _add(self, dtype: str, array: Any) -> dict[str, Any]:
+        placeholder = {"__type__": TOKENS, "t": dtype, "o": self.sizes[dtype], "n": len(array)}
+        self.parts[dtype].append(array)
+        self.sizes[dtype] += len(array)
+        self.bytes += array.nbytes
+        return placeholder
+
+    def _shared(
+        self, dtype: str, array: Any, values: Any = None, known: tuple[str, int, int] | None = None
+    ) -> dict[str, Any]:
+        """Store ``array`` less the stretches earlier spans hold; ``known``: its first ``length``
+        values are stretch ``(span, start, length)``, already found on the values as given."""
+        import numpy as np
+
+        refs: list[list[Any]] = []
+        stored = array
+        skip = 0
+        if known is not None:
+            refs.append([known[0], known[1], known[2], 0])
+            self._last = (known[0], known[1] + known[2])
+            skip = known[2]
+        if self.shared is not None and len(array) - skip >= MIN_SHARED:
+            more, last = self.shared.cover(dtype, array[skip:] if skip else array, self._last)
+            self._last = last
+            refs += [[span, start, length, at + skip] for span, start, length, at in more]
+        if refs:
+            keep = np.ones(len(array), dtype=bool)
+            for _, _, length, at in refs:
+                keep[at : at + length] = False
+            stored = array[keep]
+        placeholder = self._add(dtype, stored)
+        placeholder["s"] = self.stream_len[dtype]
+        if refs:
+            placeholder["r"] = refs
+        self.streams[dtype].append(array)
+        self.stream_len[dtype] += len(array)
+        if dtype == _I32:
+            self.lists.append(values if type(values) is list else None)
+        return placeholder
+
+    def columns(self) -> tuple[Any, Any, Any]:
+        """The span's values per typed column (token_ids, token_masks, token_logprobs)."""
+        import numpy as np
+
+        out = []
+        for dtype in (_I32, _I8, _F32):
+            parts = self.parts[dtype]
+            if not parts:
+                out.append(None)
+            else:
+                out.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        return tuple(out)  # type: ignore[return-value]
+
+
+class SharedIndex:
+    """The id and log-prob streams of a trajectory's latest spans, to share stretches with."""
+
+    __slots__ = ("by_first", "latest", "streams")
+    #: streams kept per dtype: an id stream holds the ones before it; log-probs are per call
+    KEEP: ClassVar[dict[str, int]] = {_I32: 6, _F32: 32}
+
+    def __init__(self) -> None:
+        # (span, values, [(start key, start)]) of the latest streams per dtype, oldest first
+        self.streams: dict[str, list[tuple[str, Any, list[tuple[int, int]]]]] = {_I32: [], _F32: []}
+        # per dtype: the bits of the first two values of each kept array → (span, stream bits, start);
+        # values are compared as bits (-0.0 is not 0.0), two at a time (one common id starts many)
+        self.by_first: dict[str, dict[int, list[tuple[str, Any, int]]]] = {_I32: {}, _F32: {}}
+        # the latest id stream's lists as given (span, lists, stream): the next model call's prompt
+        # usually repeats them, which a list comparison finds before any conversion
+        self.latest: tuple[str, list[list[int]], Any] | None = None
+
+    def add(self, span_id: str, arrays: Arrays) -> None:
+        import numpy as np
+
+        for dtype, parts in arrays.streams.items():
+            if not parts or arrays.stream_len[dtype] < MIN_SHARED:
+                continue
+            stream = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            starts, pos = [], 0
+            for part in parts:
+                starts.append(pos)
+                pos += len(part)
+            kept = self.streams[dtype]
+            keys = _start_keys(stream, starts)
+            kept.append((span_id, stream, keys))
+            by_first = self.by_first[dtype]
+            for old_span, _, old_keys in kept[: -self.KEEP[dtype]]:  # no longer kept: forget its starts
+                for key, _ in old_keys:
+                    left = [e for e in by_first.get(key, ()) if e[0] != old_span]
+                    if left:
+                        by_first[key] = left
+                    else:
+                        by_first.pop(key, None)
+            del kept[: -self.KEEP[dtype]]
+            bits = stream.view(np.uint32)
+            for key, start in keys:
+                by_first.setdefault(key, []).append((span_id, bits, start))
+            if dtype == _I32:  # copies: a caller may change a list it gave after the call returns
+                lists = arrays.lists
+                self.latest = (span_id, [v.copy() for v in lists], stream) if None not in lists else None
+
+    def list_prefix(self, values: list, after: tuple[str, int] | None) -> tuple[str, int, int, Any] | None:
+        """``(span, start, length, ids)``: the longest run of the latest id stream, from its start or
+        from ``after`` (where the span's previous array ended in it), that ``values`` begins with,
+        compared as lists (C speed, no conversion); None if shorter than ``MIN_SHARED``."""
+        if self.latest is None:
+            return None
+        span, lists, stream = self.latest
+        best = 0
+        best_start = 0
+        for start in (0, after[1]) if after is not None and after[0] == span else (0,):
+            length = _list_match(lists, start, values)
+            if length > best:
+                best, best_start = length, start
+        if best < MIN_SHARED:
+            return None
+        return span, best_start, best, stream[best_start : best_start + best]
+
+    @property
+    def nbytes(self) -> int:
+        # the kept lists: an 8-byte pointer per item, and the int itself when the caller has let
+        # go of it (counted always: a bound, not a guess)
+        lists = 40 * len(self.latest[2]) if self.latest is not None else 0
+        return lists + sum(s[1].nbytes for kept in self.streams.values() for s in kept)
+
+    def cover(
+        self, dtype: str, array: Any, after: tuple[str, int] | None
+    ) -> tuple[list[list[Any]], tuple[str, int] | None]:
+        """Stretches ``[span, start, length, at]`` of earlier streams that make up parts of ``array``
+        (greedy, longest first at each position), and where the last one ended."""
+        import numpy as np
+
+        kept = self.streams[dtype]
+        if not kept:
+            return [], None
+        by_first = self.by_first[dtype]
+        bits = array.view(np.uint32)
+        maybe = None  # where an earlier array may begin again (computed at the first miss)
+        by_span = {span_id: stream.view(np.uint32) for span_id, stream, _ in kept}
+        refs: list[list[Any]] = []
+        n, p, probes = len(array), 0, 0
+        while p < n - 1 and probes < MAX_PROBES:
+            probes += 1
+            options = list(by_first.get((int(bits[p]) << 32) | int(bits[p + 1]), ()))
+            if after is not None and after[0] in by_span:
+                options.append((after[0], by_span[after[0]], after[1]))
+            best: tuple[str, int, int] | None = None
+            for span_id, stream, start in options:
+                m = min(n - p, len(stream) - start)
+                if m < MIN_SHARED or (bits[p : p + MIN_SHARED] != stream[start : start + MIN_SHARED]).any():
+                    continue
+                diff = np.flatnonzero(bits[p : p + m] != stream[start : start + m])
+                length = int(diff[0]) if len(diff) else m
+                if best is None or length >= best[2]:  # ties: the latest
+                    best = (span_id, start, length)
+            if best is not None:
+                refs.append([best[0], best[1], best[2], p])
+                after = (best[0], best[1] + best[2])
+                p += best[2]
+                continue
+            after = None
+            if maybe is None:
+                maybe = _positions_of(bits, by_first)
+            i = int(np.searchsorted(maybe, p + 1))
+            if i >= len(maybe):
+                break
+            p = int(maybe[i])
+        return refs, after
+
+
+def _start_keys(stream: Any, starts: list[int]) -> list[tuple[int, int]]:
+    """The ``by_first`` key (bits of its first two values) of each start that has ``MIN_SHARED``
+    values after it."""
+    import numpy as np
+
+    at = np.array([s for s in starts if len(stream) - s >= MIN_SHARED], dtype=np.int64)
+    if not len(at):
+        return []
+    bits = stream.view(np.uint32)
+    keys = (bits[at].astype(np.uint64) << np.uint64(32)) | bits[at + 1]
+    return list(zip(keys.tolist(), at.tolist()))
+
+
+def _positions_of(bits: Any, keys: Any) -> Any:
+    """Positions in ``bits`` where a pair of values in ``keys`` begins: first the positions of their
+    first values (a few: one comparison pass each, which beats ``np.isin``'s sort), then the pairs."""
+    import numpy as np
+
+    firsts = {key >> 32 for key in keys}
+    head = bits[:-1]
+    if len(firsts) > 16:
+        found = np.isin(head, np.fromiter(firsts, dtype=np.uint32, count=len(firsts)))
+    else:
+        found = np.zeros(len(head), dtype=bool)
+        for first in firsts:
+            found |= head == first
+    at = np.flatnonzero(found)
+    if not len(at):
+        return at
+    pairs = (bits[at].astype(np.uint64) << np.uint64(32)) | bits[at + 1]
+    return at[np.isin(pairs, np.fromiter(keys, dtype=np.uint64, count=len(keys)))]
+
+
+def _list_match(lists: list[list[int]], start: int, values: list) -> int:
+    """How many leading ``values`` equal the concatenated ``lists`` from position ``start``
+    (whole pieces compared at once; the first piece that differs ends the match)."""
+    pos = 0
+    n = len(values)
+    for part in lists:
+        size = len(part)
+        if start >= size:
+            start -= size
+            continue
+        k = min(n - pos, size - start)
+        if k <= 0 or values[pos : pos + k] != (part[start : start + k] if start or k < size else part):
+            break
+        pos += k
+        start = 0
+    return pos
+
+
+class Restorer:
+    """Puts typed arrays back where a span's JSON has placeholders; resolves shared stretches."""
+
+    def __init__(self, resolve: Any) -> None:
+        self.resolve = resolve  # (span id, dtype) → that span's full stream (numpy), or None
+        self.issues: list[str] = []
+
+    def restore(self, data: Any, columns: dict[str, Any]) -> Any:
+        cls = type(data)
+        if cls is dict:
+            if data.get("__type__") == TOKENS and "t" in data:
+                full = self._array(data, columns)
+                return full.tolist() if not isinstance(full, dict) else full
+            return {k: self.restore(v, columns) for k, v in data.items()}
+        if cls is list:
+            return [self.restore(v, columns) for v in data]
+        return data
+
+    def _array(self, placeholder: dict[str, Any], columns: dict[str, Any]) -> Any:
+        import numpy as np
+
+        try:
+            dtype = placeholder["t"]
+            values = columns[DTYPE_COLUMNS[dtype]]
+            start, n = int(placeholder["o"]), int(placeholder["n"])
+            if values is None or start < 0 or start + n > len(values):
+                raise ValueError("values out of range")
+            stored = values[start : start + n]
+            refs = placeholder.get("r")
+            if not refs:
+                return stored
+            if isinstance(refs[0], str):  # early format 2 files: one prefix, [span, start, length]
+                refs = [[refs[0], refs[1], refs[2], 0]]
+            total = n + sum(int(r[2]) for r in refs)
+            out = np.empty(total, dtype=stored.dtype)
+            keep = np.ones(total, dtype=bool)
+            for span, rstart, length, at in refs:
+                rstart, length, at = int(rstart), int(length), int(at)
+                stream = self.resolve(span, dtype)
+                if stream is None or rstart + length > len(stream) or at + length > total:
+                    raise ValueError(f"shared values of span {span} missing")
+                out[at : at + length] = stream[rstart : rstart + length]
+                keep[at : at + length] = False
+            if int(keep.sum()) != n:
+                raise ValueError("stored values do not fit")
+            out[keep] = stored
+            return out
+        except (KeyError, ValueError, TypeError, IndexError) as exc:
+            why = f"unreadable token array ({exc})"
+            self.issues.append(why)
+            return {"__type__": "error", "error": why}
+
+    def stream(self, data: Any, columns: dict[str, Any], dtype: str) -> list[tuple[int, Any]]:
+        """(stream position, full values) of every ``dtype`` array placeholder in ``data``."""
+        out: list[tuple[int, Any]] = []
+        self._walk(data, columns, dtype, out)
+        return out
+
+    def _walk(self, data: Any, columns: dict[str, Any], dtype: str, out: list[tuple[int, Any]]) -> None:
+        cls = type(data)
+        if cls is dict:
+            if data.get("__type__") == TOKENS:
+                if data.get("t") == dtype and "s" in data:
+                    full = self._array(data, columns)
+                    if not isinstance(full, dict):
+                        out.append((int(data["s"]), full))
+                return
+            for v in data.values():
+                self._walk(v, columns, dtype, out)
+        elif cls is list:
+            for v in data:
+                self._walk(v, columns, dtype, out)
