@@ -20,12 +20,31 @@ app = typer.Typer(
     name="rlreplay",
     help="Record RL rollout trajectories locally; browse, decode, diff and upload them later.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 EXIT_BAD_INPUT = 2
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"rlreplay {version('rlreplay')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Record RL rollout trajectories locally; browse, decode, diff and upload them later."""
 
 
 def console() -> Console:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -17,6 +20,7 @@ from rlreplay.cli.app import (
     TokenizerOption,
     app,
     console,
+    fail,
     open_run_arg,
     report_warnings,
     selection_options,
@@ -30,16 +34,137 @@ PREVIEW_CHARS = 160
 PREVIEW_IDS = 8
 
 
+#: Longer listings, and any listing not going to a terminal, are printed as plain columns.
+RICH_ROWS = 200
+
+
+@dataclass(frozen=True)
+class LsColumn:
+    """One column of ``ls``: its header, alignment, the listing field it shows and how."""
+
+    name: str
+    right: bool
+    field: str
+    cell: Callable[[Any], str]
+    signal: bool = False  # shown only when the run has a value in it
+
+
+def _text(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def _number(value: Any) -> str:
+    return "" if value is None else f"{value:.3g}"
+
+
+#: In order of priority: a narrow terminal keeps the first ones.
+LS_COLUMNS = (
+    LsColumn("id", False, "id", lambda v: v[:12]),
+    LsColumn("step", True, "step", _text),
+    LsColumn("sample", True, "sample_index", _text),
+    LsColumn("rollout", True, "rollout_n", _text),
+    LsColumn("split", False, "validate", lambda v: "val" if v else "train"),
+    LsColumn("reward", True, "reward", lambda v: "" if v is None else f"{v:g}"),
+    LsColumn("adv", True, "advantage", _number, signal=True),
+    LsColumn("dlogp_max", True, "logprob_diff_max", _number, signal=True),
+    LsColumn("is_ratio", True, "importance_ratio", _number, signal=True),
+    LsColumn("status", False, "status", _text),
+    LsColumn("model_calls", True, "model_calls", _text),
+    LsColumn("tool_calls", True, "tool_calls", _text),
+    LsColumn("duration", True, "duration_s", lambda v: f"{v:.2f}s"),
+    LsColumn("spans", True, "num_spans", _text),
+    LsColumn("agent", False, "agent", _text),
+    LsColumn("worker", False, "worker", _text),
+)
+_BY_NAME = {c.name: c for c in LS_COLUMNS}
+
+
+def ls_columns(text: str | None) -> list[LsColumn] | None:
+    """The columns ``--columns`` names (None: the default choice); bad names exit 2."""
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in _BY_NAME]
+    if unknown or not names:
+        fail(
+            f"--columns: unknown column {', '.join(map(repr, unknown)) or '(none given)'} "
+            f"(columns: {', '.join(_BY_NAME)})"
+        )
+    return [_BY_NAME[n] for n in names]
+
+
+def _listing_cells(table: Any, chosen: list[LsColumn] | None) -> tuple[list[list[str]], list[LsColumn]]:
+    """The ls columns as strings, column by column, and the columns they are."""
+    from rlreplay.format.index import merged
+
+    values = merged(table).to_pydict()
+    if chosen is None:
+        chosen = [c for c in LS_COLUMNS if not c.signal or any(v is not None for v in values[c.field])]
+    cells = []
+    for column in chosen:
+        if column.field == "agent":
+            cells.append([a or n or "" for a, n in zip(values["agent"], values["name"])])
+        else:
+            cells.append([column.cell(v) for v in values[column.field]])
+    return cells, chosen
+
+
+def _fit(
+    cells: list[list[str]], columns: list[LsColumn], width: int
+) -> tuple[list[list[str]], list[LsColumn]]:
+    """The first columns whose widths (two spaces apart) fit ``width`` characters."""
+    used, kept = 0, 0
+    for name, col in zip((c.name for c in columns), cells):
+        need = max([len(name), *map(len, col)]) + (2 if kept else 0)
+        if kept and used + need > width:
+            break
+        used += need
+        kept += 1
+    return cells[:kept], columns[:kept]
+
+
+def _plain_listing(cells: list[list[str]], columns: list[LsColumn]) -> str:
+    widths = [max([len(c.name), *map(len, col)]) for c, col in zip(columns, cells)]
+    lines = ["  ".join(c.name.rjust(w) if c.right else c.name.ljust(w) for c, w in zip(columns, widths))]
+    for row in zip(*cells):
+        lines.append(
+            "  ".join(v.rjust(w) if c.right else v.ljust(w) for v, c, w in zip(row, columns, widths))
+        )
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _rich_listing(cells: list[list[str]], columns: list[LsColumn]) -> Table:
+    from rich.table import Table
+    from rich.text import Text
+
+    grid = Table(box=None, header_style="bold", pad_edge=False)
+    for column in columns:
+        grid.add_column(column.name, justify="right" if column.right else "left", no_wrap=True)
+    for row in zip(*cells):
+        grid.add_row(*(Text(c) for c in row))
+    return grid
+
+
 @app.command("ls")
 @selection_options
 def ls_command(
     run_path: RunArgument = None,
     run: RunOption = None,
     as_json: JsonOption = False,
+    columns: Annotated[
+        str | None,
+        typer.Option(
+            "--columns",
+            metavar="NAMES",
+            help="Comma-separated columns to show (default: those that fit the terminal, keys and "
+            f"signals first). Columns: {', '.join(c.name for c in LS_COLUMNS)}.",
+        ),
+    ] = None,
     *,
     selection: Any,
 ) -> None:
     """List trajectories, one row each (with --json: one JSON object per line)."""
+    chosen = ls_columns(columns)
     opened = open_run_arg(run, run_path)
     table = selection.trajectories(opened)
     report_warnings(opened)
@@ -52,12 +177,18 @@ def ls_command(
         return
     shown = table.num_rows
     total = f"{shown} trajectories" if selection.limit is None else f"{shown} trajectories (--limit)"
+    if shown == 0:
+        sys.stderr.write(f"no trajectories selected in {opened.path}\n")
+        return
+    cells, names = _listing_cells(table, chosen)
+    if columns is None and sys.stdout.isatty():
+        cells, names = _fit(cells, names, shutil.get_terminal_size().columns)
     if sys.stdout.isatty() and shown <= RICH_ROWS:
         out = console()
-        out.print(_rich_listing(table))
+        out.print(_rich_listing(cells, names))
         out.print(f"{total} in {opened.path}", markup=False)
     else:
-        sys.stdout.write(_plain_listing(table))
+        sys.stdout.write(_plain_listing(cells, names))
         sys.stdout.write(f"{total} in {opened.path}\n")
     counters = opened.counters()
     losses = {k: v for k, v in counters.items() if k != "spans" and v}
@@ -65,78 +196,6 @@ def ls_command(
         console().print(
             "recording losses: " + ", ".join(f"{k}={v}" for k, v in losses.items()), style="yellow"
         )
-
-
-#: Longer listings, and any listing not going to a terminal, are printed as plain columns.
-RICH_ROWS = 200
-_LS_COLUMNS = [
-    ("id", False),
-    ("step", True),
-    ("sample", True),
-    ("rollout", True),
-    ("split", False),
-    ("agent", False),
-    ("model_calls", True),
-    ("tool_calls", True),
-    ("spans", True),
-    ("duration", True),
-    ("reward", True),
-    ("status", False),
-    ("worker", False),
-]
-
-
-def _listing_cells(table: Any) -> list[list[str]]:
-    """The ls columns as strings, column by column."""
-    from rlreplay.format.index import merged
-
-    cols = merged(table).to_pydict()
-
-    def text(values: list[Any]) -> list[str]:
-        return ["" if v is None else str(v) for v in values]
-
-    return [
-        [i[:12] for i in cols["id"]],
-        text(cols["step"]),
-        text(cols["sample_index"]),
-        text(cols["rollout_n"]),
-        ["val" if v else "train" for v in cols["validate"]],
-        [a or n or "" for a, n in zip(cols["agent"], cols["name"])],
-        text(cols["model_calls"]),
-        text(cols["tool_calls"]),
-        text(cols["num_spans"]),
-        [f"{d:.2f}s" for d in cols["duration_s"]],
-        ["" if r is None else f"{r:g}" for r in cols["reward"]],
-        text(cols["status"]),
-        text(cols["worker"]),
-    ]
-
-
-def _plain_listing(table: Any) -> str:
-    cells = _listing_cells(table)
-    widths = [max([len(name), *map(len, col)]) for (name, _), col in zip(_LS_COLUMNS, cells)]
-    lines = [
-        "  ".join(name.rjust(w) if right else name.ljust(w) for (name, right), w in zip(_LS_COLUMNS, widths))
-    ]
-    for row in zip(*cells):
-        lines.append(
-            "  ".join(
-                c.rjust(w) if right else c.ljust(w) for c, (_, right), w in zip(row, _LS_COLUMNS, widths)
-            )
-        )
-    return "\n".join(line.rstrip() for line in lines) + "\n"
-
-
-def _rich_listing(table: Any) -> Table:
-    from rich.table import Table
-    from rich.text import Text
-
-    grid = Table(box=None, header_style="bold", pad_edge=False)
-    for name, right in _LS_COLUMNS:
-        grid.add_column(name, justify="right" if right else "left", no_wrap=True)
-    for row in zip(*_listing_cells(table)):
-        grid.add_row(*(Text(c) for c in row))
-    return grid
 
 
 def _cell(value: Any) -> str:
@@ -206,6 +265,13 @@ def render_tree(traj: Any, text_lines: Any = None) -> Tree:
     when = datetime.fromtimestamp(traj.start_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
     split = "validate" if traj.validate else "train"
     reward = "" if traj.reward is None else f"  reward={traj.reward:g}"
+    for name, label in (
+        ("advantage", "advantage"),
+        ("logprob_diff_max", "dlogp_max"),
+        ("importance_ratio", "is_ratio"),
+    ):
+        value = traj.row.get(name)
+        reward += "" if value is None else f"  {label}={value:.4g}"
     title = (
         f"[bold]{traj.id}[/bold]  step={traj.step} sample_index={traj.sample_index} "
         f"rollout_n={traj.rollout_n} {split}  experiment={escape(str(traj.experiment))} "
@@ -276,8 +342,6 @@ def show_command(
 
     run_path, ref = (Path(first), second) if second is not None else (None, first)
     if second is None and is_run_dir(first):
-        from rlreplay.cli.app import fail
-
         fail(f"give a trajectory after the run: rlreplay show {first} ID_OR_SELECTOR")
     opened = open_run_arg(run, run_path)
     traj = opened.trajectory(pick.resolve(opened, pick.parse_selector(ref)))
@@ -307,7 +371,6 @@ def _show_decoder(opened: Any, text: bool | None, tokenizer: str | None) -> Any:
     named only by the manifest and unavailable: a warning, and token ids are shown."""
     import sys
 
-    from rlreplay.cli.app import fail
     from rlreplay.text.token2text import Decoder, TokenizerUnavailable, resolve_tokenizer
 
     if text is False:
@@ -420,8 +483,6 @@ def recover_command(
         try:
             totals = publish.recover(uri, spool)
         except errors.StorageError as exc:
-            from rlreplay.cli.app import fail
-
             fail(str(exc))
         console().print(publish.recover_message(uri, totals), markup=False)
         return

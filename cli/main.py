@@ -39,7 +39,7 @@ def command_group(args: list[str]) -> Any:
     if name:
         app.registered_commands = [c for c in registered if c.name == name] or registered
     try:
-        return typer.main.get_group(app)
+        return typer.main.get_command(app)
     finally:
         app.registered_commands = registered
 
@@ -53,7 +53,7 @@ def _bad_input() -> tuple[type[BaseException], ...]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:]
     reading = ("ls", "show", "diff", "info", "stats", "sql", "export")
-    if argv is None and args and args[0] in reading and "--help" not in args:
+    if argv is None and args and args[0] in reading and not {"--help", "-h"} & set(args):
         # no linear algebra here: one OpenBLAS thread (as numpy loads, OpenBLAS starts one per core,
         # and they spin for a while, taking the CPU this command runs on)
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

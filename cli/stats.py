@@ -73,6 +73,8 @@ def stats_command(
     report_warnings(opened)
     rows = table.to_pylist()
     metrics = [c for c in chosen if c not in ("step", "validate")]
+    if columns is None:  # by default, only the columns this run has values in
+        metrics = [c for c in metrics if any(_value(r[c]) is not None for r in rows)]
     if target is not None:
         plotted = [c for c in metrics if c in PLOT_DEFAULT] if columns is None else metrics
         write_atomically(target, lambda tmp: write_plot(tmp, target.suffix.lower(), rows, plotted, opened))
@@ -102,6 +104,10 @@ def _columns(text: str | None, known: tuple[str, ...]) -> list[str]:
 
 def split_name(validate: Any) -> str:
     return "all" if validate is None else "val" if validate else "train"
+
+
+def _value(value: Any) -> Any:
+    return None if isinstance(value, float) and math.isnan(value) else value
 
 
 def _fmt(value: Any) -> str:

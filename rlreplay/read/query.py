@@ -38,6 +38,12 @@ STATS_COLUMNS = (
     "error_rate",
     "duration_p50_s",
     "duration_p95_s",
+    "advantage_mean",
+    "advantage_std",
+    "logprob_diff_mean",
+    "logprob_diff_p95",
+    "importance_ratio_p5",
+    "importance_ratio_p95",
 )
 
 
@@ -139,7 +145,13 @@ SELECT
     sum(tool_errors) / nullif(sum(tool_calls), 0) AS tool_error_rate,
     avg(CASE WHEN status = 'error' THEN 1.0 ELSE 0.0 END) AS error_rate,
     quantile_cont(duration_s, 0.5) AS duration_p50_s,
-    quantile_cont(duration_s, 0.95) AS duration_p95_s
+    quantile_cont(duration_s, 0.95) AS duration_p95_s,
+    avg(advantage) AS advantage_mean,
+    stddev_pop(advantage) AS advantage_std,
+    avg(logprob_diff_mean) AS logprob_diff_mean,
+    quantile_cont(logprob_diff_max, 0.95) AS logprob_diff_p95,
+    quantile_cont(importance_ratio, 0.05) AS importance_ratio_p5,
+    quantile_cont(importance_ratio, 0.95) AS importance_ratio_p95
 FROM t LEFT JOIN gs
     ON t.step IS NOT DISTINCT FROM gs.step AND t.validate IS NOT DISTINCT FROM gs.validate
 GROUP BY t.step, t.validate

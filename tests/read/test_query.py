@@ -393,9 +393,27 @@ def expected_stats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "error_rate": sum(r["status"] == "error" for r in mine) / len(mine),
                 "duration_p50_s": float(np.percentile(durations, 50)),
                 "duration_p95_s": float(np.percentile(durations, 95)),
+                **_signal_stats(mine),
             }
         )
     return out
+
+
+def _signal_stats(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    def present(name: str) -> np.ndarray:
+        return np.array([r[name] for r in rows if r.get(name) is not None], dtype=float)
+
+    adv, diff_mean, diff_max, ratio = (
+        present(n) for n in ("advantage", "logprob_diff_mean", "logprob_diff_max", "importance_ratio")
+    )
+    return {
+        "advantage_mean": float(adv.mean()) if len(adv) else None,
+        "advantage_std": float(adv.std()) if len(adv) else None,
+        "logprob_diff_mean": float(diff_mean.mean()) if len(diff_mean) else None,
+        "logprob_diff_p95": float(np.percentile(diff_max, 95)) if len(diff_max) else None,
+        "importance_ratio_p5": float(np.percentile(ratio, 5)) if len(ratio) else None,
+        "importance_ratio_p95": float(np.percentile(ratio, 95)) if len(ratio) else None,
+    }
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -423,6 +441,12 @@ STATS_NAMES = [
     "error_rate",
     "duration_p50_s",
     "duration_p95_s",
+    "advantage_mean",
+    "advantage_std",
+    "logprob_diff_mean",
+    "logprob_diff_p95",
+    "importance_ratio_p5",
+    "importance_ratio_p95",
 ]
 
 
