@@ -111,7 +111,10 @@ class UploadCommand(TyperCommand):
             broken = {chosen: broken[chosen]} if chosen in broken else {}
         ctx.meta[_META_BACKEND] = chosen
         ctx.meta[_META_DECLARED] = (declared, broken)
-        if "--help" not in args:
+        helping = "--help" in args or "-h" in args
+        if chosen in broken and not helping:  # its options are unknown: say why it cannot run
+            fail(broken[chosen])
+        if not helping:
             rest, values = _take_backend_options(args, everything[0], chosen or "mlflow")
             ctx.meta[_META_VALUES] = values
         else:

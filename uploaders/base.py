@@ -79,6 +79,7 @@ class Uploader(Protocol):
 
     - ``backend``: its name (the entry point's name);
     - ``options``: the :class:`BackendOption` s it takes beyond the common ones;
+    - ``requires``: the modules it imports when it runs (a missing one names the extra to install);
     - ``can_upsert``: sending a trace again replaces it (same ids), so a rerun that can now
       decode may replace traces sent without text, and ``--force`` may re-send;
     - ``from_options(BackendOptions)``: the uploader for a run (classmethod);
@@ -87,6 +88,7 @@ class Uploader(Protocol):
 
     backend: str
     options: ClassVar[tuple[BackendOption, ...]]
+    requires: ClassVar[tuple[str, ...]]
     can_upsert: ClassVar[bool]
 
     def target(self) -> str:

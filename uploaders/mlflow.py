@@ -136,6 +136,7 @@ class MlflowUploader:
     """MLflow traces with their span trees ($MLFLOW_TRACKING_URI, else a sqlite store in the run)."""
 
     backend = "mlflow"
+    requires = ("mlflow",)  # modules it imports when it runs: checked before anything is read
     options = ()
     can_upsert = True
 

@@ -207,6 +207,7 @@ class OtlpUploader:
     """OTLP/HTTP protobuf to any collector, with OpenInference attributes (Phoenix, Langfuse, ...)."""
 
     backend = "otlp"
+    requires = ("opentelemetry.proto",)  # modules it imports when it runs: checked before anything is read
     options = (
         BackendOption(
             "--endpoint",

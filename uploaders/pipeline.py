@@ -20,10 +20,11 @@ and imported only when used. :func:`make_uploader` builds it with
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -79,12 +80,33 @@ def backend_class(name: str) -> type:
             f"--backend must be one of: {', '.join(sorted(installed)) or '(none installed)'} (got {name!r})"
         )
     try:
-        return plugins.load(spec)
+        cls = plugins.load(spec)
     except ImportError as exc:
         hint = f"; pip install 'rlreplay[{EXTRAS[name]}]'" if name in EXTRAS else ""
         raise RunError(f"the {name} backend needs packages that are missing ({exc}){hint}") from None
     except Exception as exc:  # a broken plug-in: one line, and the other backends still work
         raise RunError(f"the {name} backend ({spec}) failed to import: {_one_line(exc)}") from None
+    missing = missing_modules(getattr(cls, "requires", ()))
+    if missing:
+        extra = EXTRAS.get(name)
+        hint = ""
+        if extra:
+            hint = f": pip install 'rlreplay[{extra}]' (from a clone: pip install -e '.[{extra}]')"
+        raise RunError(f"the {name} backend needs {', '.join(missing)}, which is not installed{hint}")
+    return cls
+
+
+def missing_modules(names: Iterable[str]) -> list[str]:
+    """The modules among ``names`` that cannot be imported here (found without importing them)."""
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
 
 
 def backend_options(cls: type) -> tuple[Any, ...]:

@@ -164,6 +164,7 @@ class TrackioUploader:
     """Trackio's local store: verl's rollout traces (trackio.Trace per op) plus per-step stats."""
 
     backend = "trackio"
+    requires = ("trackio",)  # modules it imports when it runs: checked before anything is read
     options = ()
     can_upsert = False  # Trackio keeps the first trace logged under a log id
 

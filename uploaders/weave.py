@@ -310,6 +310,7 @@ class WeaveUploader:
     """Weave traces in one project (--project ENTITY/PROJECT; WANDB_API_KEY)."""
 
     backend = "weave"
+    requires = ("weave",)  # modules it imports when it runs: checked before anything is read
     options = ()
     can_upsert = True
 
