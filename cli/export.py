@@ -81,6 +81,10 @@ def export_command(
         chosen = choosing.group_ids(choosing.sample_groups(listing, samples, seed_value or 0))
     else:
         chosen = listing["id"].to_pylist()
+    if not chosen:
+        report_warnings(opened)
+        print(f"rlreplay: no trajectories selected in {opened.path}; nothing written", file=sys.stderr)
+        raise typer.Exit(1)
     written = 0
 
     def run_export(tmp: Path) -> None:

@@ -830,3 +830,14 @@ def test_upload_takes_the_selection(run_copy: Path, capsys: pytest.CaptureFixtur
     assert rc == 0, err
     wanted = [r for r in listing if r["step"] in (1, 2) and r["status"] == "ok" and r["tool_calls"] >= 1]
     assert json.loads(out)["selected"] == len(wanted) > 0
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_export_of_an_empty_selection_writes_nothing_and_says_so(
+    suffix: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / f"none{suffix}"
+    rc, stdout, err = cli(capsys, "export", GSM8K, "--step", "999", "--out", out)
+    assert rc == 1 and stdout == ""
+    assert "no trajectories selected" in err and "nothing written" in err
+    assert not out.exists() and sorted(tmp_path.iterdir()) == []
