@@ -72,36 +72,54 @@ def fail(message: str) -> NoReturn:
 RunOption = Annotated[
     Path | None,
     typer.Option(
-        "--run", "-r", help="Run directory (default: $RLREPLAY_DIR, else the newest under ./rlreplay-runs/)."
+        "--run",
+        "-r",
+        metavar="RUN",
+        help="Run directory or URI (default: $RLREPLAY_DIR, else the newest under ./rlreplay-runs/).",
     ),
 ]
-StepOption = Annotated[str | None, typer.Option("--step", help="Only this training step.")]
-SampleOption = Annotated[str | None, typer.Option("--sample-index", help="Only this dataset sample.")]
-RolloutOption = Annotated[str | None, typer.Option("--rollout-n", help="Only this rollout of a sample.")]
+StepOption = Annotated[str | None, typer.Option("--step", metavar="STEP", help="Only this training step.")]
+SampleOption = Annotated[
+    str | None, typer.Option("--sample-index", metavar="SAMPLE", help="Only this dataset sample.")
+]
+RolloutOption = Annotated[
+    str | None, typer.Option("--rollout-n", metavar="ROLLOUT", help="Only this rollout of a sample.")
+]
 ValidateOption = Annotated[
     bool | None, typer.Option("--validate/--train", help="Only validation (or only training) trajectories.")
 ]
-ExperimentOption = Annotated[str | None, typer.Option("--experiment", help="Only this experiment name.")]
+ExperimentOption = Annotated[
+    str | None, typer.Option("--experiment", metavar="NAME", help="Only this experiment name.")
+]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output (JSON).")]
 TokenizerOption = Annotated[
     str | None,
     typer.Option(
-        "--tokenizer", help="Tokenizer for token2text: a local directory or a hub name (default: the run's)."
+        "--tokenizer",
+        metavar="PATH",
+        help="Tokenizer for token2text: a local directory or a hub name (default: the run's).",
     ),
 ]
 
 
-RunArgument = Annotated[Path | None, typer.Argument(metavar="[RUN]", help="Run directory.")]
+RunArgument = Annotated[
+    Path | None, typer.Argument(metavar="RUN", help="Run directory or URI.", show_default=False)
+]
 
 _KEYS_HELP = "(5, 3..7 inclusive, or a list such as 0..10,20,-1)"
 _SELECTION_PARAMS: list[tuple[str, Any]] = [
-    ("step", Annotated[str | None, typer.Option("--step", help=f"Only these steps {_KEYS_HELP}.")]),
+    (
+        "step",
+        Annotated[str | None, typer.Option("--step", metavar="SPEC", help=f"Only these steps {_KEYS_HELP}.")],
+    ),
     (
         "sample_index",
         Annotated[
             str | None,
             typer.Option(
-                "--sample-index", help=f"Only these dataset samples {_KEYS_HELP}; non-int values too."
+                "--sample-index",
+                metavar="SPEC",
+                help=f"Only these dataset samples {_KEYS_HELP}; non-int values too.",
             ),
         ],
     ),
@@ -110,7 +128,9 @@ _SELECTION_PARAMS: list[tuple[str, Any]] = [
         Annotated[
             str | None,
             typer.Option(
-                "--rollout-n", help=f"Only these rollouts of a sample {_KEYS_HELP}; non-int values too."
+                "--rollout-n",
+                metavar="SPEC",
+                help=f"Only these rollouts of a sample {_KEYS_HELP}; non-int values too.",
             ),
         ],
     ),
@@ -120,7 +140,11 @@ _SELECTION_PARAMS: list[tuple[str, Any]] = [
         "status",
         Annotated[
             str | None,
-            typer.Option("--status", help="Only trajectories whose status is ok, error or incomplete."),
+            typer.Option(
+                "--status",
+                metavar="STATUS",
+                help="Only trajectories whose status is ok, error or incomplete.",
+            ),
         ],
     ),
     (
@@ -129,6 +153,7 @@ _SELECTION_PARAMS: list[tuple[str, Any]] = [
             str | None,
             typer.Option(
                 "--where",
+                metavar="EXPR",
                 help="SQL boolean over the listing columns (the ls --json keys), "
                 'e.g. "reward > 0 and model_calls >= 3".',
             ),
@@ -137,7 +162,8 @@ _SELECTION_PARAMS: list[tuple[str, Any]] = [
     (
         "sort",
         Annotated[
-            str | None, typer.Option("--sort", help='Order: "COL [asc|desc], ...", e.g. "reward desc".')
+            str | None,
+            typer.Option("--sort", metavar="SPEC", help='Order: "COL [asc|desc], ...", e.g. "reward desc".'),
         ],
     ),
     ("limit", Annotated[str | None, typer.Option("--limit", metavar="N", help="At most N trajectories.")]),

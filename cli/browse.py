@@ -163,7 +163,9 @@ def ls_command(
     *,
     selection: Any,
 ) -> None:
-    """List trajectories, one row each (with --json: one JSON object per line)."""
+    """List trajectories, one row each.
+
+    With --json, one JSON object per line."""
     chosen = ls_columns(columns)
     opened = open_run_arg(run, run_path)
     table = selection.trajectories(opened)
@@ -337,7 +339,9 @@ def show_command(
     ] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Show one trajectory's span tree with timings, inputs and outputs, and its conversation as text."""
+    """Show one trajectory: span tree, timings and text.
+
+    The span tree with timings, inputs and outputs, and the conversation as text."""
     from rlreplay.diff import pick
 
     run_path, ref = (Path(first), second) if second is not None else (None, first)
@@ -445,11 +449,13 @@ def _show_conversation(traj: Any) -> list[Any]:
 
 @app.command("info")
 def info_command(
-    run_path: Annotated[Path | None, typer.Argument(metavar="[RUN]", help="Run directory.")] = None,
+    run_path: Annotated[Path | None, typer.Argument(metavar="RUN", help="Run directory.")] = None,
     run: RunOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Summarize a run: manifest, steps, trajectories, spans and bytes on disk now, and what the
+    """Summarize a run.
+
+    Manifest, steps, trajectories, spans and bytes on disk now, and what the
     recording processes reported (spans written, dropped, spilled, lost)."""
     from rlreplay.read.summary import RECORDER_KEYS, run_summary
 
@@ -468,13 +474,16 @@ def info_command(
 
 @app.command("recover")
 def recover_command(
-    run_path: Annotated[Path | None, typer.Argument(metavar="[RUN]", help="Run directory.")] = None,
+    run_path: Annotated[Path | None, typer.Argument(metavar="RUN", help="Run directory.")] = None,
     run: RunOption = None,
     spool: Annotated[
-        Path | None, typer.Option("--spool", help="Spool folder of a URI run (default: $RLREPLAY_SPOOL).")
+        Path | None,
+        typer.Option("--spool", metavar="DIR", help="Spool folder of a URI run (default: $RLREPLAY_SPOOL)."),
     ] = None,
 ) -> None:
-    """Seal the live files a killed recorder left behind (only once its processes are gone)."""
+    """Seal the live files a killed recorder left behind.
+
+    Only once its processes are gone."""
     from rlreplay import errors
     from rlreplay.read.summary import recover
     from rlreplay.remote import location, publish

@@ -466,7 +466,8 @@ def diff_command(
     ] = None,
     run: RunOption = None,
     run_b: Annotated[
-        Path | None, typer.Option("--run-b", help="Run directory of B (default: the run of A).")
+        Path | None,
+        typer.Option("--run-b", metavar="RUN", help="Run directory of B (default: the run of A)."),
     ] = None,
     tokenizer: TokenizerOption = None,
     no_text: Annotated[bool, typer.Option("--ids", help="Compare token ids only; do not decode.")] = False,
@@ -484,6 +485,7 @@ def diff_command(
         Path | None,
         typer.Option(
             "--html",
+            metavar="FILE",
             help="Also write a self-contained HTML report to this file (never inside a run directory; "
             "an existing file only with --force).",
         ),
@@ -493,7 +495,9 @@ def diff_command(
     *,
     selection: Any,
 ) -> None:
-    """Compare two trajectories turn by turn: first divergence, changed text, reward, tools, timings."""
+    """Compare two trajectories, or a group, turn by turn.
+
+    Shows the first divergence, changed text, reward, tools and timings."""
     from rlreplay.cli.browse import is_run_dir
     from rlreplay.diff import align as diffing
     from rlreplay.diff import pick

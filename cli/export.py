@@ -32,11 +32,11 @@ def export_command(
     run_path: RunArgument = None,
     run: RunOption = None,
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="File to write (never inside a run).")
+        Path | None, typer.Option("--out", "-o", metavar="FILE", help="File to write (never inside a run).")
     ] = None,
     fmt: Annotated[
         str | None,
-        typer.Option("--format", help="jsonl or parquet (default: from the --out suffix)."),
+        typer.Option("--format", metavar="FORMAT", help="jsonl or parquet (default: from the --out suffix)."),
     ] = None,
     max_samples: Annotated[
         str | None,
@@ -55,7 +55,9 @@ def export_command(
     *,
     selection: Any,
 ) -> None:
-    """Write one record per trajectory: keys, reward, advantage, and messages in OpenAI chat format."""
+    """Write the selection as a dataset (JSON lines or Parquet).
+
+    One record per trajectory: keys, reward, advantage, and messages in OpenAI chat format."""
     from rlreplay import export
     from rlreplay.read import selection as choosing
     from rlreplay.text.token2text import Decoder, resolve_tokenizer

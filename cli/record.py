@@ -50,6 +50,7 @@ def record_command(
         typer.Option(
             "--out",
             "-o",
+            metavar="RUN",
             help="New run directory, or a URI such as s3://bucket/prefix/run or gs://... "
             "(default: ./rlreplay-runs/<time>-<name>).",
         ),
@@ -58,18 +59,21 @@ def record_command(
         Path | None,
         typer.Option(
             "--spool",
+            metavar="DIR",
             help="Local folder where processes keep files until uploaded, for a URI --out "
             "(default: $RLREPLAY_SPOOL, else ~/.cache/rlreplay/spool).",
         ),
     ] = None,
     experiment: Annotated[
-        str | None, typer.Option("--experiment", help="Experiment name for the run.")
+        str | None, typer.Option("--experiment", metavar="NAME", help="Experiment name for the run.")
     ] = None,
     tokenizer: TokenizerOption = None,
     framework: Annotated[
         str,
         typer.Option(
-            "--framework", help="Framework adapter (entry-point group rlreplay.recorders): verl, generic, ..."
+            "--framework",
+            metavar="NAME",
+            help="Framework adapter (entry-point group rlreplay.adapters): verl, generic, ...",
         ),
     ] = DEFAULT_FRAMEWORK,
     token_signals: Annotated[
@@ -80,10 +84,18 @@ def record_command(
     ] = False,
     grace: Annotated[
         float,
-        typer.Option("--grace", min=0, help="Seconds to wait for worker processes to seal their files."),
+        typer.Option(
+            "--grace",
+            min=0,
+            metavar="SECONDS",
+            help="Seconds to wait for worker processes to seal their files.",
+        ),
     ] = 15.0,
 ) -> int:
-    """Run CMD with recording on in every Python process of the job, then seal and summarize the run."""
+    """Run CMD with recording on in every process.
+
+    Every Python process of the job records; at the end the run is sealed and summarized.
+    """
     from rlreplay.format import manifest
     from rlreplay.read.open import open_run
     from rlreplay.read.summary import recover, run_summary

@@ -35,7 +35,7 @@ def _cell(value: Any) -> str:
 def sql_command(
     first: Annotated[
         str | None,
-        typer.Argument(metavar="[RUN]", help="Run directory (optional; else --run or the default run)."),
+        typer.Argument(metavar="RUN", help="Run directory (optional; else --run or the default run)."),
     ] = None,
     second: Annotated[
         str | None,
@@ -48,7 +48,9 @@ def sql_command(
     run: RunOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Query a run with SQL (DuckDB); files cannot be read or written from the query."""
+    """Query a run with SQL (DuckDB).
+
+    Files cannot be read or written from the query."""
     from rlreplay.read.query import sql
 
     run_path, query = (Path(first), second) if second is not None else (None, first)

@@ -46,12 +46,18 @@ def stats_command(
     run: RunOption = None,
     columns: Annotated[
         str | None,
-        typer.Option("--columns", help="Comma-separated stats columns to show and plot (default: all)."),
+        typer.Option(
+            "--columns",
+            metavar="NAMES",
+            help="Comma-separated stats columns to show and plot (default: all).",
+        ),
     ] = None,
     plot: Annotated[
         Path | None,
         typer.Option(
-            "--plot", help="Write a chart of the columns over steps: FILE.html, FILE.svg or FILE.png."
+            "--plot",
+            metavar="FILE",
+            help="Write a chart of the columns over steps: FILE.html, FILE.svg or FILE.png.",
         ),
     ] = None,
     force: ForceOption = False,
@@ -59,7 +65,10 @@ def stats_command(
     *,
     selection: Any,
 ) -> None:
-    """Per step and split: rewards, group spread, lengths, tool use, errors, durations, and trends."""
+    """Per-step metrics and their trends.
+
+    One row per step and split: rewards, advantages, mismatch, group spread, lengths, tool use,
+    errors and durations; then a sparkline per column."""
     from rlreplay.read.query import STATS_COLUMNS, stats
 
     chosen = _columns(columns, STATS_COLUMNS)

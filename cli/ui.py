@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from rlreplay.cli.app import TokenizerOption, app, fail
+from rlreplay.cli.app import RunOption, TokenizerOption, app, fail
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -18,20 +18,25 @@ def ui_command(
     run_path: Annotated[
         Path | None,
         typer.Argument(
-            metavar="[RUN]",
+            metavar="RUN",
             help="A run directory or a folder of runs (default: $RLREPLAY_DIR, else ./rlreplay-runs/).",
         ),
     ] = None,
     host: Annotated[
-        str, typer.Option("--host", help="Address to listen on (default: this machine only).")
+        str, typer.Option("--host", metavar="HOST", help="Address to listen on (default: this machine only).")
     ] = ("127.0.0.1"),
-    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port (0: any free port).")] = 8765,
+    port: Annotated[
+        int, typer.Option("--port", min=0, max=65535, metavar="PORT", help="Port (0: any free port).")
+    ] = 8765,
     open_browser: Annotated[
         bool, typer.Option("--open/--no-open", help="Open the page in a web browser.")
     ] = False,
     tokenizer: TokenizerOption = None,
+    run: RunOption = None,
 ) -> None:
-    """Browse a run in a web browser: overview, trajectories, conversations, groups, diffs, live."""
+    """Browse a run in a web browser.
+
+    Overview, trajectories, conversations, groups, diffs, live."""
     import socket
 
     try:
@@ -40,7 +45,10 @@ def ui_command(
         from rlreplay.ui.app import create_app
     except ImportError as exc:
         fail(f"rlreplay ui needs the 'ui' extra ({exc.name} is missing): pip install 'rlreplay[ui]'")
-    root = run_path if run_path is not None else _default_root()
+    if run is not None and run_path is not None:
+        fail("give the run once: as RUN or as --run")
+    chosen = run if run is not None else run_path
+    root = chosen if chosen is not None else _default_root()
     loopback = host in LOOPBACK
     allowed = ["127.0.0.1", "localhost", "[::1]", "::1"] if loopback else None
     application = create_app(root, allowed_hosts=allowed, tokenizer=tokenizer)

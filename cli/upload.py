@@ -223,11 +223,14 @@ class _Bar:
 @selection_options
 def upload_command(
     ctx: typer.Context,
-    run_path: Annotated[Path | None, typer.Argument(metavar="[RUN]", help="Run directory.")] = None,
+    run_path: Annotated[Path | None, typer.Argument(metavar="RUN", help="Run directory.")] = None,
     backend: Annotated[
         str,
         typer.Option(
-            "--backend", "-b", help="Where to send: an installed backend (listed below with its options)."
+            "--backend",
+            "-b",
+            metavar="NAME",
+            help="Where to send: an installed backend (listed below with its options).",
         ),
     ] = "mlflow",
     run: RunOption = None,
@@ -235,15 +238,17 @@ def upload_command(
         int | None,
         typer.Option(
             "--max-samples",
+            metavar="N",
             min=1,
             help="Per step and split, at most N >= 1 samples (seeded choice), each with all its rollouts.",
         ),
     ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the --max-samples choice.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the --max-samples choice.")] = 0,
     max_bytes: Annotated[
         str | None,
         typer.Option(
             "--max-bytes",
+            metavar="SIZE",
             help="Byte budget (500k, 900MB, 1.5GiB): whole groups are kept, in step order, while they fit.",
         ),
     ] = None,
@@ -253,6 +258,7 @@ def upload_command(
         typer.Option(
             "--project",
             "-p",
+            metavar="NAME",
             help="MLflow experiment (default: the run's experiment), Weave ENTITY/PROJECT, "
             "OTLP/Phoenix project, Trackio project.",
         ),
@@ -274,6 +280,7 @@ def upload_command(
         float,
         typer.Option(
             "--timeout",
+            metavar="SECONDS",
             min=0.1,
             help="Overall deadline of one request, in seconds; a server silent that long stops the upload.",
         ),
@@ -281,12 +288,16 @@ def upload_command(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Say what would be sent and how many bytes; send nothing.")
     ] = False,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Trajectories per request.")] = 100,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", min=1, metavar="N", help="Trajectories per request.")
+    ] = 100,
     as_json: JsonOption = False,
     *,
     selection: Any,
 ) -> int:
-    """Upload trajectories (a chosen few, or all) as traces; reruns send only what is missing.
+    """Upload a chosen few trajectories (or all) as traces.
+
+    Reruns send only what is missing.
 
     MLflow goes to $MLFLOW_TRACKING_URI, else to a sqlite store in the run directory
     (RUN/_uploads/mlflow.db). Weave needs WANDB_API_KEY and --project ENTITY/PROJECT. OTLP sends

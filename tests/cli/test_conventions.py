@@ -30,3 +30,37 @@ def test_shell_completion_script() -> None:
     proc = rlreplay("--show-completion", "bash")
     assert proc.returncode == 0, proc.stderr
     assert "complete" in proc.stdout and "rlreplay" in proc.stdout
+
+
+def test_top_level_help_has_whole_one_line_descriptions() -> None:
+    proc = rlreplay("--help")
+    commands = proc.stdout.split("Commands:")[1].strip().splitlines()
+    assert len(commands) >= 11
+    for line in commands:
+        assert not line.rstrip().endswith("...") and line.rstrip().endswith("."), line
+
+
+def test_placeholders_say_what_they_take() -> None:
+    for command in (
+        "ls",
+        "show",
+        "info",
+        "recover",
+        "diff",
+        "export",
+        "record",
+        "sql",
+        "stats",
+        "ui",
+        "upload",
+    ):
+        text = rlreplay(command, "--help").stdout
+        usage = text.splitlines()[0]
+        assert "[[" not in usage, usage
+        options = [line for line in text.split("Options:")[1].splitlines() if line.strip().startswith("-")]
+        assert not [line for line in options if "<str>" in line or "<path>" in line], (command, options)
+
+
+def test_every_reading_command_takes_dash_r() -> None:
+    for command in ("ls", "show", "info", "diff", "export", "sql", "stats", "ui", "upload"):
+        assert "-r, --run RUN" in rlreplay(command, "--help").stdout, command
