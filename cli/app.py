@@ -56,13 +56,9 @@ RunOption = Annotated[
         "--run", "-r", help="Run directory (default: $RLREPLAY_DIR, else the newest under ./rlreplay-runs/)."
     ),
 ]
-StepOption = Annotated[str | None, typer.Option("--step", help="Only this training step.")]
-SampleOption = Annotated[str | None, typer.Option("--sample-index", help="Only this dataset sample.")]
-RolloutOption = Annotated[str | None, typer.Option("--rollout-n", help="Only this rollout of a sample.")]
 ValidateOption = Annotated[
     bool | None, typer.Option("--validate/--train", help="Only validation (or only training) trajectories.")
 ]
-ExperimentOption = Annotated[str | None, typer.Option("--experiment", help="Only this experiment name.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output (JSON).")]
 TokenizerOption = Annotated[
     str | None,
@@ -74,13 +70,15 @@ TokenizerOption = Annotated[
 
 RunArgument = Annotated[Path | None, typer.Argument(metavar="[RUN]", help="Run directory.")]
 
-_KEYS_HELP = "(5, 3..7 inclusive, or a list such as 0..10,20,-1)"
+_KEYS_HELP = "(5, 3..7 inclusive, or a list such as 0..10,20,-1; given twice: both)"
+#: The key options: given more than once, their values add up (``--step 1 --step 2`` is ``--step 1,2``).
+_KEY_PARAMS = ("step", "sample_index", "rollout_n")
 _SELECTION_PARAMS: list[tuple[str, Any]] = [
-    ("step", Annotated[str | None, typer.Option("--step", help=f"Only these steps {_KEYS_HELP}.")]),
+    ("step", Annotated[list[str] | None, typer.Option("--step", help=f"Only these steps {_KEYS_HELP}.")]),
     (
         "sample_index",
         Annotated[
-            str | None,
+            list[str] | None,
             typer.Option(
                 "--sample-index", help=f"Only these dataset samples {_KEYS_HELP}; non-int values too."
             ),
@@ -89,25 +87,28 @@ _SELECTION_PARAMS: list[tuple[str, Any]] = [
     (
         "rollout_n",
         Annotated[
-            str | None,
+            list[str] | None,
             typer.Option(
                 "--rollout-n", help=f"Only these rollouts of a sample {_KEYS_HELP}; non-int values too."
             ),
         ],
     ),
     ("validate", ValidateOption),
-    ("experiment", ExperimentOption),
+    (
+        "experiment",
+        Annotated[list[str] | None, typer.Option("--experiment", help="Only this experiment name.")],
+    ),
     (
         "status",
         Annotated[
-            str | None,
+            list[str] | None,
             typer.Option("--status", help="Only trajectories whose status is ok, error or incomplete."),
         ],
     ),
     (
         "where",
         Annotated[
-            str | None,
+            list[str] | None,
             typer.Option(
                 "--where",
                 help="SQL boolean over the listing columns (the ls --json keys), "
@@ -118,11 +119,28 @@ _SELECTION_PARAMS: list[tuple[str, Any]] = [
     (
         "sort",
         Annotated[
-            str | None, typer.Option("--sort", help='Order: "COL [asc|desc], ...", e.g. "reward desc".')
+            list[str] | None, typer.Option("--sort", help='Order: "COL [asc|desc], ...", e.g. "reward desc".')
         ],
     ),
-    ("limit", Annotated[str | None, typer.Option("--limit", metavar="N", help="At most N trajectories.")]),
+    (
+        "limit",
+        Annotated[list[str] | None, typer.Option("--limit", metavar="N", help="At most N trajectories.")],
+    ),
 ]
+
+
+def _one_value(name: str, values: Any) -> Any:
+    """A selection option's value: key options add up; any other given twice is bad input."""
+    if not isinstance(values, list):
+        return values  # --validate/--train, or a caller passing the value itself
+    if not values:
+        return None
+    if name in _KEY_PARAMS:
+        return ",".join(values)
+    if len(values) > 1:
+        fail(f"--{name.replace('_', '-')} given twice ({' and '.join(map(repr, values))}); give it once")
+    return values[0]
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -144,7 +162,7 @@ def selection_options(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from rlreplay.read.selection import Selection
 
-        chosen = {name: kwargs.pop(name, None) for name in names}
+        chosen = {name: _one_value(name, kwargs.pop(name, None)) for name in names}
         chosen["limit"] = whole_number("--limit", chosen["limit"], minimum=1)
         selection = Selection(**chosen)
         selection.check()

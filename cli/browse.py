@@ -55,10 +55,10 @@ def ls_command(
     if sys.stdout.isatty() and shown <= RICH_ROWS:
         out = console()
         out.print(_rich_listing(table))
-        out.print(f"{total} in {opened.path}", markup=False)
+        out.print(f"{total} in {opened.address}", markup=False)
     else:
         sys.stdout.write(_plain_listing(table))
-        sys.stdout.write(f"{total} in {opened.path}\n")
+        sys.stdout.write(f"{total} in {opened.address}\n")
     counters = opened.counters()
     losses = {k: v for k, v in counters.items() if k != "spans" and v}
     if losses:
