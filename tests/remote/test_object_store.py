@@ -551,14 +551,19 @@ def two_worker_run(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> tu
     return uri, tmp
 
 
+def _listed_copy(
+    s3: S3Server, run: tuple[str, Path], tmp_path: Path
+) -> tuple[str, Path, dict[str, str], Path]:
+    """(the run's URI, a local copy of it, the environment to read it, the cache that fills)."""
+    local = tmp_path / "local-copy"
+    _mirror(s3, "exp/listed/", local)
+    return run[0], local, _env(s3, tmp_path), tmp_path / "cache"
+
+
 def test_listing_a_remote_run_fetches_only_index_files(
     s3: S3Server, two_worker_run: tuple[str, Path], tmp_path: Path
 ) -> None:
-    uri, _ = two_worker_run
-    local = tmp_path / "local-copy"
-    _mirror(s3, "exp/listed/", local)
-    env = _env(s3, tmp_path)
-    cache = tmp_path / "cache"
+    uri, local, env, cache = _listed_copy(s3, two_worker_run, tmp_path)
     commands = [
         ["ls", "--json"],
         ["stats", "--json"],
@@ -680,11 +685,7 @@ def test_shards_without_index_files_are_listed_without_fetching_them(s3: S3Serve
 def test_info_names_the_run_and_sql_spans_sees_every_step(
     s3: S3Server, two_worker_run: tuple[str, Path], tmp_path: Path
 ) -> None:
-    uri, _ = two_worker_run
-    local = tmp_path / "local-copy"
-    _mirror(s3, "exp/listed/", local)
-    env = _env(s3, tmp_path)
-    cache = tmp_path / "cache"
+    uri, local, env, cache = _listed_copy(s3, two_worker_run, tmp_path)
 
     info = rlreplay(env, "info", uri, cwd=tmp_path)
     assert info.returncode == 0, info.stderr
