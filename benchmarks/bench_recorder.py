@@ -14,6 +14,10 @@ store in a temp dir). Per-call times are taken with perf_counter_ns around each 
 trajectory's own open/close is timed separately. Background work (rlreplay's writer, weave's
 batch sender, MLflow's async exporter) is flushed between tracers and not counted per span.
 
+Total per span: the calling thread's mean (it includes the spans a full queue made the calling
+thread encode itself) plus the CPU time rlreplay's own threads (writer and sealer, read from each
+thread's CPU clock) spent per op call over the same calls: everything recording a span costs.
+
 Also: event-loop lag (p50/p99 of a 1 ms ticker's lateness) with 64 asyncio tasks making
 ~1,000 token spans/s, without and with the recorder.
 
@@ -83,6 +87,22 @@ class Tracer:
     def flush(self) -> None:
         pass
 
+    def background_ns(self) -> int:
+        """CPU time (ns) this tracer's own threads have used so far (0: not measured)."""
+        return 0
+
+
+def thread_cpu_ns(prefix: str) -> int:
+    """CPU time (ns) used so far by the live threads whose names start with ``prefix``."""
+    import threading
+
+    total = 0
+    for thread in threading.enumerate():
+        if thread.name.startswith(prefix) and thread.ident is not None:
+            with contextlib.suppress(OSError):
+                total += time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
+    return total
+
 
 class RlreplayTracer(Tracer):
     name = "rlreplay"
@@ -102,6 +122,9 @@ class RlreplayTracer(Tracer):
 
     def flush(self) -> None:
         self.rlreplay.flush()
+
+    def background_ns(self) -> int:
+        return thread_cpu_ns("rlreplay-")
 
 
 class WeaveTracer(Tracer):
@@ -208,6 +231,8 @@ def measure(
     clock = time.perf_counter_ns
     warmup = max(2, calls // 10)
     i = 0
+    tracer.flush()
+    background = tracer.background_ns()
     while i < calls + warmup:
         t0 = clock()
         ctx = tracer.trajectory(i)
@@ -228,9 +253,12 @@ def measure(
         if i % 512 < SPANS_PER_TRAJECTORY:
             tracer.flush()  # keep background queues short; not counted per call
     tracer.flush()
+    background = tracer.background_ns() - background
     per_call.sort()
     return {
         "median": statistics.median(per_call),
+        "mean": statistics.fmean(per_call),  # spans a full queue made the calling thread encode count here
+        "background": background / i,  # per op call, all calls (warm-up too) and their trajectories
         "p99": per_call[min(len(per_call) - 1, int(len(per_call) * 0.99))],
         "root": statistics.median(per_root),
         "n": len(per_call),
@@ -365,6 +393,14 @@ def main() -> None:
         f"(a first touch of a fresh 4 KiB page costs {page_fault_us():.2f} µs on this machine; "
         "snapshot copies land on fresh pages whenever the allocator has given freed memory back)"
     )
+    r, t = results["rlreplay", "token"], results["rlreplay", "tiny"]
+    print(
+        f"\nrlreplay total per token span: {(r['mean'] + r['background']) / 1e3:.1f} µs "
+        f"(calling thread, mean {r['mean'] / 1e3:.1f} + writer and sealer CPU {r['background'] / 1e3:.1f}); "
+        f"tiny span: {(t['mean'] + t['background']) / 1e3:.1f} µs"
+    )
+    shards = sorted((tmp / "run" / "spans").rglob("*.parquet"))
+    print(f"shards: {len(shards)} files, {sum(p.stat().st_size for p in shards):,} bytes")
     overhead_token = (results["rlreplay", "token"]["median"] - results["none", "token"]["median"]) / 1e3
     overhead_tiny = (results["rlreplay", "tiny"]["median"] - results["none", "tiny"]["median"]) / 1e3
     budget = 5 + 0.005 * ids

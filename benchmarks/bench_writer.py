@@ -38,7 +38,8 @@ def make_events(
 ) -> tuple[list[tuple], int]:
     """The queue events of ``trajectories`` agent loops, and the ids they record."""
     import rlreplay
-    from rlreplay import recorder
+    from rlreplay.recorder import api as recorder
+    from rlreplay.recorder import events as events_mod
     from rlreplay.recorder import writer
 
     events: list[tuple] = []
@@ -65,7 +66,7 @@ def make_events(
 
     asyncio.run(main())
     recorder._recorder = None
-    events = [e for e in events if e[0] == recorder.SPAN]
+    events = [e for e in events if e[0] == events_mod.SPAN]
     return events, sum(_ids(e) for e in events)
 
 
@@ -79,7 +80,7 @@ def _ids(event: tuple) -> int:
 def write_all(events: list[tuple], out: Path, batch_rows: int, idle_s: float = 0.0) -> dict[str, float]:
     """What the writer thread does with ``events``; CPU seconds per phase. ``idle_s``: the thread
     sleeps that long before each span (not timed), as the writer in a paced rollout wakes to a few."""
-    from rlreplay import recorder
+    from rlreplay.recorder import events as events_mod
     from rlreplay.recorder import rows, writer
     from rlreplay.shards.live import PartialWriter
 
@@ -98,7 +99,7 @@ def write_all(events: list[tuple], out: Path, batch_rows: int, idle_s: float = 0
             time.sleep(idle_s)
         t0 = clock()
         row, nbytes = rows.encode_row(
-            event, config, "w", problem, recorder.format_trajectory_id, recorder.format_span_id, prefixes
+            event, config, "w", problem, events_mod.format_trajectory_id, events_mod.format_span_id, prefixes
         )
         buf.append(row, nbytes)
         t1 = clock()

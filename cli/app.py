@@ -78,18 +78,8 @@ RunOption = Annotated[
         help="Run directory or URI (default: $RLREPLAY_DIR, else the newest under ./rlreplay-runs/).",
     ),
 ]
-StepOption = Annotated[str | None, typer.Option("--step", metavar="STEP", help="Only this training step.")]
-SampleOption = Annotated[
-    str | None, typer.Option("--sample-index", metavar="SAMPLE", help="Only this dataset sample.")
-]
-RolloutOption = Annotated[
-    str | None, typer.Option("--rollout-n", metavar="ROLLOUT", help="Only this rollout of a sample.")
-]
 ValidateOption = Annotated[
     bool | None, typer.Option("--validate/--train", help="Only validation (or only training) trajectories.")
-]
-ExperimentOption = Annotated[
-    str | None, typer.Option("--experiment", metavar="NAME", help="Only this experiment name.")
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output (JSON).")]
 TokenizerOption = Annotated[
@@ -106,16 +96,20 @@ RunArgument = Annotated[
     Path | None, typer.Argument(metavar="RUN", help="Run directory or URI.", show_default=False)
 ]
 
-_KEYS_HELP = "(5, 3..7 inclusive, or a list such as 0..10,20,-1)"
+_KEYS_HELP = "(5, 3..7 inclusive, or a list such as 0..10,20,-1; given twice: both)"
+#: The key options: given more than once, their values add up (``--step 1 --step 2`` is ``--step 1,2``).
+_KEY_PARAMS = ("step", "sample_index", "rollout_n")
 _SELECTION_PARAMS: list[tuple[str, Any]] = [
     (
         "step",
-        Annotated[str | None, typer.Option("--step", metavar="SPEC", help=f"Only these steps {_KEYS_HELP}.")],
+        Annotated[
+            list[str] | None, typer.Option("--step", metavar="SPEC", help=f"Only these steps {_KEYS_HELP}.")
+        ],
     ),
     (
         "sample_index",
         Annotated[
-            str | None,
+            list[str] | None,
             typer.Option(
                 "--sample-index",
                 metavar="SPEC",
@@ -126,7 +120,7 @@ _SELECTION_PARAMS: list[tuple[str, Any]] = [
     (
         "rollout_n",
         Annotated[
-            str | None,
+            list[str] | None,
             typer.Option(
                 "--rollout-n",
                 metavar="SPEC",
@@ -135,11 +129,16 @@ _SELECTION_PARAMS: list[tuple[str, Any]] = [
         ],
     ),
     ("validate", ValidateOption),
-    ("experiment", ExperimentOption),
+    (
+        "experiment",
+        Annotated[
+            list[str] | None, typer.Option("--experiment", metavar="NAME", help="Only this experiment name.")
+        ],
+    ),
     (
         "status",
         Annotated[
-            str | None,
+            list[str] | None,
             typer.Option(
                 "--status",
                 metavar="STATUS",
@@ -150,7 +149,7 @@ _SELECTION_PARAMS: list[tuple[str, Any]] = [
     (
         "where",
         Annotated[
-            str | None,
+            list[str] | None,
             typer.Option(
                 "--where",
                 metavar="EXPR",
@@ -162,12 +161,29 @@ _SELECTION_PARAMS: list[tuple[str, Any]] = [
     (
         "sort",
         Annotated[
-            str | None,
+            list[str] | None,
             typer.Option("--sort", metavar="SPEC", help='Order: "COL [asc|desc], ...", e.g. "reward desc".'),
         ],
     ),
-    ("limit", Annotated[str | None, typer.Option("--limit", metavar="N", help="At most N trajectories.")]),
+    (
+        "limit",
+        Annotated[list[str] | None, typer.Option("--limit", metavar="N", help="At most N trajectories.")],
+    ),
 ]
+
+
+def _one_value(name: str, values: Any) -> Any:
+    """A selection option's value: key options add up; any other given twice is bad input."""
+    if not isinstance(values, list):
+        return values  # --validate/--train, or a caller passing the value itself
+    if not values:
+        return None
+    if name in _KEY_PARAMS:
+        return ",".join(values)
+    if len(values) > 1:
+        fail(f"--{name.replace('_', '-')} given twice ({' and '.join(map(repr, values))}); give it once")
+    return values[0]
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -189,7 +205,7 @@ def selection_options(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from rlreplay.read.selection import Selection
 
-        chosen = {name: kwargs.pop(name, None) for name in names}
+        chosen = {name: _one_value(name, kwargs.pop(name, None)) for name in names}
         chosen["limit"] = whole_number("--limit", chosen["limit"], minimum=1)
         selection = Selection(**chosen)
         selection.check()

@@ -180,7 +180,7 @@ def ls_command(
     shown = table.num_rows
     total = f"{shown} trajectories" if selection.limit is None else f"{shown} trajectories (--limit)"
     if shown == 0:
-        sys.stderr.write(f"no trajectories selected in {opened.path}\n")
+        sys.stderr.write(f"no trajectories selected in {opened.address}\n")
         return
     cells, names = _listing_cells(table, chosen)
     if columns is None and sys.stdout.isatty():
@@ -188,10 +188,10 @@ def ls_command(
     if sys.stdout.isatty() and shown <= RICH_ROWS:
         out = console()
         out.print(_rich_listing(cells, names))
-        out.print(f"{total} in {opened.path}", markup=False)
+        out.print(f"{total} in {opened.address}", markup=False)
     else:
         sys.stdout.write(_plain_listing(cells, names))
-        sys.stdout.write(f"{total} in {opened.path}\n")
+        sys.stdout.write(f"{total} in {opened.address}\n")
     counters = opened.counters()
     losses = {k: v for k, v in counters.items() if k != "spans" and v}
     if losses:

@@ -224,7 +224,7 @@ def write_plot(path: Path, suffix: str, rows: list[dict[str, Any]], columns: lis
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>{_esc(title)}</title><style>body{{font-family:sans-serif;margin:16px}}"
         ".grid{display:flex;flex-wrap:wrap;gap:12px}</style></head><body>"
-        f"<h3>{_esc(title)}</h3><p>{_esc(str(run.path))} &middot; {legend}</p>"
+        f"<h3>{_esc(title)}</h3><p>{_esc(run.address)} &middot; {legend}</p>"
         f"<div class='grid'>{figures}</div></body></html>\n",
         encoding="utf-8",
     )

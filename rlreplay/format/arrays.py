@@ -260,15 +260,22 @@ class SharedIndex:
                 self.latest = (span_id, [v.copy() for v in lists], stream) if None not in lists else None
 
     def list_prefix(self, values: list, after: tuple[str, int] | None) -> tuple[str, int, int, Any] | None:
-        """``(span, start, length, ids)``: the longest run of the latest id stream, from its start or
-        from ``after`` (where the span's previous array ended in it), that ``values`` begins with,
-        compared as lists (C speed, no conversion); None if shorter than ``MIN_SHARED``."""
+        """``(span, start, length, ids)``: the longest run of the latest id stream, from its start,
+        from ``after`` (where the span's previous array ended in it) or from the start of one of its
+        lists, that ``values`` begins with, compared as lists (C speed, no conversion); None if
+        shorter than ``MIN_SHARED``."""
         if self.latest is None:
             return None
         span, lists, stream = self.latest
         best = 0
         best_start = 0
-        for start in (0, after[1]) if after is not None and after[0] == span else (0,):
+        starts = [0, after[1]] if after is not None and after[0] == span else [0]
+        first, pos = values[0], 0
+        for part in lists:  # a list given again whole (a response passed on): its start too
+            if pos and part and part[0] == first and pos not in starts:
+                starts.append(pos)
+            pos += len(part)
+        for start in starts:
             length = _list_match(lists, start, values)
             if length > best:
                 best, best_start = length, start
@@ -305,14 +312,16 @@ class SharedIndex:
             if after is not None and after[0] in by_span:
                 options.append((after[0], by_span[after[0]], after[1]))
             best: tuple[str, int, int] | None = None
-            for span_id, stream, start in options:
+            for span_id, stream, start in reversed(options):  # the latest first: it wins ties
                 m = min(n - p, len(stream) - start)
                 if m < MIN_SHARED or (bits[p : p + MIN_SHARED] != stream[start : start + MIN_SHARED]).any():
                     continue
-                diff = np.flatnonzero(bits[p : p + m] != stream[start : start + m])
-                length = int(diff[0]) if len(diff) else m
-                if best is None or length >= best[2]:  # ties: the latest
+                same = bits[p : p + m] == stream[start : start + m]
+                length = m if same.all() else int(same.argmin())
+                if best is None or length > best[2]:
                     best = (span_id, start, length)
+                    if length == n - p:
+                        break  # all the rest of the array: none can do better
             if best is not None:
                 refs.append([best[0], best[1], best[2], p])
                 after = (best[0], best[1] + best[2])
@@ -354,11 +363,20 @@ def _positions_of(bits: Any, keys: Any) -> Any:
         found = np.zeros(len(head), dtype=bool)
         for first in firsts:
             found |= head == first
-    at = np.flatnonzero(found)
-    if not len(at):
-        return at
-    pairs = (bits[at].astype(np.uint64) << np.uint64(32)) | bits[at + 1]
-    return at[np.isin(pairs, np.fromiter(keys, dtype=np.uint64, count=len(keys)))]
+    at = found.nonzero()[0]
+    if len(at) > 64:
+        pairs = (bits[at].astype(np.uint64) << np.uint64(32)) | bits[at + 1]
+        return at[np.isin(pairs, np.fromiter(keys, dtype=np.uint64, count=len(keys)))]
+    # a few candidates (the usual case): a set lookup each, no sort
+    seconds = bits[at + 1].tolist()
+    return np.array(
+        [
+            a
+            for a, first, second in zip(at.tolist(), bits[at].tolist(), seconds)
+            if (first << 32 | second) in keys
+        ],
+        dtype=np.int64,
+    )
 
 
 def _list_match(lists: list[list[int]], start: int, values: list) -> int:
@@ -372,7 +390,8 @@ def _list_match(lists: list[list[int]], start: int, values: list) -> int:
             start -= size
             continue
         k = min(n - pos, size - start)
-        if k <= 0 or values[pos : pos + k] != (part[start : start + k] if start or k < size else part):
+        mine = values if not pos and k == n else values[pos : pos + k]
+        if k <= 0 or mine != (part[start : start + k] if start or k < size else part):
             break
         pos += k
         start = 0

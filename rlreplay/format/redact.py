@@ -5,13 +5,15 @@ A *secret name* is an option, argument, variable, header or keyword name whose w
 ``passphrase`` or ``credential(s)``, or end in ``key``, ``apikey``, ``token``, ``pat``, ``auth``
 or ``authorization``. A ``key`` that names data (``prompt_key``, ``image_key``: a dataset
 column) is not a secret, nor is a keyword argument named just ``key`` (a lookup key; ``--key``
-on a command line is a secret); ``max_tokens`` and ``tokenizer_path`` are not either.
+on a command line is a secret, ``key=X`` without dashes is not: ``pytest -o key=value``);
+``max_tokens`` and ``tokenizer_path`` are not either.
 
 What is hidden (replaced by ``***``):
 - the value of a secret name: ``--key X``, ``--api-key=X``, ``wandb_key=X``, ``KEY:X``,
   ``Authorization: Bearer X``, ``{"api_key": X}``;
-- the value of the short option ``-p`` (``-p X``, ``-pX``): the password flag of mysql, docker
-  login and others (a port or a plugin name given with ``-p`` is hidden too);
+- the value of the short option ``-p`` (``-p X``, ``-pX``) in the command lines of programs
+  whose ``-p`` is a password (mysql, mariadb, docker, podman, sshpass, the mongo tools); for
+  every other program (``pytest -p no:cacheprovider``, ``ssh -p 2222``) it is kept;
 - the user and password of a URL (``https://user:pw@host`` → ``https://***@host``) and URL
   query parameters with secret names;
 - ``Bearer``/``Basic`` credentials, and values shaped like well-known keys (``sk-…``, ``hf_…``,
@@ -63,8 +65,33 @@ _DATA_KEY = frozenset(
         "foreign",
     }
 )
+_NAME = re.compile(r"[-+~]*[A-Za-z_][\w.@/-]*")  # an option or config key, before ``=``
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 _SHORT_PASSWORD = "-p"
+#: Programs whose ``-p`` takes a password (elsewhere it is a port, a plugin, a path...).
+_PASSWORD_P = frozenset(
+    {
+        "mysql",
+        "mysqldump",
+        "mysqladmin",
+        "mysqlimport",
+        "mysqlshow",
+        "mysqlcheck",
+        "mariadb",
+        "mariadb-dump",
+        "mariadb-admin",
+        "docker",
+        "podman",
+        "nerdctl",
+        "sshpass",
+        "mongo",
+        "mongosh",
+        "mongodump",
+        "mongorestore",
+        "mongoexport",
+        "mongoimport",
+    }
+)
 
 _SECRET_VALUE = re.compile(
     r"\b(?:sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{16,}|gh[pousr]_[A-Za-z0-9]{20,}"
@@ -138,29 +165,40 @@ def redact_argv(argv: list[str]) -> list[str]:
     """A command line with the values of secret options and arguments hidden."""
     out: list[str] = []
     hide_next = False
+    password_p = False  # whether ``-p`` takes a password in the program run so far
     for arg in argv:
         if hide_next and not arg.startswith("--"):
             out.append(REDACTED)
             hide_next = False
             continue
         hide_next = False
-        if arg == _SHORT_PASSWORD:
+        if password_p and arg == _SHORT_PASSWORD:
             out.append(arg)
             hide_next = True
             continue
-        if arg.startswith(_SHORT_PASSWORD) and not arg.startswith("--") and len(arg) > 2:
+        if password_p and arg.startswith(_SHORT_PASSWORD) and not arg.startswith("--") and len(arg) > 2:
             out.append(_SHORT_PASSWORD + REDACTED)
             continue
-        name, eq, _ = arg.partition("=")
-        if arg.startswith("-") and not eq and secret_name(name):
+        if not arg.startswith("-") and arg.rsplit("/", 1)[-1] in _PASSWORD_P:
+            password_p = True
+        name, eq, value = arg.partition("=")
+        option = arg.startswith("-")
+        if option and not eq and secret_name(name):
             out.append(arg)
             hide_next = True
             continue
-        if eq and secret_name(name):
+        if eq and secret_name(name, bare_key=option):
             out.append(f"{name}={REDACTED}")
             continue
-        out.append(redact_value(arg))
+        out.append(f"{name}={redact_value(value)}" if eq and _NAME.fullmatch(name) else redact_value(arg))
     return out
+
+
+def redact_data(value: Any) -> Any:
+    """``value`` (a payload: mappings, lists, strings, numbers) under the rules of
+    :func:`redact_mapping`, at any depth; number lists (token ids, log-probs) are never looked
+    into, and what needs no change is returned as it is (the same object)."""
+    return _redact_any(value, set())
 
 
 def redact_mapping(data: Mapping[str, Any]) -> dict[str, Any]:

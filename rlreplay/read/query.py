@@ -17,7 +17,7 @@ from rlreplay.errors import FormatError, QueryError
 from rlreplay.format.index import merged
 from rlreplay.format.schema import SPAN_SCHEMA, file_version
 from rlreplay.read.selection import KEYS, Selection
-from rlreplay.read.where import connect, one_line, run_query, shared_connection
+from rlreplay.read.where import connect, duckdb_module, one_line, run_query, shared_connection
 from rlreplay.shards.layout import list_files
 
 #: The columns of :func:`stats`, in order.
@@ -105,10 +105,16 @@ def _mentions(text: str, name: str) -> bool:
 
 
 def sql(run: Any, text: str, selection: Selection | None = None) -> pa.Table:
-    """Run SQL over the views ``trajectories`` and ``spans`` of ``run``; the last statement's rows."""
+    """Run one SQL statement over the views ``trajectories`` and ``spans`` of ``run``; its rows."""
     if not text.strip():
         raise QueryError("empty SQL query")
     con = connect()
+    try:
+        statements = len(con.extract_statements(text))
+    except duckdb_module().Error as exc:
+        raise QueryError(f"sql: {one_line(exc)}") from None
+    if statements > 1:
+        raise QueryError(f"sql: one statement at a time (got {statements}); run each on its own")
     if _mentions(text, "trajectories"):
         register_trajectories(con, (selection or Selection()).trajectories(run))
     if _mentions(text, "spans"):

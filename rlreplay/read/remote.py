@@ -61,7 +61,12 @@ class RemoteRun(Run):
         super().__init__(cache.dir)
 
     def __repr__(self) -> str:
-        return f"Run({redact(self.uri)!r})"
+        return f"Run({self.address!r})"
+
+    @property
+    def address(self) -> str:
+        """The run's URI, credentials hidden (``path`` is the local cache it is read through)."""
+        return redact(self.uri)
 
     def _error(self, exc: BaseException) -> RunError:
         return RunError(f"{redact(self.uri)}: {error_line(exc)}")

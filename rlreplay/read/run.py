@@ -63,6 +63,11 @@ class Run:
         return self.path.name
 
     @property
+    def address(self) -> str:
+        """Where the run is, as shown to a user: its directory (a URI for a run on an object store)."""
+        return str(self.path)
+
+    @property
     def experiment(self) -> str | None:
         return self.manifest.get("experiment")
 

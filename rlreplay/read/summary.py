@@ -10,7 +10,6 @@ from rlreplay.format import arrow_ops as ops
 from rlreplay.format import manifest
 from rlreplay.format import redact as redaction
 from rlreplay.read.run import Run
-from rlreplay.remote import location
 from rlreplay.shards.layout import SPANS_DIR
 from rlreplay.shards.recover import recover_run
 
@@ -34,7 +33,7 @@ def run_summary(run: Run) -> dict[str, Any]:
     size = run.stored_bytes() if uri else disk_bytes(run.path)
     m = run.manifest
     return {
-        "run": location.redact(uri) if uri else str(run.path),
+        "run": run.address,
         **({"cache": str(run.path)} if uri else {}),
         "run_id": m.get("run_id"),
         "experiment": m.get("experiment"),

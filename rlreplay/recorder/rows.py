@@ -229,16 +229,18 @@ def encode_row(
         inputs_obj = _bound(meta, args, kwargs, problem)
         if meta.reduce_inputs is not None:
             inputs_obj = _reduce(meta, "reduce_inputs", meta.reduce_inputs, inputs_obj, warn)
-        inputs_data = payload.to_jsonable(inputs_obj, issues=issues, kinds=kinds)
+        inputs_data = _redacted(payload.to_jsonable(inputs_obj, issues=issues, kinds=kinds))
     reward = None
     if exc is not None:
-        output_data: Any = exception_data(exc)
+        output_data: Any = _redacted(exception_data(exc))
         error = payload.safe_text(f"{output_data['type']}: {output_data['message']}")
     else:
         out = result
         if meta.reduce_output is not None:
             out = _reduce(meta, "reduce_output", meta.reduce_output, result, warn)
-        output_data = payload.to_jsonable(out, issues=issues, kinds=kinds) if out is not None else None
+        output_data = (
+            _redacted(payload.to_jsonable(out, issues=issues, kinds=kinds)) if out is not None else None
+        )
         error = None
         if meta.reward is not None:
             reward = as_reward(_reduce(meta, "reward", meta.reward, result, warn))
@@ -331,10 +333,15 @@ def _bound(meta: Any, args: tuple, kwargs: dict, problem: Problem) -> Any:
     except Exception as exc:
         problem("bind", f"could not bind the arguments of {meta.name}: {type(exc).__name__}")
         inputs = {"args": list(args), **kwargs}
+    return inputs
+
+
+def _redacted(data: Any) -> Any:
+    """A payload with its secrets hidden (the same rules for inputs, outputs and errors)."""
     try:
-        return redaction.redact_mapping(inputs)
+        return redaction.redact_data(data)
     except Exception:
-        return {k: "***" for k in inputs} if isinstance(inputs, dict) else None
+        return {k: redaction.REDACTED for k in data} if isinstance(data, dict) else redaction.REDACTED
 
 
 def _token_counts(kind: str, inputs: Any, output: Any) -> tuple[int | None, int | None]:

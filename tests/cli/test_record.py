@@ -66,6 +66,8 @@ def test_record_activates_every_process_and_keeps_exit_code(tmp_path: Path) -> N
         sys.executable,
         str(script),
         "3",
+        "-p",
+        "no:cacheprovider",
         f"--api-key={secret}",
         env={"WANDB_API_KEY": secret},
     )
@@ -78,7 +80,8 @@ def test_record_activates_every_process_and_keeps_exit_code(tmp_path: Path) -> N
     assert {r["experiment"] for r in rows} == {"exp-rec"}
     manifest = json.loads((out / "run.json").read_text())
     assert manifest["exit_code"] == 3 and manifest["trajectories"] == 3
-    assert manifest["command"][-1] == "--api-key=***"
+    # the manifest says what ran: ordinary options readable, secrets hidden
+    assert manifest["command"][-3:] == ["-p", "no:cacheprovider", "--api-key=***"]
     for path in out.rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path

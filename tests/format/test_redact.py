@@ -23,8 +23,12 @@ SECRET = "s3cr3t-Value-9f8e7d"
         ([f"https://user:{SECRET}@example.com/repo.git"], [f"https://{REDACTED}@example.com/repo.git"]),
         (["-H", f"Authorization: Bearer {SECRET}"], ["-H", f"Authorization: {REDACTED}"]),
         ([f"KEY:{SECRET}"], [f"KEY:{REDACTED}"]),
-        (["-p", SECRET], ["-p", REDACTED]),
-        ([f"-p{SECRET}"], [f"-p{REDACTED}"]),
+        (["mysql", "-u", "root", "-p", SECRET], ["mysql", "-u", "root", "-p", REDACTED]),
+        (["/usr/bin/mysqldump", f"-p{SECRET}", "db"], ["/usr/bin/mysqldump", f"-p{REDACTED}", "db"]),
+        (["docker", "login", "-u", "bob", "-p", SECRET], ["docker", "login", "-u", "bob", "-p", REDACTED]),
+        (["--api-key", SECRET], ["--api-key", REDACTED]),
+        ([f"--token={SECRET}"], [f"--token={REDACTED}"]),
+        ([f"WANDB_API_KEY={SECRET}"], [f"WANDB_API_KEY={REDACTED}"]),
         (["--password", SECRET, "--next"], ["--password", REDACTED, "--next"]),
         ([f"--clientSecret={SECRET}"], [f"--clientSecret={REDACTED}"]),
         ([f"X-Auth-Token:{SECRET}"], [f"X-Auth-Token:{REDACTED}"]),
@@ -68,6 +72,24 @@ def test_secret_shaped_values_and_environment_values(monkeypatch: pytest.MonkeyP
         f"--opt={REDACTED}x",
         "/home/user/project",
     ]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["python", "-m", "pytest", "-p", "no:cacheprovider", "-q"],
+        ["pytest", "-pno:cacheprovider", "-x"],
+        ["pytest", "-n", "4", "-k", "not slow and test_redact", "-o", "key=value"],
+        ["pytest", "-o", "cache_dir=/tmp/cache", "-W", "error::DeprecationWarning"],
+        ["python", "train.py", "--lr", "1e-5", "trainer.total_epochs=3", "-v"],
+        ["torchrun", "--nproc-per-node", "8", "-m", "verl.trainer.main_ppo", "data.max_prompt_length=1024"],
+        ["ssh", "-p", "2222", "-i", "~/.ssh/id_ed25519", "gpu-node"],
+        ["psql", "-h", "db", "-p", "5432", "-U", "bob"],
+        ["mkdir", "-p", "/ckpt/run1"],
+    ],
+)
+def test_ordinary_command_lines_stay_readable(argv: list[str]) -> None:
+    assert redact_argv(argv) == argv
 
 
 def test_ordinary_names_are_kept() -> None:

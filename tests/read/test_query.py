@@ -182,6 +182,19 @@ CASES: dict[str, tuple[list[str], Any]] = {
     "step-range": (["--step", "2..4"], lambda rs: [r for r in rs if 2 <= r["step"] <= 4]),
     "step-list": (["--step", "0..1,5,-1"], lambda rs: [r for r in rs if r["step"] in (0, 1, 5)]),
     "step-negative": (["--step", "-3..-1"], lambda rs: []),
+    # a key option given twice means both values, as one list would
+    "step-repeated": (
+        ["--step", "1", "--step", "5..6"],
+        lambda rs: [r for r in rs if r["step"] in (1, 5, 6)],
+    ),
+    "keys-repeated": (
+        ["--sample-index", "0..60", "--rollout-n", "0", "--sample-index", "1114", "--rollout-n", "2"],
+        lambda rs: [
+            r
+            for r in rs
+            if (0 <= r["sample_index"] <= 60 or r["sample_index"] == 1114) and r["rollout_n"] in (0, 2)
+        ],
+    ),
     "sample-index": (
         ["--sample-index", "0..60,1114"],
         lambda rs: [r for r in rs if 0 <= r["sample_index"] <= 60 or r["sample_index"] == 1114],
@@ -325,6 +338,10 @@ BAD = [
     (["sql", "copy (select 1) to '{tmp}/x.csv'", "--run", "{run}"], "disabled"),
     (["sql", "select * from read_parquet('{tmp}/x.parquet')", "--run", "{run}"], "disabled"),
     (["sql", " ", "--run", "{run}"], "empty SQL"),
+    (["sql", "SELECT 1; SELECT 2", "--run", "{run}"], "one statement at a time (got 2)"),
+    (["ls", "{run}", "--status", "ok", "--status", "error"], "--status given twice"),
+    (["ls", "{run}", "--where", "reward > 0", "--where", "step = 1"], "--where given twice"),
+    (["ls", "{run}", "--limit", "3", "--limit", "4"], "--limit given twice"),
     (["sql", "--run", "{run}"], "give the query"),
     (["export", "{run}", "--format", "jsonl"], "--out"),
     (["export", "{run}", "--out", "{tmp}/x.csv"], "--format"),

@@ -551,14 +551,19 @@ def two_worker_run(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> tu
     return uri, tmp
 
 
+def _listed_copy(
+    s3: S3Server, run: tuple[str, Path], tmp_path: Path
+) -> tuple[str, Path, dict[str, str], Path]:
+    """(the run's URI, a local copy of it, the environment to read it, the cache that fills)."""
+    local = tmp_path / "local-copy"
+    _mirror(s3, "exp/listed/", local)
+    return run[0], local, _env(s3, tmp_path), tmp_path / "cache"
+
+
 def test_listing_a_remote_run_fetches_only_index_files(
     s3: S3Server, two_worker_run: tuple[str, Path], tmp_path: Path
 ) -> None:
-    uri, _ = two_worker_run
-    local = tmp_path / "local-copy"
-    _mirror(s3, "exp/listed/", local)
-    env = _env(s3, tmp_path)
-    cache = tmp_path / "cache"
+    uri, local, env, cache = _listed_copy(s3, two_worker_run, tmp_path)
     commands = [
         ["ls", "--json"],
         ["stats", "--json"],
@@ -675,3 +680,36 @@ def test_shards_without_index_files_are_listed_without_fetching_them(s3: S3Serve
     assert show.returncode == 0, show.stderr
     assert json.loads(show.stdout) == json.loads(expected.stdout)
     assert len(is_cached(tmp_path / "cache", ".parquet")) == 1
+
+
+def test_info_names_the_run_and_sql_spans_sees_every_step(
+    s3: S3Server, two_worker_run: tuple[str, Path], tmp_path: Path
+) -> None:
+    uri, local, env, cache = _listed_copy(s3, two_worker_run, tmp_path)
+
+    info = rlreplay(env, "info", uri, cwd=tmp_path)
+    assert info.returncode == 0, info.stderr
+    lines = {
+        line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in info.stdout.splitlines()
+    }
+    assert lines["run"] == uri  # the run's URI, not the cache it is read through
+    assert lines["cache"] == str(next(cache.glob("*/*")))
+    listed = rlreplay(env, "ls", uri, "--step", "3", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[-1] == f"4 trajectories in {uri}"
+
+    # one trajectory shown: one shard of step 7 in the cache, the other 31 still on the store only
+    rows = ls_json(env, uri, "--step", "7", cwd=tmp_path)
+    assert (
+        rlreplay(env, "show", rows[0]["id"], "--run", uri, "--json", "--no-text", cwd=tmp_path).returncode
+        == 0
+    )
+    assert len(is_cached(cache, ".parquet")) == 1
+    query = (
+        "SELECT step, count(*) AS spans, count(DISTINCT trajectory_id) AS trajectories "
+        "FROM spans GROUP BY step ORDER BY step"
+    )
+    remote = _json_lines(rlreplay(env, "sql", query, "--run", uri, "--json", cwd=tmp_path))
+    expected = _json_lines(rlreplay(env, "sql", query, "--run", str(local), "--json", cwd=tmp_path))
+    assert remote == expected
+    assert [r["step"] for r in remote] == list(range(16)) and {r["trajectories"] for r in remote} == {4}
