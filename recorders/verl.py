@@ -643,6 +643,23 @@ class VerlAdapter(GenericAdapter):
 
         activate.activate()
 
+    def rebuild_output(self, name: str, kind: str, output: Any) -> Any:
+        """A recorded output as verl's own type: ``TokenOutput`` (model calls), ``AgentLoopOutput``
+        (agent loops), ``(ToolResponse, reward, metrics)`` (tools); other values as recorded."""
+        if kind == "llm" and isinstance(output, dict):
+            from verl.workers.rollout.replica import TokenOutput
+
+            return TokenOutput.model_validate(output)
+        if kind == "agent" and isinstance(output, dict):
+            from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
+
+            return AgentLoopOutput.model_validate(output)
+        if kind == "tool" and isinstance(output, list) and len(output) == 3 and isinstance(output[0], dict):
+            from verl.tools.schemas import ToolResponse
+
+            return ToolResponse.model_validate(output[0]), output[1], output[2]
+        return output
+
     def tokenizer_from_argv(self, argv: list[str]) -> str | None:
         """``actor_rollout_ref.model.tokenizer_path=`` wins over ``actor_rollout_ref.model.path=``."""
         found: dict[str, str] = {}

@@ -168,7 +168,10 @@ class Cassette:
             reason = f"{meta.name} call {k + 1} of kind {meta.kind!r}: the recording has {len(recorded)}"
         else:
             op = recorded[k]
-            inputs = comparable(payload.to_jsonable(meta.bind(args, kwargs)))
+            bound = meta.bind(args, kwargs)
+            if meta.reduce_inputs is not None:  # as the recording kept them
+                bound = meta.reduce_inputs(bound)
+            inputs = comparable(payload.to_jsonable(bound))
             if op.name != meta.name:
                 reason = f"{meta.kind} call {k + 1} is {meta.name}, recorded {op.name}"
             elif inputs != comparable(op.inputs):
