@@ -636,6 +636,9 @@ class VerlAdapter(GenericAdapter):
     name = "verl"
     kind_by_name = KIND_BY_NAME
     prompt_message_fields = ("raw_prompt",)
+    #: Output keys that differ between two runs of the same rollout: ``AgentLoopOutput.metrics``
+    #: (wall times) and rlreplay's own trajectory key in ``extra_fields``.
+    volatile_keys = ("metrics", EXTRA_FIELD)
 
     def install(self) -> None:
         """Hook verl's tracing module (now if imported, else when imported) and its trainer."""

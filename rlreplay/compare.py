@@ -3,8 +3,10 @@
 Trajectories of the two runs are paired by (step, sample_index, rollout_n, validate); when several
 share keys, the k-th of A goes with the k-th of B in listing order. A pair is *same* when its spans
 agree in order (depth first, children by start time), name, kind, inputs, output and error. Times,
-span and trajectory ids, worker names and per-call ids (``request_id``, ``instance_id``, fresh on
-every run) are ignored, and so are ``signals`` rows (the trainer's, written by another process).
+span and trajectory ids, worker names, per-call ids (``request_id``, ``instance_id``, fresh on
+every run) and what a framework adapter names in ``volatile_keys`` (verl: the agent loop's timing
+``metrics``, rlreplay's own trajectory key) are ignored, and so are ``signals`` rows (the
+trainer's, written by another process).
 A changed pair names its first difference in call order (a span's inputs when it opens, its output
 when it closes, after its children's): the span (its index in depth-first order and its name), the
 field, the path inside it, and the conversation turn where the token ids first part (``diff``'s
@@ -22,7 +24,7 @@ from rlreplay.format.schema import KIND_SIGNALS
 from rlreplay.model import Span, Trajectory, key_value
 from rlreplay.read.filters import Filters
 from rlreplay.read.run import Run
-from rlreplay.recorder.replay import comparable
+from rlreplay.recorder.replay import IGNORED_KEYS, comparable
 from rlreplay.text.adapters import adapter_for_run, turns
 
 Keys = tuple[Any, Any, Any, Any]
@@ -140,6 +142,8 @@ def first_difference(
     a: Trajectory, b: Trajectory, adapter_a: Any = None, adapter_b: Any = None
 ) -> dict[str, Any] | None:
     """The first span and field where two trajectories differ, or None when they are the same."""
+    ignored = IGNORED_KEYS | frozenset(getattr(adapter_a, "volatile_keys", ()))
+    ignored |= frozenset(getattr(adapter_b, "volatile_keys", ()))
     events_a, events_b = _events(a), _events(b)
     index_a = {id(span): i for i, span in enumerate(s for s, opening in events_a if opening)}
     index_b = {id(span): i for i, span in enumerate(s for s, opening in events_b if opening)}
@@ -158,7 +162,7 @@ def first_difference(
         for name in ("name", "kind", "inputs") if opening else ("output", "error"):
             va, vb = getattr(sa, name), getattr(sb, name)
             if name in ("inputs", "output"):
-                va, vb = comparable(va), comparable(vb)
+                va, vb = comparable(va, ignored), comparable(vb, ignored)
             if va != vb:
                 path = _path(va, vb) if name in ("inputs", "output") else None
                 found = {"span": index_a[id(sa)], "name": sa.name, "field": name, "path": path or None}

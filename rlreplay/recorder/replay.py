@@ -34,13 +34,29 @@ class ReplayDivergence(RlreplayError):
     """A served op was called with other inputs than the recorded one (``on_diverge="fail"``)."""
 
 
-def comparable(value: Any) -> Any:
-    """``value`` without the keys that differ on every run."""
+def comparable(value: Any, ignored: frozenset[str] = IGNORED_KEYS) -> Any:
+    """``value`` without the keys (at any depth) that differ on every run."""
     if isinstance(value, dict):
-        return {k: comparable(v) for k, v in value.items() if k not in IGNORED_KEYS}
+        return {k: comparable(v, ignored) for k, v in value.items() if k not in ignored}
     if isinstance(value, (list, tuple)):
-        return [comparable(v) for v in value]
+        if all(type(v) in _SCALARS for v in value):  # token ids, log-probs: as they are
+            return list(value)
+        return [comparable(v, ignored) for v in value]
     return value
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
+def fresh_copy(value: Any) -> Any:
+    """A copy of a recorded (JSON) value that the caller may change; scalars as they are."""
+    if isinstance(value, dict):
+        return {k: fresh_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        if all(type(v) in _SCALARS for v in value):
+            return list(value)
+        return [fresh_copy(v) for v in value]
+    return copy.copy(value) if type(value) not in _SCALARS else value
 
 
 @dataclass
@@ -186,7 +202,7 @@ class Cassette:
         state.served += 1
         with self._lock:
             self.served += 1
-        output = copy.deepcopy(op.output)
+        output = fresh_copy(op.output)
         if self.rebuild is not None:
             output = self.rebuild(meta.name, meta.kind, output)
         return True, output

@@ -199,3 +199,17 @@ def test_replay_needs_recording_and_a_source(source, tmp_path) -> None:
             pass
     finally:
         rlreplay.close()
+
+
+def test_serve_llm_and_tool_keeps_a_changed_tool_from_diverging(
+    source, tmp_path, monkeypatch, capsys
+) -> None:
+    source_run, live = source
+    log = engine(monkeypatch, tmp_path, down=True)
+    # the tool now answers otherwise, but its recorded replies are served: nothing diverges
+    result = replayed(tmp_path / "new", source_run, {**BASE, "tool_seed": 1}, serve=("llm", "tool"))
+    assert engine_calls(log) == []
+    for k, (out, outputs) in result.items():
+        assert bits(outputs) == bits(live[k][1])
+        assert bits(out) == bits(live[k][0])
+    assert {r["replay"] for r in ls_rows(capsys, tmp_path / "new").values()} == {"served"}

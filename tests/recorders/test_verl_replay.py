@@ -125,3 +125,35 @@ def test_serve_agent_gives_the_recorded_batch(source: Path, tmp_path: Path) -> N
     rows = listing(tmp_path / "new")
     assert [r["model_calls"] for r in rows] == [0, 0, 0, 0]
     assert {r["replay"] for r in rows} == {"served"}
+
+
+def test_a_changed_tool_parser_shows_in_compare_exactly_where_its_parse_changed(
+    source: Path, tmp_path: Path
+) -> None:
+    import rlreplay as api
+
+    # the new parser only takes calls whose expression starts with "10*"
+    pattern = r'<tool_call>(\s*\{"name": "calculator", "arguments": \{"expression": "10\*.*?)</tool_call>'
+    env = {"VERL_PARTS_TOOL_CALL_REGEX": pattern}
+    args = ("replay", str(source / "src"), "--serve", "llm", "--out", str(tmp_path / "new"), "--")
+    proc = rlreplay(*args, *job(tmp_path / "w", tmp_path / "new.pt"), cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = api.open_run(source / "src")
+    expected = set()
+    for traj in run.load(run.trajectories()["id"].to_pylist()):
+        for span in traj.spans:
+            if span.kind == "parser":
+                calls = span.output[1]
+                if any(not json.loads(c["arguments"])["expression"].startswith("10*") for c in calls):
+                    expected.add((traj.step, traj.sample_index, traj.rollout_n))
+    assert expected  # the source run has calls the new parser refuses
+    proc = rlreplay("compare", str(source / "src"), str(tmp_path / "new"), "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    changed = {(r["step"], r["sample_index"], r["rollout_n"]) for r in rows if not r["same"]}
+    assert changed == expected
+    assert len(rows) == 4 and all(r["a"] and r["b"] for r in rows)
+    for r in rows:
+        if not r["same"]:
+            assert r["first_difference"]["name"] == "HermesToolParser.extract_tool_calls"
+            assert r["first_difference"]["field"] == "output"
