@@ -174,7 +174,14 @@ def ls_command(
         from rlreplay.model import listing_rows
 
         write = sys.stdout.write
+        replayed = None
+        if opened.manifest.get("replay"):  # a replay's rows say what each trajectory was served from
+            from rlreplay.playback import replay_rows
+
+            replayed = replay_rows(opened, selection.filters())
         for row in listing_rows(table):
+            if replayed is not None:
+                row.update(replayed.get(row["id"], {"replay": None, "replay_of": None}))
             write(orjson.dumps(row).decode() + "\n")
         return
     shown = table.num_rows

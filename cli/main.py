@@ -17,9 +17,11 @@ COMMANDS = {
     "show": "browse",
     "info": "browse",
     "recover": "browse",
+    "compare": "compare",
     "diff": "diff",
     "export": "export",
     "record": "record",
+    "replay": "replay",
     "sql": "sql",
     "stats": "stats",
     "ui": "ui",
@@ -52,7 +54,7 @@ def _bad_input() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:]
-    reading = ("ls", "show", "diff", "info", "stats", "sql", "export")
+    reading = ("ls", "show", "diff", "compare", "info", "stats", "sql", "export")
     if argv is None and args and args[0] in reading and not {"--help", "-h"} & set(args):
         # no linear algebra here: one OpenBLAS thread (as numpy loads, OpenBLAS starts one per core,
         # and they spin for a while, taking the CPU this command runs on)

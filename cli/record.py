@@ -8,7 +8,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -96,6 +96,22 @@ def record_command(
 
     Every Python process of the job records; at the end the run is sealed and summarized.
     """
+    return record_run(command, out, spool, experiment, tokenizer, framework, token_signals, grace)
+
+
+def record_run(
+    command: list[str],
+    out: str | None,
+    spool: Path | None,
+    experiment: str | None,
+    tokenizer: str | None,
+    framework: str,
+    token_signals: bool,
+    grace: float,
+    replay: Any = None,
+) -> int:
+    """``record``'s work; ``replay`` (``rlreplay.cli.replay.ReplayPlan``) also carries a replay into
+    every process, and its summary is added at the end."""
     from rlreplay.format import manifest
     from rlreplay.read.open import open_run
     from rlreplay.read.summary import recover, run_summary
@@ -113,6 +129,8 @@ def record_command(
         fail(str(exc))
     experiment = experiment or guessed_experiment
     if (uri := location.as_uri(out)) is not None:  # never a local folder named "s3:"
+        if replay is not None:
+            fail("--out: a replay records into a local run directory")
         from rlreplay.cli.remote import record_to_uri
 
         return record_to_uri(uri, command, experiment, tokenizer or guessed_tokenizer, spool, grace)
@@ -136,12 +154,14 @@ def record_command(
             cwd=os.getcwd(),
             status="running",
             framework=framework.strip().lower(),
+            **(replay.manifest() if replay is not None else {}),
         ),
     )
     print(f"rlreplay: recording into {run_dir}", file=sys.stderr)
-    code = run_forwarding_signals(
-        command, child_env(run_dir, experiment, framework.strip().lower(), token_signals)
-    )
+    env = child_env(run_dir, experiment, framework.strip().lower(), token_signals)
+    if replay is not None:
+        env.update(replay.env())
+    code = run_forwarding_signals(command, env)
 
     recovered = recover(run_dir, wait_s=grace)
     summary = run_summary(open_run(run_dir))
@@ -167,4 +187,6 @@ def record_command(
         ),
         file=sys.stderr,
     )
+    if replay is not None:
+        replay.report(open_run(run_dir))
     return code

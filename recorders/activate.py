@@ -28,6 +28,7 @@ log = logging.getLogger("rlreplay")
 ENV_PREFIX = "RLREPLAY_"
 ENV_CHAINED_HOOK = "RLREPLAY_CHAINED_SETUP_HOOK"
 ENV_FRAMEWORK = "RLREPLAY_FRAMEWORK"
+ENV_REPLAY_SOURCE = "RLREPLAY_REPLAY_SOURCE"  # rlreplay.playback.ENV_SOURCE
 BUILTIN_FRAMEWORKS = ("verl", "generic")  # hooked by HOOKS below, no entry-point lookup
 SETUP_HOOK = "rlreplay.recorders.activate.worker_setup"
 VERL_TRACE_MODULE = "verl.utils.rollout_trace"
@@ -204,6 +205,13 @@ def activate() -> None:
                 callback(module)
             except Exception as exc:
                 log.warning("rlreplay: could not hook %s: %s", name, exc)
+    if os.environ.get(ENV_REPLAY_SOURCE):
+        try:
+            from rlreplay.playback import start_from_env
+
+            start_from_env()
+        except Exception as exc:
+            log.warning("rlreplay: replay not started in pid %s: %s", os.getpid(), exc)
     framework = os.environ.get(ENV_FRAMEWORK, "").strip().lower()
     if framework and framework not in BUILTIN_FRAMEWORKS:
         try:

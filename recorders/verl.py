@@ -636,12 +636,32 @@ class VerlAdapter(GenericAdapter):
     name = "verl"
     kind_by_name = KIND_BY_NAME
     prompt_message_fields = ("raw_prompt",)
+    #: Output keys that differ between two runs of the same rollout: ``AgentLoopOutput.metrics``
+    #: (wall times) and rlreplay's own trajectory key in ``extra_fields``.
+    volatile_keys = ("metrics", EXTRA_FIELD)
 
     def install(self) -> None:
         """Hook verl's tracing module (now if imported, else when imported) and its trainer."""
         from rlreplay.recorders import activate
 
         activate.activate()
+
+    def rebuild_output(self, name: str, kind: str, output: Any) -> Any:
+        """A recorded output as verl's own type: ``TokenOutput`` (model calls), ``AgentLoopOutput``
+        (agent loops), ``(ToolResponse, reward, metrics)`` (tools); other values as recorded."""
+        if kind == "llm" and isinstance(output, dict):
+            from verl.workers.rollout.replica import TokenOutput
+
+            return TokenOutput.model_validate(output)
+        if kind == "agent" and isinstance(output, dict):
+            from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
+
+            return AgentLoopOutput.model_validate(output)
+        if kind == "tool" and isinstance(output, list) and len(output) == 3 and isinstance(output[0], dict):
+            from verl.tools.schemas import ToolResponse
+
+            return ToolResponse.model_validate(output[0]), output[1], output[2]
+        return output
 
     def tokenizer_from_argv(self, argv: list[str]) -> str | None:
         """``actor_rollout_ref.model.tokenizer_path=`` wins over ``actor_rollout_ref.model.path=``."""

@@ -20,6 +20,7 @@ __all__ = [
     "flush",
     "init",
     "open_run",
+    "replay",
     "stats",
     "trace_op",
     "trajectory",
@@ -34,6 +35,7 @@ _LAZY = {
     "disabled": "rlreplay.recorder.api",
     "stats": "rlreplay.recorder.api",
     "open_run": "rlreplay.read.open",
+    "replay": "rlreplay.playback",
     "Run": "rlreplay.read.run",
     "RunError": "rlreplay.errors",
     "Span": "rlreplay.model",
@@ -43,6 +45,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from rlreplay.errors import RunError
     from rlreplay.model import Span, Trajectory
+    from rlreplay.playback import replay
     from rlreplay.read.open import open_run
     from rlreplay.read.run import Run
     from rlreplay.recorder.api import close, disabled, flush, init, stats, trace_op, trajectory

@@ -49,6 +49,7 @@ ENV_DISABLE = "RLREPLAY_DISABLE"
 
 
 _OFF = object()  # tracing disabled in this context
+_replay: Any = None  # the Cassette served from (rlreplay.recorder.replay), when a replay is on
 _CURRENT: ContextVar[Any] = ContextVar("rlreplay_current", default=None)
 
 
@@ -258,8 +259,14 @@ def trace_op(
                 untraced_failure(rec, exc)
                 return await fn(*args, **kwargs)
             start = time_ns()
+            served = False
             try:
-                result = await fn(*args, **kwargs)
+                if _replay is not None and traj.replay is not None and meta.kind in _replay.kinds:
+                    served, result = _replay.serve(traj.replay, meta, sargs, skw)
+                    if not served:
+                        result = await fn(*args, **kwargs)
+                else:
+                    result = await fn(*args, **kwargs)
             except BaseException as exc:
                 end = time_ns()
                 current.reset(token)
@@ -267,6 +274,12 @@ def trace_op(
                 raise
             end = time_ns()
             current.reset(token)
+            if served:
+                meta_now = _replay.served_meta(meta)
+                rec.submit(
+                    span_event(traj, span_id, parent, meta_now, start, end, None, sargs, skw, result, 256)
+                )
+                return result
             try:
                 out = snapshot(result)
             except Exception:  # a dict changed by another thread meanwhile
@@ -310,8 +323,14 @@ def trace_op(
             untraced_failure(rec, exc)
             return fn(*args, **kwargs)
         start = time_ns()
+        served = False
         try:
-            result = fn(*args, **kwargs)
+            if _replay is not None and traj.replay is not None and meta.kind in _replay.kinds:
+                served, result = _replay.serve(traj.replay, meta, sargs, skw)
+                if not served:
+                    result = fn(*args, **kwargs)
+            else:
+                result = fn(*args, **kwargs)
         except BaseException as exc:
             end = time_ns()
             current.reset(token)
@@ -319,6 +338,10 @@ def trace_op(
             raise
         end = time_ns()
         current.reset(token)
+        if served:
+            meta_now = _replay.served_meta(meta)
+            rec.submit(span_event(traj, span_id, parent, meta_now, start, end, None, sargs, skw, result, 256))
+            return result
         try:
             out = snapshot(result)
         except Exception:  # a dict changed by another thread meanwhile
@@ -381,6 +404,9 @@ class trajectory:
             self._span_id = 0
             return self
         self._rec = rec
+        if _replay is not None:
+            step, sample_index, rollout_n = self._traj.keys
+            self._traj.replay = _replay.open(step, sample_index, rollout_n, self._traj.validate)
         self._span_id = next(events.span_ids)
         rec.submit((OPEN, self._traj, OPEN_BYTES))
         self._token = _CURRENT.set((self._traj, self._span_id))
@@ -394,6 +420,8 @@ class trajectory:
         rec = self._rec
         if self._span_id and rec is not None:
             self._rec = None
+            if self._traj.replay is not None:
+                self._traj.attributes = {**(self._traj.attributes or {}), **self._traj.replay.attributes()}
             rec.submit(
                 span_event(
                     self._traj, self._span_id, None, self._meta, self._start, end, exc, (), {}, None, 256
@@ -416,6 +444,14 @@ class trajectory:
 @functools.lru_cache(maxsize=256)
 def _trajectory_meta(name: str) -> OpMeta:
     return OpMeta(name=name, kind=KIND_TRAJECTORY)
+
+
+def set_replay(cassette: Any) -> Any:
+    """Serve recorded ops from ``cassette`` (``rlreplay.recorder.replay.Cassette``; None: stop);
+    returns the one it replaces."""
+    global _replay
+    previous, _replay = _replay, cassette
+    return previous
 
 
 @contextlib.contextmanager

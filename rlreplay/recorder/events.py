@@ -40,6 +40,7 @@ class OpenTrajectory:
         "explicit",
         "id",
         "keys",
+        "replay",
         "rollout_n",
         "sample_index",
         "step",
@@ -65,6 +66,7 @@ class OpenTrajectory:
         self.attributes = attributes
         self.explicit = explicit
         self.keys: tuple[Any, Any, Any] | None = None  # as given, when not plain ints
+        self.replay: Any = None  # its replay state (rlreplay.recorder.replay), when a replay is on
 
 
 def format_trajectory_id(n: int) -> str:
@@ -86,6 +88,7 @@ class OpMeta:
     reduce_inputs: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     reduce_output: Callable[[Any], Any] | None = None
     reward: Callable[[Any], float | None] | None = None
+    attributes: dict[str, Any] | None = None  # written on each of its spans (a served span's mark)
     _signature: inspect.Signature | None = field(default=None, repr=False)
     _skip_first: bool = False
     # (names in order, how many may be positional, defaults, names as a set): the usual signature,

@@ -269,6 +269,8 @@ def encode_row(
     attributes = None
     if traj.attributes and (parent_id is None or meta.kind == KIND_SIGNALS):
         attributes = payload.dumps(payload.to_jsonable(traj.attributes, issues=issues), None, issues)
+    elif meta.attributes:
+        attributes = payload.dumps(payload.to_jsonable(meta.attributes, issues=issues), None, issues)
 
     keys = getattr(traj, "keys", None) or (traj.step, traj.sample_index, traj.rollout_n)
     ints, strs = [], []

@@ -106,6 +106,11 @@ class ScriptedServer:
         self.generate = _Remote(self._generate)
 
     async def _generate(self, *, prompt_ids: list[int], sampling_params: dict, **kwargs: Any) -> TokenOutput:
+        if os.environ.get("VERL_PARTS_ENGINE_LOG"):  # every call that reaches the engine
+            with open(os.environ["VERL_PARTS_ENGINE_LOG"], "a") as f:
+                f.write(f"{len(prompt_ids)}\n")
+        if os.environ.get("VERL_PARTS_ENGINE_DOWN"):
+            raise ConnectionError("no inference server can answer")
         prompt = self.tokenizer.decode(prompt_ids)
         question = prompt.rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>", 1)[0]
         expression = question.split("Compute ", 1)[-1].rstrip("?. ")

@@ -1,0 +1,74 @@
+"""``rlreplay compare RUN_A RUN_B``: pair the trajectories of two runs and say which changed and where."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import orjson
+import typer
+
+from rlreplay.cli.app import JsonOption, app, open_run_arg, report_warnings, selection_options
+
+
+def _keys(pair: Any) -> str:
+    split = " validate" if pair.validate else ""
+    return f"step={pair.step} sample_index={pair.sample_index} rollout_n={pair.rollout_n}{split}"
+
+
+def _where(diff: dict[str, Any] | None) -> str:
+    if diff is None:
+        return ""
+    at = f"span {diff['span']} {diff['name']}: {diff['field']}"
+    if diff.get("path"):
+        at += f" at {diff['path']}"
+    if diff.get("ended"):
+        at += f" (run {diff['ended'].upper()} has no span there)"
+    if diff.get("turn") is not None:
+        at += f"; tokens first differ in turn {diff['turn']}"
+    return at
+
+
+def _reward(pair: Any) -> str:
+    delta = pair.reward_delta
+    return "" if delta is None or delta == 0 else f" reward {pair.reward_a} -> {pair.reward_b}"
+
+
+@app.command("compare")
+@selection_options
+def compare_command(
+    run_a: Annotated[Path, typer.Argument(metavar="RUN_A", help="The first run (A).")],
+    run_b: Annotated[Path, typer.Argument(metavar="RUN_B", help="The second run (B).")],
+    as_json: JsonOption = False,
+    *,
+    selection: Any,
+) -> None:
+    """Pair the trajectories of two runs by (step, sample_index, rollout_n, validate): same or
+    changed (and where they first differ), and those present in one run only."""
+    from rlreplay.compare import compare_runs, summary
+
+    opened_a, opened_b = open_run_arg(None, run_a), open_run_arg(None, run_b)
+    result = list(compare_runs(opened_a, opened_b, selection))
+    report_warnings(opened_a)
+    report_warnings(opened_b)
+    write = sys.stdout.write
+    if as_json:
+        for pair in result:
+            write(orjson.dumps(pair.to_dict()).decode() + "\n")
+        return
+    counts = summary(result)
+    mean = counts["reward_delta_mean"]
+    write(
+        f"{len(result)} pairs: {counts['same']} same, {counts['changed']} changed, "
+        f"{counts['only_a']} only in A, {counts['only_b']} only in B\n"
+        f"reward: {counts['reward_changed']} changed, delta sum {counts['reward_delta_sum']:+g}"
+        + (f", mean {mean:+g}\n" if mean is not None else "\n")
+    )
+    order = {"changed": 0, "only_a": 1, "only_b": 2, "same": 3}
+    for pair in sorted(result, key=lambda p: order[p.status]):
+        ids = f"{(pair.a or '-')[:12]} {(pair.b or '-')[:12]}"
+        line = f"{pair.status:<8} {_keys(pair)} {ids}{_reward(pair)}"
+        if pair.status == "changed":
+            line += f"  {_where(pair.first_difference)}"
+        write(line + "\n")

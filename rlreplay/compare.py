@@ -1,0 +1,237 @@
+"""Comparing two runs trajectory by trajectory: pairs by keys, same or not, and where they first differ.
+
+Trajectories of the two runs are paired by (step, sample_index, rollout_n, validate); when several
+share keys, the k-th of A goes with the k-th of B in listing order. A pair is *same* when its spans
+agree in order (depth first, children by start time), name, kind, inputs, output and error. Times,
+span and trajectory ids, worker names, per-call ids (``request_id``, ``instance_id``, fresh on
+every run) and what a framework adapter names in ``volatile_keys`` (verl: the agent loop's timing
+``metrics``, rlreplay's own trajectory key) are ignored, and so are ``signals`` rows (the
+trainer's, written by another process).
+A changed pair names its first difference in call order (a span's inputs when it opens, its output
+when it closes, after its children's): the span (its index in depth-first order and its name), the
+field, the path inside it, and the conversation turn where the token ids first part (``diff``'s
+alignment).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from rlreplay.diff.align import first_divergence
+from rlreplay.format.schema import KIND_SIGNALS
+from rlreplay.model import Span, Trajectory, key_value
+from rlreplay.read.filters import Filters
+from rlreplay.read.run import Run
+from rlreplay.recorder.replay import IGNORED_KEYS, comparable
+from rlreplay.text.adapters import adapter_for_run, turns
+
+Keys = tuple[Any, Any, Any, Any]
+
+
+@dataclass
+class Pair:
+    step: Any
+    sample_index: Any
+    rollout_n: Any
+    validate: bool | None
+    a: str | None
+    b: str | None
+    same: bool
+    first_difference: dict[str, Any] | None
+    reward_a: float | None = None
+    reward_b: float | None = None
+
+    @property
+    def status(self) -> str:
+        if self.a is None:
+            return "only_b"
+        if self.b is None:
+            return "only_a"
+        return "same" if self.same else "changed"
+
+    @property
+    def reward_delta(self) -> float | None:
+        if self.reward_a is None or self.reward_b is None:
+            return None
+        return self.reward_b - self.reward_a
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "sample_index": self.sample_index,
+            "rollout_n": self.rollout_n,
+            "validate": self.validate,
+            "a": self.a,
+            "b": self.b,
+            "same": self.same,
+            "first_difference": self.first_difference,
+            "reward_a": self.reward_a,
+            "reward_b": self.reward_b,
+        }
+
+
+def _rows(table: Any) -> list[dict[str, Any]]:
+    columns = ["id", "step", "sample_index", "rollout_n", "validate", "reward"]
+    rows = table.select([*columns, "step_str", "sample_index_str", "rollout_n_str"]).to_pylist()
+    for row in rows:
+        for key in ("step", "sample_index", "rollout_n"):
+            row[key] = key_value(row[key], row.pop(f"{key}_str"))
+    return rows
+
+
+def _keys(row: dict[str, Any]) -> Keys:
+    return (row["step"], row["sample_index"], row["rollout_n"], row["validate"])
+
+
+def pairs(table_a: Any, table_b: Any) -> list[tuple[Keys, dict[str, Any] | None, dict[str, Any] | None]]:
+    """Rows of two listings paired by keys (k-th with k-th among equal keys), in A's order then B's."""
+    by_b: dict[Keys, list[dict[str, Any]]] = {}
+    for row in _rows(table_b):
+        by_b.setdefault(_keys(row), []).append(row)
+    out: list[tuple[Keys, dict[str, Any] | None, dict[str, Any] | None]] = []
+    for row in _rows(table_a):
+        keys = _keys(row)
+        waiting = by_b.get(keys)
+        out.append((keys, row, waiting.pop(0) if waiting else None))
+    for keys, rest in by_b.items():
+        out.extend((keys, None, row) for row in rest)
+    return out
+
+
+def ordered_spans(traj: Trajectory) -> list[Span]:
+    """The trajectory's spans depth first, children by start time; no ``signals`` rows."""
+    return [span for span, opening in _events(traj) if opening]
+
+
+def _events(traj: Trajectory) -> list[tuple[Span, bool]]:
+    """Each span's opening (its inputs are known) and closing (its output), in call order."""
+    out: list[tuple[Span, bool]] = []
+
+    def visit(span: Span) -> None:
+        if span.kind == KIND_SIGNALS:
+            return
+        out.append((span, True))
+        for child in sorted(span.children, key=lambda s: (s.start_ns, s.name)):
+            visit(child)
+        out.append((span, False))
+
+    for root in sorted(traj.roots, key=lambda s: (s.start_ns, s.name)):
+        visit(root)
+    return out
+
+
+def _path(a: Any, b: Any, at: str = "") -> str:
+    """Where two values first differ, as a path like ``kwargs.prompt_ids[3]``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            if key not in a or key not in b or a[key] != b[key]:
+                inner = f"{at}.{key}" if at else str(key)
+                return _path(a.get(key), b.get(key), inner) if key in a and key in b else inner
+        return at
+    if isinstance(a, list) and isinstance(b, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return _path(x, y, f"{at}[{i}]")
+        return f"{at}[{min(len(a), len(b))}]"
+    return at
+
+
+def first_difference(
+    a: Trajectory, b: Trajectory, adapter_a: Any = None, adapter_b: Any = None
+) -> dict[str, Any] | None:
+    """The first span and field where two trajectories differ, or None when they are the same."""
+    ignored = IGNORED_KEYS | frozenset(getattr(adapter_a, "volatile_keys", ()))
+    ignored |= frozenset(getattr(adapter_b, "volatile_keys", ()))
+    events_a, events_b = _events(a), _events(b)
+    index_a = {id(span): i for i, span in enumerate(s for s, opening in events_a if opening)}
+    index_b = {id(span): i for i, span in enumerate(s for s, opening in events_b if opening)}
+    found: dict[str, Any] | None = None
+    for i in range(max(len(events_a), len(events_b))):
+        ea = events_a[i] if i < len(events_a) else None
+        eb = events_b[i] if i < len(events_b) else None
+        if ea is None or eb is None or ea[1] != eb[1]:  # one run has a span here that the other lacks
+            extra_in_a = eb is None or (ea is not None and ea[1])
+            span = ea[0] if extra_in_a else eb[0]  # type: ignore[index]
+            at = index_a[id(span)] if extra_in_a else index_b[id(span)]
+            found = {"span": at, "name": span.name, "field": "span", "path": None}
+            found["ended"] = "b" if extra_in_a else "a"
+            break
+        (sa, opening), (sb, _) = ea, eb
+        for name in ("name", "kind", "inputs") if opening else ("output", "error"):
+            va, vb = getattr(sa, name), getattr(sb, name)
+            if name in ("inputs", "output"):
+                va, vb = comparable(va, ignored), comparable(vb, ignored)
+            if va != vb:
+                path = _path(va, vb) if name in ("inputs", "output") else None
+                found = {"span": index_a[id(sa)], "name": sa.name, "field": name, "path": path or None}
+                found["ended"] = None
+                break
+        if found:
+            break
+    if found is None:
+        return None
+    divergence = first_divergence(turns(a, None, adapter_a), turns(b, None, adapter_b))
+    found["turn"] = divergence.turn if divergence is not None else None
+    return found
+
+
+def _by_step(items: list[tuple[Keys, Any, Any]]) -> dict[Any, list[tuple[Keys, Any, Any]]]:
+    out: dict[Any, list[tuple[Keys, Any, Any]]] = {}
+    for item in items:
+        out.setdefault(item[0][0], []).append(item)
+    return out
+
+
+def _load(run: Run, ids: list[str], step: Any) -> dict[str, Trajectory]:
+    filters = Filters(step=step) if isinstance(step, int) else None
+    return {t.id: t for t in run.load(ids, filters)}
+
+
+def compare_runs(run_a: Run, run_b: Run, selection: Any = None) -> Iterator[Pair]:
+    """Every pair of the two runs (``selection``: a ``rlreplay.read.selection.Selection`` applied to
+    both), one step at a time, in A's listing order then B's trajectories of its own."""
+    if selection is not None:
+        table_a, table_b = selection.trajectories(run_a), selection.trajectories(run_b)
+    else:
+        table_a, table_b = run_a.trajectories(), run_b.trajectories()
+    adapter_a, adapter_b = adapter_for_run(run_a), adapter_for_run(run_b)
+    for step, items in _by_step(pairs(table_a, table_b)).items():
+        both = [(ra, rb) for _, ra, rb in items if ra is not None and rb is not None]
+        loaded_a = _load(run_a, [ra["id"] for ra, _ in both], step)
+        loaded_b = _load(run_b, [rb["id"] for _, rb in both], step)
+        for keys, ra, rb in items:
+            difference = None
+            same = False
+            if ra is not None and rb is not None:
+                ta, tb = loaded_a.get(ra["id"]), loaded_b.get(rb["id"])
+                if ta is not None and tb is not None:
+                    difference = first_difference(ta, tb, adapter_a, adapter_b)
+                    same = difference is None
+            yield Pair(
+                *keys,
+                a=ra["id"] if ra else None,
+                b=rb["id"] if rb else None,
+                same=same,
+                first_difference=difference,
+                reward_a=ra["reward"] if ra else None,
+                reward_b=rb["reward"] if rb else None,
+            )
+
+
+def summary(result: list[Pair]) -> dict[str, Any]:
+    """Counts of same / changed / only_a / only_b pairs, and the reward deltas of paired ones."""
+    counts = dict.fromkeys(("same", "changed", "only_a", "only_b"), 0)
+    deltas = []
+    for pair in result:
+        counts[pair.status] += 1
+        if pair.reward_delta is not None:
+            deltas.append(pair.reward_delta)
+    changed = [d for d in deltas if d != 0]
+    return {
+        **counts,
+        "reward_changed": len(changed),
+        "reward_delta_sum": sum(deltas) if deltas else 0.0,
+        "reward_delta_mean": sum(deltas) / len(deltas) if deltas else None,
+    }

@@ -1,0 +1,125 @@
+"""``rlreplay replay SOURCE -- CMD`` on a generic-API job whose steps run in spawned processes.
+
+Expected values (ops served, diverged and never-asked trajectories) are counted here from the
+source run's files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rlreplay
+
+JOB = Path(__file__).resolve().parents[1] / "replay_job.py"
+BASE = {"steps": 2, "samples": 3, "rollouts": 2, "seed": 0, "parser": "v1", "spawn": True}
+
+
+def cli(cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlreplay", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
+
+
+def job(config: dict) -> list[str]:
+    return [sys.executable, str(JOB), json.dumps(config)]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("replay-cli")
+    proc = cli(base, "record", "--framework", "generic", "--out", str(base / "src"), "--", *job(BASE))
+    assert proc.returncode == 0, proc.stderr
+    return base / "src"
+
+
+def source_facts(run_dir: Path) -> dict[tuple, dict]:
+    """Per keys: the trajectory id and how many model calls it recorded."""
+    run = rlreplay.open_run(run_dir)
+    out = {}
+    for traj in run.load(run.trajectories()["id"].to_pylist()):
+        calls = sum(1 for s in traj.spans if s.kind == "llm")
+        out[(traj.step, traj.sample_index, traj.rollout_n)] = {"id": traj.id, "calls": calls}
+    return out
+
+
+def ls_rows(run_dir: Path) -> dict[tuple, dict]:
+    proc = cli(run_dir.parent, "ls", str(run_dir), "--json")
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    return {(r["step"], r["sample_index"], r["rollout_n"]): r for r in rows}
+
+
+def test_replay_serves_model_calls_in_every_process(source: Path, tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    env = {"REPLAY_JOB_ENGINE_LOG": str(log), "REPLAY_JOB_ENGINE_DOWN": "1"}
+    new = tmp_path / "new"
+    args = ("replay", str(source), "--framework", "generic", "--out", str(new), "--", *job(BASE))
+    proc = cli(tmp_path, *args, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert not log.exists()  # no model call reached the engine, in any process
+    facts = source_facts(source)
+    rows = ls_rows(new)
+    assert set(rows) == set(facts)
+    for k, row in rows.items():
+        assert (row["replay"], row["replay_of"]) == ("served", facts[k]["id"])
+    served = sum(f["calls"] for f in facts.values())
+    assert (
+        f"{served} ops served; 0 trajectories diverged; 0 source trajectories never asked for" in proc.stderr
+    )
+    assert rlreplay.open_run(new).manifest["replay"]["source"] == str(source.resolve())
+
+
+def test_summary_names_diverged_and_never_asked(source: Path, tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    config = {**BASE, "tool_seed": 1, "skip": [[1, 2, 1]]}
+    new = tmp_path / "new"
+    args = ("replay", str(source), "--framework", "generic", "--step", "0..1", "--out", str(new))
+    proc = cli(tmp_path, *args, "--", *job(config), env={"REPLAY_JOB_ENGINE_LOG": str(log)})
+    assert proc.returncode == 0, proc.stderr
+    facts = source_facts(source)
+    diverged = sorted(f["id"] for k, f in facts.items() if f["calls"] >= 2 and k != (1, 2, 1))
+    assert diverged
+    line = next(line for line in proc.stderr.splitlines() if "ops served" in line)
+    assert f"{len(diverged)} trajectories diverged ({', '.join(diverged)})" in line
+    assert f"1 source trajectories never asked for ({facts[(1, 2, 1)]['id']})" in line
+    served = sum(1 if f["calls"] >= 2 else f["calls"] for k, f in facts.items() if k != (1, 2, 1))
+    assert f"{served} ops served" in line
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing", "source run"),
+        ("not a run", "source run"),
+        ("other adapter", "recorded with the generic adapter"),
+        ("selects nothing", "matches no trajectory"),
+        ("unknown kind", "unknown kind"),
+    ],
+)
+def test_bad_input_never_starts_the_command(source: Path, tmp_path: Path, case: str, message: str) -> None:
+    marker = tmp_path / "started"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    (tmp_path / "file").write_text("not a run")
+    opts = {
+        "missing": [str(tmp_path / "nowhere"), "--framework", "generic"],
+        "not a run": [str(tmp_path / "file"), "--framework", "generic"],
+        "other adapter": [str(source)],  # the default adapter is verl
+        "selects nothing": [str(source), "--framework", "generic", "--step", "99"],
+        "unknown kind": [str(source), "--framework", "generic", "--serve", "llm,gpu"],
+    }[case]
+    proc = cli(tmp_path, "replay", *opts, "--out", str(tmp_path / "new"), "--", *command)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
+    assert proc.stderr.startswith("rlreplay: error:")
+    assert not marker.exists()
+    assert not (tmp_path / "new").exists()
