@@ -44,8 +44,11 @@ def compare_command(
     *,
     selection: Any,
 ) -> None:
-    """Pair the trajectories of two runs by (step, sample_index, rollout_n, validate): same or
-    changed (and where they first differ), and those present in one run only."""
+    """Compare two runs trajectory by trajectory.
+
+    Pairs trajectories by (step, sample_index, rollout_n, validate): same or changed (and where
+    they first differ), and those present in one run only.
+    """
     from rlreplay.compare import compare_runs, summary
 
     opened_a, opened_b = open_run_arg(None, run_a), open_run_arg(None, run_b)

@@ -60,34 +60,49 @@ def replay_command(
     command: Annotated[list[str], typer.Argument(metavar="-- CMD...", help="The command to run.")],
     serve: Annotated[
         str,
-        typer.Option("--serve", help="What is served from the recording: llm, llm,tool or agent."),
+        typer.Option(
+            "--serve", metavar="KINDS", help="What is served from the recording: llm, llm,tool or agent."
+        ),
     ] = "llm",
     on_diverge: Annotated[
         str,
         typer.Option(
             "--on-diverge",
+            metavar="WHAT",
             help="When a served call's inputs differ from the recording: live (run it and the rest "
             "of its trajectory live) or fail (the call raises).",
         ),
     ] = "live",
     out: Annotated[
         str | None,
-        typer.Option("--out", "-o", help="New run directory (default: ./rlreplay-runs/<time>-<name>)."),
+        typer.Option(
+            "--out", "-o", metavar="RUN", help="New run directory (default: ./rlreplay-runs/<time>-<name>)."
+        ),
     ] = None,
     tokenizer: TokenizerOption = None,
     framework: Annotated[
         str,
-        typer.Option("--framework", help="Framework adapter: verl, generic, ... (the source run's)."),
+        typer.Option(
+            "--framework", metavar="NAME", help="Framework adapter: verl, generic, ... (the source run's)."
+        ),
     ] = DEFAULT_FRAMEWORK,
     grace: Annotated[
         float,
-        typer.Option("--grace", min=0, help="Seconds to wait for worker processes to seal their files."),
+        typer.Option(
+            "--grace",
+            min=0,
+            metavar="SECONDS",
+            help="Seconds to wait for worker processes to seal their files.",
+        ),
     ] = 15.0,
     *,
     selection: Any,
 ) -> int:
-    """Run CMD exactly as record does, with the model calls (or tools, or whole agent loops) of the
-    selected trajectories of SOURCE_RUN served from the recording instead of run."""
+    """Run CMD against a recording.
+
+    CMD runs exactly as record runs it, with the model calls (or tools, or whole agent loops) of
+    the selected trajectories of SOURCE_RUN served from the recording instead of run.
+    """
     from rlreplay.cli.record import record_run
     from rlreplay.errors import RlreplayError
     from rlreplay.playback import open_source, parse_serve, selected, source_framework
