@@ -663,10 +663,12 @@ class Soak:
         counted = sum(int(info.get(k) or 0) for k in ("lost", "dropped", "encode_errors"))
         missing_acked = sorted(acked - set(listed))
         # a trajectory not acknowledged is either listed, counted in the loss counters, or was in
-        # the batch of a process killed before its flush returned (the caller never got an answer)
+        # the recording of a process killed before it could report (the caller got no acknowledgement)
         unacked = set(begun) - acked
         unlisted = unacked - set(listed)
-        in_killed_batch = {i for i in unlisted if begun[i].killed and i not in nacked}
+        # a killed process may not have saved its loss counters (the disk was full): its unlisted
+        # trajectories were never acknowledged to the caller, and are reported apart
+        in_killed_batch = {i for i in unlisted if begun[i].killed}
         uncounted_spans = sum(recorded.get(i, {}).get("spans", 0) for i in unlisted - in_killed_batch)
         uncounted = len(unlisted - in_killed_batch) if uncounted_spans > counted else 0
         silently_missing = len(missing_acked) + uncounted
@@ -869,7 +871,7 @@ def table(result: dict[str, Any]) -> str:
         ("listed after recover", result["listed"]),
         ("direct count over span files (pyarrow)", result["direct_count"]),
         ("counted lost (spans)", result["counted_lost_spans"]),
-        ("unacknowledged, killed before its flush, not listed", result["not_acknowledged_unlisted_killed"]),
+        ("unacknowledged, from a killed process, not listed", result["not_acknowledged_unlisted_killed"]),
         ("duplicated (must be 0)", result["duplicated"]),
         ("silently missing (must be 0)", result["silently_missing"]),
         ("ids/log-probs/reward differ (must be 0)", result["mismatched"]),
