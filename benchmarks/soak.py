@@ -839,12 +839,15 @@ def compare_digests(run: str, ids: list[str], recorded: dict[str, dict]) -> set[
     """Trajectories whose stored ids, log-probs or reward differ from what the recorder was given,
     or whose agent span is missing."""
     import rlreplay
+    from rlreplay.read.filters import Filters
 
     opened = rlreplay.open_run(run)
     differ: set[str] = set()
-    for start in range(0, len(ids), 500):
-        chunk = ids[start : start + 500]
-        found = {traj.id: traj for traj in opened.load(chunk)}
+    by_step: dict[int, list[str]] = {}
+    for tid in ids:
+        by_step.setdefault(recorded[tid]["step"], []).append(tid)
+    for step, chunk in sorted(by_step.items()):  # a step's files only
+        found = {traj.id: traj for traj in opened.load(chunk, Filters(step=step))}
         for tid in chunk:
             traj = found.get(tid)
             agents = traj.by_kind("agent") if traj is not None else []
