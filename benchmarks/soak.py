@@ -855,6 +855,11 @@ def compare_digests(run: str, ids: list[str], recorded: dict[str, dict]) -> set[
                 differ.add(tid)
                 continue
             out = agents[0].output
+            if not all(
+                isinstance(out.get(k), list) for k in ("prompt_ids", "response_ids", "response_logprobs")
+            ):
+                differ.add(tid)  # not the lists the agent returned (seen once in a 25-minute run)
+                continue
             got = digest(out["prompt_ids"], out["response_ids"], out["response_logprobs"], traj.reward)
             if got != recorded[tid]["digest"]:
                 differ.add(tid)
