@@ -144,7 +144,8 @@ def get_recorder() -> Recorder | None:
 
 
 def flush(timeout: float = 30.0) -> bool:
-    """Write and fsync everything recorded so far in this process."""
+    """Write and fsync everything recorded so far in this process; False when that took longer than
+    ``timeout`` or a span recorded since the last flush that returned True was lost (counted)."""
     rec = _recorder
     return rec.flush(timeout) if rec is not None else True
 

@@ -41,6 +41,7 @@ log = logging.getLogger("rlreplay")
 ENV_POLICY = "RLREPLAY_POLICY"
 ENV_MAX_QUEUE_MB = "RLREPLAY_MAX_QUEUE_MB"
 
+LOSS_COUNTERS = ("dropped", "lost", "encode_errors")  # spans that did not reach disk as given
 POLICY_SPILL = "spill"
 POLICY_DROP = "drop"
 
@@ -84,6 +85,7 @@ class Recorder:
         self.on_thread_start = on_thread_start  # the writer thread started
         self.on_deferred_term = on_deferred_term  # SIGTERM arrived while this thread held the lock
         self.counters = dict.fromkeys(manifest.COUNTERS, 0)
+        self._acknowledged_losses = 0  # spans lost up to the last flush that returned
         self._queue: deque = deque()
         self._enqueued = 0  # bytes put by callers
         self._written = 0  # bytes taken by the writer
@@ -498,14 +500,21 @@ class Recorder:
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Write and fsync everything recorded so far, and finish sealing the files of finished
-        steps; True when done within ``timeout``."""
+        steps; True when done within ``timeout`` and no span since the last acknowledged flush was
+        lost (a batch with a lost span is not acknowledged)."""
         deadline = time.monotonic() + timeout
-        if not self.wait_written(timeout):
-            return False
-        if self._thread is None or not self._thread.is_alive():
-            return True
-        with self._sealed_cond:
-            return self._sealed_cond.wait_for(lambda: self._sealing <= 0, deadline - time.monotonic())
+        done = self.wait_written(timeout)
+        if done and self._thread is not None and self._thread.is_alive():
+            with self._sealed_cond:
+                done = self._sealed_cond.wait_for(lambda: self._sealing <= 0, deadline - time.monotonic())
+        losses = self._losses()
+        whole = losses == self._acknowledged_losses
+        if done:
+            self._acknowledged_losses = losses
+        return done and whole
+
+    def _losses(self) -> int:
+        return sum(self.counters[k] for k in LOSS_COUNTERS)
 
     def wait_written(self, timeout: float = 30.0) -> bool:
         """Block until everything recorded so far is written to its live file (which a killed

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import orjson
@@ -50,6 +51,7 @@ FULL_DISK = textwrap.dedent(
         return {"response_ids": out}
 
     returned = 0
+    acknowledged = []  # the trajectories of each group whose flush returned True
 
     async def one(step, i):
         global returned
@@ -62,14 +64,17 @@ FULL_DISK = textwrap.dedent(
     async def main():
         for step in range(4):
             for group in range(10):  # a batch or two per group; files outgrow the limit mid-step
-                await asyncio.gather(*(one(step, group * 4 + i) for i in range(4)))
-                rlreplay.flush()
+                keys = [(step, group * 4 + i) for i in range(4)]
+                await asyncio.gather(*(one(*key) for key in keys))
+                if rlreplay.flush():
+                    acknowledged.extend(keys)
 
     asyncio.run(main())
     rlreplay.flush()
     stats = rlreplay.stats()
     rlreplay.close()
-    print(json.dumps({"returned": returned, "spans_made": returned * 4, "stats": stats}))
+    report = {"returned": returned, "spans_made": returned * 4, "stats": stats, "acknowledged": acknowledged}
+    print(json.dumps(report))
     """
 )
 
@@ -106,6 +111,11 @@ def test_full_disk_training_continues_and_losses_are_counted(
         if row["kind"] == "llm":
             inputs, output = row["inputs"], row["output"]
             assert len(output["token_ids"]) == 50 and inputs["request_id"].startswith(f"{row['step']}-")
+    # a flush acknowledges a batch only when all of it reached disk: each such trajectory is whole
+    spans_of = Counter((row["step"], row["sample_index"]) for row in decoded_rows(table))
+    acknowledged = [tuple(key) for key in report["acknowledged"]]
+    assert 0 < len(acknowledged) < 160
+    assert [key for key in acknowledged if spans_of[key] != 4] == []
 
     capsys.readouterr()
     assert main(["info", str(run_dir), "--json"]) == 0

@@ -1,0 +1,90 @@
+"""The soak's short profile (benchmarks/soak.py): nothing acknowledged is lost, nothing listed twice.
+
+Recording processes are killed, the disk fills, indexes are corrupted and (on S3) the store goes
+away, while a reader loops over ls, show, stats and sql.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SOAK = Path(__file__).parents[1] / "benchmarks" / "soak.py"
+
+
+def run_soak(tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, str(SOAK), "--json", str(out), "--seed", "3", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.exists(), proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert proc.returncode == (0 if not _failed(result) else 1), proc.stderr[-4000:]
+    return result
+
+
+def _failed(result: dict) -> bool:
+    return bool(
+        result["duplicated"]
+        or result["silently_missing"]
+        or result["mismatched"]
+        or result["phantom"]
+        or result["reader_errors"]
+        or not result["listing_equals_direct_count"]
+    )
+
+
+def assert_nothing_lost(result: dict) -> None:
+    assert result["acknowledged"] > 0 and result["listed"] >= result["acknowledged"], result
+    assert result["duplicated"] == 0, result
+    assert result["silently_missing"] == 0, result["missing_acknowledged"]
+    assert result["mismatched"] == 0, result
+    assert result["phantom"] == 0, result
+    assert result["reader_errors"] == 0, result["reader_error_examples"]
+    assert result["listing_equals_direct_count"], (result["listed"], result["direct_count"])
+    calls = result["reader_calls"]
+    assert calls.get("ls", 0) > 0 and calls.get("show", 0) > 0, calls
+
+
+def test_short_soak_of_a_local_run(tmp_path: Path) -> None:
+    result = run_soak(
+        tmp_path,
+        *(
+            "--processes",
+            "3",
+            "--duration",
+            "60",
+            "--step-s",
+            "0.3",
+            "--readers",
+            "1",
+            "--fault-gap",
+            "2",
+            "5",
+        ),
+        *("--disk-mb", "512", "--no-ui"),
+    )
+    assert_nothing_lost(result)
+    faults = result["faults"]
+    assert sum(v for k, v in faults.items() if k.startswith("kill")) >= 2, faults
+    assert not [k for k in faults if "not made" in k or "died" in k], faults
+    if os.geteuid() == 0:  # the disk is a tmpfs the soak mounts (only root can)
+        assert faults.get("disk full", 0) >= 1, faults
+    assert faults.get("corrupt .index", 0) + faults.get("corrupt run index", 0) >= 1, faults
+
+
+def test_short_soak_into_s3(tmp_path: Path) -> None:
+    result = run_soak(
+        tmp_path,
+        *("--s3", "--processes", "2", "--duration", "30", "--step-s", "1", "--readers", "1"),
+        *("--fault-gap", "2", "5"),
+        *("--disk-mb", "512", "--no-ui"),
+    )
+    assert_nothing_lost(result)
+    assert result["faults"], result
