@@ -36,12 +36,22 @@ def ls_command(
     run_path: RunArgument = None,
     run: RunOption = None,
     as_json: JsonOption = False,
+    finding: Annotated[
+        str | None,
+        typer.Option(
+            "--finding",
+            metavar="CHECKS",
+            help="Only trajectories these audit checks flag (rlreplay audit --help), e.g. truncated.",
+        ),
+    ] = None,
     *,
     selection: Any,
 ) -> None:
     """List trajectories, one row each (with --json: one JSON object per line)."""
     opened = open_run_arg(run, run_path)
     table = selection.trajectories(opened)
+    if finding is not None:
+        table = _flagged(opened, table, finding)
     report_warnings(opened)
     if as_json:
         from rlreplay.model import listing_rows
@@ -65,6 +75,20 @@ def ls_command(
         console().print(
             "recording losses: " + ", ".join(f"{k}={v}" for k, v in losses.items()), style="yellow"
         )
+
+
+def _flagged(opened: Any, table: Any, names: str) -> Any:
+    """The rows of ``table`` that the audit checks ``names`` flag."""
+    import pyarrow as pa
+
+    from rlreplay.audit import engine
+    from rlreplay.format import arrow_ops as ops
+
+    report = engine.audit(opened, table, engine.choose(names, engine.available()))
+    for name, why in report.skipped.items():
+        print(f"rlreplay: note: {name} skipped: {why}", file=sys.stderr)
+    ids = pa.array(sorted(engine.finding_ids(report, table)), type=pa.string())
+    return ops.filter(table, ops.is_in(table["id"], ids))
 
 
 #: Longer listings, and any listing not going to a terminal, are printed as plain columns.

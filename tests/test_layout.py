@@ -21,7 +21,7 @@ LAYERS = [
     ("rlreplay.recorder",),
     ("rlreplay.text",),
     ("rlreplay.read",),
-    ("rlreplay.diff", "rlreplay.export", "rlreplay.rewrite", "rlreplay.ui"),
+    ("rlreplay.audit", "rlreplay.diff", "rlreplay.export", "rlreplay.rewrite", "rlreplay.ui"),
 ]
 # Hooking verl is rlreplay's job: its private parts may be imported.
 PRIVATE_ALLOWED = ("verl",)
