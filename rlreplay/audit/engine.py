@@ -81,9 +81,29 @@ def audit(
             report.findings.extend(check.run(listing, ctx))
     if over_spans:
         for traj in stream(run, listing):
-            for check in over_spans:
-                report.findings.extend(check.run(traj, ctx))
+            report.findings.extend(check_trajectory(traj, over_spans, ctx))
     return report
+
+
+def check_trajectory(traj: Any, checks: Sequence[Check], ctx: Context) -> list[Finding]:
+    """The findings of the trajectory checks among ``checks`` on one trajectory (a check needing
+    a tokenizer is left out when ``ctx`` has no decoder)."""
+    found: list[Finding] = []
+    for check in checks:
+        if check.over != OVER_LISTING and (ctx.decoder is not None or not check.needs_tokenizer):
+            found.extend(check.run(traj, ctx))
+    return found
+
+
+def about(findings: Sequence[Finding], traj: Any) -> list[Finding]:
+    """The findings that point at ``traj``: its own, and its group's."""
+    group = (traj.step, traj.sample_index)
+    return [
+        f
+        for f in findings
+        if f.trajectory_id == traj.id
+        or (f.trajectory_id is None and not traj.validate and (f.step, f.sample_index) == group)
+    ]
 
 
 def _decoder(run: Any, tokenizer: str | None, report: Report, needing: list[Check]) -> Any:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from audit_truth import verl_sample_truth
 from conftest import qwen_tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -381,46 +381,11 @@ def test_length_and_reward_drift(tmp_path: Path) -> None:
 VERL_RUN = ROOT / "sample_runs" / "verl-toolagent-smollm2"
 
 
-def test_the_real_verl_sample_run(tmp_path: Path) -> None:
-    """Findings on the shipped real-verl run, against values computed here from its span files."""
-    import glob
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from rlreplay.format import payload
-    from rlreplay.read.open import open_run
-
-    spans = pa.concat_tables(
-        [pq.read_table(f) for f in sorted(glob.glob(str(VERL_RUN / "spans" / "*" / "*" / "*.parquet")))]
-    ).to_pylist()
-    # tool calls that raised or returned an error text
-    tool_errors = set()
-    for s in spans:
-        if s["kind"] != "tool":
-            continue
-        out, _ = payload.decode_safe(s["output"])
-        text = out[0].get("text") if isinstance(out, list) and out and isinstance(out[0], dict) else None
-        if s["status"] == "error" or (isinstance(text, str) and text.lower().startswith("error")):
-            tool_errors.add(s["trajectory_id"])
-    # training groups whose rollouts all got one reward (the signals rows hold the rewards)
-    rewards: dict[tuple[int, int], list[float]] = {}
-    for s in spans:
-        if s["kind"] == "signals" and not s["validate"] and s["reward"] is not None:
-            rewards.setdefault((s["step"], s["sample_index"]), []).append(s["reward"])
-    collapsed = {g for g, r in rewards.items() if len(r) > 1 and len(set(r)) == 1}
-    # model calls stopped on the length limit, and re-tokenized turns (from the recorded ids)
-    run = open_run(VERL_RUN)
-    truncated, retokenized = set(), set()
-    for traj in run.load(run.trajectories()["id"].to_pylist()):
-        calls = sorted((s for s in traj.spans if s.kind == "llm"), key=lambda s: s.start_ns)
-        for s in calls:
-            if s.output.get("stop_reason") == "length":
-                truncated.add(traj.id)
-        for a, b in itertools.pairwise(calls):
-            before = a.inputs["prompt_ids"] + a.output["token_ids"]
-            if b.inputs["prompt_ids"][: len(before)] != before:
-                retokenized.add(traj.id)
+def test_the_real_verl_sample_run() -> None:
+    """Findings on the shipped real-verl run, against values computed from its span files."""
+    expected = verl_sample_truth(VERL_RUN)
+    collapsed, tool_errors = expected["group_collapse"], expected["tool_error"]
+    truncated, retokenized = expected["truncated"], expected["retokenization"]
     assert collapsed and tool_errors  # the sample run has both
 
     proc = audit(str(VERL_RUN), "--json")
