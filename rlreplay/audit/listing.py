@@ -3,7 +3,6 @@ outliers, length and reward drift across steps. They read no span."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,13 +17,8 @@ from rlreplay.audit.finding import (
     Context,
     Finding,
 )
+from rlreplay.format import arrow_ops as ops
 from rlreplay.model import listing_rows
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _by_step(rows: list[dict[str, Any]], train_only: bool) -> dict[Any, list[dict[str, Any]]]:
@@ -36,22 +30,79 @@ def _by_step(rows: list[dict[str, Any]], train_only: bool) -> dict[Any, list[dic
     return out
 
 
+def _numbers(column: Any) -> Any:
+    """A numeric column as floats, null as nan."""
+    values = ops.fill_null(column, 0).to_numpy(zero_copy_only=False).astype(float)
+    values[ops.is_null(column).to_numpy(zero_copy_only=False)] = float("nan")
+    return values
+
+
+def _int_keys(listing: Any, names: tuple[str, ...]) -> list[Any] | None:
+    """The key columns as float arrays (null: nan), or None when a value was recorded as a string."""
+    if any(listing[f"{name}_str"].null_count < listing.num_rows for name in names):
+        return None
+    return [_numbers(listing[name]) for name in names]
+
+
+def _groups(*keys: Any) -> tuple[Any, Any]:
+    """(row order, start of each group in that order) of rows sorted by ``keys`` (nan: its own key)."""
+    import numpy as np
+
+    order = np.lexsort(keys[::-1])
+    if not len(order):
+        return order, np.zeros(0, dtype=np.int64)
+    changed = np.zeros(len(order) - 1, dtype=bool)
+    for key in keys:
+        k = key[order]
+        changed |= (k[1:] != k[:-1]) & ~(np.isnan(k[1:]) & np.isnan(k[:-1]))
+    return order, np.flatnonzero(np.r_[True, changed])
+
+
+def _key(value: float) -> int | None:
+    return None if value != value else int(value)
+
+
 def group_collapse(listing: Any, ctx: Context) -> Iterator[Finding]:
+    import numpy as np
+
+    keys = _int_keys(listing, ("step", "sample_index"))
+    if keys is None:
+        yield from _group_collapse_rows(listing, ctx)
+        return
+    step, sample = keys
+    reward = _numbers(listing["reward"])
+    train = ~ops.fill_null(listing["validate"], False).to_numpy(zero_copy_only=False)
+    rows = np.flatnonzero(train & ~np.isnan(sample) & ~np.isnan(reward))
+    order, starts = _groups(step[rows], sample[rows])
+    if not len(starts):
+        return
+    r = reward[rows][order]
+    counts = np.diff(np.r_[starts, len(r)])
+    spread = np.maximum.reduceat(r, starts) - np.minimum.reduceat(r, starts)
+    first = rows[order][starts]
+    for g in np.flatnonzero((counts >= ctx["collapse_min_rollouts"]) & (spread <= ctx["collapse_tolerance"])):
+        i = first[g]
+        yield _collapsed(_key(step[i]), _key(sample[i]), int(counts[g]), float(reward[i]))
+
+
+def _collapsed(step: Any, sample: Any, n: int, reward: float) -> Finding:
+    return Finding(
+        "group_collapse",
+        None,
+        step,
+        sample,
+        None,
+        False,
+        WARNING,
+        f"all {n} rollouts got reward {reward:g} (zero advantage)",
+        score=n,
+    )
+
+
+def _group_collapse_rows(listing: Any, ctx: Context) -> Iterator[Finding]:
+    """group_collapse over keys recorded as strings: row by row."""
     groups: dict[tuple[Any, ...], list[float]] = {}
-    for row in listing_rows(
-        listing.select(
-            [
-                "step",
-                "step_str",
-                "sample_index",
-                "sample_index_str",
-                "rollout_n",
-                "rollout_n_str",
-                "validate",
-                "reward",
-            ]
-        )
-    ):
+    for row in listing_rows(listing.select([*_KEY_COLUMNS, "validate", "reward"])):
         if row["validate"] or row["sample_index"] is None or row["reward"] is None:
             continue
         groups.setdefault((row["step"], row["sample_index"]), []).append(row["reward"])
@@ -60,65 +111,65 @@ def group_collapse(listing: Any, ctx: Context) -> Iterator[Finding]:
             len(rewards) >= ctx["collapse_min_rollouts"]
             and max(rewards) - min(rewards) <= ctx["collapse_tolerance"]
         ):
-            yield Finding(
-                "group_collapse",
-                None,
-                step,
-                sample,
-                None,
-                False,
-                WARNING,
-                f"all {len(rewards)} rollouts got reward {rewards[0]:g} (zero advantage)",
-                score=len(rewards),
-            )
+            yield _collapsed(step, sample, len(rewards), rewards[0])
+
+
+_KEY_COLUMNS = ("step", "step_str", "sample_index", "sample_index_str", "rollout_n", "rollout_n_str")
 
 
 def mismatch(listing: Any, ctx: Context) -> Iterator[Finding]:
-    cols = [
-        "id",
-        "step",
-        "step_str",
-        "sample_index",
-        "sample_index_str",
-        "rollout_n",
-        "rollout_n_str",
-        "validate",
-        "logprob_diff_max",
-        "importance_ratio",
-    ]
-    rows = listing_rows(listing.select(cols))
-    for (_step, _split), members in _by_step(rows, train_only=False).items():
-        diffs = [r["logprob_diff_max"] for r in members if r["logprob_diff_max"] is not None]
-        limit = ctx["mismatch_max"]
-        if len(diffs) >= ctx["mismatch_min_rollouts"]:
-            median = _median(diffs)
-            mad = _median([abs(d - median) for d in diffs])
-            outlier = max(median + ctx["mismatch_mads"] * 1.4826 * mad, ctx["mismatch_floor"])
-            limit = min(limit, outlier)
-        ratio_max = ctx["importance_ratio_max"]
-        for r in members:
-            diff, ratio = r["logprob_diff_max"], r["importance_ratio"]
-            parts = []
-            score = 0.0
-            if diff is not None and diff > limit:
-                parts.append(f"logprob_diff_max {diff:.4g} > {limit:.4g} (step median {_median(diffs):.3g})")
-                score = diff
-            if ratio is not None and ratio > 0 and abs(math.log(ratio)) > math.log(ratio_max):
-                parts.append(f"importance_ratio {ratio:.4g} outside [{1 / ratio_max:.3g}, {ratio_max:.3g}]")
-                score = max(score, abs(math.log(ratio)))
-            if parts:
-                severity = ERROR if (diff or 0) > ctx["mismatch_max"] else WARNING
-                yield Finding(
-                    "mismatch",
-                    r["id"],
-                    r["step"],
-                    r["sample_index"],
-                    r["rollout_n"],
-                    r["validate"],
-                    severity,
-                    "; ".join(parts),
-                    score=score,
-                )
+    import numpy as np
+
+    diff = _numbers(listing["logprob_diff_max"])
+    ratio = _numbers(listing["importance_ratio"])
+    steps = _int_keys(listing, ("step",))
+    if steps is None:  # steps recorded as strings: number them
+        names = [str(s) for s in listing_rows(listing.select(["step", "step_str"]))]
+        steps = [np.unique(names, return_inverse=True)[1].astype(float)]
+    split = ops.fill_null(listing["validate"], False).to_numpy(zero_copy_only=False).astype(float)
+    limit = np.full(len(diff), ctx["mismatch_max"])
+    median = np.full(len(diff), np.nan)
+    order, starts = _groups(steps[0], split)
+    for lo, hi in zip(starts, np.r_[starts[1:], len(order)]):
+        members = order[lo:hi]
+        values = diff[members][~np.isnan(diff[members])]
+        if not len(values):
+            continue
+        med = float(np.median(values))
+        median[members] = med
+        if len(values) >= ctx["mismatch_min_rollouts"]:
+            mad = float(np.median(np.abs(values - med)))
+            outlier = max(med + ctx["mismatch_mads"] * 1.4826 * mad, ctx["mismatch_floor"])
+            limit[members] = min(ctx["mismatch_max"], outlier)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_ratio = np.abs(np.log(ratio))
+    far = log_ratio > np.log(ctx["importance_ratio_max"])
+    high = diff > limit
+    flagged = np.flatnonzero(high | far)
+    if not len(flagged):
+        return
+    rows = listing_rows(ops.take(listing.select(["id", *_KEY_COLUMNS, "validate"]), ops.from_numpy(flagged)))
+    ratio_max = ctx["importance_ratio_max"]
+    for i, r in zip(flagged, rows):
+        parts, score = [], 0.0
+        if high[i]:
+            parts.append(f"logprob_diff_max {diff[i]:.4g} > {limit[i]:.4g} (step median {median[i]:.3g})")
+            score = float(diff[i])
+        if far[i]:
+            parts.append(f"importance_ratio {ratio[i]:.4g} outside [{1 / ratio_max:.3g}, {ratio_max:.3g}]")
+            score = max(score, float(log_ratio[i]))
+        severity = ERROR if diff[i] > ctx["mismatch_max"] else WARNING
+        yield Finding(
+            "mismatch",
+            r["id"],
+            r["step"],
+            r["sample_index"],
+            r["rollout_n"],
+            r["validate"],
+            severity,
+            "; ".join(parts),
+            score=score,
+        )
 
 
 def _step_means(listing: Any, column: str) -> list[tuple[Any, float, float, float | None]]:
