@@ -75,13 +75,17 @@ def step_template(per_step: int) -> pa.Table:
     return pa.concat_tables(parts)
 
 
-def build_run(root: Path, template: pa.Table, steps: int, seed: int = 0) -> Path:
+def build_run(
+    root: Path, template: pa.Table, steps: int, seed: int = 0, draw: Callable[[Any, int], Any] | None = None
+) -> Path:
+    """``steps`` copies of ``template``, rewards drawn by ``draw(rng, n)`` (default: uniform, 3 places)."""
     run_dir = root / f"run-{steps}"
     rng = np.random.default_rng(seed)
     workers = sorted(set(template["worker"].to_pylist()))
     rewarded = pc.is_valid(template["reward"]).to_numpy(zero_copy_only=False)
     for step in range(steps):
-        rewards = np.where(rewarded, rng.random(template.num_rows).round(3), np.nan)
+        drawn = draw(rng, template.num_rows) if draw is not None else rng.random(template.num_rows).round(3)
+        rewards = np.where(rewarded, drawn, np.nan)
         table = template.set_column(
             template.column_names.index("reward"), "reward", pa.array(rewards, mask=~rewarded)
         )

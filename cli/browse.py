@@ -160,6 +160,14 @@ def ls_command(
             f"signals first). Columns: {', '.join(c.name for c in LS_COLUMNS)}.",
         ),
     ] = None,
+    finding: Annotated[
+        str | None,
+        typer.Option(
+            "--finding",
+            metavar="CHECKS",
+            help="Only trajectories these audit checks flag (rlreplay audit --help), e.g. truncated.",
+        ),
+    ] = None,
     *,
     selection: Any,
 ) -> None:
@@ -169,6 +177,8 @@ def ls_command(
     chosen = ls_columns(columns)
     opened = open_run_arg(run, run_path)
     table = selection.trajectories(opened)
+    if finding is not None:
+        table = _flagged(opened, table, finding)
     report_warnings(opened)
     if as_json:
         from rlreplay.model import listing_rows
@@ -205,6 +215,20 @@ def ls_command(
         console().print(
             "recording losses: " + ", ".join(f"{k}={v}" for k, v in losses.items()), style="yellow"
         )
+
+
+def _flagged(opened: Any, table: Any, names: str) -> Any:
+    """The rows of ``table`` that the audit checks ``names`` flag."""
+    import pyarrow as pa
+
+    from rlreplay.audit import engine
+    from rlreplay.format import arrow_ops as ops
+
+    report = engine.audit(opened, table, engine.choose(names, engine.available()))
+    for name, why in report.skipped.items():
+        print(f"rlreplay: note: {name} skipped: {why}", file=sys.stderr)
+    ids = pa.array(sorted(engine.finding_ids(report, table)), type=pa.string())
+    return ops.filter(table, ops.is_in(table["id"], ids))
 
 
 def _cell(value: Any) -> str:

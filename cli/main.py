@@ -14,6 +14,7 @@ from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app
 #: Each command and the module that registers it: a command imports only its own module.
 COMMANDS = {
     "ls": "browse",
+    "audit": "audit",
     "show": "browse",
     "info": "browse",
     "recover": "browse",
@@ -54,7 +55,7 @@ def _bad_input() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:]
-    reading = ("ls", "show", "diff", "compare", "info", "stats", "sql", "export")
+    reading = ("ls", "audit", "show", "diff", "compare", "info", "stats", "sql", "export")
     if argv is None and args and args[0] in reading and not {"--help", "-h"} & set(args):
         # no linear algebra here: one OpenBLAS thread (as numpy loads, OpenBLAS starts one per core,
         # and they spin for a while, taking the CPU this command runs on)

@@ -27,7 +27,7 @@ from contextvars import ContextVar
 from types import ModuleType
 from typing import Any
 
-from rlreplay.text.adapters import GenericAdapter
+from rlreplay.text.adapters import ConversationFields, GenericAdapter
 
 log = logging.getLogger("rlreplay")
 
@@ -635,6 +635,12 @@ class VerlAdapter(GenericAdapter):
 
     name = "verl"
     kind_by_name = KIND_BY_NAME
+    #: ``TokenOutput.stop_reason`` is "completed", "aborted" or vLLM's finish reason ("length" at the
+    #: limit); the request's ``sampling_params`` may carry ``max_tokens`` (or ``max_new_tokens``),
+    #: else the server's ``response_length`` applies
+    fields = ConversationFields(
+        stop_reason=("stop_reason",), max_tokens=("max_tokens", "max_new_tokens"), length_stops=("length",)
+    )
     prompt_message_fields = ("raw_prompt",)
     #: Output keys that differ between two runs of the same rollout: ``AgentLoopOutput.metrics``
     #: (wall times) and rlreplay's own trajectory key in ``extra_fields``.

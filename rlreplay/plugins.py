@@ -1,4 +1,4 @@
-"""One plug-in loader: framework adapters and uploaders, found by entry point; built-ins are entry points too.
+"""One plug-in loader: adapters, uploaders and audit checks, found by entry point (built-ins too).
 
 A plug-in is a ``"module:attribute"`` spec registered under a name in an entry-point group, the
 way rlreplay's own adapters and uploaders are (see ``pyproject.toml``). Specs registered
@@ -16,6 +16,7 @@ from typing import Any
 GROUPS: dict[str, tuple[str, ...]] = {
     "adapters": ("rlreplay.recorders", "rlreplay.adapters"),
     "uploaders": ("rlreplay.uploaders",),
+    "checks": ("rlreplay.checks",),
 }
 
 #: Built-ins, used when the installed metadata lacks their entry points (e.g. an old editable install).
@@ -29,6 +30,19 @@ BUILTINS: dict[str, dict[str, str]] = {
         "weave": "rlreplay.uploaders.weave:WeaveUploader",
         "otlp": "rlreplay.uploaders.otlp:OtlpUploader",
         "trackio": "rlreplay.uploaders.trackio:TrackioUploader",
+    },
+    "checks": {
+        "group_collapse": "rlreplay.audit.listing:GROUP_COLLAPSE",
+        "mismatch": "rlreplay.audit.listing:MISMATCH",
+        "length_drift": "rlreplay.audit.listing:LENGTH_DRIFT",
+        "reward_drift": "rlreplay.audit.listing:REWARD_DRIFT",
+        "retokenization": "rlreplay.audit.calls:RETOKENIZATION",
+        "repetition": "rlreplay.audit.calls:REPETITION",
+        "garbled": "rlreplay.audit.calls:GARBLED",
+        "truncated": "rlreplay.audit.calls:TRUNCATED",
+        "empty_response": "rlreplay.audit.calls:EMPTY_RESPONSE",
+        "tool_error": "rlreplay.audit.calls:TOOL_ERROR",
+        "parse_error": "rlreplay.audit.calls:PARSE_ERROR",
     },
 }
 

@@ -22,6 +22,7 @@ LAYERS = [
     ("rlreplay.text",),
     ("rlreplay.read",),
     (
+        "rlreplay.audit",
         "rlreplay.compare",
         "rlreplay.diff",
         "rlreplay.export",

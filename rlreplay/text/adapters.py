@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rlreplay import plugins
 from rlreplay.errors import RunError
-from rlreplay.text.conversation import segment
+from rlreplay.text.conversation import first_field, function_calls, llm_output_ids, llm_prompt_ids, segment
 from rlreplay.text.messages import build_messages
 
 # rlreplay.format.schema's kinds, spelled out: this module is imported by recording processes, which
@@ -27,7 +27,7 @@ from rlreplay.text.messages import build_messages
 KIND_AGENT, KIND_LLM, KIND_OP, KIND_PARSER, KIND_TOOL = "agent", "llm", "op", "parser", "tool"
 
 if TYPE_CHECKING:
-    from rlreplay.model import Trajectory
+    from rlreplay.model import Span, Trajectory
     from rlreplay.text.conversation import BatchDecoder, Turn
 
 MANIFEST_KEY = "framework"
@@ -64,6 +64,10 @@ class ConversationFields:
     llm_output: tuple[str, ...] = ("token_ids", "output_ids")  # llm output
     log_probs: tuple[str, ...] = ("log_probs", "response_logprobs")
     reward: tuple[str, ...] = ("reward_score", "reward")  # agent/trajectory output
+    stop_reason: tuple[str, ...] = ("stop_reason", "finish_reason")  # llm output: why it stopped
+    max_tokens: tuple[str, ...] = ("max_tokens", "max_new_tokens")  # llm inputs (or sampling params)
+    #: stop reasons meaning the call hit its length limit
+    length_stops: tuple[str, ...] = ("length", "max_tokens")
 
 
 class GenericAdapter:
@@ -147,6 +151,57 @@ class GenericAdapter:
             value = value.get("text", value.get("content"))
         return value if isinstance(value, str) else None
 
+    # -- what a model, tool or parser call says about itself (audit) -----------------------------
+
+    def call_ids(self, span: Span) -> tuple[list[int] | None, list[int] | None]:
+        """(prompt ids, response ids) of a model call, None where not recorded."""
+        return llm_prompt_ids(span.inputs, self.fields), llm_output_ids(span.output, self.fields)
+
+    def stop_reason(self, span: Span) -> str | None:
+        """Why a model call stopped (``stop_reason``/``finish_reason`` of its output)."""
+        output = span.output if isinstance(span.output, dict) else {}
+        value = first_field(output, self.fields.stop_reason)
+        return value if isinstance(value, str) else None
+
+    def max_tokens(self, span: Span) -> int | None:
+        """The most tokens a model call was allowed to generate, when its request said."""
+        inputs = span.inputs if isinstance(span.inputs, dict) else {}
+        for source in (inputs, inputs.get("sampling_params"), inputs.get("kwargs")):
+            if isinstance(source, dict):
+                value = first_field(source, self.fields.max_tokens)
+                if type(value) is int and value > 0:
+                    return value
+                nested = source.get("sampling_params")
+                if isinstance(nested, dict):
+                    value = first_field(nested, self.fields.max_tokens)
+                    if type(value) is int and value > 0:
+                        return value
+        return None
+
+    def tool_error(self, span: Span) -> str | None:
+        """What went wrong in a tool call: the exception it raised, or the error text it returned."""
+        if span.status == "error":
+            return span.error or "raised"
+        output = span.output
+        if isinstance(output, dict) and output.get("error"):
+            return str(output["error"])
+        text = self.tool_output_text(output)
+        if text is not None and _ERROR_TEXT.match(text):
+            return text.strip()
+        return None
+
+    def parse_error(self, span: Span) -> str | None:
+        """What went wrong in a parser call: the exception it raised, or a call it returned
+        without a name or with arguments that are not a JSON object."""
+        if span.status == "error":
+            return span.error or "raised"
+        for call in function_calls(span.output):
+            if not call.get("name"):
+                return "a tool call without a name"
+            if not isinstance(call.get("arguments"), dict):
+                return f"malformed arguments for {call.get('name')}: {str(call.get('arguments'))[:80]}"
+        return None
+
     def tokenizer_from_argv(self, argv: list[str]) -> str | None:
         return None
 
@@ -159,6 +214,7 @@ _CHAT_MARKERS = re.compile(
     r"|<\|start_header_id\|>\w+<\|end_header_id\|>\n*|</?s>"
 )
 _TOOL_CALL = re.compile(r"<tool_call>.*?</tool_call>", re.S)
+_ERROR_TEXT = re.compile(r"\s*(error|exception|traceback)\b", re.I)
 _TOOL_RESPONSE = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.S)
 
 

@@ -247,7 +247,7 @@ def _attach_tool_calls(result: list[Turn], llm_spans: list[Span], parser_spans: 
         return
     by_llm = {t.span_id: t for t in assistant if t.span_id}
     for i, parser in enumerate(parser_spans):
-        calls = _function_calls(parser.output)
+        calls = function_calls(parser.output)
         if not calls:
             continue
         target = None
@@ -261,7 +261,7 @@ def _attach_tool_calls(result: list[Turn], llm_spans: list[Span], parser_spans: 
             target.tool_calls.extend(calls)
 
 
-def _function_calls(output: Any) -> list[dict[str, Any]]:
+def function_calls(output: Any) -> list[dict[str, Any]]:
     """``[{"name", "arguments"}]`` from a parser's output, e.g. ``(content, [FunctionCall, ...])``."""
     candidates: list[Any] = []
     if isinstance(output, dict):

@@ -93,6 +93,10 @@ def _when(value: Any) -> str:
         return "–"
 
 
+#: findings listed on the findings page (the counts cover them all)
+FINDINGS_SHOWN = 1000
+
+
 class UI:
     def __init__(self, runs: RunSet, poll_ms: int = 1500) -> None:
         self.runs = runs
@@ -217,6 +221,7 @@ class UI:
     def trajectory(self, request: Request) -> Response:
         view = self.view(request)
         traj = view.trajectory(request.path_params["tid"])
+        findings = view.trajectory_findings(traj)
         decoder = view.decoder()
         if decoder is not None:
             from rlreplay.text.token2text import add_text
@@ -245,8 +250,28 @@ class UI:
             timings=views.timings(traj),
             tokens=views.tokens(traj, decoder),
             siblings=siblings,
+            findings=findings,
             decoder_error=view.decoder_error,
             crumbs=_traj_crumbs(view, traj),
+        )
+
+    def findings(self, request: Request) -> Response:
+        """What ``rlreplay audit`` finds in the run: counts per check, then every finding."""
+        view = self.view(request)
+        version = view.version()
+        report = view.findings()
+        counts = {c.name: 0 for c in report.checks}
+        for f in report.findings:
+            counts[f.check] = counts.get(f.check, 0) + 1
+        return self.page(
+            "findings.html",
+            view=view,
+            version=version,
+            report=report,
+            counts=counts,
+            help={c.name: c.help for c in report.checks},
+            shown=report.findings[:FINDINGS_SHOWN],
+            crumbs=[("findings", None)],
         )
 
     def group(self, request: Request) -> Response:
@@ -341,6 +366,7 @@ def create_app(
         Route("/r/{run}/t/{tid}", ui.trajectory),
         Route("/r/{run}/group/{tid}", ui.group),
         Route("/r/{run}/diff", ui.diff),
+        Route("/r/{run}/findings", ui.findings),
         Route("/r/{run}/api/version", ui.version),
         Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"),
     ]

@@ -134,6 +134,8 @@ class RunView:
         self._decoder: Any = None
         self._decoder_error: str | None = None
         self._decoder_loaded = False
+        self._findings: tuple[pa.Table, Any] | None = None
+        self._listing_findings: tuple[pa.Table, list[Any]] | None = None
 
     def version(self) -> str:
         """Changes when the data the pages show changes (the files, once their listing is read)."""
@@ -226,6 +228,35 @@ class RunView:
                 except RunError as exc:
                     self._decoder_error = f"{exc} (showing token ids)"
             return self._decoder
+
+    def findings(self) -> Any:
+        """The audit of the whole run (every check), redone when the listing changes."""
+        from rlreplay.audit import engine
+
+        table = self.listing()
+        cached = self._findings
+        if cached is None or cached[0] is not table:
+            report = engine.audit(
+                self.run, table, list(engine.available().values()), tokenizer=self.tokenizer
+            )
+            self._findings = cached = (table, report)
+        return cached[1]
+
+    def trajectory_findings(self, traj: Any) -> list[Any]:
+        """What the audit checks find in one trajectory: its listing findings (its own and its
+        group's) and the trajectory checks run on it now."""
+        from rlreplay.audit import engine
+        from rlreplay.audit.finding import OVER_LISTING, Context
+
+        checks = list(engine.available().values())
+        table = self.listing()
+        if self._findings is not None and self._findings[0] is table:
+            return engine.about(self._findings[1].findings, traj)
+        if self._listing_findings is None or self._listing_findings[0] is not table:
+            over_listing = [c for c in checks if c.over == OVER_LISTING]
+            self._listing_findings = (table, engine.audit(self.run, table, over_listing).findings)
+        ctx = Context(engine.default_thresholds(checks), self.adapter(), self.decoder())
+        return engine.about(self._listing_findings[1], traj) + engine.check_trajectory(traj, checks, ctx)
 
     def adapter(self) -> Any:
         from rlreplay.text.adapters import adapter_for_run

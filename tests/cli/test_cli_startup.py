@@ -57,6 +57,7 @@ def test_help_imports_no_pyarrow_and_lists_every_command(tmp_path: Path) -> None
     assert sorted(listed) == sorted(COMMANDS)
     # in the order the command modules register them, as before they loaded lazily
     assert listed == [
+        "audit",
         "ls",
         "show",
         "info",

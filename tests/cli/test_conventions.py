@@ -62,5 +62,5 @@ def test_placeholders_say_what_they_take() -> None:
 
 
 def test_every_reading_command_takes_dash_r() -> None:
-    for command in ("ls", "show", "info", "diff", "export", "sql", "stats", "ui", "upload"):
+    for command in ("audit", "ls", "show", "info", "diff", "export", "sql", "stats", "ui", "upload"):
         assert "-r, --run RUN" in rlreplay(command, "--help").stdout, command

@@ -1,0 +1,158 @@
+"""Finding what is wrong in a run: ``audit``."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from rlreplay.cli.app import (
+    JsonOption,
+    RunArgument,
+    RunOption,
+    TokenizerOption,
+    app,
+    fail,
+    open_run_arg,
+    report_warnings,
+    selection_options,
+)
+
+#: worst examples shown per check
+EXAMPLES = 5
+
+AUDIT_HELP = """Find the trajectories that are wrong.
+
+Runs checks over the selected trajectories and prints what they find.
+
+Exit code: 1 when the --fail-on checks found something, 0 when not, 2 on bad input.
+
+\b
+Checks (--checks; thresholds: --threshold KEY=VALUE):
+  retokenization  model call k+1's prompt does not begin with call k's prompt + response ids
+                  (re-tokenized text: the trainer sees tokens the model never sampled)
+  repetition      a response degenerating into one repeated n-gram (repetition_max_ngram=32,
+                  repetition_min_repeats=4, repetition_min_tokens=32)
+  garbled         decoded text with replacement or control characters or a mix of 3+ scripts
+                  (needs the tokenizer; skipped with a note without one)
+  truncated       a model call stopped on its length limit (stop reason "length", or max_tokens)
+  empty_response  a model call that returned no token ids
+  tool_error      a tool call that raised or returned an error
+  parse_error     a parser call that raised or returned a malformed tool call
+  mismatch        logprob_diff_max an outlier for its step (median + 10 MADs, at least 0.1) or
+                  above --mismatch-max (1.0); importance_ratio beyond 2x either way
+  group_collapse  a training group whose rollouts all got the same reward (zero advantage)
+  length_drift    mean response length up 50% from the first third of the steps to the last,
+                  mean reward up less than 0.05
+  reward_drift    mean reward up 0.1 while the tool success rate falls 10 points
+"""
+
+
+@app.command("audit", help=AUDIT_HELP)
+@selection_options
+def audit_command(
+    run_path: RunArgument = None,
+    run: RunOption = None,
+    checks: Annotated[
+        str | None, typer.Option("--checks", metavar="A,B", help="Only these checks (default: all).")
+    ] = None,
+    fail_on: Annotated[
+        str | None,
+        typer.Option(
+            "--fail-on",
+            metavar="CHECKS|none",
+            help="Exit 1 when these checks find something (default: the trajectory-level checks).",
+        ),
+    ] = None,
+    mismatch_max: Annotated[
+        float | None,
+        typer.Option("--mismatch-max", metavar="VALUE", help="mismatch: flag logprob_diff_max above this."),
+    ] = None,
+    threshold: Annotated[
+        list[str] | None, typer.Option("--threshold", metavar="KEY=VALUE", help="Override a threshold.")
+    ] = None,
+    tokenizer: TokenizerOption = None,
+    as_json: JsonOption = False,
+    *,
+    selection: Any,
+) -> int:
+    from rlreplay.audit import engine
+    from rlreplay.audit.finding import parse_thresholds
+
+    installed = engine.available()
+    chosen = engine.choose(checks, installed)
+    failing = _fail_on(fail_on, installed, chosen)
+    known = engine.default_thresholds(installed.values())
+    overrides = parse_thresholds(threshold or [], known)
+    if mismatch_max is not None:
+        overrides["mismatch_max"] = mismatch_max
+    opened = open_run_arg(run, run_path)
+    listing = selection.trajectories(opened)
+    report = engine.audit(opened, listing, chosen, overrides, tokenizer)
+    report_warnings(opened)
+    for name, why in report.skipped.items():
+        print(f"rlreplay: note: {name} skipped: {why}", file=sys.stderr)
+    if as_json:
+        import orjson
+
+        write = sys.stdout.write
+        for finding in report.findings:
+            write(orjson.dumps(finding.to_dict()).decode() + "\n")
+    else:
+        sys.stdout.write(render(report))
+    return 1 if any(f.check in failing for f in report.findings) else 0
+
+
+def _fail_on(text: str | None, installed: dict[str, Any], chosen: list[Any]) -> set[str]:
+    if text is None:
+        from rlreplay.audit.engine import trajectory_checks
+
+        return set(trajectory_checks(installed))
+    if text.strip() == "none":
+        return set()
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in installed]
+    if unknown or not names:
+        fail(
+            f"--fail-on: unknown check {', '.join(unknown) or '(none given)'}; checks: {', '.join(installed)}"
+        )
+    return set(names)
+
+
+def render(report: Any) -> str:
+    """The report as text: per check, a table of findings per step and one of the worst examples."""
+    lines = []
+    by_check: dict[str, list[Any]] = {c.name: [] for c in report.checks}
+    for finding in report.findings:
+        by_check.setdefault(finding.check, []).append(finding)
+    width = max(len(name) for name in by_check) if by_check else 0
+    lines.append(f"audited {report.trajectories} trajectories")
+    for name, found in by_check.items():
+        state = f"skipped ({report.skipped[name]})" if name in report.skipped else f"{len(found)} findings"
+        lines.append(f"  {name.ljust(width)}  {state}")
+    for name, found in by_check.items():
+        if not found:
+            continue
+        lines += ["", f"{name}: {len(found)} findings"]
+        steps: dict[str, int] = {}
+        for f in found:
+            steps[str(f.step)] = steps.get(str(f.step), 0) + 1
+        lines += _columns([["step", *steps], ["findings", *map(str, steps.values())]], indent="  ")
+        worst = sorted(found, key=lambda f: -f.score)[:EXAMPLES]
+        rows = [["id", "step", "sample", "rollout", "detail"]]
+        for f in worst:
+            cells = [f.trajectory_id[:12] if f.trajectory_id else "-", f.step, f.sample_index, f.rollout_n]
+            rows.append(["-" if c is None else str(c) for c in cells] + [f.detail])
+        lines += ["  worst:", *_columns(list(map(list, zip(*rows))), indent="  ")]
+    return "\n".join(lines) + "\n"
+
+
+def _columns(columns: list[list[str]], indent: str) -> list[str]:
+    """Rows of left-aligned columns (the last one unpadded)."""
+    widths = [max(map(len, col)) for col in columns]
+    out = []
+    for row in zip(*columns):
+        cells = [c.ljust(w) for c, w in zip(row[:-1], widths)] + [row[-1]]
+        out.append((indent + "  ".join(cells)).rstrip())
+    return out

@@ -1,0 +1,265 @@
+"""Checks over each trajectory's spans: re-tokenized turns, repetition loops, garbled text,
+truncated or empty model calls, failing tools and parsers."""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Iterator
+from typing import Any
+
+from rlreplay.audit.finding import (
+    ERROR,
+    LEVEL_TRAJECTORY,
+    OVER_TRAJECTORIES,
+    WARNING,
+    Check,
+    Context,
+    Finding,
+)
+
+
+def _finding(check: str, traj: Any, severity: str, detail: str, **kw: Any) -> Finding:
+    return Finding(
+        check, traj.id, traj.step, traj.sample_index, traj.rollout_n, traj.validate, severity, detail, **kw
+    )
+
+
+def _calls(traj: Any, kind: str) -> list[Any]:
+    return sorted((s for s in traj.spans if s.kind == kind), key=lambda s: (s.start_ns, s.end_ns))
+
+
+def retokenization(traj: Any, ctx: Context) -> Iterator[Finding]:
+    calls = [ctx.adapter.call_ids(s) for s in _calls(traj, "llm")]
+    for turn in range(1, len(calls)):
+        (prompt, response), (following, _) = calls[turn - 1], calls[turn]
+        if prompt is None or response is None or following is None:
+            continue
+        expected = prompt + response
+        n = min(len(expected), len(following))
+        position = next((i for i in range(n) if expected[i] != following[i]), None)
+        if position is None and len(following) < len(expected):
+            position = len(following)
+        if position is not None:
+            changed = len(expected) - position
+            yield _finding(
+                "retokenization",
+                traj,
+                ERROR,
+                f"model call {turn}'s prompt differs from call {turn - 1}'s prompt + response at token "
+                f"{position} (of {len(expected)}; {changed} sampled tokens re-tokenized)",
+                turn=turn,
+                position=position,
+                score=changed,
+            )
+
+
+def _loop(ids: Any, max_ngram: int) -> tuple[int, int, int] | None:
+    """(n-gram length, repeats, start) of the longest stretch of ``ids`` repeating one n-gram."""
+    import numpy as np
+
+    a = np.asarray(ids, dtype=np.int64)
+    best = None
+    for n in range(1, min(max_ngram, len(a) // 2) + 1):
+        same = np.r_[False, a[n:] == a[:-n], False]
+        edges = np.flatnonzero(np.diff(same.astype(np.int8)))
+        if not len(edges):
+            continue
+        starts, ends = edges[0::2], edges[1::2]
+        k = int(np.argmax(ends - starts))
+        covered = int(ends[k] - starts[k]) + n
+        if covered >= 2 * n and (best is None or covered > best[0]):
+            best = (covered, n, int(starts[k]))
+    if best is None:
+        return None
+    covered, n, start = best
+    return n, covered // n, start
+
+
+def repetition(traj: Any, ctx: Context) -> Iterator[Finding]:
+    for turn, span in enumerate(_calls(traj, "llm")):
+        _, response = ctx.adapter.call_ids(span)
+        if not response or len(response) < ctx["repetition_min_tokens"]:
+            continue
+        found = _loop(response, int(ctx["repetition_max_ngram"]))
+        if found is None:
+            continue
+        n, repeats, start = found
+        if repeats >= ctx["repetition_min_repeats"] and n * repeats >= ctx["repetition_min_tokens"]:
+            yield _finding(
+                "repetition",
+                traj,
+                WARNING,
+                f"model call {turn} repeats a {n}-token n-gram {repeats} times from token {start} "
+                f"(of {len(response)})",
+                turn=turn,
+                position=start,
+                score=n * repeats / len(response),
+            )
+
+
+#: letters of these scripts are counted apart; any other letter counts as its own script
+_SCRIPTS = (
+    "LATIN",
+    "CJK",
+    "HIRAGANA",
+    "KATAKANA",
+    "HANGUL",
+    "CYRILLIC",
+    "GREEK",
+    "ARABIC",
+    "HEBREW",
+    "DEVANAGARI",
+    "THAI",
+    "ARMENIAN",
+    "GEORGIAN",
+    "ETHIOPIC",
+    "TAMIL",
+    "BENGALI",
+)
+_SAME = {"HIRAGANA": "CJK", "KATAKANA": "CJK", "HANGUL": "CJK"}
+
+
+def garbled_reasons(text: str, ctx: Context) -> list[str]:
+    """Why a decoded text looks garbled: replacement or control characters, or too many scripts."""
+    reasons = []
+    bad = text.count("\ufffd")
+    if bad >= ctx["garbled_replacements"]:
+        reasons.append(f"{bad} replacement characters")
+    control = sum(1 for c in text if unicodedata.category(c) in ("Cc", "Cs", "Co") and c not in "\n\r\t")
+    if control >= ctx["garbled_controls"]:
+        reasons.append(f"{control} control characters")
+    scripts: dict[str, int] = {}
+    for c in text:
+        if c.isalpha():
+            word = unicodedata.name(c, "UNKNOWN").split(" ")[0]
+            script = _SAME.get(word, word) if word in _SCRIPTS else word
+            scripts[script] = scripts.get(script, 0) + 1
+    mixed = sorted(s for s, count in scripts.items() if count >= ctx["garbled_script_letters"])
+    if len(mixed) >= ctx["garbled_scripts"]:
+        reasons.append(f"{len(mixed)} scripts mixed ({', '.join(s.lower() for s in mixed)})")
+    return reasons
+
+
+def garbled(traj: Any, ctx: Context) -> Iterator[Finding]:
+    spans = _calls(traj, "llm")
+    ids = [ctx.adapter.call_ids(s)[1] or [] for s in spans]
+    texts = ctx.decoder.decode_many(ids, skip_special_tokens=True) if any(ids) else []
+    for turn, text in enumerate(texts):
+        reasons = garbled_reasons(text, ctx)
+        if reasons:
+            yield _finding(
+                "garbled",
+                traj,
+                ERROR,
+                f"model call {turn}: {'; '.join(reasons)}",
+                turn=turn,
+                score=len(reasons),
+            )
+
+
+def truncated(traj: Any, ctx: Context) -> Iterator[Finding]:
+    stops = getattr(ctx.adapter.fields, "length_stops", ("length",))
+    for turn, span in enumerate(_calls(traj, "llm")):
+        reason = ctx.adapter.stop_reason(span)
+        limit = ctx.adapter.max_tokens(span)
+        _, response = ctx.adapter.call_ids(span)
+        if reason in stops:
+            detail = f"model call {turn} stopped on its length limit (stop reason {reason!r}"
+            detail += f", {len(response)} tokens)" if response is not None else ")"
+        elif limit is not None and response is not None and len(response) >= limit:
+            detail = f"model call {turn} generated {len(response)} tokens, its max_tokens {limit}"
+        else:
+            continue
+        yield _finding("truncated", traj, WARNING, detail, turn=turn, score=len(response or ()))
+
+
+def empty_response(traj: Any, ctx: Context) -> Iterator[Finding]:
+    for turn, span in enumerate(_calls(traj, "llm")):
+        _, response = ctx.adapter.call_ids(span)
+        if span.status == "ok" and response is not None and len(response) == 0:
+            reason = ctx.adapter.stop_reason(span)
+            yield _finding(
+                "empty_response",
+                traj,
+                ERROR,
+                f"model call {turn} returned no tokens" + (f" (stop reason {reason!r})" if reason else ""),
+                turn=turn,
+                score=1,
+            )
+
+
+def _span_errors(traj: Any, kind: str, check: str, what: Any) -> Iterator[Finding]:
+    for turn, span in enumerate(_calls(traj, kind)):
+        why = what(span)
+        if why:
+            text = " ".join(str(why).split())
+            yield _finding(check, traj, WARNING, f"{span.name} call {turn}: {text[:160]}", turn=turn, score=1)
+
+
+def tool_error(traj: Any, ctx: Context) -> Iterator[Finding]:
+    return _span_errors(traj, "tool", "tool_error", ctx.adapter.tool_error)
+
+
+def parse_error(traj: Any, ctx: Context) -> Iterator[Finding]:
+    return _span_errors(traj, "parser", "parse_error", ctx.adapter.parse_error)
+
+
+RETOKENIZATION = Check(
+    "retokenization",
+    OVER_TRAJECTORIES,
+    LEVEL_TRAJECTORY,
+    "model call k+1's prompt ids do not begin with call k's prompt + response ids (the agent loop "
+    "re-tokenized text: the trainer sees tokens the model never sampled); reports the turn and the "
+    "first differing position",
+    retokenization,
+)
+REPETITION = Check(
+    "repetition",
+    OVER_TRAJECTORIES,
+    LEVEL_TRAJECTORY,
+    "a response that degenerates into one n-gram (up to repetition_max_ngram tokens) repeated at least "
+    "repetition_min_repeats times over at least repetition_min_tokens tokens",
+    repetition,
+    {"repetition_max_ngram": 32, "repetition_min_repeats": 4, "repetition_min_tokens": 32},
+)
+GARBLED = Check(
+    "garbled",
+    OVER_TRAJECTORIES,
+    LEVEL_TRAJECTORY,
+    "decoded response text with garbled_replacements replacement characters, garbled_controls control "
+    "characters, or garbled_scripts scripts of garbled_script_letters letters each (needs the tokenizer; "
+    "skipped with a note without one)",
+    garbled,
+    {"garbled_replacements": 2, "garbled_controls": 1, "garbled_scripts": 3, "garbled_script_letters": 3},
+    needs_tokenizer=True,
+)
+TRUNCATED = Check(
+    "truncated",
+    OVER_TRAJECTORIES,
+    LEVEL_TRAJECTORY,
+    'a model call that stopped on its length limit (stop reason "length", or as many tokens as the '
+    "request's max_tokens)",
+    truncated,
+)
+EMPTY_RESPONSE = Check(
+    "empty_response",
+    OVER_TRAJECTORIES,
+    LEVEL_TRAJECTORY,
+    "a model call that returned no token ids",
+    empty_response,
+)
+TOOL_ERROR = Check(
+    "tool_error",
+    OVER_TRAJECTORIES,
+    LEVEL_TRAJECTORY,
+    "a tool call that raised, or returned an error (text beginning with error/exception/traceback)",
+    tool_error,
+)
+PARSE_ERROR = Check(
+    "parse_error",
+    OVER_TRAJECTORIES,
+    LEVEL_TRAJECTORY,
+    "a parser call that raised, or returned a tool call without a name or with arguments that are not "
+    "a JSON object",
+    parse_error,
+)

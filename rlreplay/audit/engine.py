@@ -1,0 +1,166 @@
+"""Running checks over a selection of a run: listing checks on the listing, trajectory checks on
+the trajectories streamed step by step (a bounded batch at a time)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlreplay import plugins
+from rlreplay.audit.finding import LEVEL_TRAJECTORY, OVER_LISTING, Check, Context, Finding
+from rlreplay.errors import SelectionError
+
+#: trajectories loaded at once while streaming a step
+BATCH = 128
+
+
+def available() -> dict[str, Check]:
+    """Every installed check, by name (built-ins first, in their order)."""
+    out: dict[str, Check] = {}
+    for name, spec in plugins.specs("checks").items():
+        check = plugins.load(spec)
+        if not isinstance(check, Check):
+            raise TypeError(f"check {name!r} ({spec}) is not an rlreplay.audit.Check")
+        out[name] = check
+    return out
+
+
+def choose(names: str | Sequence[str] | None, checks: dict[str, Check]) -> list[Check]:
+    """The checks named (a comma list, or all of them); an unknown name: SelectionError."""
+    if names is None:
+        return list(checks.values())
+    wanted = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
+    unknown = [n for n in wanted if n not in checks]
+    if unknown or not wanted:
+        raise SelectionError(
+            f"unknown check {', '.join(unknown) or '(none given)'}; checks: {', '.join(checks)}"
+        )
+    return [checks[n] for n in dict.fromkeys(wanted)]
+
+
+def default_thresholds(checks: Sequence[Check]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for check in checks:
+        out.update(check.thresholds)
+    return out
+
+
+def trajectory_checks(checks: dict[str, Check]) -> list[str]:
+    """The names --fail-on defaults to: the checks whose findings are trajectories."""
+    return [c.name for c in checks.values() if c.level == LEVEL_TRAJECTORY]
+
+
+@dataclass
+class Report:
+    checks: list[Check]
+    findings: list[Finding] = field(default_factory=list)
+    #: checks not run, and why
+    skipped: dict[str, str] = field(default_factory=dict)
+    trajectories: int = 0
+
+
+def audit(
+    run: Any,
+    listing: Any,
+    checks: Sequence[Check],
+    thresholds: dict[str, float] | None = None,
+    tokenizer: str | None = None,
+) -> Report:
+    """Run ``checks`` over the trajectories of ``listing`` (rows of ``run.trajectories()``)."""
+    from rlreplay.text.adapters import adapter_for_run
+
+    report = Report(list(checks), trajectories=listing.num_rows)
+    ctx = Context({**default_thresholds(checks), **(thresholds or {})}, adapter_for_run(run))
+    over_spans = [c for c in checks if c.over != OVER_LISTING]
+    if any(c.needs_tokenizer for c in over_spans):
+        ctx.decoder = _decoder(run, tokenizer, report, [c for c in over_spans if c.needs_tokenizer])
+        over_spans = [c for c in over_spans if c.name not in report.skipped]
+    for check in checks:
+        if check.over == OVER_LISTING:
+            report.findings.extend(check.run(listing, ctx))
+    if over_spans:
+        for traj in stream(run, listing):
+            report.findings.extend(check_trajectory(traj, over_spans, ctx))
+    return report
+
+
+def check_trajectory(traj: Any, checks: Sequence[Check], ctx: Context) -> list[Finding]:
+    """The findings of the trajectory checks among ``checks`` on one trajectory (a check needing
+    a tokenizer is left out when ``ctx`` has no decoder)."""
+    found: list[Finding] = []
+    for check in checks:
+        if check.over != OVER_LISTING and (ctx.decoder is not None or not check.needs_tokenizer):
+            found.extend(check.run(traj, ctx))
+    return found
+
+
+def about(findings: Sequence[Finding], traj: Any) -> list[Finding]:
+    """The findings that point at ``traj``: its own, and its group's."""
+    group = (traj.step, traj.sample_index)
+    return [
+        f
+        for f in findings
+        if f.trajectory_id == traj.id
+        or (f.trajectory_id is None and not traj.validate and (f.step, f.sample_index) == group)
+    ]
+
+
+def _decoder(run: Any, tokenizer: str | None, report: Report, needing: list[Check]) -> Any:
+    from rlreplay.text.token2text import Decoder, TokenizerUnavailable, resolve_tokenizer
+
+    name = resolve_tokenizer(run, tokenizer)
+    why = "no tokenizer is known for this run (pass --tokenizer)"
+    if name is not None:
+        try:
+            return Decoder.load(name)
+        except TokenizerUnavailable as exc:
+            if tokenizer is not None:
+                raise
+            why = f"tokenizer unavailable: {exc}"
+    for check in needing:
+        report.skipped[check.name] = why
+    return None
+
+
+def stream(run: Any, listing: Any, batch: int = BATCH) -> Iterator[Any]:
+    """The listing's trajectories, step by step, ``batch`` at a time (memory: one batch)."""
+    from rlreplay.read.filters import Filters
+
+    by_step: dict[Any, list[str]] = {}
+    for tid, step, step_str in zip(*(listing[c].to_pylist() for c in ("id", "step", "step_str"))):
+        by_step.setdefault(step if step is not None else step_str, []).append(tid)
+    for step, ids in by_step.items():
+        filters = Filters(step=step) if type(step) is int else None
+        for i in range(0, len(ids), batch):
+            yield from run.load(ids[i : i + batch], filters)
+
+
+def finding_ids(report: Report, listing: Any) -> set[str]:
+    """Ids of the listing's trajectories a finding points at (a group finding: its rollouts)."""
+    from rlreplay.model import listing_rows
+
+    ids = {f.trajectory_id for f in report.findings if f.trajectory_id}
+    groups = {
+        (f.step, f.sample_index)
+        for f in report.findings
+        if f.trajectory_id is None and f.sample_index is not None
+    }
+    if groups:
+        for row in listing_rows(
+            listing.select(
+                [
+                    "id",
+                    "step",
+                    "step_str",
+                    "sample_index",
+                    "sample_index_str",
+                    "rollout_n",
+                    "rollout_n_str",
+                    "validate",
+                ]
+            )
+        ):
+            if not row["validate"] and (row["step"], row["sample_index"]) in groups:
+                ids.add(row["id"])
+    return ids

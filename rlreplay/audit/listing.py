@@ -1,0 +1,291 @@
+"""Checks over the listing (the run index: one row per trajectory): group collapse, mismatch
+outliers, length and reward drift across steps. They read no span."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from rlreplay.audit.finding import (
+    ERROR,
+    LEVEL_GROUP,
+    LEVEL_STEP,
+    LEVEL_TRAJECTORY,
+    OVER_LISTING,
+    WARNING,
+    Check,
+    Context,
+    Finding,
+)
+from rlreplay.format import arrow_ops as ops
+from rlreplay.model import listing_rows
+
+
+def _by_step(rows: list[dict[str, Any]], train_only: bool) -> dict[Any, list[dict[str, Any]]]:
+    out: dict[Any, list[dict[str, Any]]] = {}
+    for row in rows:
+        if train_only and row["validate"]:
+            continue
+        out.setdefault((row["step"], bool(row["validate"])), []).append(row)
+    return out
+
+
+def _numbers(column: Any) -> Any:
+    """A numeric column as floats, null as nan."""
+    values = ops.fill_null(column, 0).to_numpy(zero_copy_only=False).astype(float)
+    values[ops.is_null(column).to_numpy(zero_copy_only=False)] = float("nan")
+    return values
+
+
+def _int_keys(listing: Any, names: tuple[str, ...]) -> list[Any] | None:
+    """The key columns as float arrays (null: nan), or None when a value was recorded as a string."""
+    if any(listing[f"{name}_str"].null_count < listing.num_rows for name in names):
+        return None
+    return [_numbers(listing[name]) for name in names]
+
+
+def _groups(*keys: Any) -> tuple[Any, Any]:
+    """(row order, start of each group in that order) of rows sorted by ``keys`` (nan: its own key)."""
+    import numpy as np
+
+    order = np.lexsort(keys[::-1])
+    if not len(order):
+        return order, np.zeros(0, dtype=np.int64)
+    changed = np.zeros(len(order) - 1, dtype=bool)
+    for key in keys:
+        k = key[order]
+        changed |= (k[1:] != k[:-1]) & ~(np.isnan(k[1:]) & np.isnan(k[:-1]))
+    return order, np.flatnonzero(np.r_[True, changed])
+
+
+def _key(value: float) -> int | None:
+    return None if value != value else int(value)
+
+
+def group_collapse(listing: Any, ctx: Context) -> Iterator[Finding]:
+    import numpy as np
+
+    keys = _int_keys(listing, ("step", "sample_index"))
+    if keys is None:
+        yield from _group_collapse_rows(listing, ctx)
+        return
+    step, sample = keys
+    reward = _numbers(listing["reward"])
+    train = ~ops.fill_null(listing["validate"], False).to_numpy(zero_copy_only=False)
+    rows = np.flatnonzero(train & ~np.isnan(sample) & ~np.isnan(reward))
+    order, starts = _groups(step[rows], sample[rows])
+    if not len(starts):
+        return
+    r = reward[rows][order]
+    counts = np.diff(np.r_[starts, len(r)])
+    spread = np.maximum.reduceat(r, starts) - np.minimum.reduceat(r, starts)
+    first = rows[order][starts]
+    for g in np.flatnonzero((counts >= ctx["collapse_min_rollouts"]) & (spread <= ctx["collapse_tolerance"])):
+        i = first[g]
+        yield _collapsed(_key(step[i]), _key(sample[i]), int(counts[g]), float(reward[i]))
+
+
+def _collapsed(step: Any, sample: Any, n: int, reward: float) -> Finding:
+    return Finding(
+        "group_collapse",
+        None,
+        step,
+        sample,
+        None,
+        False,
+        WARNING,
+        f"all {n} rollouts got reward {reward:g} (zero advantage)",
+        score=n,
+    )
+
+
+def _group_collapse_rows(listing: Any, ctx: Context) -> Iterator[Finding]:
+    """group_collapse over keys recorded as strings: row by row."""
+    groups: dict[tuple[Any, ...], list[float]] = {}
+    for row in listing_rows(listing.select([*_KEY_COLUMNS, "validate", "reward"])):
+        if row["validate"] or row["sample_index"] is None or row["reward"] is None:
+            continue
+        groups.setdefault((row["step"], row["sample_index"]), []).append(row["reward"])
+    for (step, sample), rewards in groups.items():
+        if (
+            len(rewards) >= ctx["collapse_min_rollouts"]
+            and max(rewards) - min(rewards) <= ctx["collapse_tolerance"]
+        ):
+            yield _collapsed(step, sample, len(rewards), rewards[0])
+
+
+_KEY_COLUMNS = ("step", "step_str", "sample_index", "sample_index_str", "rollout_n", "rollout_n_str")
+
+
+def mismatch(listing: Any, ctx: Context) -> Iterator[Finding]:
+    import numpy as np
+
+    diff = _numbers(listing["logprob_diff_max"])
+    ratio = _numbers(listing["importance_ratio"])
+    steps = _int_keys(listing, ("step",))
+    if steps is None:  # steps recorded as strings: number them
+        names = [str(s) for s in listing_rows(listing.select(["step", "step_str"]))]
+        steps = [np.unique(names, return_inverse=True)[1].astype(float)]
+    split = ops.fill_null(listing["validate"], False).to_numpy(zero_copy_only=False).astype(float)
+    limit = np.full(len(diff), ctx["mismatch_max"])
+    median = np.full(len(diff), np.nan)
+    order, starts = _groups(steps[0], split)
+    for lo, hi in zip(starts, np.r_[starts[1:], len(order)]):
+        members = order[lo:hi]
+        values = diff[members][~np.isnan(diff[members])]
+        if not len(values):
+            continue
+        med = float(np.median(values))
+        median[members] = med
+        if len(values) >= ctx["mismatch_min_rollouts"]:
+            mad = float(np.median(np.abs(values - med)))
+            outlier = max(med + ctx["mismatch_mads"] * 1.4826 * mad, ctx["mismatch_floor"])
+            limit[members] = min(ctx["mismatch_max"], outlier)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_ratio = np.abs(np.log(ratio))
+    far = log_ratio > np.log(ctx["importance_ratio_max"])
+    high = diff > limit
+    flagged = np.flatnonzero(high | far)
+    if not len(flagged):
+        return
+    rows = listing_rows(ops.take(listing.select(["id", *_KEY_COLUMNS, "validate"]), ops.from_numpy(flagged)))
+    ratio_max = ctx["importance_ratio_max"]
+    for i, r in zip(flagged, rows):
+        parts, score = [], 0.0
+        if high[i]:
+            parts.append(f"logprob_diff_max {diff[i]:.4g} > {limit[i]:.4g} (step median {median[i]:.3g})")
+            score = float(diff[i])
+        if far[i]:
+            parts.append(f"importance_ratio {ratio[i]:.4g} outside [{1 / ratio_max:.3g}, {ratio_max:.3g}]")
+            score = max(score, float(log_ratio[i]))
+        severity = ERROR if diff[i] > ctx["mismatch_max"] else WARNING
+        yield Finding(
+            "mismatch",
+            r["id"],
+            r["step"],
+            r["sample_index"],
+            r["rollout_n"],
+            r["validate"],
+            severity,
+            "; ".join(parts),
+            score=score,
+        )
+
+
+def _step_means(listing: Any, column: str) -> list[tuple[Any, float, float, float | None]]:
+    """Per training step, in order: (step, mean of ``column``, mean reward, tool success rate)."""
+    cols = ["step", "step_str", "validate", column, "reward", "tool_calls", "tool_errors"]
+    out = []
+    by_step = _by_step(listing_rows(listing.select(cols)), train_only=True)
+    for (step, _split), members in sorted(
+        by_step.items(), key=lambda kv: (isinstance(kv[0][0], str), kv[0][0])
+    ):
+        values = [r[column] for r in members if r[column] is not None]
+        rewards = [r["reward"] for r in members if r["reward"] is not None]
+        calls = sum(r["tool_calls"] or 0 for r in members)
+        errors = sum(r["tool_errors"] or 0 for r in members)
+        if values and rewards:
+            success = (calls - errors) / calls if calls else None
+            out.append((step, sum(values) / len(values), sum(rewards) / len(rewards), success))
+    return out
+
+
+def _halves(points: list[Any], ctx: Context) -> tuple[list[Any], list[Any]] | None:
+    if len(points) < ctx["drift_min_steps"]:
+        return None
+    k = max(1, len(points) // 3)
+    return points[:k], points[-k:]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def length_drift(listing: Any, ctx: Context) -> Iterator[Finding]:
+    points = _step_means(listing, "response_tokens")
+    ends = _halves(points, ctx)
+    if ends is None:
+        return
+    first, last = ends
+    len0, len1 = _mean([p[1] for p in first]), _mean([p[1] for p in last])
+    rew0, rew1 = _mean([p[2] for p in first]), _mean([p[2] for p in last])
+    if len0 > 0 and (len1 - len0) / len0 >= ctx["length_rise"] and rew1 - rew0 <= ctx["reward_flat"]:
+        yield Finding(
+            "length_drift",
+            None,
+            f"{points[0][0]}..{points[-1][0]}",
+            None,
+            None,
+            False,
+            WARNING,
+            f"mean response tokens {len0:.1f} -> {len1:.1f} (+{(len1 - len0) / len0:.0%}) while mean reward "
+            f"{rew0:.3g} -> {rew1:.3g}",
+            score=(len1 - len0) / len0,
+        )
+
+
+def reward_drift(listing: Any, ctx: Context) -> Iterator[Finding]:
+    points = [p for p in _step_means(listing, "reward") if p[3] is not None]
+    ends = _halves(points, ctx)
+    if ends is None:
+        return
+    first, last = ends
+    rew0, rew1 = _mean([p[2] for p in first]), _mean([p[2] for p in last])
+    ok0, ok1 = _mean([p[3] for p in first]), _mean([p[3] for p in last])
+    if rew1 - rew0 >= ctx["reward_rise"] and ok0 - ok1 >= ctx["success_drop"]:
+        yield Finding(
+            "reward_drift",
+            None,
+            f"{points[0][0]}..{points[-1][0]}",
+            None,
+            None,
+            False,
+            WARNING,
+            f"mean reward {rew0:.3g} -> {rew1:.3g} while tool success rate {ok0:.0%} -> {ok1:.0%}",
+            score=ok0 - ok1,
+        )
+
+
+GROUP_COLLAPSE = Check(
+    "group_collapse",
+    OVER_LISTING,
+    LEVEL_GROUP,
+    "a training group (step, sample_index) whose rollouts all got the same reward: zero advantage "
+    "under GRPO (one finding per group)",
+    group_collapse,
+    {"collapse_min_rollouts": 2, "collapse_tolerance": 0.0},
+)
+MISMATCH = Check(
+    "mismatch",
+    OVER_LISTING,
+    LEVEL_TRAJECTORY,
+    "a rollout whose trainer-vs-rollout logprob_diff_max is an outlier for its step (median + "
+    "mismatch_mads MADs, at least mismatch_floor) or above --mismatch-max, or whose importance_ratio "
+    "is beyond importance_ratio_max either way",
+    mismatch,
+    {
+        "mismatch_max": 1.0,
+        "mismatch_mads": 10.0,
+        "mismatch_floor": 0.1,
+        "mismatch_min_rollouts": 8,
+        "importance_ratio_max": 2.0,
+    },
+)
+LENGTH_DRIFT = Check(
+    "length_drift",
+    OVER_LISTING,
+    LEVEL_STEP,
+    "mean response length rising by length_rise (fraction) from the first third of the training "
+    "steps to the last while mean reward rises less than reward_flat (a reward-hacking sign)",
+    length_drift,
+    {"length_rise": 0.5, "reward_flat": 0.05, "drift_min_steps": 3},
+)
+REWARD_DRIFT = Check(
+    "reward_drift",
+    OVER_LISTING,
+    LEVEL_STEP,
+    "mean reward rising by reward_rise from the first third of the training steps to the last while "
+    "the tool success rate falls by success_drop (a reward-hacking sign)",
+    reward_drift,
+    {"reward_rise": 0.1, "success_drop": 0.1, "drift_min_steps": 3},
+)
