@@ -33,9 +33,10 @@ def test_prefixes_of_trajectories_whose_root_did_not_queue_are_dropped(tmp_path:
         with rlreplay.trajectory(step=0, sample_index=i):
             generate(rng.integers(0, 151_000, 500).tolist())
         loop()
-    assert rlreplay.flush()
+    flushed = rlreplay.flush()
     counted = rec.counters["spilled"] + rec.counters["dropped"]
     assert counted > 0  # some roots did not go through the queue
+    assert flushed == (rec.counters["dropped"] == 0)  # a flush acknowledges no batch that lost spans
     assert len(rec._prefixes._by_trajectory) == 0
     rlreplay.close()
     if policy == "spill":
