@@ -4,7 +4,7 @@ Layout under a run directory::
 
     spans/step=5/worker=w0/_part-<uid>.partial   live Arrow IPC stream, ignored by scans
     spans/step=5/worker=w0/part-<uid>.parquet    sealed: sorted, Parquet zstd, queryable
-    spans/step=5/worker=w0/part-<uid>.index      its trajectory index (``rlreplay.index``)
+    spans/step=5/worker=w0/part-<uid>.index      its trajectory index (``rlreplay.format.index``)
 
 Sealed files are cut into row groups at trajectory boundaries (about ``ROW_GROUP_BYTES`` of
 payload each), so one trajectory is read without the rest of its step.
