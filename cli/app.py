@@ -232,6 +232,14 @@ def whole_number(option: str, text: str | None, minimum: int | None = None) -> i
     return number
 
 
+#: The training signals shown beside the reward when a run has them: listing field, column name.
+SIGNAL_COLUMNS = (("advantage", "adv"), ("logprob_diff_max", "dlogp_max"), ("importance_ratio", "is_ratio"))
+
+
+def signal_cell(value: float | None) -> str:
+    return "" if value is None else f"{value:.3g}"
+
+
 ForceOption = Annotated[bool, typer.Option("--force", help="Replace the output file if it exists.")]
 
 

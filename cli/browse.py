@@ -14,6 +14,7 @@ import orjson
 import typer
 
 from rlreplay.cli.app import (
+    SIGNAL_COLUMNS,
     JsonOption,
     RunArgument,
     RunOption,
@@ -24,6 +25,7 @@ from rlreplay.cli.app import (
     open_run_arg,
     report_warnings,
     selection_options,
+    signal_cell,
 )
 
 if TYPE_CHECKING:
@@ -53,10 +55,6 @@ def _text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def _number(value: Any) -> str:
-    return "" if value is None else f"{value:.3g}"
-
-
 #: In order of priority: a narrow terminal keeps the first ones.
 LS_COLUMNS = (
     LsColumn("id", False, "id", lambda v: v[:12]),
@@ -65,9 +63,7 @@ LS_COLUMNS = (
     LsColumn("rollout", True, "rollout_n", _text),
     LsColumn("split", False, "validate", lambda v: "val" if v else "train"),
     LsColumn("reward", True, "reward", lambda v: "" if v is None else f"{v:g}"),
-    LsColumn("adv", True, "advantage", _number, signal=True),
-    LsColumn("dlogp_max", True, "logprob_diff_max", _number, signal=True),
-    LsColumn("is_ratio", True, "importance_ratio", _number, signal=True),
+    *(LsColumn(name, True, field, signal_cell, signal=True) for field, name in SIGNAL_COLUMNS),
     LsColumn("status", False, "status", _text),
     LsColumn("model_calls", True, "model_calls", _text),
     LsColumn("tool_calls", True, "tool_calls", _text),
@@ -298,11 +294,7 @@ def render_tree(traj: Any, text_lines: Any = None) -> Tree:
     when = datetime.fromtimestamp(traj.start_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
     split = "validate" if traj.validate else "train"
     reward = "" if traj.reward is None else f"  reward={traj.reward:g}"
-    for name, label in (
-        ("advantage", "advantage"),
-        ("logprob_diff_max", "dlogp_max"),
-        ("importance_ratio", "is_ratio"),
-    ):
+    for name, label in (("advantage", "advantage"), *SIGNAL_COLUMNS[1:]):
         value = traj.row.get(name)
         reward += "" if value is None else f"  {label}={value:.4g}"
     title = (

@@ -10,6 +10,7 @@ import orjson
 import typer
 
 from rlreplay.cli.app import (
+    SIGNAL_COLUMNS,
     JsonOption,
     RunOption,
     TokenizerOption,
@@ -18,6 +19,7 @@ from rlreplay.cli.app import (
     fail,
     open_run_arg,
     selection_options,
+    signal_cell,
 )
 
 if TYPE_CHECKING:
@@ -360,10 +362,16 @@ def render_group(group: Any, text: bool) -> list[RenderableType]:
         Text(""),
     ]
     grid = Table(box=None, header_style="bold", pad_edge=False)
+    signals = [
+        (field, name)
+        for field, name in SIGNAL_COLUMNS
+        if any(getattr(m.side, field) is not None for m in group.members)
+    ]
     for col, justify in [
         ("rollout", "right"),
         ("id", "left"),
         ("reward", "right"),
+        *((name, "right") for _, name in signals),
         ("model_calls", "right"),
         ("response_tokens", "right"),
         ("tool_errors", "right"),
@@ -386,6 +394,7 @@ def render_group(group: Any, text: bool) -> list[RenderableType]:
             _index(m.side.rollout_n),
             m.side.id[:12],
             _num(m.side.reward),
+            *(signal_cell(getattr(m.side, field)) for field, _ in signals),
             str(m.side.model_calls),
             f"{m.side.response_tokens:,}",
             str(m.side.tool_errors),

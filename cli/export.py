@@ -46,22 +46,30 @@ def export_command(
             help="Per step and split, at most N samples (seeded choice), each with all of its rollouts.",
         ),
     ] = None,
-    seed: Annotated[str, typer.Option("--seed", metavar="S", help="Seed of the --max-samples choice.")] = "0",
+    seed: Annotated[str, typer.Option("--seed", metavar="N", help="Seed of the --max-samples choice.")] = "0",
     tokenizer: TokenizerOption = None,
-    ids: Annotated[
-        bool, typer.Option("--ids", help="Also write prompt_ids, response_ids and response_mask.")
+    token_ids: Annotated[
+        bool, typer.Option("--token-ids", help="Also write prompt_ids, response_ids and response_mask.")
     ] = False,
+    old_ids: Annotated[bool, typer.Option("--ids", hidden=True)] = False,
     force: ForceOption = False,
     *,
     selection: Any,
 ) -> None:
     """Write the selection as a dataset (JSON lines or Parquet).
 
-    One record per trajectory: keys, reward, advantage, and messages in OpenAI chat format."""
+    One record per trajectory: keys, reward, advantage, messages in OpenAI chat format and tools
+    (the tool schemas the prompt was rendered with, as a JSON array)."""
     from rlreplay import export
     from rlreplay.read import selection as choosing
     from rlreplay.text.token2text import Decoder, resolve_tokenizer
 
+    if old_ids:
+        print(
+            "rlreplay: export --ids is now --token-ids (--ids means token ids instead of text)",
+            file=sys.stderr,
+        )
+        token_ids = True
     samples = whole_number("--max-samples", max_samples, minimum=1)
     seed_value = whole_number("--seed", seed)
     if out is None:
@@ -80,7 +88,10 @@ def export_command(
     decoder = Decoder.load(name)
     listing = selection.trajectories(opened)
     if samples is not None:
-        chosen = choosing.group_ids(choosing.sample_groups(listing, samples, seed_value or 0))
+        groups = choosing.sample_groups(listing, samples, seed_value or 0)
+        chosen = choosing.group_ids(groups)
+        if chosen:
+            print(f"--max-samples {samples} chose {choosing.describe_groups(groups)}", file=sys.stderr)
     else:
         chosen = listing["id"].to_pylist()
     if not chosen:
@@ -91,7 +102,7 @@ def export_command(
 
     def run_export(tmp: Path) -> None:
         nonlocal written
-        written = export.write(tmp, fmt, opened, listing, chosen, decoder, with_ids=ids)
+        written = export.write(tmp, fmt, opened, listing, chosen, decoder, with_ids=token_ids)
 
     write_atomically(target, run_export)
     report_warnings(opened)

@@ -23,6 +23,7 @@ from rlreplay.cli.app import (
     selection_options,
     write_atomically,
 )
+from rlreplay.errors import install_hint
 
 BARS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 48
@@ -299,7 +300,7 @@ def _write_png(path: Path, rows: list[dict[str, Any]], columns: list[str], title
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        fail("--plot FILE.png needs matplotlib (pip install 'rlreplay[plot]'); or write FILE.html / FILE.svg")
+        fail(f"--plot FILE.png needs matplotlib ({install_hint('plot')}); or write FILE.html / FILE.svg")
     xs = _x_positions(rows)
     fig, axes = plt.subplots(len(columns), 1, figsize=(7, 2.2 * len(columns)), squeeze=False)
     for ax, column in zip(axes[:, 0], columns):

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from rlreplay.cli.app import RunOption, TokenizerOption, app, fail
+from rlreplay.errors import install_hint
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -44,7 +45,7 @@ def ui_command(
 
         from rlreplay.ui.app import create_app
     except ImportError as exc:
-        fail(f"rlreplay ui needs the 'ui' extra ({exc.name} is missing): pip install 'rlreplay[ui]'")
+        fail(f"rlreplay ui needs the 'ui' extra ({exc.name} is missing): {install_hint('ui')}")
     if run is not None and run_path is not None:
         fail("give the run once: as RUN or as --run")
     chosen = run if run is not None else run_path

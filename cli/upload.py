@@ -240,7 +240,7 @@ def upload_command(
             "--max-samples",
             metavar="N",
             min=1,
-            help="Per step and split, at most N >= 1 samples (seeded choice), each with all its rollouts.",
+            help="Per step and split, at most N samples (seeded choice), each with all of its rollouts.",
         ),
     ] = None,
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the --max-samples choice.")] = 0,
@@ -304,7 +304,7 @@ def upload_command(
     to any collector (--endpoint). Trackio writes to its local store ($TRACKIO_DIR). A rerun
     sends only what is missing, and replaces traces sent without text once it can decode.
     """
-    from rlreplay.read.selection import select
+    from rlreplay.read.selection import describe_groups, select
     from rlreplay.uploaders.base import UploadError
     from rlreplay.uploaders.pipeline import backend_class, load_decoder, make_uploader, upload
 
@@ -365,9 +365,15 @@ def upload_command(
             print(f"rlreplay: warning: the {backend} backend cannot tell what it has", file=sys.stderr)
     if summary.error and summary.sent == 0 and summary.failed == 0 and not summary.resumable:
         fail(summary.error)  # nothing went out (unreachable server, bad credentials): one line
+    chose = None if max_samples is None else describe_groups(groups)
     if as_json:
-        sys.stdout.write(orjson.dumps(summary.to_dict()).decode() + "\n")
+        shown = summary.to_dict()
+        if chose is not None:
+            shown["max_samples"] = chose
+        sys.stdout.write(orjson.dumps(shown).decode() + "\n")
     else:
+        if chose is not None:
+            sys.stdout.write(f"--max-samples {max_samples} chose {chose}\n")
         _print_summary(summary, describe=getattr(uploader, "describe", lambda: summary.target)())
     if summary.error:
         rerun = "; what was sent is recorded, rerun to resume" if summary.resumable else ""

@@ -626,6 +626,19 @@ _HYDRA_EXPERIMENT = re.compile(r"^\+*trainer\.experiment_name=(.+)$")
 _HYDRA_MODEL = re.compile(r"^\+*actor_rollout_ref\.model\.(tokenizer_path|path)=(.+)$")
 
 
+def _set_fields(value: Any) -> Any:
+    """A dumped ``OpenAIFunctionToolSchema`` without its None values and its default ``strict: false``
+    (what ``exclude_none`` and ``exclude_unset`` leave out)."""
+    if isinstance(value, list):
+        return [_set_fields(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: _set_fields(v) for k, v in value.items() if v is not None}
+    if out.get("strict") is False and "name" in out:
+        del out["strict"]
+    return out
+
+
 class VerlAdapter(GenericAdapter):
     """verl 0.9: ``AgentLoopOutput`` fields, Hermes tool calls, Hydra overrides, the rollout-trace hook.
 
@@ -651,6 +664,13 @@ class VerlAdapter(GenericAdapter):
         from rlreplay.recorders import activate
 
         activate.activate()
+
+    def tool_schemas(self, traj: Any) -> list[dict[str, Any]] | None:
+        """The schemas as ``ToolAgentLoop`` renders the prompt with them:
+        ``model_dump(exclude_unset=True, exclude_none=True)``. Parser calls are given the schema objects
+        whole, so their recorded form has the unset defaults too (``strict: false``, ``enum: null``)."""
+        found = super().tool_schemas(traj)
+        return None if found is None else [_set_fields(t) for t in found]
 
     def rebuild_output(self, name: str, kind: str, output: Any) -> Any:
         """A recorded output as verl's own type: ``TokenOutput`` (model calls), ``AgentLoopOutput``

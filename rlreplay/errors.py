@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def install_hint(extra: str) -> str:
+    """How to install an optional extra, from PyPI and from a clone."""
+    return f"pip install 'rlreplay[{extra}]' (from a clone: pip install -e '.[{extra}]')"
+
+
 class RlreplayError(Exception):
     """Bad input from the user: a command prints its message on one line and exits 2."""
 

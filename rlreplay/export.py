@@ -2,7 +2,9 @@
 
 Records hold the keys (merged as in ``ls --json``: a key with any non-int value is a string
 column), ``validate``, ``experiment``, ``reward``, ``advantage`` (both from the listing) and
-``messages`` from :func:`rlreplay.text.adapters.openai_messages`; with ``ids``, also the agent
+``messages`` from :func:`rlreplay.text.adapters.openai_messages` and ``tools``, the tool schemas the
+prompt was rendered with (a JSON array in a string, so that its type is the same for every run; null
+when not recorded): ``apply_chat_template(messages, tools=json.loads(tools))``; with ``ids``, also the agent
 span's ``prompt_ids``, ``response_ids`` and ``response_mask``. JSON lines and Parquet files
 load as they are with ``datasets.load_dataset("json" | "parquet", data_files=...)``.
 """
@@ -61,6 +63,12 @@ def token_ids(traj: Trajectory) -> dict[str, list[int] | None]:
     return found
 
 
+def _tools_json(adapter: Any, traj: Trajectory) -> str | None:
+    find = getattr(adapter, "tool_schemas", None)
+    tools = find(traj) if callable(find) else None
+    return None if tools is None else orjson.dumps(tools).decode()
+
+
 def _batches(run: Run, listing: pa.Table, ids: list[str]) -> Iterator[list[Trajectory]]:
     """The trajectories ``ids`` (in that order), read a step at a time, ``BATCH`` at most."""
     step_of = dict(zip(listing["id"].to_pylist(), listing["step"].to_pylist()))
@@ -85,6 +93,7 @@ def records(
         for traj in batch:
             record = dict(by_id[traj.id])
             record["messages"] = openai_messages(traj, decoder, adapter)
+            record["tools"] = _tools_json(adapter, traj)
             if with_ids:
                 record.update(token_ids(traj))
             out.append(record)
@@ -95,7 +104,7 @@ def schema(listing: pa.Table, with_ids: bool) -> pa.Schema:
     """The Parquet schema of an export of ``listing``'s rows."""
     shown = merged(listing)
     fields = [shown.schema.field(name) for name in RECORD_FIELDS]
-    fields.append(pa.field("messages", pa.list_(MESSAGE)))
+    fields += [pa.field("messages", pa.list_(MESSAGE)), pa.field("tools", pa.string())]
     if with_ids:
         fields += [
             pa.field("prompt_ids", pa.list_(pa.int32())),

@@ -24,6 +24,21 @@ def qwen_tokenizer_dir() -> Path:
     return Path(spec.origin).parent / "tokenizer_files"
 
 
+def run_without(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``rlreplay ARGS`` in a child process where ``module`` cannot be imported (``sys.modules[name] =
+    None``, as Python documents), so the real import machinery answers."""
+    code = (
+        f"import sys; sys.modules[{module!r}] = None\n"
+        f"sys.argv = ['rlreplay', *{list(args)!r}]\n"
+        "from rlreplay.cli.main import main\n"
+        "sys.exit(main())\n"
+    )
+    env = {**os.environ, "MLFLOW_TRACKING_URI": "", "WANDB_API_KEY": "k" * 40}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd, env=env
+    )
+
+
 # Shape of the recorded run: GRPO-like, several steps, n rollouts, a validation pass.
 TRAIN_STEPS = [0, 1, 2, 3]
 TRAIN_SAMPLES = 5

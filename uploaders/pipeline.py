@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rlreplay import plugins
-from rlreplay.errors import RunError
+from rlreplay.errors import RunError, install_hint
 from rlreplay.read.filters import Filters
 from rlreplay.read.run import Run
 from rlreplay.read.selection import Group
@@ -82,7 +82,7 @@ def backend_class(name: str) -> type:
     try:
         cls = plugins.load(spec)
     except ImportError as exc:
-        hint = f"; pip install 'rlreplay[{EXTRAS[name]}]'" if name in EXTRAS else ""
+        hint = f"; {install_hint(EXTRAS[name])}" if name in EXTRAS else ""
         raise RunError(f"the {name} backend needs packages that are missing ({exc}){hint}") from None
     except Exception as exc:  # a broken plug-in: one line, and the other backends still work
         raise RunError(f"the {name} backend ({spec}) failed to import: {_one_line(exc)}") from None
@@ -91,7 +91,7 @@ def backend_class(name: str) -> type:
         extra = EXTRAS.get(name)
         hint = ""
         if extra:
-            hint = f": pip install 'rlreplay[{extra}]' (from a clone: pip install -e '.[{extra}]')"
+            hint = f": {install_hint(extra)}"
         raise RunError(f"the {name} backend needs {', '.join(missing)}, which is not installed{hint}")
     return cls
 

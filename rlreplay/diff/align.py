@@ -160,6 +160,9 @@ class Side:
     experiment: str | None
     worker: str
     reward: float | None
+    advantage: float | None
+    logprob_diff_max: float | None
+    importance_ratio: float | None
     status: str
     model_calls: int  # counted as the listing counts them (``Trajectory.model_calls``)
     tool_calls: int
@@ -469,6 +472,9 @@ def _side(traj: Trajectory, conv: list[Turn], run: Run | None) -> Side:
         experiment=traj.experiment,
         worker=traj.worker,
         reward=traj.reward,
+        advantage=traj.row.get("advantage"),
+        logprob_diff_max=traj.row.get("logprob_diff_max"),
+        importance_ratio=traj.row.get("importance_ratio"),
         status=traj.status,
         model_calls=traj.model_calls,
         tool_calls=traj.tool_calls,

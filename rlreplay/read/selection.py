@@ -116,6 +116,35 @@ def sample_groups(table: pa.Table, max_samples: int | None = None, seed: int = 0
     return chosen
 
 
+def _span_text(values: Iterable[int]) -> str:
+    found = sorted(set(values))
+    return str(found[0]) if len(found) == 1 else f"{found[0]}–{found[-1]}"
+
+
+def _plural(count: str, word: str) -> str:
+    return f"{count} {word}" if count == "1" else f"{count} {word}s"
+
+
+def describe_groups(chosen: list[Group]) -> str:
+    """What a per-step choice of groups amounts to, e.g. ``4 prompts a step × 8 steps × 4 rollouts
+    (128) + validation: 8 prompts a step × 2 steps × 1 rollout (16) = 144 trajectories``."""
+    parts = []
+    for validate in (False, True):
+        split = [g for g in chosen if g.validate == validate]
+        if not split:
+            continue
+        per_step: dict[Any, int] = {}
+        for g in split:
+            per_step[g.step] = per_step.get(g.step, 0) + 1
+        prompts = _plural(_span_text(per_step.values()), "prompt")
+        rollouts = _plural(_span_text(len(g.ids) for g in split), "rollout")
+        steps = _plural(str(len(per_step)), "step")
+        text = f"{prompts} a step × {steps} × {rollouts} ({sum(len(g.ids) for g in split)})"
+        parts.append(f"validation: {text}" if validate else text)
+    total = sum(len(g.ids) for g in chosen)
+    return f"{' + '.join(parts) or 'nothing'} = {total} trajectories"
+
+
 def select(
     table: pa.Table, *, status: str | None = None, max_samples: int | None = None, seed: int = 0
 ) -> list[Group]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from rlreplay.errors import QueryError
+from rlreplay.errors import QueryError, install_hint
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format.index import merged
 
@@ -21,7 +21,7 @@ def duckdb_module() -> Any:
     try:
         import duckdb
     except ImportError as exc:
-        raise QueryError("queries need DuckDB: pip install 'rlreplay[query]'") from exc
+        raise QueryError(f"queries need DuckDB: {install_hint('query')}") from exc
     return duckdb
 
 

@@ -126,6 +126,20 @@ class GenericAdapter:
                         return [dict(m) for m in value]
         return None
 
+    def tool_schemas(self, traj: Trajectory) -> list[dict[str, Any]] | None:
+        """The tool schemas the prompt was rendered with: the agent span's ``tools`` input, else the
+        ``tools`` a parser call was given; None when neither was recorded."""
+        sources: list[Any] = []
+        for span in traj.by_kind(KIND_AGENT):
+            inputs = span.inputs if isinstance(span.inputs, dict) else {}
+            sources += [inputs, inputs.get("kwargs")]
+        sources += [s.inputs for s in traj.by_kind(KIND_PARSER)]
+        for source in sources:
+            tools = source.get("tools") if isinstance(source, dict) else None
+            if isinstance(tools, list) and all(isinstance(t, dict) for t in tools):
+                return [dict(t) for t in tools]
+        return None
+
     def clean_text(self, role: str, text: str) -> str:
         """A decoded turn without the chat template's markers (role headers, end tokens) and,
         for the assistant, without the Hermes ``<tool_call>`` blocks (they are ``tool_calls``)."""

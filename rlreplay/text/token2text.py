@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlreplay.errors import RunError
+from rlreplay.errors import RunError, install_hint
 from rlreplay.format.schema import KIND_AGENT, KIND_LLM
 from rlreplay.model import Trajectory
 from rlreplay.text import conversation
@@ -193,7 +193,7 @@ def _load_file(name: str, path: str) -> Decoder:
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise _unavailable("the tokenizers package is not installed (pip install 'rlreplay[text]')") from None
+        raise _unavailable(f"the tokenizers package is not installed ({install_hint('text')})") from None
     try:
         tok = Tokenizer.from_file(path)
     except Exception as exc:

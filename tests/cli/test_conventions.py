@@ -64,3 +64,47 @@ def test_placeholders_say_what_they_take() -> None:
 def test_every_reading_command_takes_dash_r() -> None:
     for command in ("audit", "ls", "show", "info", "diff", "export", "sql", "stats", "ui", "upload"):
         assert "-r, --run RUN" in rlreplay(command, "--help").stdout, command
+
+
+#: Options whose help differs between commands, and the one meaning they share.
+SHARED_MEANING = {
+    "--columns": "which columns to show (each command lists its own)",
+    "--experiment": "the experiment's name (record names it, the others select by it)",
+    "--force": "replace what is already there (a file, or the backend's copy for upload)",
+    "--framework": "the framework adapter",
+    "--out": "where the command writes (record and replay: a run; export: a file)",
+    "-o": "short for --out",
+    "--spool": "the spool folder of a URI run",
+}
+
+
+def test_one_meaning_per_option_name() -> None:
+    from rlreplay.cli.main import command_group
+
+    helps: dict[str, set[str]] = {}
+    for command in command_group([]).commands.values():
+        for param in command.params:
+            if getattr(param, "hidden", False):
+                continue
+            for opt in [o for o in getattr(param, "opts", []) if o.startswith("-")]:
+                helps.setdefault(opt, set()).add(getattr(param, "help", None) or "")
+    differing = {opt for opt, texts in helps.items() if len(texts) > 1}
+    assert differing <= set(SHARED_MEANING), {o: helps[o] for o in differing - set(SHARED_MEANING)}
+    assert helps["--ids"] == {"Compare token ids only; do not decode."}
+    assert "--token-ids" in helps
+
+
+def test_export_ids_is_token_ids_with_a_deprecation_line(tmp_path) -> None:
+    from pathlib import Path
+
+    run = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3"
+    assert "--ids" not in rlreplay("export", "--help").stdout.replace("--token-ids", "")
+    outputs = {}
+    for flag in ("--ids", "--token-ids"):
+        out = tmp_path / f"{flag.strip('-')}.jsonl"
+        proc = rlreplay("export", str(run), "--step", "2", "--limit", "2", "--out", str(out), flag)
+        assert proc.returncode == 0, proc.stderr
+        deprecated = [line for line in proc.stderr.splitlines() if "--ids is now --token-ids" in line]
+        assert len(deprecated) == (flag == "--ids")
+        outputs[flag] = out.read_text()
+    assert outputs["--ids"] == outputs["--token-ids"] and '"prompt_ids"' in outputs["--ids"]

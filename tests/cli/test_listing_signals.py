@@ -166,3 +166,34 @@ def test_stats_table_shows_signal_columns_only_when_present() -> None:
     without = rlreplay("stats", str(PLAIN_RUN)).stdout.splitlines()[0].split()
     assert {"advantage_mean", "importance_ratio_p95"} <= set(with_signals)
     assert not {"advantage_mean", "importance_ratio_p95"} & set(without)
+
+
+def _group_table(run: Path, selector: str) -> tuple[list[str], list[list[str]]]:
+    proc = rlreplay("diff", "-r", str(run), "--group", selector, env={**os.environ, "COLUMNS": "300"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rollout", "id"])
+    return lines[start].split(), [line.split() for line in lines[start + 1 :] if line.strip()]
+
+
+def test_diff_group_shows_the_signals_per_rollout() -> None:
+    rows = {r["id"][:12]: r for r in json_rows(SIGNALS_RUN, "--step", "1", "--sample-index", "26")}
+    assert len(rows) > 1 and all(r["advantage"] is not None for r in rows.values())
+    header, body = _group_table(SIGNALS_RUN, "step=1,sample_index=26")
+    assert header[:6] == ["rollout", "id", "reward", "adv", "dlogp_max", "is_ratio"]
+    assert sorted(cells[1] for cells in body) == sorted(rows)
+    for cells in body:
+        row = rows[cells[1]]
+        assert float(cells[2]) == row["reward"]
+        for i, name in enumerate(("adv", "dlogp_max", "is_ratio"), start=3):
+            assert close_to(cells[i], row[SIGNAL_COLUMNS[name]]), (name, cells)
+    proc = rlreplay("diff", "-r", str(SIGNALS_RUN), "--group", "step=1,sample_index=26", "--json")
+    rollouts = {r["id"][:12]: r for r in json.loads(proc.stdout)["rollouts"]}
+    for short, row in rows.items():
+        for field in SIGNAL_COLUMNS.values():
+            assert rollouts[short][field] == row[field]
+
+
+def test_diff_group_leaves_out_signals_a_run_does_not_have() -> None:
+    header, body = _group_table(PLAIN_RUN, "step=5,sample_index=730")
+    assert body and "reward" in header and not set(SIGNAL_COLUMNS) & set(header)

@@ -635,9 +635,10 @@ def test_export_loads_with_datasets(
         fmt,
         "--out",
         out,
-        "--ids",
+        "--token-ids",
     )
     assert rc == 0, err
+    assert "--max-samples 2 chose 2 prompts a step × 2 steps" in err
     data = datasets.load_dataset(
         fmt if fmt == "parquet" else "json",
         data_files=str(out),
@@ -858,3 +859,43 @@ def test_export_of_an_empty_selection_writes_nothing_and_says_so(
     assert rc == 1 and stdout == ""
     assert "no trajectories selected" in err and "nothing written" in err
     assert not out.exists() and sorted(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_upload_says_what_max_samples_chose(
+    dry_run: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / SMOLLM.name
+    shutil.copytree(SMOLLM, run)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    listing = expected_listing(run)
+    train = [r for r in listing if not r["validate"]]
+    val = [r for r in listing if r["validate"]]
+    steps, val_steps = {r["step"] for r in train}, {r["step"] for r in val}
+    rollouts = {
+        len([x for x in train if (x["step"], x["sample_index"]) == (r["step"], r["sample_index"])])
+        for r in train
+    }
+    assert len(rollouts) == 1 and len(steps) > 1 and val  # every group has n rollouts
+    (n,) = rollouts
+    expected = 2 * len(steps) * n + min(2, len(val) // len(val_steps)) * len(val_steps)
+    dry = ["--dry-run"] if dry_run else []
+    rc, out, err = cli(capsys, "upload", run, "--backend", "mlflow", "--max-samples", "2", *dry)
+    assert rc == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("--max-samples 2"))
+    val_prompts = min(2, len(val) // len(val_steps))
+
+    def count(k: int, word: str) -> str:
+        return f"{k} {word}{'' if k == 1 else 's'}"
+
+    assert line == (
+        f"--max-samples 2 chose 2 prompts a step × {count(len(steps), 'step')} × {count(n, 'rollout')}"
+        f" ({2 * len(steps) * n}) + validation: {count(val_prompts, 'prompt')} a step"
+        f" × {count(len(val_steps), 'step')} × 1 rollout ({val_prompts * len(val_steps)})"
+        f" = {expected} trajectories"
+    )
+    rc, out, err = cli(
+        capsys, "upload", run, "--backend", "mlflow", "--max-samples", "2", "--dry-run", "--json"
+    )
+    assert rc == 0, err
+    assert json.loads(out)["max_samples"] == line.removeprefix("--max-samples 2 chose ")

@@ -4,30 +4,15 @@ run; ``upload --help`` marks it. The package is made unimportable the way Python
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_without
 
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3"
 BLOCKED = {"mlflow": "mlflow", "weave": "weave", "otlp": "opentelemetry.proto", "trackio": "trackio"}
 OPTIONS = {"weave": ["--project", "team/proj"], "otlp": ["--endpoint", "http://127.0.0.1:9/v1/traces"]}
-
-
-def run_without(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    code = (
-        f"import sys; sys.modules[{module!r}] = None\n"
-        f"sys.argv = ['rlreplay', *{list(args)!r}]\n"
-        "from rlreplay.cli.main import main\n"
-        "sys.exit(main())\n"
-    )
-    env = {**os.environ, "MLFLOW_TRACKING_URI": "", "WANDB_API_KEY": "k" * 40}
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd, env=env
-    )
 
 
 def snapshot(run: Path) -> dict[str, tuple[int, int]]:
