@@ -117,6 +117,8 @@ class UI:
         context.setdefault("view", None)
         context.setdefault("version", "")
         context.setdefault("crumbs", [])
+        view = context["view"]
+        context.setdefault("live", view.recording() if isinstance(view, RunView) else False)
         html = self.env.get_template(template).render(
             poll_ms=self.poll_ms, single=self.runs.single, **context
         )
@@ -138,7 +140,7 @@ class UI:
             except RunError as exc:
                 m = {"error": str(exc)}
             rows.append({"name": name, "base": run_base(name), "manifest": m})
-        return self.page("index.html", rows=rows, root=str(self.runs.root), version=self._root_version())
+        return self.page("index.html", rows=rows, root=self.runs.root.name, version=self._root_version())
 
     def _root_version(self) -> str:
         return "|".join(self.runs.names())
@@ -315,7 +317,9 @@ class UI:
             )
         a, b = view.trajectory(a_ref), view.trajectory(b_ref)
         decoder = view.decoder()
-        report = render_html(diff_trajectories(a, b, decoder, view.run, view.run))
+        found = diff_trajectories(a, b, decoder, view.run, view.run)
+        found.a.run = found.b.run = view.name  # the run's name, never its path on this machine
+        report = render_html(found)
         nav = self.env.get_template("diff_nav.html").render(view=view, a=a, b=b)
         body = report.replace("<body>", "<body>" + nav, 1)
         head = '<link rel="stylesheet" href="/static/style.css">'

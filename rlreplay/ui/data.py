@@ -149,6 +149,16 @@ class RunView:
         except (OSError, ValueError):
             return dict(self.run.manifest)
 
+    def recording(self) -> bool:
+        """Whether a recorder holds a lease on the run now (read only: stale leases stay)."""
+        from rlreplay.shards.layout import LEASE_DIR
+        from rlreplay.shards.lease import is_live
+
+        folder = getattr(self.run, "path", None)
+        if not isinstance(folder, Path):
+            return False
+        return any(is_live(p) for p in (folder / LEASE_DIR).glob("_lease-*.lock"))
+
     def counters(self) -> dict[str, int]:
         return self.run.counters()
 

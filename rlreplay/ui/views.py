@@ -9,10 +9,9 @@ from typing import Any
 import orjson
 from markupsafe import Markup, escape
 
-from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_TOOL
+from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_SIGNALS, KIND_TOOL
 from rlreplay.model import Span, Trajectory
 
-KIND_SIGNALS = "signals"
 LOGPROB_KEYS = ("response_logprobs", "rollout_log_probs", "log_probs", "logprobs")
 TRAINER_LOGPROB_KEYS = ("old_log_probs", "trainer_log_probs", "log_probs", "logprobs")
 MAX_TOKENS = 20_000
@@ -100,7 +99,7 @@ def timeline(traj: Trajectory) -> list[SpanRow]:
     rows: list[SpanRow] = []
 
     def walk(span: Span, depth: int) -> None:
-        left = (span.start_ns - t0) / total * 100
+        left = min(max((span.start_ns - t0) / total * 100, 0.0), 99.6)  # signals come after the end
         width = max((span.end_ns - span.start_ns) / total * 100, 0.4)
         rows.append(SpanRow(span, depth, round(left, 3), round(min(width, 100 - left), 3)))
         for child in sorted(span.children, key=lambda s: (s.start_ns, -s.end_ns)):

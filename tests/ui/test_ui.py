@@ -427,6 +427,7 @@ def test_live_run_appears_and_new_trajectories_show_up(server, page, ui_root: Pa
         page.goto(f"{server}/r/live-run/trajectories")
         page.wait_for_selector("#count")
         assert page.inner_text("#count") == "1"
+        assert page.locator("#live-dot").count() == 1  # a recorder holds the run's lease
         updates = int(page.evaluate("document.body.dataset.updates || '0'"))
         (control / "go").touch()
         _wait_file(control / "written", proc)
@@ -442,6 +443,8 @@ def test_live_run_appears_and_new_trajectories_show_up(server, page, ui_root: Pa
         (control / "stop").touch()
         proc.wait(timeout=60)
     assert proc.returncode == 0
+    page.goto(f"{server}/r/live-run/trajectories")
+    assert page.inner_text("#count") == "2" and page.locator("#live-dot").count() == 0  # finished
 
 
 def test_pages_never_write_to_the_runs(server, ui_root: Path) -> None:
