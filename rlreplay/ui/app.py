@@ -20,7 +20,6 @@ from rlreplay.errors import RunError
 from rlreplay.ui import charts, views
 from rlreplay.ui.data import (
     PAGE_SIZES,
-    STAT_SERIES,
     ListQuery,
     NotFound,
     RunSet,
@@ -28,7 +27,6 @@ from rlreplay.ui.data import (
     paginate,
     run_base,
     select,
-    step_stats,
 )
 
 HERE = Path(__file__).parent
@@ -111,7 +109,7 @@ class UI:
             self.env.get_template(name)
         if self.runs.single:
             view = self.runs.get(self.runs.names()[0])
-            step_stats(view.listing())
+            view.stats()
 
     def page(self, template: str, status: int = 200, **context: Any) -> HTMLResponse:
         context.setdefault("view", None)
@@ -155,26 +153,26 @@ class UI:
         view = self.view(request)
         version = view.version()
         table = view.listing()
-        stats = step_stats(table)
+        stats = view.stats()
         counters = view.counters()
         losses = {k: v for k, v in counters.items() if k in LOSS_COUNTERS and v}
-        base = f"{view.base}/trajectories"
+        findings = _findings_per_step(view.listing_findings())
         sections = []
         for split, label in ((False, "training"), (True, "validation")):
             rows = [s for s in stats if s["validate"] == split]
             if not rows:
                 continue
             split_name = "val" if split else "train"
-            charts_html = [
-                charts.line_chart(
-                    [(r["step"], r[key]) for r in rows if isinstance(r["step"], int)],
-                    title,
-                    href=lambda step, s=split_name: f"{base}?{urlencode({'step': step, 'split': s})}",
-                )
-                for key, title in STAT_SERIES
-                if any(r[key] is not None for r in rows)
-            ]
-            sections.append({"label": label, "split": split_name, "rows": rows, "charts": charts_html})
+            for r in rows:
+                r["findings"] = findings.get((r["step"], split), 0)
+            sections.append(
+                {
+                    "label": label,
+                    "split": split_name,
+                    "rows": rows,
+                    "charts": _trend_charts(view, rows, split_name),
+                }
+            )
         status_counts: dict[str, int] = {}
         for s in table["status"].to_pylist():
             status_counts[s] = status_counts.get(s, 0) + 1
@@ -324,6 +322,62 @@ class UI:
         body = report.replace("<body>", "<body>" + nav, 1)
         head = '<link rel="stylesheet" href="/static/style.css">'
         return HTMLResponse(body.replace("</head>", head + "</head>", 1), headers=HEADERS)
+
+
+TREND_CHARTS = (
+    ("reward mean", ("reward_mean",), ("reward_p10", "reward_p90")),
+    ("advantage spread (std)", ("advantage_std",), None),
+    ("response length (tokens)", ("response_tokens_p50", "response_tokens_p95"), None),
+    ("trainer vs rollout log-prob diff", ("logprob_diff_mean", "logprob_diff_p95"), None),
+    ("importance ratio", ("importance_ratio_p5", "importance_ratio_p95"), None),
+    ("tool error rate", ("tool_error_rate",), None),
+    ("zero-std group fraction", ("frac_groups_zero_std",), None),
+    ("findings", ("findings",), None),
+)
+SERIES_NAMES = {
+    "reward_mean": "mean",
+    "reward_p10": "p10",
+    "reward_p90": "p90",
+    "response_tokens_p50": "p50",
+    "response_tokens_p95": "p95",
+    "logprob_diff_mean": "mean",
+    "logprob_diff_p95": "p95 of max",
+    "importance_ratio_p5": "p5",
+    "importance_ratio_p95": "p95",
+}
+
+
+def step_href(view: RunView, step: Any, split: str) -> str:
+    """The step page: the listing of one step and split, with its distributions and groups."""
+    return f"{view.base}/trajectories?{urlencode({'step': step, 'split': split})}"
+
+
+def _trend_charts(view: RunView, rows: list[dict[str, Any]], split: str) -> list[Any]:
+    rows = [r for r in rows if isinstance(r["step"], int)]
+    steps = [r["step"] for r in rows]
+    out = []
+    for title, keys, band in TREND_CHARTS:
+        if not any(r.get(k) is not None for r in rows for k in keys):
+            continue
+        lines = [charts.Series(SERIES_NAMES.get(k, title), [r.get(k) for r in rows]) for k in keys]
+        bands = (
+            (
+                charts.Series(SERIES_NAMES[band[0]], [r.get(band[0]) for r in rows]),
+                charts.Series(SERIES_NAMES[band[1]], [r.get(band[1]) for r in rows]),
+            )
+            if band
+            else None
+        )
+        out.append(charts.trend_chart(title, steps, lines, bands, href=lambda st: step_href(view, st, split)))
+    return out
+
+
+def _findings_per_step(findings: list[Any]) -> dict[tuple[Any, bool], int]:
+    out: dict[tuple[Any, bool], int] = {}
+    for f in findings:
+        key = (f.step, bool(f.validate))
+        out[key] = out.get(key, 0) + 1
+    return out
 
 
 def _traj_crumbs(view: RunView, traj: Any) -> list[tuple[str, str | None]]:

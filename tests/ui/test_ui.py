@@ -308,7 +308,7 @@ def test_recorded_html_renders_as_text(server, page, ui_root: Path, tmp_path: Pa
     assert HOSTILE_TEXT.split()[0] in page.inner_text("#tokens")
     assert page.is_disabled("#overlay-switch input[value=mismatch]")  # no trainer log-probs here
     scripts = page.eval_on_selector_all("script", "els => els.map(e => e.getAttribute('src'))")
-    assert scripts == ["/static/live.js"]
+    assert scripts == ["/static/live.js", "/static/ui.js"]
     assert page.locator("main img").count() == 0
     assert page.evaluate("typeof window.__xss") == "undefined"
     _shot(page, tmp_path / "hostile-trajectory.png")

@@ -3,10 +3,11 @@ prompt history, trajectory; numbers checked against ``rlreplay ls/stats --json``
 
 from __future__ import annotations
 
+import re
 import urllib.request
 from pathlib import Path
 
-from conftest import SHOWCASE, cli_json
+from conftest import SHOWCASE, TREND, cli_json, screenshot
 
 
 def _get(url: str) -> str:
@@ -40,3 +41,60 @@ def test_no_absolute_path_in_pages(ui_url, ui_runs: Path) -> None:
         body = _get(base + path)
         assert str(ui_runs) not in body, path
     assert str(ui_runs) not in _get(ui_url + "/")  # the folder of runs is named, not its path
+
+
+def _close(shown: str, value: float) -> bool:
+    return abs(float(shown) - value) <= 1e-3 * max(1.0, abs(value))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between order statistics (DuckDB's quantile_cont)."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+CHART_TEXT_INSIDE = """svgs => svgs.flatMap(svg => {
+  const box = svg.viewBox.baseVal;
+  return [...svg.querySelectorAll('text')].map(t => {
+    const b = t.getBBox();
+    return b.x >= 0 && b.y >= 0 && b.x + b.width <= box.width + 0.5 && b.y + b.height <= box.height + 0.5;
+  });
+})"""
+
+
+def test_overview_trends_hover_and_click_to_the_step(ui_url, ui_runs: Path, tab) -> None:
+    run = str(ui_runs / TREND)
+    stats = [r for r in cli_json("stats", run) if not r["validate"]]
+    listing = cli_json("ls", run)
+    tab.goto(f"{ui_url}/r/{TREND}/")
+    labels = tab.locator("#train-stats svg.chart").evaluate_all(
+        "s => s.map(e => e.getAttribute('aria-label'))"
+    )
+    for wanted in ("reward mean", "advantage spread (std)", "response length (tokens)", "importance ratio"):
+        assert wanted in labels
+    assert "trainer vs rollout log-prob diff" in labels and "zero-std group fraction" in labels
+    for row in stats:  # the step table: rlreplay stats' numbers
+        cell = tab.locator(f"#train-stats tr[data-step='{row['step']}'] td.reward-mean").inner_text()
+        assert _close(cell, row["reward_mean"])
+    assert all(tab.locator("svg.chart").evaluate_all(CHART_TEXT_INSIDE))  # no axis label clipped
+
+    # hover step 3 of the reward chart: its mean and p10-p90 band
+    rewards = [r["reward"] for r in listing if r["step"] == 3 and not r["validate"]]
+    chart = tab.locator("#train-stats svg.chart[aria-label='reward mean']")
+    chart.locator("rect.hit[data-step='3']").hover()
+    shown = tab.inner_text("#tip")
+    values = dict(re.findall(r"(\w+) ([-0-9.e+]+)", shown.split(" · ", 1)[1]))
+    assert _close(values["mean"], sum(rewards) / len(rewards))
+    assert _close(values["p10"], _percentile(rewards, 0.1)) and _close(
+        values["p90"], _percentile(rewards, 0.9)
+    )
+    screenshot(tab, "overview")
+
+    chart.locator("a.point:has(rect[data-step='3'])").click()
+    tab.wait_for_selector("#count")
+    assert "step=3" in tab.url and "split=train" in tab.url
+    assert tab.inner_text("#count") == str(len(rewards))
+    assert tab.errors == []
