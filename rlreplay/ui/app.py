@@ -191,6 +191,7 @@ class UI:
         )
 
     def trajectories(self, request: Request) -> Response:
+        """The trajectory list; for one step and split, the step page: distributions, groups, list."""
         view = self.view(request)
         version = view.version()
         q = ListQuery.from_params(request.query_params)
@@ -201,9 +202,14 @@ class UI:
         except RunError as exc:
             error, chosen = str(exc), table.slice(0, 0)
         page = paginate(chosen, q)
-        columns = [
+        present = [
             c for c in LIST_COLUMNS if c in table.column_names and table[c].null_count < table.num_rows
         ]
+        wanted = [c for c in q.cols.split(",") if c in table.column_names] if q.cols else []
+        columns = wanted or [c for c in present if c in DEFAULT_COLUMNS]
+        step = _one_step(q)
+        step_page = self._step(view, table, step, q.split == "val") if step is not None else None
+        crumbs = [(f"step {step} ({q.split})", None)] if step_page else [("trajectories", None)]
         return self.page(
             "list.html",
             status=400 if error else 200,
@@ -212,11 +218,52 @@ class UI:
             q=q,
             page=page,
             columns=columns,
+            choices=present,
             error=error,
             page_sizes=PAGE_SIZES,
             all_columns=[c for c in table.column_names if not c.endswith("_str")],
-            crumbs=[("trajectories", None)],
+            step_page=step_page,
+            findings=_findings_per_trajectory(view.listing_findings()),
+            crumbs=crumbs,
         )
+
+    def _step(self, view: RunView, table: Any, step: int, validate: bool) -> dict[str, Any] | None:
+        """What the step page shows above the list: its stats, distributions and groups."""
+        import pyarrow.compute as pc
+
+        mask = pc.and_(pc.equal(table["step"], step), pc.equal(table["validate"], validate))
+        rows = table.filter(pc.fill_null(mask, False))
+        if rows.num_rows == 0:
+            return None
+        split = "val" if validate else "train"
+        stats = next((r for r in view.stats() if r["step"] == step and r["validate"] == validate), {})
+        hists = [
+            charts.histogram(label, rows[col].to_pylist())
+            for col, label in (
+                ("reward", "reward"),
+                ("response_tokens", "response tokens"),
+                ("logprob_diff_max", "log-prob diff max"),
+            )
+            if rows[col].null_count < rows.num_rows
+        ]
+        findings = view.listing_findings()
+        steps = sorted(
+            {
+                s
+                for s, v in zip(table["step"].to_pylist(), table["validate"].to_pylist())
+                if isinstance(s, int) and bool(v) == validate
+            }
+        )
+        at = steps.index(step)
+        return {
+            "step": step,
+            "split": split,
+            "stats": stats,
+            "hists": hists,
+            "groups": _groups(view, rows, step, findings),
+            "prev": step_href(view, steps[at - 1], split) if at > 0 else None,
+            "next": step_href(view, steps[at + 1], split) if at + 1 < len(steps) else None,
+        }
 
     def trajectory(self, request: Request) -> Response:
         view = self.view(request)
@@ -369,6 +416,76 @@ def _trend_charts(view: RunView, rows: list[dict[str, Any]], split: str) -> list
             else None
         )
         out.append(charts.trend_chart(title, steps, lines, bands, href=lambda st: step_href(view, st, split)))
+    return out
+
+
+#: the list's columns until the user chooses (the list fits 1,280 px)
+DEFAULT_COLUMNS = (
+    "step",
+    "sample_index",
+    "rollout_n",
+    "validate",
+    "tool_calls",
+    "tool_errors",
+    "response_tokens",
+    "duration_s",
+    "reward",
+    "advantage",
+    "logprob_diff_max",
+    "status",
+)
+#: groups on a step page whose prompt is read and shown
+PROMPTS_SHOWN = 64
+
+
+def _one_step(q: ListQuery) -> int | None:
+    """The step a list query names alone (with its split): it is a step page."""
+    if q.split in ("train", "val") and q.step.lstrip("-").isdigit():
+        return int(q.step)
+    return None
+
+
+def _groups(view: RunView, rows: Any, step: int, findings: list[Any]) -> list[dict[str, Any]]:
+    """The step's groups (rollouts of one prompt), by sample index."""
+    by_sample: dict[Any, list[dict[str, Any]]] = {}
+    for r in rows.select(["id", "sample_index", "rollout_n", "reward", "advantage", "validate"]).to_pylist():
+        by_sample.setdefault(r["sample_index"], []).append(r)
+    flagged: dict[Any, int] = {}
+    for f in findings:
+        if f.step == step:
+            flagged[f.sample_index] = flagged.get(f.sample_index, 0) + 1
+    rewards = [r for r in rows["reward"].to_pylist() if r is not None]
+    lo, hi = (min(rewards), max(rewards)) if rewards else (0.0, 1.0)
+    keys = sorted(by_sample, key=lambda k: (k is None, str(type(k)), k if k is not None else 0))
+    firsts = [min(by_sample[k], key=lambda r: r["rollout_n"] or 0)["id"] for k in keys[:PROMPTS_SHOWN]]
+    prompts = view.prompts(firsts, step)
+    out = []
+    for k in keys:
+        members = sorted(by_sample[k], key=lambda r: r["rollout_n"] or 0)
+        rs = [m["reward"] for m in members]
+        advs = [m["advantage"] for m in members if m["advantage"] is not None]
+        known = [r for r in rs if r is not None]
+        tips = [f"rollout {m['rollout_n']}: reward {charts.fmt(m['reward'])}" for m in members]
+        out.append(
+            {
+                "sample_index": k,
+                "first": members[0]["id"],
+                "prompt": prompts.get(members[0]["id"], ""),
+                "dots": charts.dots(rs, lo, hi, tips),
+                "rollouts": len(members),
+                "reward_mean": sum(known) / len(known) if known else None,
+                "advantage_spread": max(advs) - min(advs) if advs else None,
+                "findings": flagged.get(k, 0),
+            }
+        )
+    return out
+
+
+def _findings_per_trajectory(findings: list[Any]) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for f in findings:
+        if f.trajectory_id:
+            out.setdefault(f.trajectory_id, []).append(f)
     return out
 
 

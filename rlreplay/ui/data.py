@@ -137,6 +137,7 @@ class RunView:
         self._findings: tuple[pa.Table, Any] | None = None
         self._listing_findings: tuple[pa.Table, list[Any]] | None = None
         self._stats: tuple[pa.Table, list[dict[str, Any]]] | None = None
+        self._prompts: dict[str, str] = {}
 
     def version(self) -> str:
         """Changes when the data the pages show changes (the files, once their listing is read)."""
@@ -260,6 +261,18 @@ class RunView:
             self._stats = (table, step_stats(table))
         return self._stats[1]
 
+    def prompts(self, ids: list[str], step: Any) -> dict[str, str]:
+        """Each trajectory's first user message (its question, no chat template), by id."""
+        from rlreplay.read.filters import Filters
+        from rlreplay.ui.views import prompt_text
+
+        missing = [i for i in ids if i not in self._prompts]
+        if missing:
+            decoder, adapter = self.decoder(), self.adapter()
+            for traj in self.run.load(missing, Filters(step=step)):
+                self._prompts[traj.id] = prompt_text(traj, decoder, adapter)
+        return {i: self._prompts.get(i, "") for i in ids}
+
     def listing_findings(self) -> list[Any]:
         """What the checks over the listing find (the whole audit's findings once it ran)."""
         from rlreplay.audit import engine
@@ -311,12 +324,16 @@ class ListQuery:
     status: str = ""  # "", "ok", "error", "incomplete"
     where: str = ""
     sort: str = ""
+    cols: str = ""  # the list's columns, comma-separated ("" for the default ones)
     page: int = 1
     per: int = DEFAULT_PAGE_SIZE
 
     @classmethod
     def from_params(cls, params: Any) -> ListQuery:
         q = cls()
+        chosen = params.getlist("col") if hasattr(params, "getlist") else []
+        if chosen:
+            q.cols = ",".join(chosen)
         for f in fields(cls):
             raw = params.get(f.name)
             if raw is None:

@@ -59,6 +59,14 @@ def messages(traj: Trajectory, decoder: Any, adapter: Any = None) -> list[Messag
     return out
 
 
+def prompt_text(traj: Trajectory, decoder: Any, adapter: Any = None) -> str:
+    """The prompt's first user message (the question), without the chat template."""
+    if decoder is None:
+        return ""
+    users = [m.content for m in messages(traj, decoder, adapter) if m.role == "user"]
+    return users[0] if users else ""
+
+
 def _id_messages(traj: Trajectory) -> list[Message]:
     from rlreplay.text.adapters import turns
 

@@ -98,3 +98,60 @@ def test_overview_trends_hover_and_click_to_the_step(ui_url, ui_runs: Path, tab)
     assert "step=3" in tab.url and "split=train" in tab.url
     assert tab.inner_text("#count") == str(len(rewards))
     assert tab.errors == []
+
+
+def _column(tab, name: str) -> list[str]:
+    heads = tab.locator("table.list tr th").all_inner_texts()
+    col = [h.split(" ")[0] for h in heads].index(name)
+    return [r.locator("td").nth(col).inner_text() for r in tab.locator("table.list tr:has(td)").all()]
+
+
+def test_step_page_distributions_groups_sort_filter_columns(ui_url, ui_runs: Path, tab) -> None:
+    run = str(ui_runs / TREND)
+    stats = next(r for r in cli_json("stats", run) if r["step"] == 3 and not r["validate"])
+    rows = [r for r in cli_json("ls", run) if r["step"] == 3 and not r["validate"]]
+    tab.goto(f"{ui_url}/r/{TREND}/trajectories?step=3&split=train")
+    for key in ("reward_mean", "advantage_std", "frac_groups_zero_std", "response_tokens_mean"):
+        assert _close(tab.inner_text(f"#step-stats [data-stat={key}]"), stats[key]), key
+    counts = tab.locator("#histograms svg[aria-label=reward] rect.bar").evaluate_all(
+        "bs => bs.map(b => Number(b.dataset.count))"
+    )
+    assert sum(counts) == len(rows) and max(counts) == max(
+        sum(1 for r in rows if r["reward"] == v) for v in {r["reward"] for r in rows}
+    )
+
+    samples = sorted({r["sample_index"] for r in rows})
+    assert tab.locator("#groups tr[data-sample]").count() == len(samples)
+    for s in samples:
+        members = [r for r in rows if r["sample_index"] == s]
+        row = tab.locator(f"#groups tr[data-sample='{s}']")
+        assert _close(
+            row.locator(".reward-mean").inner_text(), sum(m["reward"] for m in members) / len(members)
+        )
+        advs = [m["advantage"] for m in members]
+        assert _close(row.locator(".adv-spread").inner_text(), max(advs) - min(advs))
+        assert row.locator("svg.dots circle").count() == len(members)
+        snippet = row.locator(".snippet").inner_text()
+        assert f"Question {s}" in snippet and "<|im_start|>" not in snippet
+    assert tab.evaluate("document.documentElement.scrollWidth") <= 1280  # fits: nothing hidden
+    right = tab.locator("table.list a.group-link").evaluate_all(
+        "ls => Math.max(...ls.map(l => l.getBoundingClientRect().right))"
+    )
+    assert right <= 1280
+    screenshot(tab, "step")
+
+    tab.click("table.list th a.sort[data-col=response_tokens]")
+    tab.click("table.list th a.sort[data-col=response_tokens]")  # second click: descending
+    shown = [int(v) for v in _column(tab, "response_tokens")]
+    assert shown == sorted((r["response_tokens"] for r in rows), reverse=True)
+
+    tab.fill("input[name=where]", "reward > 0 and rollout_n >= 1")
+    tab.click("#columns summary")
+    tab.uncheck("#columns input[value=duration_s]")
+    tab.click("#filters button[type=submit]")
+    tab.wait_for_selector("#count")
+    wanted = [r for r in rows if r["reward"] > 0 and r["rollout_n"] >= 1]
+    assert tab.inner_text("#count") == str(len(wanted))
+    heads = tab.locator("table.list tr th").all_inner_texts()
+    assert "duration_s" not in heads and "reward" in [h.split(" ")[0] for h in heads]
+    assert tab.errors == []
