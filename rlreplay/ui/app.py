@@ -299,7 +299,65 @@ class UI:
             siblings=siblings,
             findings=findings,
             decoder_error=view.decoder_error,
+            prompt_link=_prompt_link(view, traj),
             crumbs=_traj_crumbs(view, traj),
+        )
+
+    def prompt(self, request: Request) -> Response:
+        """One prompt across training: its rollouts at every step, with reward, length and answer."""
+        import pyarrow.compute as pc
+
+        from rlreplay.read.filters import Filters
+
+        view = self.view(request)
+        q = ListQuery.from_params(request.query_params)
+        if not q.sample_index or q.split not in ("train", "val"):
+            raise RunError("the prompt page needs sample_index and split (train or val)")
+        validate = q.split == "val"
+        table = view.listing()
+        key = int(q.sample_index) if q.sample_index.lstrip("-").isdigit() else q.sample_index
+        mask = pc.and_(pc.equal(table["validate"], validate), _key_mask(table, "sample_index", key))
+        rows = table.filter(pc.fill_null(mask, False)).to_pylist()
+        if not rows:
+            raise NotFound(f"no {q.split} trajectories of sample_index {q.sample_index}")
+        steps = sorted(
+            {r["step"] for r in rows},
+            key=lambda s: (not isinstance(s, int), str(s) if not isinstance(s, int) else s),
+        )
+        shown_steps = steps[-PROMPT_STEPS_SHOWN:]
+        rows = [r for r in rows if r["step"] in shown_steps]
+        decoder, adapter = view.decoder(), view.adapter()
+        loaded = {t.id: t for t in view.run.load([r["id"] for r in rows], Filters(sample_index=key))}
+        question = ""
+        by_step: dict[Any, list[dict[str, Any]]] = {}
+        for r in sorted(rows, key=lambda r: r["rollout_n"] or 0):
+            traj = loaded.get(r["id"])
+            msgs = views.messages(traj, decoder, adapter) if traj is not None else []
+            question = question or next((m.content for m in msgs if m.role == "user"), "")
+            answer = next((m.content for m in reversed(msgs) if m.role == "assistant"), "")
+            by_step.setdefault(r["step"], []).append({**r, "answer": answer})
+        ints = [s for s in shown_steps if isinstance(s, int)]
+        means = []
+        for s in ints:
+            known = [r["reward"] for r in by_step[s] if r["reward"] is not None]
+            means.append(sum(known) / len(known) if known else None)
+        chart = charts.trend_chart(
+            "reward mean of this prompt",
+            ints,
+            [charts.Series("mean", means)],
+            href=lambda st: f"#step-{st}",
+        )
+        return self.page(
+            "prompt.html",
+            view=view,
+            sample_index=key,
+            split=q.split,
+            question=question,
+            steps=[(s, by_step[s]) for s in shown_steps],
+            hidden=len(steps) - len(shown_steps),
+            chart=chart,
+            decoder_error=view.decoder_error,
+            crumbs=[(f"prompt {key} ({q.split})", None)],
         )
 
     def findings(self, request: Request) -> Response:
@@ -346,6 +404,7 @@ class UI:
             group=group,
             columns=columns,
             decoder_error=view.decoder_error,
+            prompt_link=_prompt_link(view, traj),
             crumbs=[*_traj_crumbs(view, traj)[:-1], ("group", None)],
         )
 
@@ -434,8 +493,33 @@ DEFAULT_COLUMNS = (
     "logprob_diff_max",
     "status",
 )
+#: the latest steps shown on a prompt's page
+PROMPT_STEPS_SHOWN = 50
 #: groups on a step page whose prompt is read and shown
 PROMPTS_SHOWN = 64
+
+
+def _key_mask(table: Any, key: str, value: Any) -> Any:
+    import pyarrow.compute as pc
+
+    if isinstance(value, int):
+        return pc.equal(table[key], value)
+    return (
+        pc.equal(table[f"{key}_str"], value)
+        if f"{key}_str" in table.column_names
+        else pc.equal(table[key], -1)
+    )
+
+
+def prompt_href(view: RunView, sample_index: Any, validate: bool) -> str:
+    split = "val" if validate else "train"
+    return f"{view.base}/prompt?{urlencode({'sample_index': sample_index, 'split': split})}"
+
+
+def _prompt_link(view: RunView, traj: Any) -> str | None:
+    return (
+        prompt_href(view, traj.sample_index, bool(traj.validate)) if traj.sample_index is not None else None
+    )
 
 
 def _one_step(q: ListQuery) -> int | None:
@@ -540,6 +624,7 @@ def create_app(
         Route("/r/{run}/trajectories", ui.trajectories),
         Route("/r/{run}/t/{tid}", ui.trajectory),
         Route("/r/{run}/group/{tid}", ui.group),
+        Route("/r/{run}/prompt", ui.prompt),
         Route("/r/{run}/diff", ui.diff),
         Route("/r/{run}/findings", ui.findings),
         Route("/r/{run}/api/version", ui.version),

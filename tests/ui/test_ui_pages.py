@@ -155,3 +155,29 @@ def test_step_page_distributions_groups_sort_filter_columns(ui_url, ui_runs: Pat
     heads = tab.locator("table.list tr th").all_inner_texts()
     assert "duration_s" not in heads and "reward" in [h.split(" ")[0] for h in heads]
     assert tab.errors == []
+
+
+def test_prompt_history_across_steps(ui_url, ui_runs: Path, tab) -> None:
+    rows = [r for r in cli_json("ls", str(ui_runs / TREND)) if r["sample_index"] == 11 and not r["validate"]]
+    first = min(rows, key=lambda r: (r["step"], r["rollout_n"]))
+    tab.goto(f"{ui_url}/r/{TREND}/t/{first['id']}")
+    tab.click("#prompt-link")
+    tab.wait_for_selector("#history")
+    assert "Question 11" in tab.inner_text("#question") and "<|im_start|>" not in tab.inner_text("#question")
+    steps = sorted({r["step"] for r in rows})
+    assert [
+        int(s) for s in tab.locator("section.pstep").evaluate_all("s => s.map(e => e.dataset.step)")
+    ] == steps
+    for r in rows:
+        line = tab.locator(f"tr[data-id='{r['id']}']")
+        assert _close(line.locator(".reward").inner_text(), r["reward"])
+        assert line.locator(".length").inner_text() == str(r["response_tokens"])
+        answer = line.locator(".answer").inner_text()
+        assert "The answer is" in answer and "<|im_end|>" not in answer
+    screenshot(tab, "prompt-history")
+    tab.click(f"section.pstep[data-step='{steps[-1]}'] a.group-link")
+    tab.wait_for_selector("#group")
+    tab.click("#prompt-link")  # and back from the group page
+    tab.wait_for_selector("#history")
+    assert tab.locator("section.pstep").count() == len(steps)
+    assert tab.errors == []
