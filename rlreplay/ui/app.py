@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 import jinja2
+import pyarrow as pa
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -70,6 +71,7 @@ def _env() -> jinja2.Environment:
     env.filters["num"] = _num
     env.filters["when"] = _when
     env.filters["pretty"] = views.pretty
+    env.filters["plain"] = views.plain
     env.globals["qs"] = lambda params: urlencode(params)
     return env
 
@@ -380,8 +382,10 @@ class UI:
         )
 
     def group(self, request: Request) -> Response:
+        """A group's rollouts side by side as chat, with reward, advantage and where each diverges."""
+        import pyarrow.compute as pc
+
         from rlreplay.diff.align import diff_group
-        from rlreplay.text.adapters import turns
 
         view = self.view(request)
         traj = view.trajectory(request.path_params["tid"])
@@ -392,16 +396,22 @@ class UI:
 
         step = traj.step if isinstance(traj.step, int) else None
         loaded = {t.id: t for t in view.run.load(ids, Filters(step=step))}
-        columns = []
+        table = view.listing()
+        rows = {r["id"]: r for r in table.filter(pc.is_in(table["id"], pa.array(ids))).to_pylist()}
+        adapter = view.adapter()
+        columns, prompt = [], []
         for member in group.members:
             t = loaded.get(member.side.id)
-            conv = turns(t, decoder) if t is not None else []
-            columns.append({"member": member, "turns": conv})
+            msgs = views.messages(t, decoder, adapter) if t is not None else []
+            start = next((i for i, m in enumerate(msgs) if m.role == "assistant"), len(msgs))
+            prompt = prompt or msgs[:start]
+            columns.append({"member": member, "row": rows.get(member.side.id, {}), "messages": msgs[start:]})
         return self.page(
             "group.html",
             view=view,
             traj=traj,
             group=group,
+            prompt=prompt,
             columns=columns,
             decoder_error=view.decoder_error,
             prompt_link=_prompt_link(view, traj),

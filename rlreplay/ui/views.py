@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,16 @@ def pretty(value: Any, limit: int = 4000) -> str:
         except TypeError:
             text = repr(value)
     return text if len(text) <= limit else text[:limit] + f"… ({len(text):,} characters)"
+
+
+_SPECIAL = re.compile(r"<\|[A-Za-z0-9_]+\|>")
+
+
+def plain(text: Any) -> str:
+    """Decoded text without chat-template markers such as ``<|im_end|>`` (token ids as they are)."""
+    if not isinstance(text, str):
+        return " ".join(map(str, text)) if isinstance(text, list) else ""
+    return _SPECIAL.sub("", text)
 
 
 # ---- conversation ------------------------------------------------------------------------------

@@ -181,3 +181,31 @@ def test_prompt_history_across_steps(ui_url, ui_runs: Path, tab) -> None:
     tab.wait_for_selector("#history")
     assert tab.locator("section.pstep").count() == len(steps)
     assert tab.errors == []
+
+
+def test_group_page_chat_side_by_side(ui_url, ui_runs: Path, tab) -> None:
+    for run, step in ((TREND, 3), (SHOWCASE.name, 2)):
+        listing = [r for r in cli_json("ls", str(ui_runs / run)) if r["step"] == step and not r["validate"]]
+        sample = max(
+            {r["sample_index"] for r in listing},
+            key=lambda s: len({r["reward"] for r in listing if r["sample_index"] == s}),
+        )
+        members = {r["id"]: r for r in listing if r["sample_index"] == sample}
+        tab.goto(f"{ui_url}/r/{run}/trajectories?step={step}&split=train")
+        tab.click(f"#groups tr[data-sample='{sample}'] a.group-link")
+        tab.wait_for_selector("#group")
+        heads = tab.locator("#group .rollout")
+        assert heads.count() == len(members)
+        for head in heads.all():
+            tid = head.locator("a.traj-link").get_attribute("href").rsplit("/", 1)[1]
+            assert _close(head.locator(".reward").inner_text(), members[tid]["reward"])
+            assert _close(head.locator(".advantage").inner_text(), members[tid]["advantage"])
+        text = tab.inner_text("main")
+        assert "<|im_start|>" not in text and "<|im_end|>" not in text
+        assert tab.locator("#prompt .bubble.user").count() >= 1
+        assert tab.locator("#group .bubble.assistant").count() >= len(members)
+        if len({m["reward"] for m in members.values()}) > 1:
+            assert "diverges at turn" in tab.inner_text("#group")
+        if run == TREND:
+            screenshot(tab, "group")
+    assert tab.errors == []
