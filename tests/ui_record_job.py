@@ -4,7 +4,7 @@
 tool error and experiment name hold HTML (the page must show it as text).
 ``python ui_record_job.py trend RUN``: GRPO-like training over steps 0..5 with the same prompts
 at every step (sample_index 10, 11, 12; 4 rollouts), rewards rising with the step, and the trainer's
-signals (advantage, per-token log-probs drifting from the rollout's) for every rollout; validation
+signals (advantage, per-token log-probs drifting from the rollout's, entropy) for every rollout; validation
 (sample_index 900, 2 rollouts) at steps 0 and 5.
 ``python ui_record_job.py live RUN CONTROL``: one trajectory, then ``CONTROL/ready``; on
 ``CONTROL/go`` one more (step 1, sample_index 7); then ``CONTROL/written``; stops on ``CONTROL/stop``.
@@ -127,6 +127,11 @@ def trend_reward(step: int, sample: int, rollout: int) -> float:
     return 1.0 if sample == 12 or rollout < 1 + step * TREND_ROLLOUTS // 6 else 0.0
 
 
+def trend_entropy(n: int) -> list[float]:
+    """Per-token entropy the trainer records with its log-probs."""
+    return [0.25 * (i % 9) for i in range(n)]
+
+
 def _trend_ids(tok, sample: int, text: str) -> tuple[list[int], list[int]]:
     prompt = tok.encode(
         f"<|im_start|>user\nQuestion {sample}: what is {sample} * 3?<|im_end|>\n<|im_start|>assistant\n"
@@ -181,7 +186,7 @@ def trend(run_dir: Path) -> None:
                         logprob_diff_mean=sum(diffs) / len(diffs),
                         logprob_diff_max=max(diffs),
                         importance_ratio=1.0 + 0.01 * step * (n - 1.5),
-                        output={"old_log_probs": trainer},
+                        output={"old_log_probs": trainer, "entropy": trend_entropy(len(trainer))},
                     )
             if step in (TREND_STEPS[0], TREND_STEPS[-1]):
                 await asyncio.gather(*(one(step, TREND_VAL_SAMPLE, n, True) for n in range(2)))

@@ -225,6 +225,7 @@ class UI:
             page_sizes=PAGE_SIZES,
             all_columns=[c for c in table.column_names if not c.endswith("_str")],
             step_page=step_page,
+            within=urlencode(q.params(page=1)),
             findings=_findings_per_trajectory(view.listing_findings()),
             crumbs=crumbs,
         )
@@ -294,7 +295,7 @@ class UI:
             traj=traj,
             row=row,
             messages=views.messages(traj, decoder, view.adapter()),
-            spans=views.timeline(traj),
+            spans=views.timeline(traj, decoder),
             tools=views.tool_calls(traj),
             timings=views.timings(traj),
             tokens=views.tokens(traj, decoder),
@@ -302,6 +303,7 @@ class UI:
             findings=findings,
             decoder_error=view.decoder_error,
             prompt_link=_prompt_link(view, traj),
+            moves=_moves(view, traj, request.query_params.get("in")),
             crumbs=_traj_crumbs(view, traj),
         )
 
@@ -524,6 +526,31 @@ def _key_mask(table: Any, key: str, value: Any) -> Any:
 def prompt_href(view: RunView, sample_index: Any, validate: bool) -> str:
     split = "val" if validate else "train"
     return f"{view.base}/prompt?{urlencode({'sample_index': sample_index, 'split': split})}"
+
+
+def _moves(view: RunView, traj: Any, within: str | None) -> dict[str, Any]:
+    """The previous and next trajectory in the listing the user came from (else the step's)."""
+    from starlette.datastructures import QueryParams
+
+    if within is None and traj.step is not None:
+        within = urlencode({"step": traj.step, "split": "val" if traj.validate else "train"})
+    out: dict[str, Any] = {"prev": None, "next": None, "at": None, "of": 0}
+    if within is None:
+        return out
+    try:
+        ids = select(view.listing(), ListQuery.from_params(QueryParams(within)))["id"].to_pylist()
+    except RunError:
+        return out
+    if traj.id not in ids:
+        return out
+    at = ids.index(traj.id)
+    keep = urlencode({"in": within})
+    out.update(at=at + 1, of=len(ids))
+    if at > 0:
+        out["prev"] = f"{view.base}/t/{ids[at - 1]}?{keep}"
+    if at + 1 < len(ids):
+        out["next"] = f"{view.base}/t/{ids[at + 1]}?{keep}"
+    return out
 
 
 def _prompt_link(view: RunView, traj: Any) -> str | None:

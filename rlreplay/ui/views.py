@@ -18,6 +18,9 @@ TRAINER_LOGPROB_KEYS = ("old_log_probs", "trainer_log_probs", "log_probs", "logp
 MAX_TOKENS = 20_000
 
 
+_NUMBERS = re.compile(r"\[\s*((?:-?[0-9][0-9.eE+-]*,?\s*)+)\]")  # a list of numbers: one line
+
+
 def pretty(value: Any, limit: int = 4000) -> str:
     """JSON text of a value for display (strings as they are), cut at ``limit`` characters."""
     if value is None:
@@ -27,6 +30,7 @@ def pretty(value: Any, limit: int = 4000) -> str:
     else:
         try:
             text = orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
+            text = _NUMBERS.sub(lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]", text)
         except TypeError:
             text = repr(value)
     return text if len(text) <= limit else text[:limit] + f"… ({len(text):,} characters)"
@@ -106,13 +110,34 @@ class SpanRow:
     depth: int
     left: float  # percent of the trajectory's duration
     width: float
+    texts: list[tuple[str, str, int]] = field(default_factory=list)  # (what, decoded text, tokens)
 
     @property
     def ms(self) -> float:
         return (self.span.end_ns - self.span.start_ns) / 1e6
 
 
-def timeline(traj: Trajectory) -> list[SpanRow]:
+TEXT_FIELDS = (("inputs", "prompt_ids"), ("output", "token_ids"), ("output", "response_ids"))
+
+
+def _texts(span: Span, decoder: Any) -> list[tuple[str, str, int]]:
+    """The span's token-id lists decoded (a model call's prompt and answer)."""
+    if decoder is None:
+        return []
+    found = []
+    for where, key in TEXT_FIELDS:
+        value = getattr(span, where)
+        ids = value.get(key) if isinstance(value, dict) else None
+        if isinstance(ids, list) and ids and isinstance(ids[0], int):
+            found.append((key, ids))
+    if not found:
+        return []
+    texts = decoder.decode_many([ids for _, ids in found])
+    return [(key, text, len(ids)) for (key, ids), text in zip(found, texts)]
+
+
+def timeline(traj: Trajectory, decoder: Any = None) -> list[SpanRow]:
+    """The spans as rows of a timeline over the trajectory's time (signals spans at its end)."""
     t0, t1 = traj.start_ns, traj.end_ns
     total = max(t1 - t0, 1)
     rows: list[SpanRow] = []
@@ -120,7 +145,9 @@ def timeline(traj: Trajectory) -> list[SpanRow]:
     def walk(span: Span, depth: int) -> None:
         left = min(max((span.start_ns - t0) / total * 100, 0.0), 99.6)  # signals come after the end
         width = max((span.end_ns - span.start_ns) / total * 100, 0.4)
-        rows.append(SpanRow(span, depth, round(left, 3), round(min(width, 100 - left), 3)))
+        rows.append(
+            SpanRow(span, depth, round(left, 3), round(min(width, 100 - left), 3), _texts(span, decoder))
+        )
         for child in sorted(span.children, key=lambda s: (s.start_ns, -s.end_ns)):
             walk(child, depth + 1)
 
@@ -177,6 +204,18 @@ class TokenView:
     has_mismatch: bool
     mismatch_note: str | None = None
     truncated: bool = False
+    has_entropy: bool = False
+    minimap: Markup | None = None
+    scale: dict[str, float] = field(default_factory=dict)
+
+
+#: log-prob shown at full colour (and below); mismatch |Δ| likewise
+LOGPROB_FULL = -5.0
+MISMATCH_FULL = 1.0
+#: responses longer than this get a minimap
+MINIMAP_FROM = 1500
+MINIMAP_CELLS = 240
+ENTROPY_KEYS = ("entropy", "entropies", "token_entropy")
 
 
 def _floats(value: Any, n: int) -> list[float | None] | None:
@@ -227,11 +266,15 @@ def _aligned(value: Any, n: int) -> list[float | None] | None:
     return out + [None] * (n - len(out))
 
 
-def _trainer_logprobs(traj: Trajectory, n: int) -> list[float | None] | None:
-    """Per-token trainer log-probs from the latest ``signals`` span that holds them."""
+def _trainer_logprobs(
+    traj: Trajectory, n: int, keys: tuple[str, ...] = TRAINER_LOGPROB_KEYS
+) -> list[float | None] | None:
+    """Per-token trainer values (log-probs unless ``keys`` says) from the latest ``signals`` span."""
     for span in sorted(traj.by_kind(KIND_SIGNALS), key=lambda s: s.end_ns, reverse=True):
         for value in (span.output, span.attributes):
-            candidates = [value.get(k) for k in TRAINER_LOGPROB_KEYS] if isinstance(value, dict) else [value]
+            if keys is not TRAINER_LOGPROB_KEYS and not isinstance(value, dict):
+                continue
+            candidates = [value.get(k) for k in keys] if isinstance(value, dict) else [value]
             for candidate in candidates:
                 found = _aligned(candidate, n)
                 if found is not None:
@@ -239,8 +282,20 @@ def _trainer_logprobs(traj: Trajectory, n: int) -> list[float | None] | None:
     return None
 
 
+def _entropy(traj: Trajectory, n: int) -> list[float | None] | None:
+    """Per-token entropy, when the rollout or the trainer recorded it."""
+    for agent in traj.by_kind(KIND_AGENT):
+        if isinstance(agent.output, dict):
+            for key in ENTROPY_KEYS:
+                found = _aligned(agent.output.get(key), n)
+                if found is not None:
+                    return found
+    return _trainer_logprobs(traj, n, ENTROPY_KEYS)
+
+
 def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
-    """Each response token as a ``<span>`` carrying its mask, log-prob and mismatch as data."""
+    """Each response token as a ``<span>`` carrying its mask, log-prob, mismatch and entropy as
+    colour variables and a tooltip; a minimap of the whole response when it is long."""
     ids, mask, lps = _response(traj)
     if not ids:
         return None
@@ -248,24 +303,36 @@ def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
     ids, mask = ids[:MAX_TOKENS], mask[:MAX_TOKENS]
     lps = lps[:MAX_TOKENS] if lps else None
     trainer = _trainer_logprobs(traj, len(ids))
+    entropy = _entropy(traj, len(ids))
+    top_entropy = max((e for e in entropy or () if e is not None), default=0.0) or 1.0
     pieces = decoder.decode_many([[i] for i in ids]) if decoder is not None else [f"{i} " for i in ids]
     parts = []
+    heat: list[tuple[float, float, float, int]] = []
     for k, (tid, m, piece) in enumerate(zip(ids, mask, pieces)):
         lp = lps[k] if lps else None
-        title = f"#{k} id {tid} · {'model' if m else 'tool'}"
+        tip = f"#{k} id {tid} · {'model' if m else 'tool'} · {piece!r}"
         style = []
+        lp_v = mm_v = en_v = 0.0
         if lp is not None and math.isfinite(lp):
-            title += f" · logprob {lp:.4f}"
-            style.append(f"--lp:{min(1.0, -lp / 5):.3f}")
+            tip += f" · logprob {lp:.4f}"
+            lp_v = max(0.0, min(1.0, lp / LOGPROB_FULL))
+            style.append(f"--lp:{lp_v:.3f}")
         if trainer is not None and trainer[k] is not None and lp is not None:
             diff = abs(trainer[k] - lp)
-            title += f" · trainer {trainer[k]:.4f} (|Δ| {diff:.4f})"
-            style.append(f"--mm:{min(1.0, diff):.3f}")
+            tip += f" · trainer {trainer[k]:.4f} (|Δ| {diff:.4f})"
+            mm_v = min(1.0, diff / MISMATCH_FULL)
+            style.append(f"--mm:{mm_v:.3f}")
+        if entropy is not None and entropy[k] is not None:
+            tip += f" · entropy {entropy[k]:.4f}"
+            en_v = min(1.0, entropy[k] / top_entropy)
+            style.append(f"--en:{en_v:.3f}")
+        heat.append((lp_v, mm_v, en_v, m))
         parts.append(
-            f'<span class="tk m{m}" title="{escape(title)}"'
+            f'<span class="tk m{m}" id="tk{k}" data-tip="{escape(tip)}"'
             + (f' style="{";".join(style)}"' if style else "")
             + f">{escape(piece)}</span>"
         )
+    scale = {"logprob": LOGPROB_FULL, "mismatch": MISMATCH_FULL, "entropy": top_entropy}
     note = None
     if trainer is None:
         scalars = [
@@ -276,4 +343,29 @@ def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
         note = "no per-token trainer log-probs recorded" + (
             f" (logprob_diff_max {scalars[-1]['logprob_diff_max']})" if scalars else ""
         )
-    return TokenView(Markup("".join(parts)), len(ids), lps is not None, trainer is not None, note, truncated)
+    return TokenView(
+        Markup("".join(parts)),
+        len(ids),
+        lps is not None,
+        trainer is not None,
+        note,
+        truncated,
+        entropy is not None,
+        _minimap(heat) if len(ids) >= MINIMAP_FROM else None,
+        scale,
+    )
+
+
+def _minimap(heat: list[tuple[float, float, float, int]]) -> Markup:
+    """The response in cells (the worst token of each), each linking to its first token."""
+    per = math.ceil(len(heat) / MINIMAP_CELLS)
+    cells = []
+    for start in range(0, len(heat), per):
+        chunk = heat[start : start + per]
+        lp, mm, en = (max(c[i] for c in chunk) for i in range(3))
+        tool = 0 if any(c[3] == 0 for c in chunk) else 1
+        cells.append(
+            f'<a class="cell m{tool}" href="#tk{start}" style="--lp:{lp:.3f};--mm:{mm:.3f};--en:{en:.3f}" '
+            f'data-tip="tokens {start}–{start + len(chunk) - 1}"></a>'
+        )
+    return Markup(f'<div class="minimap" id="minimap">{"".join(cells)}</div>')

@@ -176,7 +176,7 @@ def test_click_from_overview_to_step_trajectory_group_and_diff(server, page, tmp
 
     # a trajectory with a tool call: chat bubbles, tool table, span timeline, tokens
     with_tool = step5.filter(pc.greater(step5["tool_calls"], 0))["id"][0].as_py()
-    page.click(f"a.traj-link[href$='{with_tool}']")
+    page.click(f"a.traj-link[href*='/t/{with_tool}']")
     page.wait_for_selector("#chat")
     traj = run.trajectory(with_tool)
     assert with_tool in page.inner_text("h1")
@@ -341,7 +341,7 @@ def test_trainer_vs_rollout_mismatch_overlay(server, page, ui_root: Path) -> Non
     page.check("#overlay-switch input[value=mismatch]")
     colours = [tokens.nth(i).evaluate("e => getComputedStyle(e).backgroundColor") for i in range(6)]
     assert colours[0] != colours[1] and colours[1] == colours[2]  # token 0 drifted by 0.5, 1 and 2 did not
-    assert "trainer" in (tokens.nth(0).get_attribute("title") or "")
+    assert "trainer" in (tokens.nth(0).get_attribute("data-tip") or "")
 
 
 def _raw_get(server: str, path: str, host: str | None = None, follow: int = 3) -> tuple[int, str]:
@@ -434,7 +434,7 @@ def test_live_run_appears_and_new_trajectories_show_up(server, page, ui_root: Pa
         expect(page.locator("#count")).to_have_text("2", timeout=60_000)
         assert int(page.evaluate("document.body.dataset.updates")) > updates  # no reload: swapped in place
         cells = page.locator("table.list tr").nth(2).locator("td").all_inner_texts()
-        assert cells[1:3] == ["1", "7"]  # step 1, sample 7: the new trajectory
+        assert cells[2:4] == ["1", "7"]  # step 1, sample 7: the new trajectory
         _shot(page, tmp_path / "live.png")
         page.click("a.traj-link >> nth=1")
         page.wait_for_selector("#chat")

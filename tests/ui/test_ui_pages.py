@@ -209,3 +209,62 @@ def test_group_page_chat_side_by_side(ui_url, ui_runs: Path, tab) -> None:
         if run == TREND:
             screenshot(tab, "group")
     assert tab.errors == []
+
+
+def test_drill_down_from_an_overview_point_to_a_token(ui_url, ui_runs: Path, tab) -> None:
+    from ui_record_job import trend_entropy
+
+    from rlreplay.read.open import open_run
+
+    listing = cli_json("ls", str(ui_runs / TREND))
+    tab.goto(f"{ui_url}/r/{TREND}/")
+    tab.locator("#train-stats svg.chart[aria-label='reward mean'] a.point:has(rect[data-step='4'])").click()
+    tab.wait_for_selector("#groups")
+    tab.click("#groups tr[data-sample='10'] a.group-link")
+    tab.wait_for_selector("#group")
+    tab.click("#group .rollout >> nth=0 >> a.traj-link")
+    tab.wait_for_selector("#tokens")
+    tid = tab.url.split("/t/")[1].split("?")[0]
+    row = next(r for r in listing if r["id"] == tid)
+    assert (row["step"], row["sample_index"]) == (4, 10)
+    assert tab.inner_text("#duration") == f"{row['duration_s']:.3f} s"
+    traj = open_run(ui_runs / TREND).trajectory(tid)
+    agent = next(s.output for s in traj.spans if s.kind == "agent")
+    trainer = next(s.output["old_log_probs"] for s in traj.spans if s.kind == "signals")
+    tokens = tab.locator("#tokens .tk")
+    assert tokens.count() == len(agent["response_ids"])
+
+    tab.check("#overlay-switch input[value=mismatch]")
+    legend = tab.locator("#legend .lg-mismatch")
+    assert legend.is_visible() and "1" in legend.inner_text()  # the scale's end
+    assert not tab.locator("#legend .lg-logprob").is_visible()
+    k = 2  # a token where trainer and rollout differ (0.02 * step * (k % 3))
+    tokens.nth(k).hover()
+    tip = tab.inner_text("#tip")
+    rollout_lp, trainer_lp = agent["response_logprobs"][k], trainer[k]
+    assert f"#{k} id {agent['response_ids'][k]}" in tip
+    assert f"logprob {rollout_lp:.4f}" in tip and f"trainer {trainer_lp:.4f}" in tip
+    assert f"|Δ| {abs(trainer_lp - rollout_lp):.4f}" in tip
+    assert f"entropy {trend_entropy(len(trainer))[k]:.4f}" in tip
+    tab.check("#overlay-switch input[value=entropy]")
+    zero, high = (tokens.nth(i).evaluate("e => getComputedStyle(e).backgroundColor") for i in (0, 8))
+    assert zero != high  # entropy 0 vs the highest
+    screenshot(tab, "trajectory")
+
+    # a model call's span, expanded: decoded text, the ids on demand
+    llm = tab.locator("#timeline details.span-row.llm").first
+    llm.locator(":scope > summary").click()
+    assert "The answer is" in llm.locator(".decoded").last.inner_text()
+    assert not llm.locator("details.raw .io").is_visible()
+
+    # keyboard: next in the list the user came from (the group's step, sorted by the list)
+    step_rows = sorted(
+        (r for r in listing if r["step"] == 4 and not r["validate"]),
+        key=lambda r: (r["sample_index"], r["rollout_n"]),
+    )
+    at = [r["id"] for r in step_rows].index(tid)
+    tab.keyboard.press("j")
+    tab.wait_for_url(f"**/t/{step_rows[at + 1]['id']}*")
+    tab.keyboard.press("k")
+    tab.wait_for_url(f"**/t/{tid}*")
+    assert tab.errors == []
