@@ -102,6 +102,7 @@ class UI:
         self.runs = runs
         self.env = _env()
         self.poll_ms = poll_ms
+        self._compared: dict[tuple[str, str], tuple[Any, list[Any]]] = {}
 
     def warm(self) -> None:
         """Do the first request's work now: templates, query engine, a single run's listing."""
@@ -362,6 +363,51 @@ class UI:
             chart=chart,
             decoder_error=view.decoder_error,
             crumbs=[(f"prompt {key} ({q.split})", None)],
+        )
+
+    def compare(self, request: Request) -> Response:
+        """This run against another of the folder (e.g. its replay): pairs same, changed or in one."""
+        from rlreplay.compare import compare_runs, summary
+
+        view = self.view(request)
+        others = [n for n in self.runs.names() if n != view.name]
+        other = request.query_params.get("with", "").strip()
+        q = ListQuery.from_params(request.query_params)
+        if not other:
+            return self.page(
+                "compare.html",
+                view=view,
+                others=others,
+                other="",
+                q=q,
+                result=None,
+                crumbs=[("compare", None)],
+            )
+        b = self.runs.get(other)
+        key = (view.listing(), b.listing(), q.step, q.split)
+        cached = self._compared.get((view.name, other))
+        if cached is None or cached[0] != key:
+            selection = None
+            if q.step or q.split:
+                from rlreplay.read.selection import Selection
+
+                selection = Selection(step=q.step or None, validate=None if not q.split else q.split == "val")
+            pairs = list(compare_runs(view.run, b.run, selection))
+            cached = self._compared[(view.name, other)] = (key, pairs)
+        pairs = cached[1]
+        order = {"changed": 0, "only_a": 1, "only_b": 2, "same": 3}
+        shown = sorted(pairs, key=lambda p: order[p.status])[:FINDINGS_SHOWN]
+        return self.page(
+            "compare.html",
+            view=view,
+            others=others,
+            other=other,
+            other_base=b.base,
+            q=q,
+            result=summary(pairs),
+            pairs=shown,
+            total=len(pairs),
+            crumbs=[("compare", None)],
         )
 
     def findings(self, request: Request) -> Response:
@@ -664,6 +710,7 @@ def create_app(
         Route("/r/{run}/prompt", ui.prompt),
         Route("/r/{run}/diff", ui.diff),
         Route("/r/{run}/findings", ui.findings),
+        Route("/r/{run}/compare", ui.compare),
         Route("/r/{run}/api/version", ui.version),
         Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"),
     ]

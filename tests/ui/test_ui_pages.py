@@ -268,3 +268,57 @@ def test_drill_down_from_an_overview_point_to_a_token(ui_url, ui_runs: Path, tab
     tab.keyboard.press("k")
     tab.wait_for_url(f"**/t/{tid}*")
     assert tab.errors == []
+
+
+RECORD_REPLAY_JOB = """
+import json, sys
+sys.path.insert(0, sys.argv[3])
+import rlreplay
+from replay_job import run_job
+rlreplay.init(sys.argv[1], worker="agent_loop_worker_0")
+run_job(json.loads(sys.argv[2]))
+rlreplay.close()
+"""
+
+
+def test_compare_page_a_run_and_its_changed_replay(ui_url, ui_runs: Path, tab) -> None:
+    import json
+    import subprocess
+    import sys
+
+    base = {"steps": 2, "samples": 3, "rollouts": 2, "seed": 0, "parser": "v1"}
+    changed = {**base, "changes": {"1:2:0:0": 7}, "skip": [[0, 0, 1]], "extra": [[1, 0, 2]]}
+    tests = str(Path(__file__).parents[1])
+    for name, config in (("job-a", base), ("job-b", changed)):
+        cmd = [sys.executable, "-c", RECORD_REPLAY_JOB, str(ui_runs / name), json.dumps(config), tests]
+        subprocess.run(cmd, check=True, timeout=180)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlreplay",
+            "compare",
+            str(ui_runs / "job-a"),
+            str(ui_runs / "job-b"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    pairs = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    status = [
+        ("changed" if not p["same"] else "same") if p["a"] and p["b"] else ("only_a" if p["a"] else "only_b")
+        for p in pairs
+    ]
+    tab.goto(f"{ui_url}/r/job-a/")
+    tab.click("header a:text-is('compare')")
+    tab.select_option("#compare-form select[name=with]", "job-b")
+    tab.click("#compare-form button")
+    tab.wait_for_selector("#pairs")
+    for key in ("same", "changed", "only_a", "only_b"):
+        assert tab.inner_text(f"#compare-summary [data-count={key}]") == str(status.count(key)), key
+    assert status.count("changed") >= 1 and status.count("only_a") == 1 and status.count("only_b") == 1
+    first = tab.locator("#pairs tr.pair").first
+    assert first.locator(".badge").inner_text() == "changed" and first.locator(".difference").inner_text()
+    assert tab.locator("#pairs .badge.pairstatus.changed").count() == status.count("changed")
+    assert tab.errors == []
