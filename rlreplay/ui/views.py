@@ -15,7 +15,7 @@ from rlreplay.model import Span, Trajectory
 
 LOGPROB_KEYS = ("response_logprobs", "rollout_log_probs", "log_probs", "logprobs")
 TRAINER_LOGPROB_KEYS = ("old_log_probs", "trainer_log_probs", "log_probs", "logprobs")
-MAX_TOKENS = 20_000
+MAX_TOKENS = 100_000
 
 
 _NUMBERS = re.compile(r"\[\s*((?:-?[0-9][0-9.eE+-]*,?\s*)+)\]")  # a list of numbers: one line
@@ -199,6 +199,7 @@ def tool_calls(traj: Trajectory) -> list[dict[str, Any]]:
 @dataclass
 class TokenView:
     html: Markup
+    data: Markup  # JSON: ids, mask and per-token values, for the tooltips
     count: int
     has_logprobs: bool
     has_mismatch: bool
@@ -293,48 +294,83 @@ def _entropy(traj: Trajectory, n: int) -> list[float | None] | None:
     return _trainer_logprobs(traj, n, ENTROPY_KEYS)
 
 
+LEVELS = 20  # colour steps of an overlay
+
+
+def _array(values: list[float | None] | None, n: int) -> Any:
+    """Values as float64 (NaN where none)."""
+    import numpy as np
+
+    if values is None:
+        return np.full(n, np.nan)
+    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+
+
+def _levels(values: Any, full: float) -> Any:
+    """``values`` as a share of ``full`` (the scale's end), in LEVELS steps (0 where none)."""
+    import numpy as np
+
+    with np.errstate(invalid="ignore"):
+        share = np.nan_to_num(values / full, nan=0.0, posinf=1.0, neginf=0.0)
+    return np.rint(np.clip(share, 0.0, 1.0) * LEVELS).astype(np.int64)
+
+
+def _open_tag(key: int) -> str:
+    mask, rest = divmod(key, (LEVELS + 1) ** 3)
+    lp, rest = divmod(rest, (LEVELS + 1) ** 2)
+    mm, en = divmod(rest, LEVELS + 1)
+    style = ";".join(f"--{k}:{v / LEVELS:.2f}" for k, v in (("lp", lp), ("mm", mm), ("en", en)) if v)
+    return f'<span class="tk m{mask}" style="{style}">' if style else f'<span class="tk m{mask}">'
+
+
+def _json_values(values: Any) -> Any:
+    return values.round(4).tolist()  # NaN is written as null
+
+
 def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
-    """Each response token as a ``<span>`` carrying its mask, log-prob, mismatch and entropy as
-    colour variables and a tooltip; a minimap of the whole response when it is long."""
+    """Each response token as a ``<span>`` carrying its mask and its colour variables (log-prob,
+    mismatch, entropy); the values for the tooltips travel once, as JSON (``data``); a minimap of
+    the whole response when it is long."""
+    import numpy as np
+
     ids, mask, lps = _response(traj)
     if not ids:
         return None
     truncated = len(ids) > MAX_TOKENS
     ids, mask = ids[:MAX_TOKENS], mask[:MAX_TOKENS]
     lps = lps[:MAX_TOKENS] if lps else None
-    trainer = _trainer_logprobs(traj, len(ids))
-    entropy = _entropy(traj, len(ids))
-    top_entropy = max((e for e in entropy or () if e is not None), default=0.0) or 1.0
-    pieces = decoder.decode_many([[i] for i in ids]) if decoder is not None else [f"{i} " for i in ids]
+    n = len(ids)
+    trainer_list, entropy_list = _trainer_logprobs(traj, n), _entropy(traj, n)
+    rollout, trainer, entropy = _array(lps, n), _array(trainer_list, n), _array(entropy_list, n)
+    known = entropy[~np.isnan(entropy)]
+    top_entropy = float(known.max()) if known.size and known.max() > 0 else 1.0
+    unique = list(dict.fromkeys(ids))  # decode and escape each distinct token once
+    texts = decoder.decode_many([[i] for i in unique]) if decoder is not None else [f"{i} " for i in unique]
+    piece = {i: str(escape(t)) for i, t in zip(unique, texts)}
+    levels = [
+        _levels(rollout, LOGPROB_FULL),
+        _levels(np.abs(trainer - rollout), MISMATCH_FULL),
+        _levels(entropy, top_entropy),
+    ]
+    side = LEVELS + 1
+    marks = np.array(mask, dtype=np.int64)
+    keys = ((marks * side + levels[0]) * side + levels[1]) * side + levels[2]
+    tags: dict[int, str] = {}
     parts = []
-    heat: list[tuple[float, float, float, int]] = []
-    for k, (tid, m, piece) in enumerate(zip(ids, mask, pieces)):
-        lp = lps[k] if lps else None
-        tip = f"#{k} id {tid} · {'model' if m else 'tool'} · {piece!r}"
-        style = []
-        lp_v = mm_v = en_v = 0.0
-        if lp is not None and math.isfinite(lp):
-            tip += f" · logprob {lp:.4f}"
-            lp_v = max(0.0, min(1.0, lp / LOGPROB_FULL))
-            style.append(f"--lp:{lp_v:.3f}")
-        if trainer is not None and trainer[k] is not None and lp is not None:
-            diff = abs(trainer[k] - lp)
-            tip += f" · trainer {trainer[k]:.4f} (|Δ| {diff:.4f})"
-            mm_v = min(1.0, diff / MISMATCH_FULL)
-            style.append(f"--mm:{mm_v:.3f}")
-        if entropy is not None and entropy[k] is not None:
-            tip += f" · entropy {entropy[k]:.4f}"
-            en_v = min(1.0, entropy[k] / top_entropy)
-            style.append(f"--en:{en_v:.3f}")
-        heat.append((lp_v, mm_v, en_v, m))
-        parts.append(
-            f'<span class="tk m{m}" id="tk{k}" data-tip="{escape(tip)}"'
-            + (f' style="{";".join(style)}"' if style else "")
-            + f">{escape(piece)}</span>"
-        )
-    scale = {"logprob": LOGPROB_FULL, "mismatch": MISMATCH_FULL, "entropy": top_entropy}
+    for key, tid in zip(keys.tolist(), ids):
+        tag = tags.get(key)
+        if tag is None:
+            tag = tags[key] = _open_tag(key)
+        parts.append(f"{tag}{piece[tid]}</span>")
+    data = {
+        "ids": ids,
+        "mask": mask,
+        "logprob": _json_values(rollout) if lps else None,
+        "trainer": _json_values(trainer) if trainer_list is not None else None,
+        "entropy": _json_values(entropy) if entropy_list is not None else None,
+    }
     note = None
-    if trainer is None:
+    if trainer_list is None:
         scalars = [
             s.attributes
             for s in traj.by_kind(KIND_SIGNALS)
@@ -345,27 +381,28 @@ def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
         )
     return TokenView(
         Markup("".join(parts)),
-        len(ids),
+        Markup(orjson.dumps(data).decode().replace("<", "\\u003c")),
+        n,
         lps is not None,
-        trainer is not None,
+        trainer_list is not None,
         note,
         truncated,
-        entropy is not None,
-        _minimap(heat) if len(ids) >= MINIMAP_FROM else None,
-        scale,
+        entropy_list is not None,
+        _minimap(marks, levels) if n >= MINIMAP_FROM else None,
+        {"logprob": LOGPROB_FULL, "mismatch": MISMATCH_FULL, "entropy": top_entropy},
     )
 
 
-def _minimap(heat: list[tuple[float, float, float, int]]) -> Markup:
-    """The response in cells (the worst token of each), each linking to its first token."""
-    per = math.ceil(len(heat) / MINIMAP_CELLS)
+def _minimap(mask: Any, levels: list[Any]) -> Markup:
+    """The response in cells (the worst token of each); a click scrolls to the cell's first token."""
+    per = math.ceil(len(mask) / MINIMAP_CELLS)
     cells = []
-    for start in range(0, len(heat), per):
-        chunk = heat[start : start + per]
-        lp, mm, en = (max(c[i] for c in chunk) for i in range(3))
-        tool = 0 if any(c[3] == 0 for c in chunk) else 1
+    for start in range(0, len(mask), per):
+        end = min(start + per, len(mask))
+        lp, mm, en = (int(lv[start:end].max()) / LEVELS for lv in levels)
+        tool = 0 if (mask[start:end] == 0).any() else 1
         cells.append(
-            f'<a class="cell m{tool}" href="#tk{start}" style="--lp:{lp:.3f};--mm:{mm:.3f};--en:{en:.3f}" '
-            f'data-tip="tokens {start}–{start + len(chunk) - 1}"></a>'
+            f'<span class="cell m{tool}" data-at="{start}" style="--lp:{lp:.2f};--mm:{mm:.2f};--en:{en:.2f}" '
+            f'data-tip="tokens {start}–{end - 1}"></span>'
         )
     return Markup(f'<div class="minimap" id="minimap">{"".join(cells)}</div>')

@@ -307,7 +307,7 @@ def test_recorded_html_renders_as_text(server, page, ui_root: Path, tmp_path: Pa
     assert HOSTILE_ERROR in tools and HOSTILE_ARG in tools
     assert HOSTILE_TEXT.split()[0] in page.inner_text("#tokens")
     assert page.is_disabled("#overlay-switch input[value=mismatch]")  # no trainer log-probs here
-    scripts = page.eval_on_selector_all("script", "els => els.map(e => e.getAttribute('src'))")
+    scripts = page.eval_on_selector_all("script[src]", "els => els.map(e => e.getAttribute('src'))")
     assert scripts == ["/static/live.js", "/static/ui.js"]
     assert page.locator("main img").count() == 0
     assert page.evaluate("typeof window.__xss") == "undefined"
@@ -341,7 +341,8 @@ def test_trainer_vs_rollout_mismatch_overlay(server, page, ui_root: Path) -> Non
     page.check("#overlay-switch input[value=mismatch]")
     colours = [tokens.nth(i).evaluate("e => getComputedStyle(e).backgroundColor") for i in range(6)]
     assert colours[0] != colours[1] and colours[1] == colours[2]  # token 0 drifted by 0.5, 1 and 2 did not
-    assert "trainer" in (tokens.nth(0).get_attribute("data-tip") or "")
+    tokens.nth(0).hover()
+    assert "trainer" in page.inner_text("#tip")
 
 
 def _raw_get(server: str, path: str, host: str | None = None, follow: int = 3) -> tuple[int, str]:
