@@ -295,6 +295,7 @@ def _entropy(traj: Trajectory, n: int) -> list[float | None] | None:
 
 
 LEVELS = 20  # colour steps of an overlay
+CHUNK = 2000  # tokens per block: the browser lays out only the blocks in view
 
 
 def _array(values: list[float | None] | None, n: int) -> Any:
@@ -379,8 +380,12 @@ def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
         note = "no per-token trainer log-probs recorded" + (
             f" (logprob_diff_max {scalars[-1]['logprob_diff_max']})" if scalars else ""
         )
+    chunks = (
+        f'<div class="chunk" data-from="{k}">{"".join(parts[k : k + CHUNK])}</div>'
+        for k in range(0, n, CHUNK)
+    )
     return TokenView(
-        Markup("".join(parts)),
+        Markup("".join(chunks)),
         Markup(orjson.dumps(data).decode().replace("<", "\\u003c")),
         n,
         lps is not None,

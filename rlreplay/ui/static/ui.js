@@ -11,7 +11,8 @@
   function num(v) { return v === null || v === undefined ? null : Number(v).toFixed(4); }
   function tokenTip(el) {
     if (!data) data = JSON.parse(dataEl.textContent);
-    const k = Array.prototype.indexOf.call(tokens.children, el);
+    const chunk = el.parentElement;
+    const k = Number(chunk.dataset.from) + Array.prototype.indexOf.call(chunk.children, el);
     let t = "#" + k + " id " + data.ids[k] + " · " + (data.mask[k] ? "model" : "tool") + " · " + JSON.stringify(el.textContent);
     const lp = data.logprob ? data.logprob[k] : null;
     const tr = data.trainer ? data.trainer[k] : null;
@@ -51,7 +52,11 @@
   const minimap = document.getElementById("minimap");
   if (minimap && tokens) minimap.addEventListener("click", function (e) {
     const at = e.target.dataset ? e.target.dataset.at : undefined;
-    if (at !== undefined) tokens.children[Number(at)].scrollIntoView({ block: "center" });
+    if (at === undefined) return;
+    const chunks = tokens.children;
+    let c = chunks.length - 1;
+    while (c > 0 && Number(chunks[c].dataset.from) > Number(at)) c--;
+    chunks[c].children[Number(at) - Number(chunks[c].dataset.from)].scrollIntoView({ block: "center" });
   });
   document.addEventListener("keydown", function (e) {
     if (e.ctrlKey || e.metaKey || e.altKey || /^(INPUT|SELECT|TEXTAREA)$/.test(e.target.tagName)) return;
