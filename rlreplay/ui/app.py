@@ -537,20 +537,7 @@ def _trend_charts(view: RunView, rows: list[dict[str, Any]], split: str) -> list
 
 
 #: the list's columns until the user chooses (the list fits 1,280 px)
-DEFAULT_COLUMNS = (
-    "step",
-    "sample_index",
-    "rollout_n",
-    "validate",
-    "tool_calls",
-    "tool_errors",
-    "response_tokens",
-    "duration_s",
-    "reward",
-    "advantage",
-    "logprob_diff_max",
-    "status",
-)
+DEFAULT_COLUMNS = tuple(c for c in LIST_COLUMNS if c not in ("agent", "model_calls", "worker"))
 #: the latest steps shown on a prompt's page
 PROMPT_STEPS_SHOWN = 50
 #: groups on a step page whose prompt is read and shown

@@ -157,7 +157,7 @@ def histogram(label: str, values: Sequence[float], bins: int = 20) -> Markup:
         tip = f"{label} {fmt(a)} … {fmt(b)}: {c}" if hi > lo else f"{label} {fmt(lo)}: {c}"
         box = f'x="{PAD_L + i * bw + 0.5:.1f}" y="{py(c):.1f}" width="{max(bw - 1, 0.5):.1f}"'
         parts.append(
-            _tipped("rect", f'class="bar" {box} height="{H - PAD_B - py(c):.1f}" data-count="{c}"', tip)
+            _tipped("rect", f'class="hbar" {box} height="{H - PAD_B - py(c):.1f}" data-count="{c}"', tip)
         )
     return _svg("chart hist", label, "".join(parts))
 

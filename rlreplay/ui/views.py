@@ -209,6 +209,11 @@ class TokenView:
     minimap: Markup | None = None
     scale: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def chunked(self) -> bool:
+        """In several blocks, laid out by the browser only when in view."""
+        return self.count > CHUNK
+
 
 #: log-prob shown at full colour (and below); mismatch |Δ| likewise
 LOGPROB_FULL = -5.0

@@ -7,6 +7,7 @@ with per-token log-probs).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -71,13 +72,11 @@ def ui_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
-def ui_url(ui_runs: Path) -> Iterator[str]:
+@contextlib.contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """The app served by uvicorn in a thread on a free loopback port; yields its URL."""
     import uvicorn
 
-    from rlreplay.ui.app import create_app
-
-    app = create_app(ui_runs, poll_ms=60_000, allowed_hosts=["127.0.0.1"])
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
@@ -87,10 +86,20 @@ def ui_url(ui_runs: Path) -> Iterator[str]:
     while not srv.started:
         assert time.monotonic() < deadline, "the app server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@pytest.fixture(scope="session")
+def ui_url(ui_runs: Path) -> Iterator[str]:
+    from rlreplay.ui.app import create_app
+
+    with serving(create_app(ui_runs, poll_ms=60_000, allowed_hosts=["127.0.0.1"])) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
@@ -117,12 +126,15 @@ def tab(chrome: Any) -> Iterator[Any]:
     context.close()
 
 
-def screenshot(page: Any, name: str) -> None:
-    """With ``RLREPLAY_SCREENSHOTS=1``: the page's top as ``docs/screenshots/NAME.png`` (for the README)."""
+def screenshot(page: Any, name: str, at: str | None = None) -> None:
+    """With ``RLREPLAY_SCREENSHOTS=1``: what the window shows as ``docs/screenshots/NAME.png`` (for
+    the README); ``at``: scrolled to this element first."""
     if not os.environ.get("RLREPLAY_SCREENSHOTS"):
         return
     from PIL import Image
 
+    if at is not None:
+        page.locator(at).evaluate("e => e.scrollIntoView({block: 'start'})")
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     dest = SCREENSHOTS / f"{name}.png"
     raw = dest.with_suffix(".raw.png")

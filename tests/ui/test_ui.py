@@ -13,7 +13,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -35,6 +34,7 @@ CHROMIUM = "/usr/bin/chromium"
 DOCS_SHOT = HERE.parent / "docs" / "ui-overview.png"
 
 sys.path.insert(0, str(HERE))
+from conftest import serving  # noqa: E402
 from ui_record_job import (  # noqa: E402
     HOSTILE_ARG,
     HOSTILE_ERROR,
@@ -85,24 +85,10 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def server(ui_root: Path):
-    import uvicorn
-
     from rlreplay.ui.app import create_app
 
-    app = create_app(ui_root, poll_ms=300, allowed_hosts=["127.0.0.1", "localhost"])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "the app server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with serving(create_app(ui_root, poll_ms=300, allowed_hosts=["127.0.0.1", "localhost"])) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

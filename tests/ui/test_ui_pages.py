@@ -113,9 +113,15 @@ def test_step_page_distributions_groups_sort_filter_columns(ui_url, ui_runs: Pat
     tab.goto(f"{ui_url}/r/{TREND}/trajectories?step=3&split=train")
     for key in ("reward_mean", "advantage_std", "frac_groups_zero_std", "response_tokens_mean"):
         assert _close(tab.inner_text(f"#step-stats [data-stat={key}]"), stats[key]), key
-    counts = tab.locator("#histograms svg[aria-label=reward] rect.bar").evaluate_all(
+    counts = tab.locator("#histograms svg[aria-label=reward] rect.hbar").evaluate_all(
         "bs => bs.map(b => Number(b.dataset.count))"
     )
+    inside = tab.locator("#histograms svg").evaluate_all(
+        """svgs => svgs.every(svg => { const box = svg.getBoundingClientRect();
+          return [...svg.querySelectorAll('rect')].every(r => { const b = r.getBoundingClientRect();
+            return b.top >= box.top - 0.5 && b.bottom <= box.bottom + 0.5; }); })"""
+    )
+    assert inside  # every bar is drawn inside its chart
     assert sum(counts) == len(rows) and max(counts) == max(
         sum(1 for r in rows if r["reward"] == v) for v in {r["reward"] for r in rows}
     )
@@ -239,6 +245,7 @@ def test_drill_down_from_an_overview_point_to_a_token(ui_url, ui_runs: Path, tab
     assert legend.is_visible() and "1" in legend.inner_text()  # the scale's end
     assert not tab.locator("#legend .lg-logprob").is_visible()
     k = 2  # a token where trainer and rollout differ (0.02 * step * (k % 3))
+    tab.locator("#timeline").evaluate("e => e.scrollIntoView({block: 'start'})")
     tokens.nth(k).hover()
     tip = tab.inner_text("#tip")
     rollout_lp, trainer_lp = agent["response_logprobs"][k], trainer[k]
@@ -246,10 +253,10 @@ def test_drill_down_from_an_overview_point_to_a_token(ui_url, ui_runs: Path, tab
     assert f"logprob {rollout_lp:.4f}" in tip and f"trainer {trainer_lp:.4f}" in tip
     assert f"|Δ| {abs(trainer_lp - rollout_lp):.4f}" in tip
     assert f"entropy {trend_entropy(len(trainer))[k]:.4f}" in tip
+    screenshot(tab, "trajectory")
     tab.check("#overlay-switch input[value=entropy]")
     zero, high = (tokens.nth(i).evaluate("e => getComputedStyle(e).backgroundColor") for i in (0, 8))
     assert zero != high  # entropy 0 vs the highest
-    screenshot(tab, "trajectory")
 
     # a model call's span, expanded: decoded text, the ids on demand
     llm = tab.locator("#timeline details.span-row.llm").first
