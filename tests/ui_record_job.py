@@ -5,7 +5,7 @@ tool error and experiment name hold HTML (the page must show it as text).
 ``python ui_record_job.py trend RUN``: GRPO-like training over steps 0..5 with the same prompts
 at every step (sample_index 10, 11, 12; 4 rollouts), rewards rising with the step, and the trainer's
 signals (advantage, per-token log-probs drifting from the rollout's, entropy) for every rollout; validation
-(sample_index 900, 2 rollouts) at steps 0 and 5.
+(sample_index 900, 2 rollouts) at steps 0 and 5, and one long validation rollout (sample_index 99).
 ``python ui_record_job.py live RUN CONTROL``: one trajectory, then ``CONTROL/ready``; on
 ``CONTROL/go`` one more (step 1, sample_index 7); then ``CONTROL/written``; stops on ``CONTROL/stop``.
 """
@@ -192,8 +192,27 @@ def trend(run_dir: Path) -> None:
                 await asyncio.gather(*(one(step, TREND_VAL_SAMPLE, n, True) for n in range(2)))
 
     asyncio.run(go())
+    asyncio.run(_long(tok))
     rlreplay.close()
     manifest.update_manifest(run_dir, tokenizer=str(tokenizer_dir()))
+
+
+TREND_LONG_SAMPLE = 99
+TREND_LONG_TOKENS = 5000
+
+
+class LongLoop:
+    @rlreplay.trace_op(name="LongLoop.run", kind="agent")
+    async def run(self, prompt: list[int], ids: list[int]) -> dict:
+        return {"prompt_ids": prompt, "response_ids": ids, "response_mask": [1] * len(ids)}
+
+
+async def _long(tok) -> None:
+    """One validation rollout of TREND_LONG_TOKENS tokens (a long response: minimap, blocks)."""
+    prompt, words = _trend_ids(tok, TREND_LONG_SAMPLE, " ".join(f"w{i}" for i in range(TREND_LONG_TOKENS)))
+    keys = {"step": TREND_STEPS[-1], "sample_index": TREND_LONG_SAMPLE, "rollout_n": 0, "validate": True}
+    async with rlreplay.trajectory(**keys, name="agent_loop"):
+        await LongLoop().run(prompt, words[:TREND_LONG_TOKENS])
 
 
 def _wait(path: Path, timeout: float = 120.0) -> None:

@@ -329,3 +329,27 @@ def test_compare_page_a_run_and_its_changed_replay(ui_url, ui_runs: Path, tab) -
     assert first.locator(".badge").inner_text() == "changed" and first.locator(".difference").inner_text()
     assert tab.locator("#pairs .badge.pairstatus.changed").count() == status.count("changed")
     assert tab.errors == []
+
+
+def test_long_response_minimap_and_tooltips_across_blocks(ui_url, ui_runs: Path, tab) -> None:
+    from ui_record_job import TREND_LONG_SAMPLE, TREND_LONG_TOKENS
+
+    from rlreplay.read.open import open_run
+
+    row = next(r for r in cli_json("ls", str(ui_runs / TREND)) if r["sample_index"] == TREND_LONG_SAMPLE)
+    traj = open_run(ui_runs / TREND).trajectory(row["id"])
+    ids = next(s.output["response_ids"] for s in traj.spans if s.kind == "agent")
+    assert len(ids) == TREND_LONG_TOKENS
+    tab.goto(f"{ui_url}/r/{TREND}/t/{row['id']}")
+    assert tab.locator("#tokens .tk").count() == len(ids)
+    cells = tab.locator("#minimap .cell")
+    per = -(-len(ids) // 240)
+    assert cells.count() == -(-len(ids) // per)
+    cells.last.click()  # scrolls the tokens box to the last cell's first token
+    k = int(cells.last.get_attribute("data-at"))
+    target = tab.locator("#tokens .tk").nth(k)
+    box, at = tab.locator("#tokens").bounding_box(), target.bounding_box()
+    assert box["y"] <= at["y"] <= box["y"] + box["height"]
+    target.hover()
+    assert f"#{k} id {ids[k]} " in tab.inner_text("#tip")  # its index counted across blocks
+    assert tab.errors == []
