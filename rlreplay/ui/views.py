@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from markupsafe import Markup, escape
 
-from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_TOOL
+from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_SIGNALS, KIND_TOOL
 from rlreplay.model import Span, Trajectory
 
-KIND_SIGNALS = "signals"
 LOGPROB_KEYS = ("response_logprobs", "rollout_log_probs", "log_probs", "logprobs")
 TRAINER_LOGPROB_KEYS = ("old_log_probs", "trainer_log_probs", "log_probs", "logprobs")
-MAX_TOKENS = 20_000
+MAX_TOKENS = 100_000
+
+
+_NUMBERS = re.compile(r"\[\s*((?:-?[0-9][0-9.eE+-]*,?\s*)+)\]")  # a list of numbers: one line
 
 
 def pretty(value: Any, limit: int = 4000) -> str:
@@ -27,9 +30,20 @@ def pretty(value: Any, limit: int = 4000) -> str:
     else:
         try:
             text = orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
+            text = _NUMBERS.sub(lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]", text)
         except TypeError:
             text = repr(value)
     return text if len(text) <= limit else text[:limit] + f"… ({len(text):,} characters)"
+
+
+_SPECIAL = re.compile(r"<\|[A-Za-z0-9_]+\|>")
+
+
+def plain(text: Any) -> str:
+    """Decoded text without chat-template markers such as ``<|im_end|>`` (token ids as they are)."""
+    if not isinstance(text, str):
+        return " ".join(map(str, text)) if isinstance(text, list) else ""
+    return _SPECIAL.sub("", text)
 
 
 # ---- conversation ------------------------------------------------------------------------------
@@ -60,6 +74,14 @@ def messages(traj: Trajectory, decoder: Any, adapter: Any = None) -> list[Messag
     return out
 
 
+def prompt_text(traj: Trajectory, decoder: Any, adapter: Any = None) -> str:
+    """The prompt's first user message (the question), without the chat template."""
+    if decoder is None:
+        return ""
+    users = [m.content for m in messages(traj, decoder, adapter) if m.role == "user"]
+    return users[0] if users else ""
+
+
 def _id_messages(traj: Trajectory) -> list[Message]:
     from rlreplay.text.adapters import turns
 
@@ -88,21 +110,44 @@ class SpanRow:
     depth: int
     left: float  # percent of the trajectory's duration
     width: float
+    texts: list[tuple[str, str, int]] = field(default_factory=list)  # (what, decoded text, tokens)
 
     @property
     def ms(self) -> float:
         return (self.span.end_ns - self.span.start_ns) / 1e6
 
 
-def timeline(traj: Trajectory) -> list[SpanRow]:
+TEXT_FIELDS = (("inputs", "prompt_ids"), ("output", "token_ids"), ("output", "response_ids"))
+
+
+def _texts(span: Span, decoder: Any) -> list[tuple[str, str, int]]:
+    """The span's token-id lists decoded (a model call's prompt and answer)."""
+    if decoder is None:
+        return []
+    found = []
+    for where, key in TEXT_FIELDS:
+        value = getattr(span, where)
+        ids = value.get(key) if isinstance(value, dict) else None
+        if isinstance(ids, list) and ids and isinstance(ids[0], int):
+            found.append((key, ids))
+    if not found:
+        return []
+    texts = decoder.decode_many([ids for _, ids in found])
+    return [(key, text, len(ids)) for (key, ids), text in zip(found, texts)]
+
+
+def timeline(traj: Trajectory, decoder: Any = None) -> list[SpanRow]:
+    """The spans as rows of a timeline over the trajectory's time (signals spans at its end)."""
     t0, t1 = traj.start_ns, traj.end_ns
     total = max(t1 - t0, 1)
     rows: list[SpanRow] = []
 
     def walk(span: Span, depth: int) -> None:
-        left = (span.start_ns - t0) / total * 100
+        left = min(max((span.start_ns - t0) / total * 100, 0.0), 99.6)  # signals come after the end
         width = max((span.end_ns - span.start_ns) / total * 100, 0.4)
-        rows.append(SpanRow(span, depth, round(left, 3), round(min(width, 100 - left), 3)))
+        rows.append(
+            SpanRow(span, depth, round(left, 3), round(min(width, 100 - left), 3), _texts(span, decoder))
+        )
         for child in sorted(span.children, key=lambda s: (s.start_ns, -s.end_ns)):
             walk(child, depth + 1)
 
@@ -154,11 +199,29 @@ def tool_calls(traj: Trajectory) -> list[dict[str, Any]]:
 @dataclass
 class TokenView:
     html: Markup
+    data: Markup  # JSON: ids, mask and per-token values, for the tooltips
     count: int
     has_logprobs: bool
     has_mismatch: bool
     mismatch_note: str | None = None
     truncated: bool = False
+    has_entropy: bool = False
+    minimap: Markup | None = None
+    scale: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def chunked(self) -> bool:
+        """In several blocks, laid out by the browser only when in view."""
+        return self.count > CHUNK
+
+
+#: log-prob shown at full colour (and below); mismatch |Δ| likewise
+LOGPROB_FULL = -5.0
+MISMATCH_FULL = 1.0
+#: responses longer than this get a minimap
+MINIMAP_FROM = 1500
+MINIMAP_CELLS = 240
+ENTROPY_KEYS = ("entropy", "entropies", "token_entropy")
 
 
 def _floats(value: Any, n: int) -> list[float | None] | None:
@@ -209,11 +272,15 @@ def _aligned(value: Any, n: int) -> list[float | None] | None:
     return out + [None] * (n - len(out))
 
 
-def _trainer_logprobs(traj: Trajectory, n: int) -> list[float | None] | None:
-    """Per-token trainer log-probs from the latest ``signals`` span that holds them."""
+def _trainer_logprobs(
+    traj: Trajectory, n: int, keys: tuple[str, ...] = TRAINER_LOGPROB_KEYS
+) -> list[float | None] | None:
+    """Per-token trainer values (log-probs unless ``keys`` says) from the latest ``signals`` span."""
     for span in sorted(traj.by_kind(KIND_SIGNALS), key=lambda s: s.end_ns, reverse=True):
         for value in (span.output, span.attributes):
-            candidates = [value.get(k) for k in TRAINER_LOGPROB_KEYS] if isinstance(value, dict) else [value]
+            if keys is not TRAINER_LOGPROB_KEYS and not isinstance(value, dict):
+                continue
+            candidates = [value.get(k) for k in keys] if isinstance(value, dict) else [value]
             for candidate in candidates:
                 found = _aligned(candidate, n)
                 if found is not None:
@@ -221,35 +288,95 @@ def _trainer_logprobs(traj: Trajectory, n: int) -> list[float | None] | None:
     return None
 
 
+def _entropy(traj: Trajectory, n: int) -> list[float | None] | None:
+    """Per-token entropy, when the rollout or the trainer recorded it."""
+    for agent in traj.by_kind(KIND_AGENT):
+        if isinstance(agent.output, dict):
+            for key in ENTROPY_KEYS:
+                found = _aligned(agent.output.get(key), n)
+                if found is not None:
+                    return found
+    return _trainer_logprobs(traj, n, ENTROPY_KEYS)
+
+
+LEVELS = 20  # colour steps of an overlay
+CHUNK = 2000  # tokens per block: the browser lays out only the blocks in view
+
+
+def _array(values: list[float | None] | None, n: int) -> Any:
+    """Values as float64 (NaN where none)."""
+    import numpy as np
+
+    if values is None:
+        return np.full(n, np.nan)
+    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+
+
+def _levels(values: Any, full: float) -> Any:
+    """``values`` as a share of ``full`` (the scale's end), in LEVELS steps (0 where none)."""
+    import numpy as np
+
+    with np.errstate(invalid="ignore"):
+        share = np.nan_to_num(values / full, nan=0.0, posinf=1.0, neginf=0.0)
+    return np.rint(np.clip(share, 0.0, 1.0) * LEVELS).astype(np.int64)
+
+
+def _open_tag(key: int) -> str:
+    mask, rest = divmod(key, (LEVELS + 1) ** 3)
+    lp, rest = divmod(rest, (LEVELS + 1) ** 2)
+    mm, en = divmod(rest, LEVELS + 1)
+    style = ";".join(f"--{k}:{v / LEVELS:.2f}" for k, v in (("lp", lp), ("mm", mm), ("en", en)) if v)
+    return f'<span class="tk m{mask}" style="{style}">' if style else f'<span class="tk m{mask}">'
+
+
+def _json_values(values: Any) -> Any:
+    return values.round(4).tolist()  # NaN is written as null
+
+
 def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
-    """Each response token as a ``<span>`` carrying its mask, log-prob and mismatch as data."""
+    """Each response token as a ``<span>`` carrying its mask and its colour variables (log-prob,
+    mismatch, entropy); the values for the tooltips travel once, as JSON (``data``); a minimap of
+    the whole response when it is long."""
+    import numpy as np
+
     ids, mask, lps = _response(traj)
     if not ids:
         return None
     truncated = len(ids) > MAX_TOKENS
     ids, mask = ids[:MAX_TOKENS], mask[:MAX_TOKENS]
     lps = lps[:MAX_TOKENS] if lps else None
-    trainer = _trainer_logprobs(traj, len(ids))
-    pieces = decoder.decode_many([[i] for i in ids]) if decoder is not None else [f"{i} " for i in ids]
+    n = len(ids)
+    trainer_list, entropy_list = _trainer_logprobs(traj, n), _entropy(traj, n)
+    rollout, trainer, entropy = _array(lps, n), _array(trainer_list, n), _array(entropy_list, n)
+    known = entropy[~np.isnan(entropy)]
+    top_entropy = float(known.max()) if known.size and known.max() > 0 else 1.0
+    unique = list(dict.fromkeys(ids))  # decode and escape each distinct token once
+    texts = decoder.decode_many([[i] for i in unique]) if decoder is not None else [f"{i} " for i in unique]
+    piece = {i: str(escape(t)) for i, t in zip(unique, texts)}
+    levels = [
+        _levels(rollout, LOGPROB_FULL),
+        _levels(np.abs(trainer - rollout), MISMATCH_FULL),
+        _levels(entropy, top_entropy),
+    ]
+    side = LEVELS + 1
+    marks = np.array(mask, dtype=np.int64)
+    keys = ((marks * side + levels[0]) * side + levels[1]) * side + levels[2]
+    tags: dict[int, str] = {}
     parts = []
-    for k, (tid, m, piece) in enumerate(zip(ids, mask, pieces)):
-        lp = lps[k] if lps else None
-        title = f"#{k} id {tid} · {'model' if m else 'tool'}"
-        style = []
-        if lp is not None and math.isfinite(lp):
-            title += f" · logprob {lp:.4f}"
-            style.append(f"--lp:{min(1.0, -lp / 5):.3f}")
-        if trainer is not None and trainer[k] is not None and lp is not None:
-            diff = abs(trainer[k] - lp)
-            title += f" · trainer {trainer[k]:.4f} (|Δ| {diff:.4f})"
-            style.append(f"--mm:{min(1.0, diff):.3f}")
-        parts.append(
-            f'<span class="tk m{m}" title="{escape(title)}"'
-            + (f' style="{";".join(style)}"' if style else "")
-            + f">{escape(piece)}</span>"
-        )
+    for key, tid in zip(keys.tolist(), ids):
+        tag = tags.get(key)
+        if tag is None:
+            tag = tags[key] = _open_tag(key)
+        parts.append(f"{tag}{piece[tid]}</span>")
+    data = {
+        "ids": ids,
+        "mask": mask,
+        "logprob": _json_values(rollout) if lps else None,
+        "trainer": _json_values(trainer) if trainer_list is not None else None,
+        "entropy": _json_values(entropy) if entropy_list is not None else None,
+    }
     note = None
-    if trainer is None:
+    if trainer_list is None:
         scalars = [
             s.attributes
             for s in traj.by_kind(KIND_SIGNALS)
@@ -258,4 +385,34 @@ def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
         note = "no per-token trainer log-probs recorded" + (
             f" (logprob_diff_max {scalars[-1]['logprob_diff_max']})" if scalars else ""
         )
-    return TokenView(Markup("".join(parts)), len(ids), lps is not None, trainer is not None, note, truncated)
+    chunks = (
+        f'<div class="chunk" data-from="{k}">{"".join(parts[k : k + CHUNK])}</div>'
+        for k in range(0, n, CHUNK)
+    )
+    return TokenView(
+        Markup("".join(chunks)),
+        Markup(orjson.dumps(data).decode().replace("<", "\\u003c")),
+        n,
+        lps is not None,
+        trainer_list is not None,
+        note,
+        truncated,
+        entropy_list is not None,
+        _minimap(marks, levels) if n >= MINIMAP_FROM else None,
+        {"logprob": LOGPROB_FULL, "mismatch": MISMATCH_FULL, "entropy": top_entropy},
+    )
+
+
+def _minimap(mask: Any, levels: list[Any]) -> Markup:
+    """The response in cells (the worst token of each); a click scrolls to the cell's first token."""
+    per = math.ceil(len(mask) / MINIMAP_CELLS)
+    cells = []
+    for start in range(0, len(mask), per):
+        end = min(start + per, len(mask))
+        lp, mm, en = (int(lv[start:end].max()) / LEVELS for lv in levels)
+        tool = 0 if (mask[start:end] == 0).any() else 1
+        cells.append(
+            f'<span class="cell m{tool}" data-at="{start}" style="--lp:{lp:.2f};--mm:{mm:.2f};--en:{en:.2f}" '
+            f'data-tip="tokens {start}–{end - 1}"></span>'
+        )
+    return Markup(f'<div class="minimap" id="minimap">{"".join(cells)}</div>')

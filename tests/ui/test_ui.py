@@ -13,7 +13,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -35,6 +34,7 @@ CHROMIUM = "/usr/bin/chromium"
 DOCS_SHOT = HERE.parent / "docs" / "ui-overview.png"
 
 sys.path.insert(0, str(HERE))
+from conftest import serving  # noqa: E402
 from ui_record_job import (  # noqa: E402
     HOSTILE_ARG,
     HOSTILE_ERROR,
@@ -85,24 +85,10 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def server(ui_root: Path):
-    import uvicorn
-
     from rlreplay.ui.app import create_app
 
-    app = create_app(ui_root, poll_ms=300, allowed_hosts=["127.0.0.1", "localhost"])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "the app server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with serving(create_app(ui_root, poll_ms=300, allowed_hosts=["127.0.0.1", "localhost"])) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +162,7 @@ def test_click_from_overview_to_step_trajectory_group_and_diff(server, page, tmp
 
     # a trajectory with a tool call: chat bubbles, tool table, span timeline, tokens
     with_tool = step5.filter(pc.greater(step5["tool_calls"], 0))["id"][0].as_py()
-    page.click(f"a.traj-link[href$='{with_tool}']")
+    page.click(f"a.traj-link[href*='/t/{with_tool}']")
     page.wait_for_selector("#chat")
     traj = run.trajectory(with_tool)
     assert with_tool in page.inner_text("h1")
@@ -307,8 +293,8 @@ def test_recorded_html_renders_as_text(server, page, ui_root: Path, tmp_path: Pa
     assert HOSTILE_ERROR in tools and HOSTILE_ARG in tools
     assert HOSTILE_TEXT.split()[0] in page.inner_text("#tokens")
     assert page.is_disabled("#overlay-switch input[value=mismatch]")  # no trainer log-probs here
-    scripts = page.eval_on_selector_all("script", "els => els.map(e => e.getAttribute('src'))")
-    assert scripts == ["/static/live.js"]
+    scripts = page.eval_on_selector_all("script[src]", "els => els.map(e => e.getAttribute('src'))")
+    assert scripts == ["/static/live.js", "/static/ui.js"]
     assert page.locator("main img").count() == 0
     assert page.evaluate("typeof window.__xss") == "undefined"
     _shot(page, tmp_path / "hostile-trajectory.png")
@@ -341,7 +327,8 @@ def test_trainer_vs_rollout_mismatch_overlay(server, page, ui_root: Path) -> Non
     page.check("#overlay-switch input[value=mismatch]")
     colours = [tokens.nth(i).evaluate("e => getComputedStyle(e).backgroundColor") for i in range(6)]
     assert colours[0] != colours[1] and colours[1] == colours[2]  # token 0 drifted by 0.5, 1 and 2 did not
-    assert "trainer" in (tokens.nth(0).get_attribute("title") or "")
+    tokens.nth(0).hover()
+    assert "trainer" in page.inner_text("#tip")
 
 
 def _raw_get(server: str, path: str, host: str | None = None, follow: int = 3) -> tuple[int, str]:
@@ -427,13 +414,14 @@ def test_live_run_appears_and_new_trajectories_show_up(server, page, ui_root: Pa
         page.goto(f"{server}/r/live-run/trajectories")
         page.wait_for_selector("#count")
         assert page.inner_text("#count") == "1"
+        assert page.locator("#live-dot").count() == 1  # a recorder holds the run's lease
         updates = int(page.evaluate("document.body.dataset.updates || '0'"))
         (control / "go").touch()
         _wait_file(control / "written", proc)
         expect(page.locator("#count")).to_have_text("2", timeout=60_000)
         assert int(page.evaluate("document.body.dataset.updates")) > updates  # no reload: swapped in place
         cells = page.locator("table.list tr").nth(2).locator("td").all_inner_texts()
-        assert cells[1:3] == ["1", "7"]  # step 1, sample 7: the new trajectory
+        assert cells[2:4] == ["1", "7"]  # step 1, sample 7: the new trajectory
         _shot(page, tmp_path / "live.png")
         page.click("a.traj-link >> nth=1")
         page.wait_for_selector("#chat")
@@ -442,6 +430,8 @@ def test_live_run_appears_and_new_trajectories_show_up(server, page, ui_root: Pa
         (control / "stop").touch()
         proc.wait(timeout=60)
     assert proc.returncode == 0
+    page.goto(f"{server}/r/live-run/trajectories")
+    assert page.inner_text("#count") == "2" and page.locator("#live-dot").count() == 0  # finished
 
 
 def test_pages_never_write_to_the_runs(server, ui_root: Path) -> None:

@@ -4,13 +4,11 @@ what the checks flag in the shipped real-verl run, and a flagged trajectory wear
 from __future__ import annotations
 
 import shutil
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
 from audit_truth import verl_sample_truth
+from conftest import serving
 
 VERL = Path(__file__).parents[2] / "sample_runs" / "verl-toolagent-smollm2"
 CHROMIUM = "/usr/bin/chromium"
@@ -18,27 +16,13 @@ CHROMIUM = "/usr/bin/chromium"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    import uvicorn
-
     from rlreplay.ui.app import create_app
 
     root = tmp_path_factory.mktemp("ui-findings") / "runs"
     root.mkdir()
     shutil.copytree(VERL, root / VERL.name)
-    app = create_app(root, poll_ms=60_000, allowed_hosts=["127.0.0.1"])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "the app server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}/r/{VERL.name}"
-    srv.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with serving(create_app(root, poll_ms=60_000, allowed_hosts=["127.0.0.1"])) as url:
+        yield f"{url}/r/{VERL.name}"
 
 
 @pytest.fixture

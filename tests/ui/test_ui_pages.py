@@ -1,0 +1,355 @@
+"""The pages where a run is understood, driven in real Chromium: overview trends, step, group,
+prompt history, trajectory; numbers checked against ``rlreplay ls/stats --json``."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from pathlib import Path
+
+from conftest import SHOWCASE, TREND, cli_json, screenshot
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url) as resp:
+        return resp.read().decode()
+
+
+def test_trajectory_duration_is_the_listings(ui_url, ui_runs: Path, tab) -> None:
+    """The trainer's signals span, written minutes later, does not stretch the trajectory."""
+    rows = cli_json("ls", str(ui_runs / SHOWCASE.name))
+    row = max(rows, key=lambda r: r["duration_s"])
+    tab.goto(f"{ui_url}/r/{SHOWCASE.name}/t/{row['id']}")
+    assert tab.inner_text("#duration") == f"{row['duration_s']:.3f} s"
+    widths = [
+        float(w.rstrip("%"))
+        for w in tab.locator("#timeline .bar").evaluate_all("bs => bs.map(b => b.style.width)")
+    ]
+    assert max(widths) > 95  # the root span fills the timeline (not squashed by the signals span)
+
+
+def test_no_live_badge_on_a_finished_run(ui_url, tab) -> None:
+    tab.goto(f"{ui_url}/r/{SHOWCASE.name}/")
+    tab.wait_for_selector("#total")
+    assert tab.locator("#live-dot").count() == 0
+
+
+def test_no_absolute_path_in_pages(ui_url, ui_runs: Path) -> None:
+    ids = [r["id"] for r in cli_json("ls", str(ui_runs / SHOWCASE.name))]
+    base = f"{ui_url}/r/{SHOWCASE.name}"
+    for path in ("/", f"/t/{ids[0]}", f"/group/{ids[0]}", f"/diff?a={ids[0]}&b={ids[1]}", "/findings"):
+        body = _get(base + path)
+        assert str(ui_runs) not in body, path
+    assert str(ui_runs) not in _get(ui_url + "/")  # the folder of runs is named, not its path
+
+
+def _close(shown: str, value: float) -> bool:
+    return abs(float(shown) - value) <= 1e-3 * max(1.0, abs(value))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between order statistics (DuckDB's quantile_cont)."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+CHART_TEXT_INSIDE = """svgs => svgs.flatMap(svg => {
+  const box = svg.viewBox.baseVal;
+  return [...svg.querySelectorAll('text')].map(t => {
+    const b = t.getBBox();
+    return b.x >= 0 && b.y >= 0 && b.x + b.width <= box.width + 0.5 && b.y + b.height <= box.height + 0.5;
+  });
+})"""
+
+
+def test_overview_trends_hover_and_click_to_the_step(ui_url, ui_runs: Path, tab) -> None:
+    run = str(ui_runs / TREND)
+    stats = [r for r in cli_json("stats", run) if not r["validate"]]
+    listing = cli_json("ls", run)
+    tab.goto(f"{ui_url}/r/{TREND}/")
+    labels = tab.locator("#train-stats svg.chart").evaluate_all(
+        "s => s.map(e => e.getAttribute('aria-label'))"
+    )
+    for wanted in ("reward mean", "advantage spread (std)", "response length (tokens)", "importance ratio"):
+        assert wanted in labels
+    assert "trainer vs rollout log-prob diff" in labels and "zero-std group fraction" in labels
+    for row in stats:  # the step table: rlreplay stats' numbers
+        cell = tab.locator(f"#train-stats tr[data-step='{row['step']}'] td.reward-mean").inner_text()
+        assert _close(cell, row["reward_mean"])
+    assert all(tab.locator("svg.chart").evaluate_all(CHART_TEXT_INSIDE))  # no axis label clipped
+
+    # hover step 3 of the reward chart: its mean and p10-p90 band
+    rewards = [r["reward"] for r in listing if r["step"] == 3 and not r["validate"]]
+    chart = tab.locator("#train-stats svg.chart[aria-label='reward mean']")
+    chart.locator("rect.hit[data-step='3']").hover()
+    shown = tab.inner_text("#tip")
+    values = dict(re.findall(r"(\w+) ([-0-9.e+]+)", shown.split(" · ", 1)[1]))
+    assert _close(values["mean"], sum(rewards) / len(rewards))
+    assert _close(values["p10"], _percentile(rewards, 0.1)) and _close(
+        values["p90"], _percentile(rewards, 0.9)
+    )
+    screenshot(tab, "overview")
+
+    chart.locator("a.point:has(rect[data-step='3'])").click()
+    tab.wait_for_selector("#count")
+    assert "step=3" in tab.url and "split=train" in tab.url
+    assert tab.inner_text("#count") == str(len(rewards))
+    assert tab.errors == []
+
+
+def _column(tab, name: str) -> list[str]:
+    heads = tab.locator("table.list tr th").all_inner_texts()
+    col = [h.split(" ")[0] for h in heads].index(name)
+    return [r.locator("td").nth(col).inner_text() for r in tab.locator("table.list tr:has(td)").all()]
+
+
+def test_step_page_distributions_groups_sort_filter_columns(ui_url, ui_runs: Path, tab) -> None:
+    run = str(ui_runs / TREND)
+    stats = next(r for r in cli_json("stats", run) if r["step"] == 3 and not r["validate"])
+    rows = [r for r in cli_json("ls", run) if r["step"] == 3 and not r["validate"]]
+    tab.goto(f"{ui_url}/r/{TREND}/trajectories?step=3&split=train")
+    for key in ("reward_mean", "advantage_std", "frac_groups_zero_std", "response_tokens_mean"):
+        assert _close(tab.inner_text(f"#step-stats [data-stat={key}]"), stats[key]), key
+    counts = tab.locator("#histograms svg[aria-label=reward] rect.hbar").evaluate_all(
+        "bs => bs.map(b => Number(b.dataset.count))"
+    )
+    inside = tab.locator("#histograms svg").evaluate_all(
+        """svgs => svgs.every(svg => { const box = svg.getBoundingClientRect();
+          return [...svg.querySelectorAll('rect')].every(r => { const b = r.getBoundingClientRect();
+            return b.top >= box.top - 0.5 && b.bottom <= box.bottom + 0.5; }); })"""
+    )
+    assert inside  # every bar is drawn inside its chart
+    assert sum(counts) == len(rows) and max(counts) == max(
+        sum(1 for r in rows if r["reward"] == v) for v in {r["reward"] for r in rows}
+    )
+
+    samples = sorted({r["sample_index"] for r in rows})
+    assert tab.locator("#groups tr[data-sample]").count() == len(samples)
+    for s in samples:
+        members = [r for r in rows if r["sample_index"] == s]
+        row = tab.locator(f"#groups tr[data-sample='{s}']")
+        assert _close(
+            row.locator(".reward-mean").inner_text(), sum(m["reward"] for m in members) / len(members)
+        )
+        advs = [m["advantage"] for m in members]
+        assert _close(row.locator(".adv-spread").inner_text(), max(advs) - min(advs))
+        assert row.locator("svg.dots circle").count() == len(members)
+        snippet = row.locator(".snippet").inner_text()
+        assert f"Question {s}" in snippet and "<|im_start|>" not in snippet
+    assert tab.evaluate("document.documentElement.scrollWidth") <= 1280  # fits: nothing hidden
+    right = tab.locator("table.list a.group-link").evaluate_all(
+        "ls => Math.max(...ls.map(l => l.getBoundingClientRect().right))"
+    )
+    assert right <= 1280
+    screenshot(tab, "step")
+
+    tab.click("table.list th a.sort[data-col=response_tokens]")
+    tab.click("table.list th a.sort[data-col=response_tokens]")  # second click: descending
+    shown = [int(v) for v in _column(tab, "response_tokens")]
+    assert shown == sorted((r["response_tokens"] for r in rows), reverse=True)
+
+    tab.fill("input[name=where]", "reward > 0 and rollout_n >= 1")
+    tab.click("#columns summary")
+    tab.uncheck("#columns input[value=duration_s]")
+    tab.click("#filters button[type=submit]")
+    tab.wait_for_selector("#count")
+    wanted = [r for r in rows if r["reward"] > 0 and r["rollout_n"] >= 1]
+    assert tab.inner_text("#count") == str(len(wanted))
+    heads = tab.locator("table.list tr th").all_inner_texts()
+    assert "duration_s" not in heads and "reward" in [h.split(" ")[0] for h in heads]
+    assert tab.errors == []
+
+
+def test_prompt_history_across_steps(ui_url, ui_runs: Path, tab) -> None:
+    rows = [r for r in cli_json("ls", str(ui_runs / TREND)) if r["sample_index"] == 11 and not r["validate"]]
+    first = min(rows, key=lambda r: (r["step"], r["rollout_n"]))
+    tab.goto(f"{ui_url}/r/{TREND}/t/{first['id']}")
+    tab.click("#prompt-link")
+    tab.wait_for_selector("#history")
+    assert "Question 11" in tab.inner_text("#question") and "<|im_start|>" not in tab.inner_text("#question")
+    steps = sorted({r["step"] for r in rows})
+    assert [
+        int(s) for s in tab.locator("section.pstep").evaluate_all("s => s.map(e => e.dataset.step)")
+    ] == steps
+    for r in rows:
+        line = tab.locator(f"tr[data-id='{r['id']}']")
+        assert _close(line.locator(".reward").inner_text(), r["reward"])
+        assert line.locator(".length").inner_text() == str(r["response_tokens"])
+        answer = line.locator(".answer").inner_text()
+        assert "The answer is" in answer and "<|im_end|>" not in answer
+    screenshot(tab, "prompt-history")
+    tab.click(f"section.pstep[data-step='{steps[-1]}'] a.group-link")
+    tab.wait_for_selector("#group")
+    tab.click("#prompt-link")  # and back from the group page
+    tab.wait_for_selector("#history")
+    assert tab.locator("section.pstep").count() == len(steps)
+    assert tab.errors == []
+
+
+def test_group_page_chat_side_by_side(ui_url, ui_runs: Path, tab) -> None:
+    for run, step in ((TREND, 3), (SHOWCASE.name, 2)):
+        listing = [r for r in cli_json("ls", str(ui_runs / run)) if r["step"] == step and not r["validate"]]
+        sample = max(
+            {r["sample_index"] for r in listing},
+            key=lambda s: len({r["reward"] for r in listing if r["sample_index"] == s}),
+        )
+        members = {r["id"]: r for r in listing if r["sample_index"] == sample}
+        tab.goto(f"{ui_url}/r/{run}/trajectories?step={step}&split=train")
+        tab.click(f"#groups tr[data-sample='{sample}'] a.group-link")
+        tab.wait_for_selector("#group")
+        heads = tab.locator("#group .rollout")
+        assert heads.count() == len(members)
+        for head in heads.all():
+            tid = head.locator("a.traj-link").get_attribute("href").rsplit("/", 1)[1]
+            assert _close(head.locator(".reward").inner_text(), members[tid]["reward"])
+            assert _close(head.locator(".advantage").inner_text(), members[tid]["advantage"])
+        text = tab.inner_text("main")
+        assert "<|im_start|>" not in text and "<|im_end|>" not in text
+        assert tab.locator("#prompt .bubble.user").count() >= 1
+        assert tab.locator("#group .bubble.assistant").count() >= len(members)
+        if len({m["reward"] for m in members.values()}) > 1:
+            assert "diverges at turn" in tab.inner_text("#group")
+        if run == TREND:
+            screenshot(tab, "group")
+    assert tab.errors == []
+
+
+def test_drill_down_from_an_overview_point_to_a_token(ui_url, ui_runs: Path, tab) -> None:
+    from ui_record_job import trend_entropy
+
+    from rlreplay.read.open import open_run
+
+    listing = cli_json("ls", str(ui_runs / TREND))
+    tab.goto(f"{ui_url}/r/{TREND}/")
+    tab.locator("#train-stats svg.chart[aria-label='reward mean'] a.point:has(rect[data-step='4'])").click()
+    tab.wait_for_selector("#groups")
+    tab.click("#groups tr[data-sample='10'] a.group-link")
+    tab.wait_for_selector("#group")
+    tab.click("#group .rollout >> nth=0 >> a.traj-link")
+    tab.wait_for_selector("#tokens")
+    tid = tab.url.split("/t/")[1].split("?")[0]
+    row = next(r for r in listing if r["id"] == tid)
+    assert (row["step"], row["sample_index"]) == (4, 10)
+    assert tab.inner_text("#duration") == f"{row['duration_s']:.3f} s"
+    traj = open_run(ui_runs / TREND).trajectory(tid)
+    agent = next(s.output for s in traj.spans if s.kind == "agent")
+    trainer = next(s.output["old_log_probs"] for s in traj.spans if s.kind == "signals")
+    tokens = tab.locator("#tokens .tk")
+    assert tokens.count() == len(agent["response_ids"])
+
+    tab.check("#overlay-switch input[value=mismatch]")
+    legend = tab.locator("#legend .lg-mismatch")
+    assert legend.is_visible() and "1" in legend.inner_text()  # the scale's end
+    assert not tab.locator("#legend .lg-logprob").is_visible()
+    k = 2  # a token where trainer and rollout differ (0.02 * step * (k % 3))
+    tab.locator("#timeline").evaluate("e => e.scrollIntoView({block: 'start'})")
+    tokens.nth(k).hover()
+    tip = tab.inner_text("#tip")
+    rollout_lp, trainer_lp = agent["response_logprobs"][k], trainer[k]
+    assert f"#{k} id {agent['response_ids'][k]}" in tip
+    assert f"logprob {rollout_lp:.4f}" in tip and f"trainer {trainer_lp:.4f}" in tip
+    assert f"|Δ| {abs(trainer_lp - rollout_lp):.4f}" in tip
+    assert f"entropy {trend_entropy(len(trainer))[k]:.4f}" in tip
+    screenshot(tab, "trajectory")
+    tab.check("#overlay-switch input[value=entropy]")
+    zero, high = (tokens.nth(i).evaluate("e => getComputedStyle(e).backgroundColor") for i in (0, 8))
+    assert zero != high  # entropy 0 vs the highest
+
+    # a model call's span, expanded: decoded text, the ids on demand
+    llm = tab.locator("#timeline details.span-row.llm").first
+    llm.locator(":scope > summary").click()
+    assert "The answer is" in llm.locator(".decoded").last.inner_text()
+    assert not llm.locator("details.raw .io").is_visible()
+
+    # keyboard: next in the list the user came from (the group's step, sorted by the list)
+    step_rows = sorted(
+        (r for r in listing if r["step"] == 4 and not r["validate"]),
+        key=lambda r: (r["sample_index"], r["rollout_n"]),
+    )
+    at = [r["id"] for r in step_rows].index(tid)
+    tab.keyboard.press("j")
+    tab.wait_for_url(f"**/t/{step_rows[at + 1]['id']}*")
+    tab.keyboard.press("k")
+    tab.wait_for_url(f"**/t/{tid}*")
+    assert tab.errors == []
+
+
+RECORD_REPLAY_JOB = """
+import json, sys
+sys.path.insert(0, sys.argv[3])
+import rlreplay
+from replay_job import run_job
+rlreplay.init(sys.argv[1], worker="agent_loop_worker_0")
+run_job(json.loads(sys.argv[2]))
+rlreplay.close()
+"""
+
+
+def test_compare_page_a_run_and_its_changed_replay(ui_url, ui_runs: Path, tab) -> None:
+    import json
+    import subprocess
+    import sys
+
+    base = {"steps": 2, "samples": 3, "rollouts": 2, "seed": 0, "parser": "v1"}
+    changed = {**base, "changes": {"1:2:0:0": 7}, "skip": [[0, 0, 1]], "extra": [[1, 0, 2]]}
+    tests = str(Path(__file__).parents[1])
+    for name, config in (("job-a", base), ("job-b", changed)):
+        cmd = [sys.executable, "-c", RECORD_REPLAY_JOB, str(ui_runs / name), json.dumps(config), tests]
+        subprocess.run(cmd, check=True, timeout=180)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlreplay",
+            "compare",
+            str(ui_runs / "job-a"),
+            str(ui_runs / "job-b"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    pairs = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    status = [
+        ("changed" if not p["same"] else "same") if p["a"] and p["b"] else ("only_a" if p["a"] else "only_b")
+        for p in pairs
+    ]
+    tab.goto(f"{ui_url}/r/job-a/")
+    tab.click("header a:text-is('compare')")
+    tab.select_option("#compare-form select[name=with]", "job-b")
+    tab.click("#compare-form button")
+    tab.wait_for_selector("#pairs")
+    for key in ("same", "changed", "only_a", "only_b"):
+        assert tab.inner_text(f"#compare-summary [data-count={key}]") == str(status.count(key)), key
+    assert status.count("changed") >= 1 and status.count("only_a") == 1 and status.count("only_b") == 1
+    first = tab.locator("#pairs tr.pair").first
+    assert first.locator(".badge").inner_text() == "changed" and first.locator(".difference").inner_text()
+    assert tab.locator("#pairs .badge.pairstatus.changed").count() == status.count("changed")
+    assert tab.errors == []
+
+
+def test_long_response_minimap_and_tooltips_across_blocks(ui_url, ui_runs: Path, tab) -> None:
+    from ui_record_job import TREND_LONG_SAMPLE, TREND_LONG_TOKENS
+
+    from rlreplay.read.open import open_run
+
+    row = next(r for r in cli_json("ls", str(ui_runs / TREND)) if r["sample_index"] == TREND_LONG_SAMPLE)
+    traj = open_run(ui_runs / TREND).trajectory(row["id"])
+    ids = next(s.output["response_ids"] for s in traj.spans if s.kind == "agent")
+    assert len(ids) == TREND_LONG_TOKENS
+    tab.goto(f"{ui_url}/r/{TREND}/t/{row['id']}")
+    assert tab.locator("#tokens .tk").count() == len(ids)
+    cells = tab.locator("#minimap .cell")
+    per = -(-len(ids) // 240)
+    assert cells.count() == -(-len(ids) // per)
+    cells.last.click()  # scrolls the tokens box to the last cell's first token
+    k = int(cells.last.get_attribute("data-at"))
+    target = tab.locator("#tokens .tk").nth(k)
+    box, at = tab.locator("#tokens").bounding_box(), target.bounding_box()
+    assert box["y"] <= at["y"] <= box["y"] + box["height"]
+    target.hover()
+    assert f"#{k} id {ids[k]} " in tab.inner_text("#tip")  # its index counted across blocks
+    assert tab.errors == []
