@@ -30,31 +30,41 @@ def equal_as_stored(a: StepSpans, b: StepSpans, ignored: frozenset[str]) -> Any:
     import numpy as np
 
     n = len(a.ids)
-    ta, tb = _plain(a.table), _plain(b.table)
-    count_a = np.bincount(ta[POSITION].to_numpy(), minlength=n) if ta.num_rows else np.zeros(n, np.int64)
-    count_b = np.bincount(tb[POSITION].to_numpy(), minlength=n) if tb.num_rows else np.zeros(n, np.int64)
+    ta, tb = a.table, b.table
+    pos_a, pos_b = _positions(ta), _positions(tb)
+    plain_a, plain_b = _not_signals(ta), _not_signals(tb)
+    count_a = np.bincount(pos_a[plain_a], minlength=n)
+    count_b = np.bincount(pos_b[plain_b], minlength=n)
     candidate = (count_a == count_b) & (count_a > 0)
     if not candidate.any():
         return candidate
-    ta = ops.filter(ta, ops.from_numpy(candidate[ta[POSITION].to_numpy()])).combine_chunks()
-    tb = ops.filter(tb, ops.from_numpy(candidate[tb[POSITION].to_numpy()])).combine_chunks()
-    # rows now pair up one to one: the k-th span of a pair in A with the k-th in B
-    position = ta[POSITION].to_numpy()
-    ok = np.ones(ta.num_rows, dtype=bool)
+    # rows of the candidates pair up one to one: the k-th span of a pair in A with the k-th in B
+    rows_a = np.flatnonzero(plain_a & candidate[pos_a])
+    rows_b = np.flatnonzero(plain_b & candidate[pos_b])
+    small_a = ops.take(ta.select(["name", "kind", "error"]), ops.from_numpy(rows_a))
+    small_b = ops.take(tb.select(["name", "kind", "error"]), ops.from_numpy(rows_b))
+    ok = np.ones(len(rows_a), dtype=bool)
     for name in ("name", "kind"):
-        ok &= ops.equal(ta[name], tb[name]).to_numpy(zero_copy_only=False)
-    ok &= _same_or_both_null(ta["error"], tb["error"])
+        ok &= ops.equal(small_a[name], small_b[name]).to_numpy(zero_copy_only=False)
+    ok &= _same_or_both_null(small_a["error"], small_b["error"])
     for name in TOKEN_COLUMNS:
         if name in ta.column_names:
-            ok &= _lists_equal(ta[name], tb[name], name == "token_logprobs")
-    ok &= _payloads_equal(ta, tb, position, ok, ignored)
+            ok &= _lists_equal(ta[name], rows_a, tb[name], rows_b, name == "token_logprobs")
+    position = pos_a[rows_a]
+    ok &= _payloads_equal(ta, rows_a, tb, rows_b, position, ok, ignored)
     bad = np.bincount(position[~ok], minlength=n)
     return candidate & (bad == 0)
 
 
-def _plain(table: Any) -> Any:
+def _positions(table: Any) -> Any:
+    import numpy as np
+
+    return table[POSITION].to_numpy() if table.num_rows else np.zeros(0, np.int64)
+
+
+def _not_signals(table: Any) -> Any:
     """The rows compared: all but signals rows."""
-    return ops.filter(table, ops.invert(ops.equal(table["kind"], KIND_SIGNALS)))
+    return ops.invert(ops.equal(table["kind"], KIND_SIGNALS)).to_numpy(zero_copy_only=False)
 
 
 def _same_or_both_null(a: Any, b: Any) -> Any:
@@ -62,54 +72,70 @@ def _same_or_both_null(a: Any, b: Any) -> Any:
     return ops.fill_null(ops.equal(a, b), False).to_numpy(zero_copy_only=False) | both_null
 
 
-def _lists_equal(a: Any, b: Any, floats: bool) -> Any:
-    """Row by row: the two list values hold the same values (floats: the same bits, no NaN)."""
+def _lists_equal(a: Any, rows_a: Any, b: Any, rows_b: Any, floats: bool) -> Any:
+    """Row by row (rows ``rows_a`` of list column ``a`` against ``rows_b`` of ``b``): the same
+    values (floats: the same bits, and no NaN); a null list only equals a null list."""
     import numpy as np
 
     a, b = a.combine_chunks(), b.combine_chunks()
-    len_a = ops.fill_null(ops.list_value_length(a), -1).to_numpy(zero_copy_only=False)
-    len_b = ops.fill_null(ops.list_value_length(b), -1).to_numpy(zero_copy_only=False)
+    off_a, off_b = a.offsets.to_numpy(), b.offsets.to_numpy()
+    start_a, start_b = off_a[rows_a], off_b[rows_b]
+    len_a, len_b = off_a[rows_a + 1] - start_a, off_b[rows_b + 1] - start_b
     ok = len_a == len_b
+    if a.null_count or b.null_count:
+        ok &= (
+            a.is_null().to_numpy(zero_copy_only=False)[rows_a]
+            == b.is_null().to_numpy(zero_copy_only=False)[rows_b]
+        )
     rows = np.flatnonzero(ok & (len_a > 0))
     if not len(rows):
         return ok
-    lengths = len_a[rows].astype(np.int64)
+    lengths = len_a[rows]
     # every value of those rows, gathered: its row, and where it sits in each side's values
     row_of = np.repeat(np.arange(len(rows)), lengths)
     within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    at_a = a.offsets.to_numpy()[rows][row_of] + within
-    at_b = b.offsets.to_numpy()[rows][row_of] + within
-    values_a = a.values.to_numpy(zero_copy_only=False)[at_a]
-    values_b = b.values.to_numpy(zero_copy_only=False)[at_b]
-    if floats:
-        differ = (values_a.view(np.int32) != values_b.view(np.int32)) | np.isnan(values_a)
-    else:
-        differ = values_a != values_b
-    ok[rows[np.unique(row_of[differ])]] = False
+    values_a = a.values.to_numpy(zero_copy_only=False)[start_a[rows][row_of] + within]
+    values_b = b.values.to_numpy(zero_copy_only=False)[start_b[rows][row_of] + within]
+    ok[rows[np.unique(row_of[_differ(values_a, values_b, floats)])]] = False
     return ok
 
 
-def _ordinals(table: Any, position: Any) -> dict[tuple[int, str], int]:
-    """(pair, span id) → the span's place among its pair's rows."""
+def _differ(a: Any, b: Any, floats: bool) -> Any:
+    """Where two value arrays differ (floats: by their bits, and wherever a NaN is)."""
+    import numpy as np
+
+    if floats:
+        return (a.view(np.int32) != b.view(np.int32)) | np.isnan(a)
+    return a != b
+
+
+def _ordinals(table: Any, rows: Any, position: Any) -> dict[tuple[int, str], int]:
+    """(pair, span id) → the span's place among its pair's rows (``rows`` of ``table``)."""
     import numpy as np
 
     starts = np.r_[0, np.flatnonzero(position[1:] != position[:-1]) + 1]
     first = np.repeat(starts, np.diff(np.r_[starts, len(position)]))
     place = (np.arange(len(position)) - first).tolist()
-    return dict(zip(zip(position.tolist(), table["span_id"].to_pylist()), place))
+    span_ids = ops.take(table["span_id"], ops.from_numpy(rows)).to_pylist()
+    return dict(zip(zip(position.tolist(), span_ids), place))
 
 
-def _payloads_equal(ta: Any, tb: Any, position: Any, ok: Any, ignored: frozenset[str]) -> Any:
+def _payloads_equal(
+    ta: Any, rows_a: Any, tb: Any, rows_b: Any, position: Any, ok: Any, ignored: frozenset[str]
+) -> Any:
     """Row by row: parents and inputs/output JSON equal, span references read as positions."""
     import numpy as np
 
-    places_a, places_b = _ordinals(ta, position), _ordinals(tb, position)
+    places_a, places_b = _ordinals(ta, rows_a, position), _ordinals(tb, rows_b, position)
     pairs = position.tolist()
-    parent_a = [places_a.get((p, s), -1) for p, s in zip(pairs, ta["parent_id"].to_pylist())]
-    parent_b = [places_b.get((p, s), -1) for p, s in zip(pairs, tb["parent_id"].to_pylist())]
+    parents_a = ops.take(ta["parent_id"], ops.from_numpy(rows_a)).to_pylist()
+    parents_b = ops.take(tb["parent_id"], ops.from_numpy(rows_b)).to_pylist()
+    parent_a = [places_a.get((p, s), -1) for p, s in zip(pairs, parents_a)]
+    parent_b = [places_b.get((p, s), -1) for p, s in zip(pairs, parents_b)]
     out = ok & (np.array(parent_a, dtype=np.int64) == np.array(parent_b, dtype=np.int64))
     for name in ("inputs", "output"):
-        text_a, text_b = ta[name], tb[name]
+        text_a = ops.take(ta[name], ops.from_numpy(rows_a))
+        text_b = ops.take(tb[name], ops.from_numpy(rows_b))
         same_text = _same_or_both_null(text_a, text_b)
         refers = ops.fill_null(ops.match_substring(text_a, '"r":'), False).to_numpy(zero_copy_only=False)
         refers |= ops.fill_null(ops.match_substring(text_b, '"r":'), False).to_numpy(zero_copy_only=False)

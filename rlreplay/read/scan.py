@@ -43,12 +43,17 @@ def step_spans(run: Any, step: int, ids: Sequence[str], columns: Sequence[str] |
     wanted = pa.array(list(ids), pa.string())
     table = run.spans(Filters(step=step), columns=list(columns) if columns is not None else None)
     position = ops.index_in(table["trajectory_id"], wanted)
-    table = ops.filter(table.append_column(POSITION, position), ops.is_valid(position))
-    table = ops.sort_by(table, [(POSITION, "ascending"), ("start_ns", "ascending"), ("name", "ascending")])
-    counts = np.bincount(table[POSITION].to_numpy(), minlength=len(ids)) if table.num_rows else None
-    if counts is None:
-        counts = np.zeros(len(ids), dtype=np.int64)
-    return StepSpans(list(ids), table.combine_chunks(), np.r_[0, np.cumsum(counts)])
+    keys = pa.table({POSITION: position, "start_ns": table["start_ns"], "name": table["name"]})
+    order = ops.sort_indices(
+        keys, [(POSITION, "ascending"), ("start_ns", "ascending"), ("name", "ascending")]
+    )
+    found = len(position) - position.null_count
+    order = order.slice(0, found)  # nulls sort last: the rows of other trajectories
+    table = ops.take(table.append_column(POSITION, position), order).combine_chunks()
+    counts = (
+        np.bincount(table[POSITION].to_numpy(), minlength=len(ids)) if found else np.zeros(len(ids), np.int64)
+    )
+    return StepSpans(list(ids), table, np.r_[0, np.cumsum(counts)])
 
 
 def by_step(listing: pa.Table) -> dict[Any, list[str]]:
