@@ -68,7 +68,7 @@ def audit(
     from rlreplay.text.adapters import adapter_for_run
 
     report = Report(list(checks), trajectories=listing.num_rows)
-    ctx = Context({**default_thresholds(checks), **(thresholds or {})}, adapter_for_run(run))
+    ctx = Context({**default_thresholds(checks), **(thresholds or {})}, adapter_for_run(run), run=run)
     over_spans = [c for c in checks if c.over != OVER_LISTING]
     if any(c.needs_tokenizer for c in over_spans):
         ctx.decoder = _decoder(run, tokenizer, report, [c for c in over_spans if c.needs_tokenizer])
