@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,28 +35,12 @@ from bench_query import build_run, step_template
 
 ROOT = Path(__file__).resolve().parent.parent
 
-MEASURE = """
-import resource, subprocess, sys, time
-t = time.perf_counter()
-proc = subprocess.run(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-took = time.perf_counter() - t
-peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-print(took, peak, proc.returncode, proc.stdout.count(b"\\n"))
-"""
-
 
 def measure(args: list[str]) -> tuple[float, float, int]:
     """(seconds, peak MB, lines of output) of ``rlreplay ARGS`` as its own process."""
-    out = subprocess.run(
-        [sys.executable, "-c", MEASURE, sys.executable, "-m", "rlreplay", *args],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-    ).stdout.split()
-    took, rss_kb, rc, lines = float(out[0]), int(out[1]), int(out[2]), int(out[3])
+    took, peak, rc, out = bench_compare.measure([sys.executable, "-m", "rlreplay", *args])
     assert rc in (0, 1), f"rlreplay {' '.join(args)} exited {rc}"
-    return took, rss_kb / 1024, lines
+    return took, peak, out.count(b"\n")
 
 
 def build_listing_run(root: Path, steps: int, per_step: int) -> Path:

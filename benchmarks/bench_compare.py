@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent_workload import make_agent_loop
+from bench_query import as_step
 
 from rlreplay.shards.layout import partition_dir
 from rlreplay.shards.seal import write_sealed
@@ -128,14 +129,7 @@ def replicate(base: Path, out: Path, steps: int, change_every: int = 0) -> int:
         if change_every:
             table, n = _plant(table, change_every)
             changed += n
-        table = table.set_column(
-            table.column_names.index("step"), "step", pa.array([step] * table.num_rows, pa.int64())
-        )
-        ids = table["trajectory_id"]
-        stepped = pc.binary_join_element_wise(
-            pc.utf8_slice_codeunits(ids, 0, 4), pa.scalar(f"{step:04x}"), pc.utf8_slice_codeunits(ids, 8), ""
-        )
-        table = table.set_column(table.column_names.index("trajectory_id"), "trajectory_id", stepped)
+        table = as_step(table, step)
         folder = partition_dir(out, step, "w0")
         folder.mkdir(parents=True, exist_ok=True)
         write_sealed(table, folder / f"part-bench-{step}.parquet")
@@ -146,11 +140,19 @@ def replicate(base: Path, out: Path, steps: int, change_every: int = 0) -> int:
 def build_pair(
     root: Path, steps: int, base_steps: int, per_step: int, change_every: int
 ) -> tuple[Path, Path, int]:
-    base_a = record(root / "base-a", base_steps, per_step)
-    base_b = record(root / "base-b", base_steps, per_step)
-    run_a, run_b = root / "a", root / "b"
+    base_a, base_b = root / "base-a", root / "base-b"
+    for base in (base_a, base_b):
+        if not (base / "run.json").exists():  # a kept directory's recordings are used again
+            record(base, base_steps, per_step)
+    run_a, run_b = root / f"a-{steps}", root / f"b-{steps}"
+    noted = root / f"b-{steps}-changed.txt"  # a kept pair is used again
+    if noted.exists():
+        return run_a, run_b, int(noted.read_text())
+    for run in (run_a, run_b):
+        shutil.rmtree(run, ignore_errors=True)
     replicate(base_a, run_a, steps)
     changed = replicate(base_b, run_b, steps, change_every)
+    noted.write_text(str(changed))
     for run in (run_a, run_b):  # the first listing writes the run index
         subprocess.run(
             [sys.executable, "-m", "rlreplay", "ls", str(run), "--limit", "1"],
@@ -165,7 +167,8 @@ import json, resource, sys, time
 import duckdb
 a, b = sys.argv[1], sys.argv[2]
 t = time.perf_counter()
-con = duckdb.connect(config={"enable_progress_bar": False})
+con = duckdb.connect()
+con.execute("SET enable_progress_bar = false")
 # each trajectory's spans in order, as one string: span ids (which differ between runs) blanked
 body = '''
   select step, sample_index, rollout_n, validate,
@@ -186,6 +189,7 @@ print(json.dumps({"s": took, "same": same, "pairs": total}))
 
 SCAN = """
 import glob, json, sys, time
+import pyarrow.parquet as pq
 t = time.perf_counter()
 rows = 0
 for run in sys.argv[1:]:
