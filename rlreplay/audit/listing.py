@@ -187,14 +187,20 @@ def _worst_tokens(ctx: Context, flagged: Any, keep: int) -> dict[str, list[tuple
     log-prob difference, worst first, as (position in the response, token id, |difference|)."""
     import numpy as np
 
-    from rlreplay.read.scan import stream
+    from rlreplay.read.filters import Filters
+    from rlreplay.read.scan import by_step
     from rlreplay.text.conversation import conversation_span, first_field
 
     if ctx.run is None or keep <= 0 or not flagged.num_rows:
         return {}
     fields = getattr(ctx.adapter, "fields", None)
     out: dict[str, list[tuple[int, Any, float]]] = {}
-    for traj in stream(ctx.run, flagged):
+    loaded = (  # the few flagged: only the row groups that hold them
+        traj
+        for step, ids in by_step(flagged).items()
+        for traj in ctx.run.load(ids, Filters(step=step) if type(step) is int else None)
+    )
+    for traj in loaded:
         trainer = next(
             (
                 s.output["old_log_probs"]
