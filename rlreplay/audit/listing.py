@@ -209,6 +209,8 @@ def _worst_tokens(ctx: Context, flagged: Any, keep: int) -> dict[str, list[tuple
             ),
             None,
         )
+        if trainer is None and not out:
+            break  # --token-signals is a run-wide setting: the first flagged tells for all
         agent = conversation_span(traj, fields) if fields is not None else None
         if trainer is None or agent is None or not isinstance(agent.output, dict):
             continue
