@@ -4,24 +4,22 @@
    ``bench_query.py`` builds its runs (the sample run's step 5 replicated, random rewards and
    trainer-vs-rollout differences), against the same questions written directly in DuckDB over
    the span files.
-2. Every check (the trajectory checks stream each trajectory's token ids) over a run recorded with
-   the real recorder and ``agent_workload.py``'s agent loop: real Qwen3 ids, 2-5 model calls per
-   trajectory, a tool call between them.
+2. Every check (the trajectory checks stream each step's spans) over a run recorded with the real
+   recorder and ``agent_workload.py``'s agent loop (real Qwen3 ids, 2-5 model calls per trajectory,
+   a tool call between them) for two steps, written again as RECORD_STEPS steps as
+   ``bench_compare.py`` does; against a pyarrow read of the same span files (the floor).
 
 Peak memory is the audit process's maximum resident set size.
 
-    python benchmarks/bench_audit.py                                  # 200 x 1,024 and 8 x 256
-    python benchmarks/bench_audit.py --steps 20 --record-steps 2      # smaller
+    python benchmarks/bench_audit.py                                  # 200 x 1,024 both
+    python benchmarks/bench_audit.py --recorded-run DIR/a --audit-steps 20   # a run bench_compare kept
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,33 +30,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_workload import make_agent_loop
+import bench_compare
 from bench_query import build_run, step_template
 
 ROOT = Path(__file__).resolve().parent.parent
 
-MEASURE = """
-import resource, subprocess, sys, time
-t = time.perf_counter()
-proc = subprocess.run(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-took = time.perf_counter() - t
-peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-print(took, peak, proc.returncode, proc.stdout.count(b"\\n"))
-"""
-
 
 def measure(args: list[str]) -> tuple[float, float, int]:
     """(seconds, peak MB, lines of output) of ``rlreplay ARGS`` as its own process."""
-    out = subprocess.run(
-        [sys.executable, "-c", MEASURE, sys.executable, "-m", "rlreplay", *args],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-    ).stdout.split()
-    took, rss_kb, rc, lines = float(out[0]), int(out[1]), int(out[2]), int(out[3])
+    took, peak, rc, out = bench_compare.measure([sys.executable, "-m", "rlreplay", *args])
     assert rc in (0, 1), f"rlreplay {' '.join(args)} exited {rc}"
-    return took, rss_kb / 1024, lines
+    return took, peak, out.count(b"\n")
 
 
 def build_listing_run(root: Path, steps: int, per_step: int) -> Path:
@@ -136,90 +118,79 @@ def in_process(run_dir: Path, check: str) -> float:
     return time.perf_counter() - t
 
 
-def record_run(root: Path, steps: int, per_step: int) -> Path:
-    """A run recorded with the real recorder: agent_workload's loop, 2-5 model calls, ~2k tokens."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_scale import token_pool
+def pyarrow_read(run_dir: Path, steps: int) -> float:
+    """Seconds to read every column of the span files of steps 0..steps-1, a file at a time."""
+    import pyarrow.parquet as pq
 
-    import rlreplay
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import qwen_tokenizer_dir
-
-    run_dir = root / f"recorded-{steps}x{per_step}"
-    pool = token_pool(qwen_tokenizer_dir(), 400_000)
-    rng, nprng = random.Random(0), np.random.default_rng(0)
-    rlreplay.init(run_dir, experiment="bench-audit", worker="w0")
-    run_loop = make_agent_loop(rlreplay, pool, rng, nprng)
-
-    async def one(step: int, i: int) -> None:
-        async with rlreplay.trajectory(step=step, sample_index=i // 8, rollout_n=i % 8, name="agent_loop"):
-            await run_loop(f"{step}-{i}", rng.randrange(1_000, 3_000), rng.randrange(2, 6))
-
-    async def go() -> None:
-        for step in range(steps):
-            await asyncio.gather(*(one(step, i) for i in range(per_step)))
-
-    asyncio.run(go())
-    rlreplay.close()
-    from rlreplay.format import manifest
-
-    manifest.update_manifest(run_dir, tokenizer=str(qwen_tokenizer_dir()))
-    return run_dir
+    t = time.perf_counter()
+    for step in range(steps):
+        for path in sorted((run_dir / "spans" / f"step={step}").glob("*/*.parquet")):
+            pq.read_table(path)
+    return time.perf_counter() - t
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=200, help="part 1's steps (0: skip part 1)")
     parser.add_argument("--per-step", type=int, default=1024)
-    parser.add_argument("--record-steps", type=int, default=8)
-    parser.add_argument("--record-per-step", type=int, default=256)
+    parser.add_argument("--record-steps", type=int, default=200)
+    parser.add_argument("--record-per-step", type=int, default=1024)
+    parser.add_argument("--audit-steps", type=int, help="audit steps 0..N-1 only (default: all)")
+    parser.add_argument("--recorded-run", type=Path, help="a run bench_compare.py built (--keep DIR: DIR/a)")
     parser.add_argument("--keep", type=Path)
     args = parser.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="rlreplay-bench-audit-"))
     root.mkdir(parents=True, exist_ok=True)
     rows: list[tuple[str, ...]] = []
     try:
-        t = time.perf_counter()
-        run_dir = build_listing_run(root, args.steps, args.per_step)
-        print(f"built {run_dir.name} in {time.perf_counter() - t:.0f} s", flush=True)
-        measure(["ls", str(run_dir), "--limit", "1"])  # writes the run index, as any first listing does
-        for check, query in (("group_collapse", DUCKDB_COLLAPSE), ("mismatch", DUCKDB_MISMATCH)):
-            took, peak, found = measure(["audit", str(run_dir), "--checks", check, "--json"])
-            inside = in_process(run_dir, check)
-            duck, duck_rows = duckdb_time(query, run_dir)
-            assert found == duck_rows, (check, found, duck_rows)
-            rows.append(
-                (
-                    f"{args.steps} x {args.per_step}",
-                    check,
-                    f"{found:,}",
-                    f"{took:.2f} s",
-                    f"{inside:.2f} s",
-                    f"{peak:.0f} MB",
-                    f"{duck:.2f} s",
-                    f"{inside / duck:.2f}x",
+        if args.steps:  # part 1
+            t = time.perf_counter()
+            run_dir = build_listing_run(root, args.steps, args.per_step)
+            print(f"built {run_dir.name} in {time.perf_counter() - t:.0f} s", flush=True)
+            measure(["ls", str(run_dir), "--limit", "1"])  # writes the run index, as any first listing does
+            for check, query in (("group_collapse", DUCKDB_COLLAPSE), ("mismatch", DUCKDB_MISMATCH)):
+                took, peak, found = measure(["audit", str(run_dir), "--checks", check, "--json"])
+                inside = in_process(run_dir, check)
+                duck, duck_rows = duckdb_time(query, run_dir)
+                assert found == duck_rows, (check, found, duck_rows)
+                rows.append(
+                    (
+                        f"{args.steps} x {args.per_step}",
+                        check,
+                        f"{found:,}",
+                        f"{took:.2f} s",
+                        f"{inside:.2f} s",
+                        f"{peak:.0f} MB",
+                        f"{duck:.2f} s",
+                        f"{inside / duck:.2f}x",
+                    )
                 )
-            )
-            print(rows[-1], flush=True)
+                print(rows[-1], flush=True)
         t = time.perf_counter()
-        rec = record_run(root, args.record_steps, args.record_per_step)
-        print(f"recorded {rec.name} in {time.perf_counter() - t:.0f} s", flush=True)
+        rec = args.recorded_run
+        if rec is None:
+            base = bench_compare.record(root / "base", min(2, args.record_steps), args.record_per_step)
+            rec = root / "recorded"
+            bench_compare.replicate(base, rec, args.record_steps)
+            print(f"recorded and replicated {rec.name} in {time.perf_counter() - t:.0f} s", flush=True)
         measure(["ls", str(rec), "--limit", "1"])
-        took, peak, found = measure(["audit", str(rec), "--json"])
-        n = args.record_steps * args.record_per_step
+        steps = args.audit_steps or args.record_steps
+        selection = ["--step", f"0..{steps - 1}"]
+        took, peak, found = measure(["audit", str(rec), *selection, "--json"])
+        scan = pyarrow_read(rec, steps)
+        n = steps * args.record_per_step
         rows.append(
             (
-                f"{args.record_steps} x {args.record_per_step} (recorded)",
+                f"{steps} x {args.record_per_step} (recorded)",
                 "all 11 checks",
                 f"{found:,}",
                 f"{took:.1f} s",
-                f"{took / n * 1000:.1f} ms a trajectory",
+                f"{took / n * 1000:.2f} ms a trajectory",
                 f"{peak:.0f} MB",
-                "-",
-                "-",
+                f"pyarrow read of the span files {scan:.1f} s",
+                f"{took / scan:.1f}x",
             )
         )
         print(rows[-1], flush=True)

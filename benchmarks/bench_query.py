@@ -75,6 +75,18 @@ def step_template(per_step: int) -> pa.Table:
     return pa.concat_tables(parts)
 
 
+def as_step(table: pa.Table, step: int) -> pa.Table:
+    """``table``'s spans as step ``step``: its step column, and trajectory ids of their own."""
+    table = table.set_column(
+        table.column_names.index("step"), "step", pa.array([step] * table.num_rows, pa.int64())
+    )
+    ids = table["trajectory_id"]
+    stepped = pc.binary_join_element_wise(
+        pc.utf8_slice_codeunits(ids, 0, 4), pa.scalar(f"{step:04x}"), pc.utf8_slice_codeunits(ids, 8), ""
+    )
+    return table.set_column(table.column_names.index("trajectory_id"), "trajectory_id", stepped)
+
+
 def build_run(
     root: Path, template: pa.Table, steps: int, seed: int = 0, draw: Callable[[Any, int], Any] | None = None
 ) -> Path:
@@ -89,14 +101,7 @@ def build_run(
         table = template.set_column(
             template.column_names.index("reward"), "reward", pa.array(rewards, mask=~rewarded)
         )
-        table = table.set_column(
-            table.column_names.index("step"), "step", pa.array([step] * table.num_rows, pa.int64())
-        )
-        ids = table["trajectory_id"]
-        stepped = pc.binary_join_element_wise(
-            pc.utf8_slice_codeunits(ids, 0, 4), pa.scalar(f"{step:04x}"), pc.utf8_slice_codeunits(ids, 8), ""
-        )
-        table = table.set_column(table.column_names.index("trajectory_id"), "trajectory_id", stepped)
+        table = as_step(table, step)
         for worker in workers:
             folder = partition_dir(run_dir, step, worker)
             folder.mkdir(parents=True, exist_ok=True)

@@ -189,26 +189,38 @@ def _load(run: Run, ids: list[str], step: Any) -> dict[str, Trajectory]:
     return {t.id: t for t in run.load(ids, filters)}
 
 
-def compare_runs(run_a: Run, run_b: Run, selection: Any = None) -> Iterator[Pair]:
+def compare_runs(run_a: Run, run_b: Run, selection: Any = None, fast: bool = True) -> Iterator[Pair]:
     """Every pair of the two runs (``selection``: a ``rlreplay.read.selection.Selection`` applied to
-    both), one step at a time, in A's listing order then B's trajectories of its own."""
+    both), one step at a time, in A's listing order then B's trajectories of its own.
+
+    ``fast``: each step's spans are read once per run and the pairs compared column by column as
+    stored (``rlreplay.read.samestep``); only pairs not found equal that way are built as
+    trajectories and compared span by span. The result is the same either way.
+    """
     if selection is not None:
         table_a, table_b = selection.trajectories(run_a), selection.trajectories(run_b)
     else:
         table_a, table_b = run_a.trajectories(), run_b.trajectories()
     adapter_a, adapter_b = adapter_for_run(run_a), adapter_for_run(run_b)
+    ignored = IGNORED_KEYS | frozenset(getattr(adapter_a, "volatile_keys", ()))
+    ignored |= frozenset(getattr(adapter_b, "volatile_keys", ()))
     for step, items in _by_step(pairs(table_a, table_b)).items():
         both = [(ra, rb) for _, ra, rb in items if ra is not None and rb is not None]
-        loaded_a = _load(run_a, [ra["id"] for ra, _ in both], step)
-        loaded_b = _load(run_b, [rb["id"] for _, rb in both], step)
-        for keys, ra, rb in items:
-            difference = None
-            same = False
-            if ra is not None and rb is not None:
-                ta, tb = loaded_a.get(ra["id"]), loaded_b.get(rb["id"])
+        ids_a, ids_b = [ra["id"] for ra, _ in both], [rb["id"] for _, rb in both]
+        if fast and type(step) is int and both:
+            found = _step_pairs(run_a, run_b, step, ids_a, ids_b, ignored, adapter_a, adapter_b)
+        else:
+            loaded_a, loaded_b = _load(run_a, ids_a, step), _load(run_b, ids_b, step)
+            found = {}
+            for ia, ib in zip(ids_a, ids_b):
+                ta, tb = loaded_a.get(ia), loaded_b.get(ib)
                 if ta is not None and tb is not None:
                     difference = first_difference(ta, tb, adapter_a, adapter_b)
-                    same = difference is None
+                    found[ia, ib] = (difference is None, difference)
+        for keys, ra, rb in items:
+            same, difference = False, None
+            if ra is not None and rb is not None:
+                same, difference = found.get((ra["id"], rb["id"]), (False, None))
             yield Pair(
                 *keys,
                 a=ra["id"] if ra else None,
@@ -218,6 +230,36 @@ def compare_runs(run_a: Run, run_b: Run, selection: Any = None) -> Iterator[Pair
                 reward_a=ra["reward"] if ra else None,
                 reward_b=rb["reward"] if rb else None,
             )
+
+
+def _step_pairs(
+    run_a: Run,
+    run_b: Run,
+    step: int,
+    ids_a: list[str],
+    ids_b: list[str],
+    ignored: frozenset[str],
+    adapter_a: Any,
+    adapter_b: Any,
+) -> dict[tuple[str, str], tuple[bool, dict[str, Any] | None]]:
+    """(same, first difference) of the pairs ``zip(ids_a, ids_b)`` of one step: equal as stored
+    (``samestep.equal_as_stored``), else built and compared span by span."""
+    from rlreplay.read.samestep import equal_as_stored
+    from rlreplay.read.scan import step_spans
+
+    spans_a, spans_b = step_spans(run_a, step, ids_a), step_spans(run_b, step, ids_b)
+    equal = equal_as_stored(spans_a, spans_b, ignored)
+    out: dict[tuple[str, str], tuple[bool, dict[str, Any] | None]] = {}
+    for i, (ia, ib) in enumerate(zip(ids_a, ids_b)):
+        if equal[i]:
+            out[ia, ib] = (True, None)
+            continue
+        ta = spans_a.trajectory(i, lambda m: run_a._warn(f"step {step}: {m}"))
+        tb = spans_b.trajectory(i, lambda m: run_b._warn(f"step {step}: {m}"))
+        if ta is not None and tb is not None:
+            difference = first_difference(ta, tb, adapter_a, adapter_b)
+            out[ia, ib] = (difference is None, difference)
+    return out
 
 
 def summary(result: list[Pair]) -> dict[str, Any]:

@@ -3,6 +3,7 @@ truncated or empty model calls, failing tools and parsers."""
 
 from __future__ import annotations
 
+import functools
 import unicodedata
 from collections.abc import Iterator
 from typing import Any
@@ -54,25 +55,36 @@ def retokenization(traj: Any, ctx: Context) -> Iterator[Finding]:
 
 
 def _loop(ids: Any, max_ngram: int) -> tuple[int, int, int] | None:
-    """(n-gram length, repeats, start) of the longest stretch of ``ids`` repeating one n-gram."""
+    """(n-gram length, repeats, start) of the longest stretch of ``ids`` repeating one n-gram
+    (the shortest n-gram among equally long stretches; the first such stretch)."""
     import numpy as np
 
     a = np.asarray(ids, dtype=np.int64)
-    best = None
-    for n in range(1, min(max_ngram, len(a) // 2) + 1):
-        same = np.r_[False, a[n:] == a[:-n], False]
-        edges = np.flatnonzero(np.diff(same.astype(np.int8)))
-        if not len(edges):
-            continue
-        starts, ends = edges[0::2], edges[1::2]
-        k = int(np.argmax(ends - starts))
-        covered = int(ends[k] - starts[k]) + n
-        if covered >= 2 * n and (best is None or covered > best[0]):
-            best = (covered, n, int(starts[k]))
-    if best is None:
+    size = len(a)
+    top = min(max_ngram, size // 2)
+    if top < 1:
         return None
-    covered, n, start = best
-    return n, covered // n, start
+    # row n - 1, column j: a[j + n] == a[j]; a False column after each row ends its runs
+    same = np.zeros((top, size + 1), dtype=bool)
+    for n in range(1, top + 1):
+        np.equal(a[n:], a[:-n], out=same[n - 1, : size - n])
+    edges = np.diff(np.r_[np.int8(0), same.ravel().view(np.int8)])
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    if not len(starts):
+        return None
+    rows = starts // (size + 1)
+    lengths = ends - starts
+    # per n-gram length: its longest run, the first of those
+    order = np.lexsort((starts, -lengths, rows))
+    first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
+    covered = lengths[first] + rows[first] + 1
+    n = rows[first] + 1
+    fits = covered >= 2 * n
+    if not fits.any():
+        return None
+    pick = first[fits][int(np.argmax(covered[fits]))]  # argmax: the shortest n-gram among ties
+    n_best = int(rows[pick]) + 1
+    return n_best, int(lengths[pick] + n_best) // n_best, int(starts[pick] - rows[pick] * (size + 1))
 
 
 def repetition(traj: Any, ctx: Context) -> Iterator[Finding]:
@@ -121,23 +133,41 @@ _SAME = {"HIRAGANA": "CJK", "KATAKANA": "CJK", "HANGUL": "CJK"}
 
 def garbled_reasons(text: str, ctx: Context) -> list[str]:
     """Why a decoded text looks garbled: replacement or control characters, or too many scripts."""
+    from collections import Counter
+
     reasons = []
-    bad = text.count("\ufffd")
+    counts = Counter(text)  # each distinct character looked at once
+    bad = counts.get("\ufffd", 0)
     if bad >= ctx["garbled_replacements"]:
         reasons.append(f"{bad} replacement characters")
-    control = sum(1 for c in text if unicodedata.category(c) in ("Cc", "Cs", "Co") and c not in "\n\r\t")
+    control = 0
+    scripts: dict[str, int] = {}
+    for c, count in counts.items():
+        kind = _char_kind(c)
+        if kind is _CONTROL:
+            control += count
+        elif kind is not None:
+            scripts[kind] = scripts.get(kind, 0) + count
     if control >= ctx["garbled_controls"]:
         reasons.append(f"{control} control characters")
-    scripts: dict[str, int] = {}
-    for c in text:
-        if c.isalpha():
-            word = unicodedata.name(c, "UNKNOWN").split(" ")[0]
-            script = _SAME.get(word, word) if word in _SCRIPTS else word
-            scripts[script] = scripts.get(script, 0) + 1
     mixed = sorted(s for s, count in scripts.items() if count >= ctx["garbled_script_letters"])
     if len(mixed) >= ctx["garbled_scripts"]:
         reasons.append(f"{len(mixed)} scripts mixed ({', '.join(s.lower() for s in mixed)})")
     return reasons
+
+
+_CONTROL = "control"
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _char_kind(c: str) -> str | None:
+    """``_CONTROL`` for a control character, a letter's script, else None."""
+    if unicodedata.category(c) in ("Cc", "Cs", "Co") and c not in "\n\r\t":
+        return _CONTROL
+    if c.isalpha():
+        word = unicodedata.name(c, "UNKNOWN").split(" ")[0]
+        return _SAME.get(word, word) if word in _SCRIPTS else word
+    return None
 
 
 def garbled(traj: Any, ctx: Context) -> Iterator[Finding]:

@@ -1,18 +1,15 @@
 """Running checks over a selection of a run: listing checks on the listing, trajectory checks on
-the trajectories streamed step by step (a bounded batch at a time)."""
+the trajectories streamed step by step (one pass over each step's files)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlreplay import plugins
 from rlreplay.audit.finding import LEVEL_TRAJECTORY, OVER_LISTING, Check, Context, Finding
 from rlreplay.errors import SelectionError
-
-#: trajectories loaded at once while streaming a step
-BATCH = 128
 
 
 def available() -> dict[str, Check]:
@@ -71,7 +68,7 @@ def audit(
     from rlreplay.text.adapters import adapter_for_run
 
     report = Report(list(checks), trajectories=listing.num_rows)
-    ctx = Context({**default_thresholds(checks), **(thresholds or {})}, adapter_for_run(run))
+    ctx = Context({**default_thresholds(checks), **(thresholds or {})}, adapter_for_run(run), run=run)
     over_spans = [c for c in checks if c.over != OVER_LISTING]
     if any(c.needs_tokenizer for c in over_spans):
         ctx.decoder = _decoder(run, tokenizer, report, [c for c in over_spans if c.needs_tokenizer])
@@ -80,6 +77,8 @@ def audit(
         if check.over == OVER_LISTING:
             report.findings.extend(check.run(listing, ctx))
     if over_spans:
+        from rlreplay.read.scan import stream
+
         for traj in stream(run, listing):
             report.findings.extend(check_trajectory(traj, over_spans, ctx))
     return report
@@ -121,19 +120,6 @@ def _decoder(run: Any, tokenizer: str | None, report: Report, needing: list[Chec
     for check in needing:
         report.skipped[check.name] = why
     return None
-
-
-def stream(run: Any, listing: Any, batch: int = BATCH) -> Iterator[Any]:
-    """The listing's trajectories, step by step, ``batch`` at a time (memory: one batch)."""
-    from rlreplay.read.filters import Filters
-
-    by_step: dict[Any, list[str]] = {}
-    for tid, step, step_str in zip(*(listing[c].to_pylist() for c in ("id", "step", "step_str"))):
-        by_step.setdefault(step if step is not None else step_str, []).append(tid)
-    for step, ids in by_step.items():
-        filters = Filters(step=step) if type(step) is int else None
-        for i in range(0, len(ids), batch):
-            yield from run.load(ids[i : i + batch], filters)
 
 
 def finding_ids(report: Report, listing: Any) -> set[str]:

@@ -56,11 +56,13 @@ class Check:
 
 @dataclass
 class Context:
-    """What a check gets besides its data: thresholds, the run's framework adapter, a decoder."""
+    """What a check gets besides its data: thresholds, the run's framework adapter, a decoder, and
+    the run (a listing check that reads a few flagged trajectories' spans)."""
 
     thresholds: dict[str, float]
     adapter: Any = None
     decoder: Any = None
+    run: Any = None
 
     def __getitem__(self, key: str) -> float:
         return self.thresholds[key]

@@ -149,12 +149,20 @@ def mismatch(listing: Any, ctx: Context) -> Iterator[Finding]:
     if not len(flagged):
         return
     rows = listing_rows(ops.take(listing.select(["id", *_KEY_COLUMNS, "validate"]), ops.from_numpy(flagged)))
+    tokens = _worst_tokens(ctx, ops.take(listing, ops.from_numpy(flagged)), int(ctx["mismatch_tokens"]))
     ratio_max = ctx["importance_ratio_max"]
     for i, r in zip(flagged, rows):
-        parts, score = [], 0.0
+        parts, score, position = [], 0.0, None
         if high[i]:
             parts.append(f"logprob_diff_max {diff[i]:.4g} > {limit[i]:.4g} (step median {median[i]:.3g})")
             score = float(diff[i])
+        worst = tokens.get(r["id"])
+        if worst:
+            position = worst[0][0]
+            parts.append(
+                "worst tokens (position id |diff|): "
+                + ", ".join(f"{at} {token} {gap:.3g}" for at, token, gap in worst)
+            )
         if far[i]:
             parts.append(f"importance_ratio {ratio[i]:.4g} outside [{1 / ratio_max:.3g}, {ratio_max:.3g}]")
             score = max(score, float(log_ratio[i]))
@@ -168,8 +176,57 @@ def mismatch(listing: Any, ctx: Context) -> Iterator[Finding]:
             r["validate"],
             severity,
             "; ".join(parts),
+            position=position,
             score=score,
         )
+
+
+def _worst_tokens(ctx: Context, flagged: Any, keep: int) -> dict[str, list[tuple[int, Any, float]]]:
+    """Per flagged trajectory whose trainer log-probs were recorded per token (``--token-signals``:
+    a signals span's ``old_log_probs``): its ``keep`` model tokens of largest |trainer - rollout|
+    log-prob difference, worst first, as (position in the response, token id, |difference|)."""
+    import numpy as np
+
+    from rlreplay.read.filters import Filters
+    from rlreplay.read.scan import by_step
+    from rlreplay.text.conversation import conversation_span, first_field
+
+    if ctx.run is None or keep <= 0 or not flagged.num_rows:
+        return {}
+    fields = getattr(ctx.adapter, "fields", None)
+    out: dict[str, list[tuple[int, Any, float]]] = {}
+    loaded = (  # the few flagged: only the row groups that hold them
+        traj
+        for step, ids in by_step(flagged).items()
+        for traj in ctx.run.load(ids, Filters(step=step) if type(step) is int else None)
+    )
+    for traj in loaded:
+        trainer = next(
+            (
+                s.output["old_log_probs"]
+                for s in traj.spans
+                if s.kind == "signals" and isinstance(s.output, dict) and "old_log_probs" in s.output
+            ),
+            None,
+        )
+        if trainer is None and not out:
+            break  # --token-signals is a run-wide setting: the first flagged tells for all
+        agent = conversation_span(traj, fields) if fields is not None else None
+        if trainer is None or agent is None or not isinstance(agent.output, dict):
+            continue
+        rollout = first_field(agent.output, fields.log_probs)
+        mask = first_field(agent.output, fields.mask)
+        ids = first_field(agent.output, fields.response)
+        if not isinstance(rollout, list) or not isinstance(ids, list):
+            continue
+        n = min(len(trainer), len(rollout), len(ids))
+        gap = np.abs(np.asarray(trainer[:n], dtype=np.float64) - np.asarray(rollout[:n], dtype=np.float64))
+        if isinstance(mask, list) and len(mask) >= n:
+            gap[np.asarray(mask[:n]) == 0] = np.nan  # tool tokens: no rollout log-prob
+        finite = np.flatnonzero(~np.isnan(gap))
+        order = finite[np.argsort(-gap[finite], kind="stable")][:keep]
+        out[traj.id] = [(int(i), ids[i], float(gap[i])) for i in order]
+    return out
 
 
 def _step_means(listing: Any, column: str) -> list[tuple[Any, float, float, float | None]]:
@@ -261,7 +318,8 @@ MISMATCH = Check(
     LEVEL_TRAJECTORY,
     "a rollout whose trainer-vs-rollout logprob_diff_max is an outlier for its step (median + "
     "mismatch_mads MADs, at least mismatch_floor) or above --mismatch-max, or whose importance_ratio "
-    "is beyond importance_ratio_max either way",
+    "is beyond importance_ratio_max either way; where the trainer's per-token log-probs were recorded "
+    "(record --token-signals), names its mismatch_tokens worst tokens and their positions",
     mismatch,
     {
         "mismatch_max": 1.0,
@@ -269,6 +327,7 @@ MISMATCH = Check(
         "mismatch_floor": 0.1,
         "mismatch_min_rollouts": 8,
         "importance_ratio_max": 2.0,
+        "mismatch_tokens": 3,
     },
 )
 LENGTH_DRIFT = Check(

@@ -96,6 +96,20 @@ def is_in(values: Any, value_set: pa.Array) -> Any:
     return pc.is_in(values, value_set=value_set)
 
 
+def index_in(values: Any, value_set: pa.Array) -> Any:
+    """The position of each value in ``value_set`` (null when absent)."""
+    import pyarrow.compute as pc
+
+    return pc.index_in(values, value_set=value_set)
+
+
+def match_substring(strings: Any, pattern: str) -> Any:
+    """Whether each string holds ``pattern`` (a plain substring)."""
+    import pyarrow.compute as pc
+
+    return pc.match_substring(strings, pattern=pattern)
+
+
 def fill_null(values: Any, fill: Any) -> Any:
     """``values`` with nulls replaced by ``fill`` (a Python value is taken as of ``values``' type)."""
     import pyarrow.compute as pc

@@ -39,7 +39,7 @@ def comparable(value: Any, ignored: frozenset[str] = IGNORED_KEYS) -> Any:
     if isinstance(value, dict):
         return {k: comparable(v, ignored) for k, v in value.items() if k not in ignored}
     if isinstance(value, (list, tuple)):
-        if all(type(v) in _SCALARS for v in value):  # token ids, log-probs: as they are
+        if _SCALARS.issuperset(map(type, value)):  # token ids, log-probs: as they are
             return list(value)
         return [comparable(v, ignored) for v in value]
     return value
@@ -53,7 +53,7 @@ def fresh_copy(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: fresh_copy(v) for k, v in value.items()}
     if isinstance(value, list):
-        if all(type(v) in _SCALARS for v in value):
+        if _SCALARS.issuperset(map(type, value)):
             return list(value)
         return [fresh_copy(v) for v in value]
     return copy.copy(value) if type(value) not in _SCALARS else value

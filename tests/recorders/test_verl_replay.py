@@ -104,9 +104,43 @@ def listing(run: Path) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
+def check_equal_driver(source: Path, tmp_path: Path) -> None:
+    """The driver's rewards and GRPO advantages of the replayed step are the recorded run's: in the
+    job's own tensors, and in both runs' signals; the recorded ones as computed here from the source
+    run's agent-loop outputs (each rollout's model tokens) by GRPO's rule."""
+    import rlreplay
+
+    a = torch.load(source / "src.pt", weights_only=False)
+    b = torch.load(tmp_path / "new.pt", weights_only=False)
+    assert torch.equal(a["advantages"], b["advantages"])
+    signals = {}
+    for run in (source / "src", tmp_path / "new"):
+        rows = listing(run)
+        signals[run] = {
+            (r["step"], r["sample_index"], r["rollout_n"]): (r["reward"], r["advantage"]) for r in rows
+        }
+    recorded, replayed = signals.values()
+    assert recorded == replayed and len(recorded) == 4
+    run = rlreplay.open_run(source / "src")
+    expected_reward = {}
+    for row in listing(source / "src"):
+        agent = next(s for s in run.trajectory(row["id"]).spans if s.kind == "agent")
+        model_tokens = sum(agent.output["response_mask"])
+        reward = ((model_tokens + row["rollout_n"] + 1) % 3) / 2  # the job's driver_reward
+        expected_reward[(row["step"], row["sample_index"], row["rollout_n"])] = reward
+    assert {k: r for k, (r, _) in recorded.items()} == expected_reward
+    assert any(advantage != 0 for _, advantage in recorded.values())
+    for keys, (reward, advantage) in recorded.items():
+        group = [r for k, r in expected_reward.items() if k[:2] == keys[:2]]
+        mean = sum(group) / len(group)
+        std = (sum((r - mean) ** 2 for r in group) / (len(group) - 1)) ** 0.5
+        assert advantage == pytest.approx((reward - mean) / (std + 1e-6), rel=1e-5, abs=1e-6)
+
+
 def test_serve_llm_gives_the_recorded_batch_without_a_model_server(source: Path, tmp_path: Path) -> None:
     proc = replay(source, tmp_path, "llm")
     check_equal_batches(source / "src.pt", tmp_path / "new.pt")
+    check_equal_driver(source, tmp_path)
     recorded = {(r["step"], r["sample_index"], r["rollout_n"]): r for r in listing(source / "src")}
     calls = sum(r["model_calls"] for r in recorded.values())
     assert f"{calls} ops served; 0 trajectories diverged" in proc.stderr
@@ -121,6 +155,7 @@ def test_serve_llm_gives_the_recorded_batch_without_a_model_server(source: Path,
 def test_serve_agent_gives_the_recorded_batch(source: Path, tmp_path: Path) -> None:
     proc = replay(source, tmp_path, "agent")
     check_equal_batches(source / "src.pt", tmp_path / "new.pt")
+    check_equal_driver(source, tmp_path)
     assert "4 ops served" in proc.stderr  # one agent loop per trajectory; nothing inside it ran
     rows = listing(tmp_path / "new")
     assert [r["model_calls"] for r in rows] == [0, 0, 0, 0]

@@ -1,0 +1,114 @@
+"""The audit's fast paths give the findings of the plain ones: trajectories streamed a step at a time
+against each trajectory read on its own, and the vectorised repetition and garbled-text rules
+against the rules written out plainly here."""
+
+from __future__ import annotations
+
+import random
+import unicodedata
+from typing import Any
+
+import numpy as np
+from test_audit import planted_run  # noqa: F401  (the planted run fixture)
+
+import rlreplay
+from rlreplay.audit import engine
+from rlreplay.audit.calls import _loop, garbled_reasons
+from rlreplay.audit.finding import OVER_LISTING, Context
+from rlreplay.text.adapters import adapter_for_run
+from rlreplay.text.token2text import Decoder
+
+
+def test_a_streamed_audit_finds_what_each_trajectory_read_alone_gives(planted_run) -> None:  # noqa: F811
+    run_dir, plans, _ = planted_run
+    run = rlreplay.open_run(run_dir)
+    listing = run.trajectories()
+    checks = [c for c in engine.available().values() if c.over != OVER_LISTING]
+    report = engine.audit(run, listing, checks)
+    assert not report.skipped
+    ctx = Context(engine.default_thresholds(checks), adapter_for_run(run), Decoder.load(run.tokenizer))
+    expected = []
+    for tid, step in zip(listing["id"].to_pylist(), listing["step"].to_pylist()):
+        (traj,) = run.load([tid])
+        assert traj.step == step
+        expected.extend(engine.check_trajectory(traj, checks, ctx))
+    assert [f.to_dict() for f in report.findings] == [f.to_dict() for f in expected]
+    names = {c.name for c in checks}
+    planted = {(check, p.key) for p in plans for check, _ in p.planted if check in names}
+    assert {(f.check, (f.step, f.sample_index, f.rollout_n)) for f in expected} == planted
+
+
+def plain_loop(ids: list[int], max_ngram: int) -> tuple[int, int, int] | None:
+    """The longest stretch repeating one n-gram, n by n: (n, repeats, start)."""
+    best = None
+    for n in range(1, min(max_ngram, len(ids) // 2) + 1):
+        run_start, run_len, top = 0, 0, None
+        for j in range(len(ids) - n):
+            if ids[j + n] == ids[j]:
+                if run_len == 0:
+                    run_start = j
+                run_len += 1
+                if top is None or run_len > top[0]:
+                    top = (run_len, run_start)
+            else:
+                run_len = 0
+        if top is not None and top[0] + n >= 2 * n and (best is None or top[0] + n > best[0]):
+            best = (top[0] + n, n, top[1])
+    return None if best is None else (best[1], best[0] // best[1], best[2])
+
+
+def test_the_repetition_rule_matches_its_plain_form() -> None:
+    rng = random.Random(0)
+    for _ in range(1500):
+        vocab = rng.choice([2, 3, 7, 1000])
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(0, 120))]
+        if ids and rng.random() < 0.5:
+            gram = [rng.randrange(vocab) for _ in range(rng.randrange(1, 9))]
+            at = rng.randrange(len(ids))
+            ids = ids[:at] + gram * rng.randrange(1, 12) + ids[at:]
+        max_ngram = rng.choice([1, 3, 32])
+        assert _loop(ids, max_ngram) == plain_loop(ids, max_ngram), (ids, max_ngram)
+
+
+def plain_garbled(text: str, ctx: Any) -> list[str]:
+    reasons = []
+    bad = text.count("\ufffd")
+    if bad >= ctx["garbled_replacements"]:
+        reasons.append(f"{bad} replacement characters")
+    control = sum(1 for c in text if unicodedata.category(c) in ("Cc", "Cs", "Co") and c not in "\n\r\t")
+    if control >= ctx["garbled_controls"]:
+        reasons.append(f"{control} control characters")
+    scripts: dict[str, int] = {}
+    same = {"HIRAGANA": "CJK", "KATAKANA": "CJK", "HANGUL": "CJK"}
+    known = {"LATIN", "CJK", "HIRAGANA", "KATAKANA", "HANGUL", "CYRILLIC", "GREEK", "ARABIC", "HEBREW"}
+    known |= {"DEVANAGARI", "THAI", "ARMENIAN", "GEORGIAN", "ETHIOPIC", "TAMIL", "BENGALI"}
+    for c in text:
+        if c.isalpha():
+            word = unicodedata.name(c, "UNKNOWN").split(" ")[0]
+            script = same.get(word, word) if word in known else word
+            scripts[script] = scripts.get(script, 0) + 1
+    mixed = sorted(s for s, count in scripts.items() if count >= ctx["garbled_script_letters"])
+    if len(mixed) >= ctx["garbled_scripts"]:
+        reasons.append(f"{len(mixed)} scripts mixed ({', '.join(s.lower() for s in mixed)})")
+    return reasons
+
+
+def test_the_garbled_rule_matches_its_plain_form() -> None:
+    ctx = Context(engine.default_thresholds([engine.available()["garbled"]]))
+    pieces = [
+        "the answer is 42. ",
+        "\ufffd",
+        "\x07",
+        "\x00",
+        "\ue000",
+        "Привет ",
+        "こんにちは",
+        "한국어",
+        "αβγ",
+    ]
+    pieces += ["שלום", "مرحبا", "\n\t", "ǅ", "\U000f0000", "漢字", "ไทย"]
+    rng = random.Random(1)
+    for _ in range(800):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 12)))
+        assert garbled_reasons(text, ctx) == plain_garbled(text, ctx), repr(text)
+    assert np.any([bool(garbled_reasons("\ufffd\ufffd" + p, ctx)) for p in pieces])
