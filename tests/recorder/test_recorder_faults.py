@@ -231,3 +231,87 @@ def test_full_queue_drop_or_spill_is_counted(
     assert json.loads(capsys.readouterr().out)[key] == stats[key]
     assert main(["ls", str(run_dir)]) == 0
     assert f"recording losses: {key}={stats[key]}" in capsys.readouterr().out
+
+
+LOST_PREFIX = textwrap.dedent(
+    """
+    import json, resource, signal, sys
+    import rlreplay
+
+    run_dir = sys.argv[1]
+    rlreplay.init(run_dir, worker="w0")
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    unlimited = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+
+    @rlreplay.trace_op(kind="llm")
+    def generate(prompt_ids):
+        return {"token_ids": [(7 * i + len(prompt_ids)) % 151_000 for i in range(200)]}
+
+    prompts = []
+    acks = []
+    with rlreplay.trajectory(step=0, sample_index=0) as t:
+        prompt = list(range(1000, 1300))
+        first = generate(prompt)["token_ids"]
+        prompts.append(prompt)
+        # the disk fills: the batch holding the first model call is lost
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1, unlimited))
+        acks.append(rlreplay.flush())
+        resource.setrlimit(resource.RLIMIT_FSIZE, (unlimited, unlimited))
+        # the next call's prompt repeats the first call's prompt and response
+        prompt = prompt + first + [5, 6, 7]
+        generate(prompt)
+        prompts.append(prompt)
+    acks.append(rlreplay.flush())
+    stats = rlreplay.stats()
+    rlreplay.close()
+    print(json.dumps({"id": t.id, "prompts": prompts, "acks": acks, "stats": stats}))
+    """
+)
+
+
+def test_a_span_sharing_ids_with_a_lost_batch_keeps_its_own(tmp_path: Path) -> None:
+    """A model call whose prompt repeats the ids of spans in a batch the disk refused stores them
+    itself: it reads back whole, never as a reference to values that are not on disk."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", LOST_PREFIX, str(run_dir)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["acks"] == [False, True]  # the second batch reached disk whole: acknowledged
+    assert report["stats"]["lost"] == 1 and report["stats"]["spans"] == 2  # the agent's root, the 2nd call
+    recover(run_dir)
+    run = rlreplay.open_run(run_dir)
+    traj = run.trajectory(report["id"])
+    (llm,) = traj.by_kind("llm")
+    assert llm.inputs["prompt_ids"] == report["prompts"][1]
+    assert run.warnings == []
+
+
+def test_a_span_sharing_ids_with_a_removed_file_keeps_its_own(tmp_path: Path) -> None:
+    """The live file holding a trajectory's first model call is removed under the recorder: the next
+    call's prompt, which repeats those ids, is stored whole in the new file."""
+    run_dir = tmp_path / "run"
+
+    @rlreplay.trace_op(kind="llm")
+    def complete(prompt_ids: list[int]) -> dict:
+        return {"token_ids": [(5 * i + len(prompt_ids)) % 151_000 for i in range(200)]}
+
+    rlreplay.init(run_dir, worker="w0")
+    with rlreplay.trajectory(step=0, sample_index=0) as t:
+        prompt = list(range(2000, 2300))
+        first = complete(prompt)["token_ids"]
+        assert rlreplay.flush()
+        (live,) = list_files(run_dir, step=0)[1]
+        live.unlink()
+        assert not rlreplay.flush()  # it finds the file gone: its span is lost
+        prompt = prompt + first + [1, 2]
+        complete(prompt)
+    assert rlreplay.flush()
+    stats = rlreplay.stats()
+    rlreplay.close()
+    assert stats["lost"] == 1 and stats["spans"] == 2
+    run = rlreplay.open_run(run_dir)
+    (llm,) = run.trajectory(t.id).by_kind("llm")
+    assert llm.inputs["prompt_ids"] == prompt
+    assert run.warnings == []
