@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -315,3 +316,64 @@ def test_a_span_sharing_ids_with_a_removed_file_keeps_its_own(tmp_path: Path) ->
     (llm,) = run.trajectory(t.id).by_kind("llm")
     assert llm.inputs["prompt_ids"] == prompt
     assert run.warnings == []
+
+
+FULL_AT_CLOSE = textwrap.dedent(
+    """
+    import json, os, shutil, sys
+    import rlreplay
+
+    disk, out = sys.argv[1], sys.argv[2]
+    run_dir = os.path.join(disk, "run")
+    rlreplay.init(run_dir, worker="w0")
+
+    @rlreplay.trace_op(kind="tool")
+    def tool(x):
+        return x + 1
+
+    def record(step):
+        for i in range(4):
+            with rlreplay.trajectory(step=step, sample_index=i):
+                tool(i)
+
+    record(0)
+    acks = [rlreplay.flush()]
+    filler = os.path.join(disk, "filler")
+    with open(filler, "wb", buffering=0) as f:  # the disk fills up, and stays full until after close
+        try:
+            while True:
+                f.write(bytes(4096))
+        except OSError:
+            pass
+    record(1)
+    acks.append(rlreplay.flush())
+    stats = rlreplay.stats()
+    rlreplay.close()
+    os.unlink(filler)
+    shutil.copytree(run_dir, out)
+    print(json.dumps({"acks": acks, "stats": stats}))
+    """
+)
+
+
+def test_losses_are_counted_on_disk_when_the_disk_is_full_at_close(tmp_path: Path) -> None:
+    """The run's loss counters are the exact truth even when the disk is still full as the process
+    ends: the spans it could not write are counted in the run, not only on its stderr."""
+    disk, out = tmp_path / "disk", tmp_path / "copy"
+    disk.mkdir()
+    # a small tmpfs of its own, in a private mount namespace (as root, or as a user namespace's root)
+    user = ["--user", "--map-root-user"] if os.geteuid() != 0 else []
+    script = f'mount -t tmpfs -o size=1m rlreplay-test "$1" && exec "{sys.executable}" -c "$2" "$1" "$3"'
+    namespace = ["unshare", *user, "--mount", "--propagation", "private"]
+    proc = subprocess.run(
+        [*namespace, "sh", "-c", script, "sh", str(disk), FULL_AT_CLOSE, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["acks"] == [True, False]
+    stats = report["stats"]
+    assert stats["lost"] == 8 and stats["spans"] == 8  # step 1's spans could not be written
+    assert rlreplay.open_run(out).counters()["lost"] == stats["lost"]
