@@ -677,7 +677,8 @@ class Soak:
         self.phase("compare with the ledgers")
         # on S3, the objects themselves, mirrored by direct_count
         local = str(self.local_run or self.state / "mirror" / "soak" / "run")
-        differ, unreadable = compare_digests(local, sorted(set(listed) & set(recorded)), recorded)
+        rewards = {r["id"]: r.get("reward") for r in listed_rows}
+        differ, unreadable = compare_digests(local, sorted(set(listed) & set(recorded)), recorded, rewards)
         mismatched = len(differ & acked)
         self.phase("run index rebuild")
         index_s, shards = self.rebuild_index()
@@ -838,9 +839,12 @@ def direct_count(run_dir: Path, partials: bool) -> int:
     return len(ids)
 
 
-def compare_digests(run: str, ids: list[str], recorded: dict[str, dict]) -> tuple[set[str], set[str]]:
-    """(trajectories whose stored ids, log-probs or reward differ from what the recorder was given,
-    or whose agent span is missing; those of them whose agent output did not read back as lists)."""
+def compare_digests(
+    run: str, ids: list[str], recorded: dict[str, dict], rewards: dict[str, Any]
+) -> tuple[set[str], set[str]]:
+    """(trajectories whose stored ids, log-probs or listed reward (``rewards``, from ``ls``) differ
+    from what the recorder was given, or whose agent span is missing; those of them whose agent
+    output did not read back as lists)."""
     import rlreplay
     from rlreplay.read.filters import Filters
 
@@ -865,7 +869,7 @@ def compare_digests(run: str, ids: list[str], recorded: dict[str, dict]) -> tupl
                 differ.add(tid)  # an error marker: a token array that cannot be restored
                 unreadable.add(tid)
                 continue
-            got = digest(out["prompt_ids"], out["response_ids"], out["response_logprobs"], traj.reward)
+            got = digest(out["prompt_ids"], out["response_ids"], out["response_logprobs"], rewards.get(tid))
             if got != recorded[tid]["digest"]:
                 differ.add(tid)
     return differ, unreadable
