@@ -677,7 +677,8 @@ class Soak:
         self.phase("compare with the ledgers")
         # on S3, the objects themselves, mirrored by direct_count
         local = str(self.local_run or self.state / "mirror" / "soak" / "run")
-        differ = compare_digests(local, sorted(set(listed) & set(recorded)), recorded)
+        rewards = {r["id"]: r.get("reward") for r in listed_rows}
+        differ, unreadable = compare_digests(local, sorted(set(listed) & set(recorded)), recorded, rewards)
         mismatched = len(differ & acked)
         self.phase("run index rebuild")
         index_s, shards = self.rebuild_index()
@@ -701,6 +702,9 @@ class Soak:
             "mismatched": mismatched,
             "mismatched_examples": sorted(differ & acked)[:10],
             "listed_incomplete_not_acknowledged": len(differ - acked),
+            # listed, a token array not readable back (a reader gives an error marker and a warning)
+            "unreadable_acknowledged": len(unreadable & acked),
+            "unreadable_not_acknowledged": len(unreadable - acked),
             "phantom": phantom,
             "listing_equals_direct_count": len(listed) == direct,
             "reader_calls": dict(self.reader_calls),
@@ -835,14 +839,18 @@ def direct_count(run_dir: Path, partials: bool) -> int:
     return len(ids)
 
 
-def compare_digests(run: str, ids: list[str], recorded: dict[str, dict]) -> set[str]:
-    """Trajectories whose stored ids, log-probs or reward differ from what the recorder was given,
-    or whose agent span is missing."""
+def compare_digests(
+    run: str, ids: list[str], recorded: dict[str, dict], rewards: dict[str, Any]
+) -> tuple[set[str], set[str]]:
+    """(trajectories whose stored ids, log-probs or listed reward (``rewards``, from ``ls``) differ
+    from what the recorder was given, or whose agent span is missing; those of them whose agent
+    output did not read back as lists)."""
     import rlreplay
     from rlreplay.read.filters import Filters
 
     opened = rlreplay.open_run(run)
     differ: set[str] = set()
+    unreadable: set[str] = set()
     by_step: dict[int, list[str]] = {}
     for tid in ids:
         by_step.setdefault(recorded[tid]["step"], []).append(tid)
@@ -858,12 +866,13 @@ def compare_digests(run: str, ids: list[str], recorded: dict[str, dict]) -> set[
             if not all(
                 isinstance(out.get(k), list) for k in ("prompt_ids", "response_ids", "response_logprobs")
             ):
-                differ.add(tid)  # not the lists the agent returned (seen once in a 25-minute run)
+                differ.add(tid)  # an error marker: a token array that cannot be restored
+                unreadable.add(tid)
                 continue
-            got = digest(out["prompt_ids"], out["response_ids"], out["response_logprobs"], traj.reward)
+            got = digest(out["prompt_ids"], out["response_ids"], out["response_logprobs"], rewards.get(tid))
             if got != recorded[tid]["digest"]:
                 differ.add(tid)
-    return differ
+    return differ, unreadable
 
 
 def table(result: dict[str, Any]) -> str:
@@ -883,6 +892,8 @@ def table(result: dict[str, Any]) -> str:
         ("duplicated (must be 0)", result["duplicated"]),
         ("silently missing (must be 0)", result["silently_missing"]),
         ("ids/log-probs/reward differ (must be 0)", result["mismatched"]),
+        ("listed, token arrays unreadable: acknowledged (must be 0) / not acknowledged",
+         f"{result['unreadable_acknowledged']} / {result['unreadable_not_acknowledged']}"),
         ("listed, never recorded (must be 0)", result["phantom"]),
         ("reader calls", ", ".join(f"{k} {v}" for k, v in sorted(result["reader_calls"].items()))),
         ("reader errors (must be 0)", result["reader_errors"]),

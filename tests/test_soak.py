@@ -59,7 +59,7 @@ def test_short_soak_of_a_local_run(tmp_path: Path) -> None:
             "--processes",
             "3",
             "--duration",
-            "60",
+            "50",
             "--step-s",
             "0.3",
             "--readers",
@@ -82,7 +82,7 @@ def test_short_soak_of_a_local_run(tmp_path: Path) -> None:
 def test_short_soak_into_s3(tmp_path: Path) -> None:
     result = run_soak(
         tmp_path,
-        *("--s3", "--processes", "2", "--duration", "30", "--step-s", "1", "--readers", "1"),
+        *("--s3", "--processes", "2", "--duration", "25", "--step-s", "1", "--readers", "1"),
         *("--fault-gap", "2", "5"),
         *("--disk-mb", "512", "--no-ui"),
     )

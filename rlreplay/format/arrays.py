@@ -123,6 +123,8 @@ class Arrays:
             known = self.shared.list_prefix(values, self._last)  # no conversion of what repeats
         n = 0 if known is None else known[2]
         array = _small_ints(values) if mask else None  # 0..127: bytes() converts 3x faster than numpy
+        if array is None and known is not None and n == len(values):
+            array = known[3]  # all of it repeats an earlier span's ids: nothing to convert
         if array is None:
             rest = values[n:] if n else values
             if mask:
@@ -183,7 +185,9 @@ class Arrays:
             more, last = self.shared.cover(dtype, array[skip:] if skip else array, self._last)
             self._last = last
             refs += [[span, start, length, at + skip] for span, start, length, at in more]
-        if refs:
+        if len(refs) == 1 and refs[0][2] == len(array):
+            stored = array[:0]
+        elif refs:
             keep = np.ones(len(array), dtype=bool)
             for _, _, length, at in refs:
                 keep[at : at + length] = False
@@ -339,15 +343,17 @@ class SharedIndex:
 
 def _start_keys(stream: Any, starts: list[int]) -> list[tuple[int, int]]:
     """The ``by_first`` key (bits of its first two values) of each start that has ``MIN_SHARED``
-    values after it."""
+    values after it (a few starts: read one by one, cheaper than numpy's fancy indexing)."""
     import numpy as np
 
-    at = np.array([s for s in starts if len(stream) - s >= MIN_SHARED], dtype=np.int64)
-    if not len(at):
-        return []
     bits = stream.view(np.uint32)
-    keys = (bits[at].astype(np.uint64) << np.uint64(32)) | bits[at + 1]
-    return list(zip(keys.tolist(), at.tolist()))
+    n = len(stream)
+    keys = []
+    for start in starts:
+        if n - start >= MIN_SHARED:
+            first, second = bits[start : start + 2].tolist()
+            keys.append(((first << 32) | second, start))
+    return keys
 
 
 def _positions_of(bits: Any, keys: Any) -> Any:

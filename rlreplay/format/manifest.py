@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -69,13 +70,19 @@ def safe_run_path(run_dir: str | os.PathLike[str], *parts: str | os.PathLike[str
     return path
 
 
-def _write_tmp(path: Path, data: Any) -> Path:
+def _json_text(data: Any, pad: int = 0) -> str:
+    """``data`` as JSON text, padded with spaces to ``pad`` bytes when shorter."""
+    text = json.dumps(data, indent=2, sort_keys=True, default=str)
+    return text.ljust(pad - 1) + "\n" if pad else text
+
+
+def _write_tmp(path: Path, data: Any, pad: int = 0) -> Path:
     """``data`` as JSON in a fresh, fsynced temporary file beside ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
     try:
         with open(tmp, "x") as f:
-            json.dump(data, f, indent=2, sort_keys=True, default=str)
+            f.write(_json_text(data, pad))
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -85,9 +92,9 @@ def _write_tmp(path: Path, data: Any) -> Path:
     return tmp
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_json_atomic(path: Path, data: Any, pad: int = 0) -> None:
     """Replace ``path`` with ``data``: readers see the old or the new file, never a partial one."""
-    tmp = _write_tmp(path, data)
+    tmp = _write_tmp(path, data, pad)
     try:
         os.replace(tmp, path)
     except BaseException:
@@ -245,8 +252,31 @@ def update_manifest(run_dir: Path, **fields: Any) -> dict[str, Any]:
     return data
 
 
+#: A process's counters file is padded to this size, so that it can be rewritten in place on a full disk.
+COUNTERS_FILE_BYTES = 1024
+
+
 def write_worker_counters(run_dir: Path, key: str, counters: dict[str, Any]) -> None:
-    write_json_atomic(Path(run_dir) / WORKERS_DIR / f"{key}.json", counters)
+    """Replace a process's counters file; on a full disk, rewrite it in place (it keeps its size, so
+    no new space is needed): the losses of a process whose disk is full are counted too."""
+    path = Path(run_dir) / WORKERS_DIR / f"{key}.json"
+    try:
+        write_json_atomic(path, counters, pad=COUNTERS_FILE_BYTES)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        data = _json_text(counters, COUNTERS_FILE_BYTES).encode()
+        try:
+            f = open(path, "r+b")  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            raise exc from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if len(data) > size:
+                raise
+            f.write(data.ljust(size))
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def read_worker_counters(run_dir: Path, warnings: list[str] | None = None) -> list[dict[str, Any]]:

@@ -165,6 +165,10 @@ class PrefixCache:
         if index is not None:
             self._bytes -= index.nbytes
 
+    def clear(self) -> None:
+        self._by_trajectory.clear()
+        self._bytes = 0
+
 
 def key_parts(value: Any) -> tuple[int | None, str | None, str | None]:
     """(int value, string value, problem) for a key: ints (numpy ints too) stay ints, strings stay

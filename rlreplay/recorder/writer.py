@@ -187,7 +187,7 @@ class Recorder:
 
     def _write_rows(self, step: int | None, buf: _StepBuffer) -> int | None:
         """Append a buffer's rows to its live file: how many, or None (counted as lost) on failure."""
-        rows = buf.rows
+        rows, table = buf.rows, buf.table
         try:
             batch = buf.take_batch(self._encode_problem)
             if buf.writer is None:
@@ -195,6 +195,8 @@ class Recorder:
             buf.writer.write(batch)
         except Exception as exc:
             self.count_loss("lost", rows, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
+            for tid in {row[0] for row in table}:  # later spans must not share values that are lost
+                self._prefixes.drop(tid)
             return None
         return rows
 
@@ -318,6 +320,7 @@ class Recorder:
             self.count_loss(
                 "encode_errors", 1, "encode", f"could not encode a span: {type(exc).__name__}: {exc}"
             )
+            self._prefixes.drop(traj.id if type(traj.id) is str else format_trajectory_id(traj.id))
         else:
             buf.append(row, nbytes)
             if spilled:
@@ -396,6 +399,7 @@ class Recorder:
         self.count_loss(
             "lost", writer.rows, "gone", f"{writer.path} was removed while recording: its spans are lost"
         )
+        self._prefixes.clear()  # which trajectories had spans in it is not known: share nothing older
         with contextlib.suppress(Exception):
             writer.close()
         return True

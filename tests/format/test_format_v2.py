@@ -372,6 +372,35 @@ def test_garbage_in_a_payload_column_warns_and_the_rest_reads(
     assert agent.inputs["__type__"] == "error" and agent.output["prompt_ids"]  # the rest of the span reads
 
 
+def test_a_span_whose_shared_ids_are_not_on_disk_reads_as_an_error_marker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Never a reference handed back, never wrong ids: a model call whose prompt shares the ids of a
+    span that is gone (a file damaged outside rlreplay) reads as an ``error`` marker, with a warning."""
+    run_dir = tmp_path / "run"
+    expected = _record(run_dir, n=2, turns=3)
+    (sealed,), _ = list_files(run_dir)
+    table = pq.read_table(sealed)
+    tid = next(iter(expected))
+    rows = [
+        (r["start_ns"], i)
+        for i, r in enumerate(table.select(["trajectory_id", "kind", "start_ns"]).to_pylist())
+        if r["trajectory_id"] == tid and r["kind"] == "llm"
+    ]
+    first = min(rows)[1]
+    sealed.unlink()
+    write_sealed(table.filter(pa.array([i != first for i in range(table.num_rows)])), sealed)
+    capsys.readouterr()
+    assert main(["show", tid, "--run", str(run_dir), "--no-text", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1 and "unreadable token array" in captured.err
+    assert '"tokens"' not in captured.out  # no placeholder reaches the user
+    traj = rlreplay.open_run(run_dir).trajectory(tid)
+    llms = sorted(traj.by_kind("llm"), key=lambda s: s.start_ns)
+    assert len(llms) == 2
+    assert llms[0].inputs["prompt_ids"]["__type__"] == "error"  # it repeated the lost call's ids
+
+
 WRITER = textwrap.dedent(
     """
     import sys, time

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -231,3 +232,148 @@ def test_full_queue_drop_or_spill_is_counted(
     assert json.loads(capsys.readouterr().out)[key] == stats[key]
     assert main(["ls", str(run_dir)]) == 0
     assert f"recording losses: {key}={stats[key]}" in capsys.readouterr().out
+
+
+LOST_PREFIX = textwrap.dedent(
+    """
+    import json, resource, signal, sys
+    import rlreplay
+
+    run_dir = sys.argv[1]
+    rlreplay.init(run_dir, worker="w0")
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    unlimited = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+
+    @rlreplay.trace_op(kind="llm")
+    def generate(prompt_ids):
+        return {"token_ids": [(7 * i + len(prompt_ids)) % 151_000 for i in range(200)]}
+
+    prompts = []
+    acks = []
+    with rlreplay.trajectory(step=0, sample_index=0) as t:
+        prompt = list(range(1000, 1300))
+        first = generate(prompt)["token_ids"]
+        prompts.append(prompt)
+        # the disk fills: the batch holding the first model call is lost
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1, unlimited))
+        acks.append(rlreplay.flush())
+        resource.setrlimit(resource.RLIMIT_FSIZE, (unlimited, unlimited))
+        # the next call's prompt repeats the first call's prompt and response
+        prompt = prompt + first + [5, 6, 7]
+        generate(prompt)
+        prompts.append(prompt)
+    acks.append(rlreplay.flush())
+    stats = rlreplay.stats()
+    rlreplay.close()
+    print(json.dumps({"id": t.id, "prompts": prompts, "acks": acks, "stats": stats}))
+    """
+)
+
+
+def test_a_span_sharing_ids_with_a_lost_batch_keeps_its_own(tmp_path: Path) -> None:
+    """A model call whose prompt repeats the ids of spans in a batch the disk refused stores them
+    itself: it reads back whole, never as a reference to values that are not on disk."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", LOST_PREFIX, str(run_dir)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["acks"] == [False, True]  # the second batch reached disk whole: acknowledged
+    assert report["stats"]["lost"] == 1 and report["stats"]["spans"] == 2  # the agent's root, the 2nd call
+    recover(run_dir)
+    run = rlreplay.open_run(run_dir)
+    traj = run.trajectory(report["id"])
+    (llm,) = traj.by_kind("llm")
+    assert llm.inputs["prompt_ids"] == report["prompts"][1]
+    assert run.warnings == []
+
+
+def test_a_span_sharing_ids_with_a_removed_file_keeps_its_own(tmp_path: Path) -> None:
+    """The live file holding a trajectory's first model call is removed under the recorder: the next
+    call's prompt, which repeats those ids, is stored whole in the new file."""
+    run_dir = tmp_path / "run"
+
+    @rlreplay.trace_op(kind="llm")
+    def complete(prompt_ids: list[int]) -> dict:
+        return {"token_ids": [(5 * i + len(prompt_ids)) % 151_000 for i in range(200)]}
+
+    rlreplay.init(run_dir, worker="w0")
+    with rlreplay.trajectory(step=0, sample_index=0) as t:
+        prompt = list(range(2000, 2300))
+        first = complete(prompt)["token_ids"]
+        assert rlreplay.flush()
+        (live,) = list_files(run_dir, step=0)[1]
+        live.unlink()
+        assert not rlreplay.flush()  # it finds the file gone: its span is lost
+        prompt = prompt + first + [1, 2]
+        complete(prompt)
+    assert rlreplay.flush()
+    stats = rlreplay.stats()
+    rlreplay.close()
+    assert stats["lost"] == 1 and stats["spans"] == 2
+    run = rlreplay.open_run(run_dir)
+    (llm,) = run.trajectory(t.id).by_kind("llm")
+    assert llm.inputs["prompt_ids"] == prompt
+    assert run.warnings == []
+
+
+FULL_AT_CLOSE = textwrap.dedent(
+    """
+    import json, os, shutil, sys
+    import rlreplay
+
+    disk, out = sys.argv[1], sys.argv[2]
+    run_dir = os.path.join(disk, "run")
+    rlreplay.init(run_dir, worker="w0")
+
+    @rlreplay.trace_op(kind="tool")
+    def tool(x):
+        return x + 1
+
+    def record(step):
+        for i in range(4):
+            with rlreplay.trajectory(step=step, sample_index=i):
+                tool(i)
+
+    record(0)
+    acks = [rlreplay.flush()]
+    filler = os.path.join(disk, "filler")
+    with open(filler, "wb", buffering=0) as f:  # the disk fills up, and stays full until after close
+        try:
+            while True:
+                f.write(bytes(4096))
+        except OSError:
+            pass
+    record(1)
+    acks.append(rlreplay.flush())
+    stats = rlreplay.stats()
+    rlreplay.close()
+    os.unlink(filler)
+    shutil.copytree(run_dir, out)
+    print(json.dumps({"acks": acks, "stats": stats}))
+    """
+)
+
+
+def test_losses_are_counted_on_disk_when_the_disk_is_full_at_close(tmp_path: Path) -> None:
+    """The run's loss counters are the exact truth even when the disk is still full as the process
+    ends: the spans it could not write are counted in the run, not only on its stderr."""
+    disk, out = tmp_path / "disk", tmp_path / "copy"
+    disk.mkdir()
+    # a small tmpfs of its own, in a private mount namespace (as root, or as a user namespace's root)
+    user = ["--user", "--map-root-user"] if os.geteuid() != 0 else []
+    script = f'mount -t tmpfs -o size=1m rlreplay-test "$1" && exec "{sys.executable}" -c "$2" "$1" "$3"'
+    namespace = ["unshare", *user, "--mount", "--propagation", "private"]
+    proc = subprocess.run(
+        [*namespace, "sh", "-c", script, "sh", str(disk), FULL_AT_CLOSE, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["acks"] == [True, False]
+    stats = report["stats"]
+    assert stats["lost"] == 8 and stats["spans"] == 8  # step 1's spans could not be written
+    assert rlreplay.open_run(out).counters()["lost"] == stats["lost"]

@@ -122,8 +122,13 @@ def test_values_that_are_not_plain_ints_or_float32_read_back_as_given(tmp_path: 
         generate(prompt_ids=base, reply={"token_ids": more})
         generate(prompt_ids=shadow, reply=cases)
         generate(prompt_ids=[float(x) for x in base], reply={"token_ids": [*base, *more, *base]})
+        # each the start of the previous call's ids, whole: the first as lists compare only
+        generate(prompt_ids=shadow[: len(base)], reply={"token_ids": [*base, *more]})
     rlreplay.close()
-    _first, second, third = _spans(run_dir)
+    _first, second, third, fourth = _spans(run_dir)
+    assert fourth.inputs["prompt_ids"] == base
+    assert [type(x) for x in fourth.inputs["prompt_ids"]] == [type(x) for x in shadow[: len(base)]]
+    assert fourth.output["token_ids"] == [*base, *more]
     assert second.inputs["prompt_ids"] == shadow
     assert [type(x) for x in second.inputs["prompt_ids"]] == [type(x) for x in shadow]
     for key, values in cases.items():
