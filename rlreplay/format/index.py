@@ -393,7 +393,7 @@ def read(path: Path, shard_bytes: int) -> pa.Table | None:
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(path, page_checksum_verification=True)
         schema = pf.schema_arrow  # checked before any row is read
         metadata = schema.metadata or {}
         if metadata.get(INDEX_KEY) != INDEX_VERSION or schema.names != INDEX_SCHEMA.names:
@@ -420,6 +420,7 @@ def write(index: pa.Table, path: Path, shard_bytes: int) -> None:
             compression="zstd",
             use_dictionary=False,
             write_statistics=False,
+            write_page_checksum=True,
         )
         f.flush()
         os.fsync(f.fileno())
@@ -432,7 +433,7 @@ def write(index: pa.Table, path: Path, shard_bytes: int) -> None:
 #: :func:`run_index_paths`' user cache folder).
 RUN_INDEX = "_trajectories.index"
 RUN_INDEX_KEY = b"rlreplay.run_index_version"
-RUN_INDEX_VERSION = b"1"
+RUN_INDEX_VERSION = b"2"  # 2: pages carry checksums (damage that still decodes is caught)
 COVERED_KEY = b"rlreplay.run_index_shards"
 #: Runs with fewer sealed shards are listed from their shards' own index files, fast enough.
 RUN_INDEX_MIN_SHARDS = 32
@@ -461,7 +462,8 @@ def read_run_index(
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        # a damaged page may still decode (to other ids): its checksum tells
+        pf = pq.ParquetFile(path, page_checksum_verification=True)
         metadata = pf.schema_arrow.metadata or {}
         if metadata.get(RUN_INDEX_KEY) != RUN_INDEX_VERSION or metadata.get(INDEX_KEY) != INDEX_VERSION:
             return None
@@ -522,6 +524,7 @@ def write_run_index(rows: pa.Table, covered: dict[str, list[int]], path: Path) -
             tmp,
             compression="snappy",
             row_group_size=RUN_INDEX_ROW_GROUP,
+            write_page_checksum=True,
         )
         os.replace(tmp, path)
     finally:

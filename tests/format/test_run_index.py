@@ -302,3 +302,65 @@ def test_a_read_only_run_is_listed_and_indexed_in_the_user_cache(
             if path.is_dir():
                 path.chmod(0o755)
         shutil.rmtree(top)
+
+
+def test_a_run_index_damaged_where_it_still_parses_is_ignored_and_rebuilt(
+    run_dir: Path, base_run: tuple[Path, pa.Table]
+) -> None:
+    import pyarrow.parquet as pq
+
+    # 128 trajectories: every 7-bit dictionary index names one of them, so damaged indices decode
+    sample = rlreplay.open_run(SAMPLE).spans(step=0)
+    more_ids = sorted(set(sample["trajectory_id"].to_pylist()))[: 128 - SHARDS * PER_SHARD]
+    more = _retag(sample.filter(pc.is_in(sample["trajectory_id"], pa.array(more_ids))), "more", SHARDS)
+    _write(run_dir, more, SHARDS)
+    want = expected(base_run[1], more.cast(SPAN_SCHEMA))
+    assert len(want) == 128
+    assert listed(rlreplay.open_run(run_dir).trajectories()) == want
+    path = run_dir / tindex.RUN_INDEX
+    meta = pq.ParquetFile(path).metadata
+    assert meta.num_row_groups == 1
+    chunk = meta.row_group(0).column(tindex.INDEX_SCHEMA.get_field_index("id"))
+    end = (chunk.dictionary_page_offset or chunk.data_page_offset) + chunk.total_compressed_size
+    data = bytearray(path.read_bytes())
+    data[end - 30 : end - 10] = bytes(b ^ 0xFF for b in data[end - 30 : end - 10])  # the ids' indices
+    path.write_bytes(bytes(data))
+    damaged = pq.read_table(path)["id"].to_pylist()  # it still parses, to ids repeated and lost
+    assert len(damaged) == 128 and len(set(damaged)) < 128
+
+    run = rlreplay.open_run(run_dir)
+    ids = run.trajectories()["id"].to_pylist()
+    assert sorted(ids) == sorted(want)
+    assert listed(run.trajectories()) == want
+    assert [w for w in run.warnings if "run index" in w] == run.warnings and len(run.warnings) == 1
+    assert len(set(pq.read_table(path)["id"].to_pylist())) == 128  # replaced by a good one
+    again = rlreplay.open_run(run_dir)
+    assert listed(again.trajectories()) == want and not again.warnings
+
+
+def test_a_shard_index_damaged_where_it_still_parses_is_ignored(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    spans = rlreplay.open_run(SAMPLE).spans(step=0).cast(SPAN_SCHEMA)
+    run = tmp_path / "run"
+    shard = _write(run, spans, 0)
+    (run / "run.json").write_text('{"format_version": 2}')
+    want = expected(spans)
+    path = tindex.index_path(shard)
+    good = path.read_bytes()
+    good_ids = pq.read_table(path)["id"].to_pylist()
+    chunk = pq.ParquetFile(path).metadata.row_group(0).column(tindex.INDEX_SCHEMA.get_field_index("id"))
+    for at in range(chunk.data_page_offset + 8, chunk.data_page_offset + chunk.total_compressed_size - 8):
+        data = bytearray(good)
+        data[at : at + 4] = bytes(b ^ 0x5A for b in data[at : at + 4])
+        path.write_bytes(bytes(data))
+        try:
+            if pq.read_table(path)["id"].to_pylist() != good_ids:
+                break  # damaged, yet it decodes: to other ids
+        except (OSError, pa.ArrowException):
+            continue
+    else:
+        pytest.fail("no damage to the ids' page that still decodes")
+    run_ = rlreplay.open_run(run)
+    assert listed(run_.trajectories()) == want
+    assert listed(run_.trajectories(step=0)) == want
