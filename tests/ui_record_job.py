@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import qwen_tokenizer_dir as tokenizer_dir
+from support import qwen_tokenizer_dir as tokenizer_dir
 
 import rlreplay
 from rlreplay.format import manifest

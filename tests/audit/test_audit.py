@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from audit_truth import verl_sample_truth
-from conftest import qwen_tokenizer_dir
+from support import qwen_tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, SAMPLES, ROLLOUTS = 4, 6, 4

@@ -190,7 +190,7 @@ def test_tools_in_parquet_match_jsonl(tmp_path: Path) -> None:
 
 def test_export_columns_keep_their_types_across_runs(recorded_run: Path, tmp_path: Path) -> None:
     """A run without advantages, tool schemas or experiment types those columns as any other run does."""
-    from conftest import qwen_tokenizer_dir
+    from support import qwen_tokenizer_dir
 
     runs = [SAMPLE_RUNS / "verl-toolagent-smollm2", SAMPLE_RUNS / "gsm8k-grpo-qwen3", recorded_run]
     schemas = []

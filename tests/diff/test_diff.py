@@ -16,7 +16,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from conftest import qwen_tokenizer_dir
+from support import qwen_tokenizer_dir
 
 import rlreplay
 from rlreplay.cli.main import main

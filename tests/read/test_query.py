@@ -683,7 +683,7 @@ def test_export_loads_with_datasets(
 
 
 def test_export_text_matches_the_token_ids(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from conftest import qwen_tokenizer_dir
+    from support import qwen_tokenizer_dir
     from tokenizers import Tokenizer
 
     out = tmp_path / "x.jsonl"
@@ -783,7 +783,7 @@ def test_string_keys_export_loads_with_datasets(
     string_key_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import datasets
-    from conftest import qwen_tokenizer_dir
+    from support import qwen_tokenizer_dir
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     for fmt in ("jsonl", "parquet"):

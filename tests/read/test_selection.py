@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from conftest import ROLLOUTS, TRAIN_SAMPLES, TRAIN_STEPS, VAL_ROLLOUTS, VAL_SAMPLES, VAL_STEPS
+from support import ROLLOUTS, TRAIN_SAMPLES, TRAIN_STEPS, VAL_ROLLOUTS, VAL_SAMPLES, VAL_STEPS
 
 import rlreplay
 from rlreplay.read import selection

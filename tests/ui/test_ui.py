@@ -34,7 +34,6 @@ CHROMIUM = "/usr/bin/chromium"
 DOCS_SHOT = HERE.parent / "docs" / "ui-overview.png"
 
 sys.path.insert(0, str(HERE))
-from conftest import serving  # noqa: E402
 from ui_record_job import (  # noqa: E402
     HOSTILE_ARG,
     HOSTILE_ERROR,
@@ -42,6 +41,7 @@ from ui_record_job import (  # noqa: E402
     HOSTILE_TEXT,
     tokenizer_dir,
 )
+from ui_support import serving  # noqa: E402
 
 QWEN = tokenizer_dir()
 ODD_NAME = "odd <b>run #1?"

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import qwen_tokenizer_dir
+from support import qwen_tokenizer_dir
 
 from rlreplay.read.open import open_run
 from rlreplay.ui import data

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from audit_truth import verl_sample_truth
-from conftest import serving
+from ui_support import serving
 
 VERL = Path(__file__).parents[2] / "sample_runs" / "verl-toolagent-smollm2"
 CHROMIUM = "/usr/bin/chromium"

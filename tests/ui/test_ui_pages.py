@@ -7,7 +7,7 @@ import re
 import urllib.request
 from pathlib import Path
 
-from conftest import SHOWCASE, TREND, cli_json, screenshot
+from ui_support import SHOWCASE, TREND, cli_json, screenshot
 
 
 def _get(url: str) -> str:

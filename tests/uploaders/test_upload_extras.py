@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import run_without
+from support import run_without
 
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3"
 BLOCKED = {"mlflow": "mlflow", "weave": "weave", "otlp": "opentelemetry.proto", "trackio": "trackio"}

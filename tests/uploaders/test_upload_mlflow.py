@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import EXPERIMENT, VAL_STEPS, qwen_tokenizer_dir
+from support import EXPERIMENT, VAL_STEPS, qwen_tokenizer_dir
 
 import rlreplay
 from rlreplay.cli.main import main

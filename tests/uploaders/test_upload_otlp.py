@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import _free_port, qwen_tokenizer_dir
+from support import free_port, qwen_tokenizer_dir
 
 import rlreplay
 from rlreplay.cli.main import main
@@ -57,13 +57,13 @@ def phoenix_executable() -> Path:
 def phoenix(tmp_path_factory: pytest.TempPathFactory):
     """A real Phoenix server on 127.0.0.1; yields its base URL."""
     home = tmp_path_factory.mktemp("phoenix")
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "PHOENIX_WORKING_DIR": str(home),
         "PHOENIX_HOST": "127.0.0.1",
         "PHOENIX_PORT": str(port),
-        "PHOENIX_GRPC_PORT": str(_free_port()),
+        "PHOENIX_GRPC_PORT": str(free_port()),
         "PHOENIX_TELEMETRY_ENABLED": "false",
         "PHOENIX_ALLOW_EXTERNAL_RESOURCES": "false",
     }
@@ -310,7 +310,7 @@ def test_collector_killed_mid_upload_then_resumed_loses_and_duplicates_nothing(
     phoenix: str, run_copy: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     project = f"kill-{uuid.uuid4().hex[:8]}"
-    port = _free_port()
+    port = free_port()
     first = CountingProxy(phoenix, port=port, die_after=2)
     args = [str(run_copy), "--backend", "otlp", "--endpoint", first.url, "--project", project]
     args += ["--max-samples", "2", "--batch-size", "3"]

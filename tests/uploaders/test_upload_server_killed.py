@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import _free_port
+from support import free_port
 from test_upload_mlflow import MAX_SAMPLES, check_max_samples_upload, traj_id
 from weave_loopback import WeaveLoopback
 
@@ -116,7 +116,7 @@ def otlp_trace_ids(bodies: list[bytes]) -> Counter[str]:
 def test_mlflow_server_gone_mid_upload_then_back(
     mlflow_server: str, run_copy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    port = _free_port()
+    port = free_port()
     first = ForwardingProxy(mlflow_server, "/v1/traces", port=port, die_after=2)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", first.url)
     project = f"gone-{uuid.uuid4().hex[:8]}"
@@ -149,7 +149,7 @@ def test_weave_server_gone_mid_upload_then_back(
     monkeypatch.setenv("WANDB_API_KEY", WEAVE_KEY)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     with WeaveLoopback(api_key=WEAVE_KEY) as lb:
-        port = _free_port()
+        port = free_port()
         first = ForwardingProxy(lb.url, "/v2/", port=port, die_after=2)
         monkeypatch.setenv("WF_TRACE_SERVER_URL", first.url)
         args = [str(run_copy), "--backend", "weave", "--project", "team/gone", "--max-samples", "2"]

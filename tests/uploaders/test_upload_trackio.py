@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import qwen_tokenizer_dir
+from support import qwen_tokenizer_dir
 
 import rlreplay
 from rlreplay.uploaders.base import LEDGER_DIR

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import qwen_tokenizer_dir
+from support import qwen_tokenizer_dir
 
 import rlreplay
 from rlreplay.cli.main import main
