@@ -109,7 +109,11 @@ def test_block_runs(block: Block, scratch: Path, capsys: pytest.CaptureFixture[s
     assert proc.returncode == 0, f"{block.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr
     shipped = ROOT / "sample_runs"
-    for run in ("gsm8k-grpo-qwen3", "verl-toolagent-smollm2"):  # the copies were not changed either
+    for run in (
+        "gsm8k-grpo-qwen3",
+        "verl-toolagent-smollm2",
+        "verl-arith-smollm2",
+    ):  # the copies were not changed either
         assert sorted(p.name for p in (scratch / "sample_runs" / run).iterdir()) == sorted(
             p.name for p in (shipped / run).iterdir()
         )
