@@ -53,6 +53,7 @@ def smollm2_with_qwen3_template() -> Any:
 #: shipped sample run -> the tokenizer and chat template its prompts were rendered with
 RUNS = {
     "verl-toolagent-smollm2": smollm2_with_qwen3_template,
+    "verl-arith-smollm2": smollm2_with_qwen3_template,
     "gsm8k-grpo-qwen3": qwen3,
 }
 

@@ -17,7 +17,7 @@ from typing import Any
 TESTS = Path(__file__).parents[1]
 REPO = TESTS.parent
 #: The run the page tests drive (switch to the showcase verl run when it lands).
-SHOWCASE = REPO / "sample_runs" / "verl-toolagent-smollm2"
+SHOWCASE = REPO / "sample_runs" / "verl-arith-smollm2"
 TREND = "trend"
 CHROMIUM = "/usr/bin/chromium"
 SCREENSHOTS = REPO / "docs" / "screenshots"
