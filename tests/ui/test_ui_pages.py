@@ -353,3 +353,36 @@ def test_long_response_minimap_and_tooltips_across_blocks(ui_url, ui_runs: Path,
     target.hover()
     assert f"#{k} id {ids[k]} " in tab.inner_text("#tip")  # its index counted across blocks
     assert tab.errors == []
+
+
+def test_showcase_run_has_data_in_every_overlay(ui_url, tab) -> None:
+    """The shipped verl run (bfloat16 rollout, float32 trainer): mask, rollout log-prob and
+    trainer-vs-rollout overlays are all on, and a token's tooltip gives both log-probs."""
+    from rlreplay.read.open import open_run
+
+    row = next(
+        r
+        for r in cli_json("ls", str(SHOWCASE), "--step", "1", "--train")
+        if (r["sample_index"], r["rollout_n"]) == (1001, 0)
+    )
+    traj = open_run(SHOWCASE).trajectory(row["id"])
+    agent = next(s.output for s in traj.spans if s.kind == "agent")
+    trainer = next(s.output["old_log_probs"] for s in traj.spans if s.kind == "signals")
+    rollout = agent["response_logprobs"]
+    diffs = [abs(t - r) if t is not None and r is not None else -1.0 for t, r in zip(trainer, rollout)]
+    k = max(range(len(diffs)), key=diffs.__getitem__)
+    assert diffs[k] > 0  # bfloat16 against float32 differ somewhere
+
+    tab.goto(f"{ui_url}/r/{SHOWCASE.name}/t/{row['id']}")
+    tab.wait_for_selector("#tokens")
+    for overlay in ("mask", "logprob", "mismatch"):
+        assert tab.locator(f"#overlay-switch input[value={overlay}]").is_enabled(), overlay
+    tab.check("#overlay-switch input[value=mismatch]")
+    assert tab.locator("#legend .lg-mismatch").is_visible()
+    tab.locator("#timeline").evaluate("e => e.scrollIntoView({block: 'start'})")
+    tab.locator("#tokens .tk").nth(k).hover()
+    tip = tab.inner_text("#tip")
+    assert f"#{k} id {agent['response_ids'][k]}" in tip
+    assert f"logprob {rollout[k]:.4f}" in tip and f"trainer {trainer[k]:.4f}" in tip
+    assert f"|Δ| {diffs[k]:.4f}" in tip
+    assert tab.errors == []
