@@ -376,6 +376,7 @@ def _wait_for_batch_on_disk(worker: Any) -> None:
 
     @functools.wraps(original)
     async def generate_sequences(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _unshare_rows(args[0] if args else kwargs.get("batch"))
         output = await original(self, *args, **kwargs)
         try:
             import asyncio
@@ -393,6 +394,32 @@ def _wait_for_batch_on_disk(worker: Any) -> None:
 
     setattr(generate_sequences, _MARK, True)
     worker.generate_sequences = generate_sequences
+
+
+def _unshare_rows(batch: Any) -> None:
+    """Under a replay, give each row of ``batch`` its own copy of a dict it shares with other rows.
+
+    ``DataProto.repeat`` puts one ``extra_info`` dict in every rollout of a prompt, and verl's reward
+    managers add to it in place (``extra_info.update(tool_extra_fields)``, ``["num_turns"]``). A
+    served agent loop ends at once, so its reward would change the inputs of its prompt's rollouts
+    that have not started yet, and they would diverge from the recording.
+    """
+    from rlreplay.recorder.api import get_replay
+
+    if get_replay() is None:
+        return
+    try:
+        for column in getattr(batch, "non_tensor_batch", {}).values():
+            if getattr(getattr(column, "dtype", None), "kind", None) != "O":
+                continue
+            seen: set[int] = set()
+            for i, value in enumerate(column):
+                if isinstance(value, dict):
+                    if id(value) in seen:
+                        column[i] = dict(value)
+                    seen.add(id(value))
+    except Exception as exc:
+        log.warning("rlreplay: could not copy a batch's shared rows: %s", exc)
 
 
 _in_flight = [0]  # agent loops open in this process

@@ -447,6 +447,11 @@ def _trajectory_meta(name: str) -> OpMeta:
     return OpMeta(name=name, kind=KIND_TRAJECTORY)
 
 
+def get_replay() -> Any:
+    """The Cassette served from, or None when no replay is on."""
+    return _replay
+
+
 def set_replay(cassette: Any) -> Any:
     """Serve recorded ops from ``cassette`` (``rlreplay.recorder.replay.Cassette``; None: stop);
     returns the one it replaces."""
