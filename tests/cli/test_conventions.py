@@ -27,7 +27,11 @@ def test_dash_h_is_help_everywhere() -> None:
 
 
 def test_shell_completion_script() -> None:
-    proc = rlreplay("--show-completion", "bash")
+    """Typer names the shell it runs under: run it under bash (not exec'd, so bash is its parent)."""
+    import shlex
+
+    cmd = f"{shlex.quote(sys.executable)} -m rlreplay --show-completion; exit $?"
+    proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "complete" in proc.stdout and "rlreplay" in proc.stdout
 
