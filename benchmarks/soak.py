@@ -381,8 +381,10 @@ class Soak:
         kinds = ["kill-mid", "kill-cold", "kill-sealing", "disk-full", "corrupt"]
         if self.store is not None:
             kinds.append("store-outage")
+        deck: list[str] = []  # every kind once, in a seeded order, before any kind again
         while not self.stop.wait(self.rng.uniform(*self.args.fault_gap)):
-            kind = self.rng.choice(kinds)
+            deck = deck or self.rng.sample(kinds, len(kinds))
+            kind = deck.pop()
             try:
                 getattr(self, "fault_" + kind.replace("-", "_"))()
             except Exception as exc:  # a fault that could not be made is reported, not fatal

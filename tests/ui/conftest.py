@@ -36,7 +36,7 @@ def ui_url(ui_runs: Path) -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # Playwright's sync API holds an event loop while open
 def chrome() -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
