@@ -163,7 +163,7 @@ def build_pair(
 
 
 DUCKDB = """
-import json, resource, sys, time
+import glob, json, resource, sys, time
 import duckdb
 a, b = sys.argv[1], sys.argv[2]
 t = time.perf_counter()
@@ -177,12 +177,16 @@ body = '''
              || coalesce(regexp_replace(output, '"[0-9a-f]{{16}}"', '""', 'g'), '')
              || coalesce(cast(token_ids as varchar), '') || coalesce(cast(token_logprobs as varchar), ''),
              '|' order by start_ns)) as body
-  from read_parquet('{run}/spans/*/*/*.parquet', hive_partitioning = false)
+  from read_parquet('{run}/spans/{part}/*/*.parquet', hive_partitioning = false)
   where kind != 'signals' group by all'''
-same, total = con.execute(
-    f"select count(*) filter (where a.body = b.body), count(*) from ({body.format(run=a)}) a "
-    f"join ({body.format(run=b)}) b using (step, sample_index, rollout_n, validate)"
-).fetchone()
+# a step at a time, as compare reads them: the whole run at once holds every span's text in memory
+same = total = 0
+for part in sorted(p.rsplit("/", 1)[1] for p in glob.glob(f"{a}/spans/step=*")):
+    s, n = con.execute(
+        f"select count(*) filter (where a.body = b.body), count(*) from ({body.format(run=a, part=part)}) a "
+        f"join ({body.format(run=b, part=part)}) b using (step, sample_index, rollout_n, validate)"
+    ).fetchone()
+    same, total = same + s, total + n
 took = time.perf_counter() - t
 print(json.dumps({"s": took, "same": same, "pairs": total}))
 """
