@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from rlreplay.ui.data import (
     NotFound,
     RunSet,
     RunView,
+    one_look,
     paginate,
     run_base,
     select,
@@ -332,7 +334,11 @@ class UI:
         shown_steps = steps[-PROMPT_STEPS_SHOWN:]
         rows = [r for r in rows if r["step"] in shown_steps]
         decoder, adapter = view.decoder(), view.adapter()
-        loaded = {t.id: t for t in view.run.load([r["id"] for r in rows], Filters(sample_index=key))}
+        # only the shown steps' files (their partitions), only the row groups holding these rollouts
+        ints = [s for s in shown_steps if isinstance(s, int)]
+        step_filter = ints if len(ints) == len(shown_steps) else None
+        wanted = Filters(step=step_filter, sample_index=key)
+        loaded = {t.id: t for t in view.run.load([r["id"] for r in rows], wanted)}
         question = ""
         by_step: dict[Any, list[dict[str, Any]]] = {}
         for r in sorted(rows, key=lambda r: r["rollout_n"] or 0):
@@ -341,7 +347,6 @@ class UI:
             question = question or next((m.content for m in msgs if m.role == "user"), "")
             answer = next((m.content for m in reversed(msgs) if m.role == "assistant"), "")
             by_step.setdefault(r["step"], []).append({**r, "answer": answer})
-        ints = [s for s in shown_steps if isinstance(s, int)]
         means = []
         for s in ints:
             known = [r["reward"] for r in by_step[s] if r["reward"] is not None]
@@ -440,10 +445,7 @@ class UI:
         decoder = view.decoder()
         group = diff_group(view.run, traj, decoder)
         ids = [m.side.id for m in group.members]
-        from rlreplay.read.filters import Filters
-
-        step = traj.step if isinstance(traj.step, int) else None
-        loaded = {t.id: t for t in view.run.load(ids, Filters(step=step))}
+        loaded = group.loaded
         table = view.listing()
         rows = {r["id"]: r for r in table.filter(pc.is_in(table["id"], pa.array(ids))).to_pylist()}
         adapter = view.adapter()
@@ -663,6 +665,17 @@ def _traj_crumbs(view: RunView, traj: Any) -> list[tuple[str, str | None]]:
     return crumbs
 
 
+def looked_once(handler: Any) -> Any:
+    """The page handler, looking at each run's files once per request."""
+
+    @functools.wraps(handler)
+    def page(request: Request) -> Response:
+        with one_look():
+            return handler(request)
+
+    return page
+
+
 def create_app(
     root: str | os.PathLike[str],
     poll_ms: int = 1500,
@@ -690,15 +703,15 @@ def create_app(
     routes = [
         Route("/", ui.index),
         Route("/api/version", ui.root_version),
-        Route("/r/{run}/", ui.overview),
-        Route("/r/{run}/trajectories", ui.trajectories),
-        Route("/r/{run}/t/{tid}", ui.trajectory),
-        Route("/r/{run}/group/{tid}", ui.group),
-        Route("/r/{run}/prompt", ui.prompt),
-        Route("/r/{run}/diff", ui.diff),
-        Route("/r/{run}/findings", ui.findings),
-        Route("/r/{run}/compare", ui.compare),
-        Route("/r/{run}/api/version", ui.version),
+        Route("/r/{run}/", looked_once(ui.overview)),
+        Route("/r/{run}/trajectories", looked_once(ui.trajectories)),
+        Route("/r/{run}/t/{tid}", looked_once(ui.trajectory)),
+        Route("/r/{run}/group/{tid}", looked_once(ui.group)),
+        Route("/r/{run}/prompt", looked_once(ui.prompt)),
+        Route("/r/{run}/diff", looked_once(ui.diff)),
+        Route("/r/{run}/findings", looked_once(ui.findings)),
+        Route("/r/{run}/compare", looked_once(ui.compare)),
+        Route("/r/{run}/api/version", looked_once(ui.version)),
         Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"),
     ]
     middleware = []

@@ -6,11 +6,14 @@ names a run by a name found there and a trajectory by its hex id.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -91,7 +94,7 @@ class RunSet:
 def file_signature(run_dir: Path) -> tuple[Any, ...]:
     """(name, size, mtime) of every span and counter file: changes whenever anything is written."""
     out: list[tuple[str, int, int]] = []
-    stack = [run_dir / SPANS_DIR, run_dir / WORKERS_DIR]
+    stack = [os.path.join(run_dir, SPANS_DIR), os.path.join(run_dir, WORKERS_DIR)]
     while stack:
         folder = stack.pop()
         try:
@@ -101,7 +104,7 @@ def file_signature(run_dir: Path) -> tuple[Any, ...]:
         for entry in entries:
             try:
                 if entry.is_dir(follow_symlinks=False):
-                    stack.append(Path(entry.path))
+                    stack.append(entry.path)
                 elif entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
                     out.append((entry.path, st.st_size, st.st_mtime_ns))
@@ -109,6 +112,21 @@ def file_signature(run_dir: Path) -> tuple[Any, ...]:
                 continue
     out.sort()
     return tuple(out)
+
+
+#: the runs whose files were looked at in this request (None outside one)
+_looked: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar("looked", default=None)
+
+
+@contextlib.contextmanager
+def one_look() -> Iterator[None]:
+    """Within: each run's files are looked at once, so that a page shows one version of a run
+    and does not list a big run's files again for every part of it."""
+    token = _looked.set(set())
+    try:
+        yield
+    finally:
+        _looked.reset(token)
 
 
 def run_base(name: str) -> str:
@@ -169,7 +187,13 @@ class RunView:
 
         When re-reading took long (a big run being recorded), pages keep the previous listing
         while a background thread reads the new one; ``version`` changes when it is ready.
+        Within :func:`one_look`, the files are looked at once.
         """
+        looked = _looked.get()
+        if looked is not None and id(self) in looked and self._listing is not None:
+            return self._listing[1]
+        if looked is not None:
+            looked.add(id(self))
         remote = getattr(self.run, "file_signature", None)  # a run on an object store: its objects
         sig = remote() if callable(remote) else file_signature(self.run.path)
         cached = self._listing
@@ -205,7 +229,6 @@ class RunView:
     def trajectory(self, ref: str) -> Any:
         """One trajectory by id or unique prefix; the cached listing tells its step, so only that
         step's files are read."""
-        from rlreplay.model import trajectory_from_table
         from rlreplay.read.filters import Filters
 
         if not re.fullmatch(r"[0-9a-fA-F]{1,64}", ref or ""):
@@ -214,9 +237,10 @@ class RunView:
         table = self.listing()
         found = table.filter(pc.starts_with(table["id"], ref)).select(["id", "step"]).to_pylist()
         if len(found) == 1 and isinstance(found[0]["step"], int):
-            spans = self.run.spans(Filters(step=found[0]["step"], trajectory_id=found[0]["id"]))
-            if spans.num_rows:
-                return trajectory_from_table(spans)
+            # the step's index tells the row groups that hold it: only these are read
+            loaded = self.run.load([found[0]["id"]], Filters(step=found[0]["step"]))
+            if loaded:
+                return loaded[0]
         try:
             return self.run.trajectory(ref)
         except RunError as exc:
