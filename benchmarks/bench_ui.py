@@ -41,8 +41,12 @@ def build_run(run_dir: Path, steps: int, per_step: int) -> int:
     replicas = max(1, per_step // n_base)
     parts = []
     for r in range(replicas):
+        # characters 4-8 tell the replica (0-4 the step, set below): every trajectory id is unique
         ids = pc.binary_join_element_wise(
-            pa.scalar(f"{r:04x}"), pc.utf8_slice_codeunits(base["trajectory_id"], 4), ""
+            pc.utf8_slice_codeunits(base["trajectory_id"], 0, 4),
+            pa.scalar(f"{r:04x}"),
+            pc.utf8_slice_codeunits(base["trajectory_id"], 8),
+            "",
         )
         part = base.set_column(base.schema.get_field_index("trajectory_id"), "trajectory_id", ids)
         part = part.set_column(
@@ -189,7 +193,11 @@ def big_pages(steps: int, per_step: int, keep: Path | None = None) -> None:
             row("step page (step 150)", median(server, later, 3), "median of 3")
             sample = rlreplay.open_run(run_dir).trajectories(step=0)["sample_index"][0].as_py()
             prompt = "/r/big/prompt?" + urlencode({"sample_index": sample, "split": "train"})
-            row("prompt history (latest 50 steps)", median(server, prompt, 3), "median of 3")
+            row(
+                "prompt history (its latest steps: 50 before, a page of 10 after)",
+                median(server, prompt, 3),
+                "median of 3",
+            )
 
             run = rlreplay.open_run(run_dir)
             t = time.perf_counter()

@@ -155,6 +155,7 @@ class RunView:
         self._findings: tuple[pa.Table, Any] | None = None
         self._listing_findings: tuple[pa.Table, list[Any]] | None = None
         self._stats: tuple[pa.Table, list[dict[str, Any]]] | None = None
+        self._checks: list[Any] | None = None
         self._prompts: dict[str, str] = {}
 
     def version(self) -> str:
@@ -215,6 +216,10 @@ class RunView:
                     return cached[1]
                 start = time.perf_counter()
                 table = listing(self.run)
+                # what every page shows from a listing is ready before it is: a page never waits
+                # for the per-step stats or the listing checks (seconds on a big run)
+                self._stats = (table, step_stats(table))
+                self._listing_findings = (table, self._check_listing(table))
                 self._build_s = time.perf_counter() - start
                 self._listing = (sig, table)
                 return table
@@ -272,9 +277,7 @@ class RunView:
         table = self.listing()
         cached = self._findings
         if cached is None or cached[0] is not table:
-            report = engine.audit(
-                self.run, table, list(engine.available().values()), tokenizer=self.tokenizer
-            )
+            report = engine.audit(self.run, table, self.checks(), tokenizer=self.tokenizer)
             self._findings = cached = (table, report)
         return cached[1]
 
@@ -299,16 +302,27 @@ class RunView:
 
     def listing_findings(self) -> list[Any]:
         """What the checks over the listing find (the whole audit's findings once it ran)."""
-        from rlreplay.audit import engine
-        from rlreplay.audit.finding import OVER_LISTING
-
         table = self.listing()
         if self._findings is not None and self._findings[0] is table:
             return list(self._findings[1].findings)
         if self._listing_findings is None or self._listing_findings[0] is not table:
-            over_listing = [c for c in engine.available().values() if c.over == OVER_LISTING]
-            self._listing_findings = (table, engine.audit(self.run, table, over_listing).findings)
+            self._listing_findings = (table, self._check_listing(table))
         return self._listing_findings[1]
+
+    def _check_listing(self, table: pa.Table) -> list[Any]:
+        from rlreplay.audit import engine
+        from rlreplay.audit.finding import OVER_LISTING
+
+        over_listing = [c for c in self.checks() if c.over == OVER_LISTING]
+        return engine.audit(self.run, table, over_listing).findings
+
+    def checks(self) -> list[Any]:
+        """The installed audit checks, found once (looking up plug-ins takes 0.1-0.3 s)."""
+        from rlreplay.audit import engine
+
+        if self._checks is None:
+            self._checks = list(engine.available().values())
+        return self._checks
 
     def trajectory_findings(self, traj: Any) -> list[Any]:
         """What the audit checks find in one trajectory: its listing findings (its own and its
@@ -316,7 +330,7 @@ class RunView:
         from rlreplay.audit import engine
         from rlreplay.audit.finding import Context
 
-        checks = list(engine.available().values())
+        checks = self.checks()
         table = self.listing()
         if self._findings is not None and self._findings[0] is table:
             return engine.about(self._findings[1].findings, traj)
