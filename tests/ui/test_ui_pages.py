@@ -221,6 +221,31 @@ def test_prompt_history_in_pages_of_steps(ui_url, ui_runs: Path) -> None:
         assert ('id="newer"' in html) == (number > 1)
 
 
+def test_overview_status_counts_and_step_links(ui_url, ui_runs: Path) -> None:
+    """The overview counts trajectories per status as ``ls`` does; a step page links the steps of
+    its split before and after it."""
+    for run in (TREND, SHOWCASE.name):
+        listing = cli_json("ls", str(ui_runs / run))
+        want: dict[str, int] = {}
+        for r in listing:
+            want[r["status"]] = want.get(r["status"], 0) + 1
+        html = _get(f"{ui_url}/r/{run}/")
+        cards = re.findall(r'<div class="card [^"]*"><div class="big">(\d+)</div>(\w+)</div>', html)
+        statuses = {"ok", "error", "incomplete"}  # the other cards are the recorder's counters
+        assert {status: int(n) for n, status in cards if status in statuses} == want
+        for split, validate in (("train", False), ("val", True)):
+            steps = sorted({r["step"] for r in listing if bool(r["validate"]) == validate})
+            for at, step in enumerate(steps):
+                page = _get(f"{ui_url}/r/{run}/trajectories?step={step}&split={split}")
+                links = dict(re.findall(r'data-key="(prev|next)" href="[^"]*step=(-?\d+)', page))
+                expected = {}
+                if at > 0:
+                    expected["prev"] = str(steps[at - 1])
+                if at + 1 < len(steps):
+                    expected["next"] = str(steps[at + 1])
+                assert links == expected, (run, split, step)
+
+
 def test_group_page_chat_side_by_side(ui_url, ui_runs: Path, tab) -> None:
     for run, step in ((TREND, 3), (SHOWCASE.name, 2)):
         listing = [r for r in cli_json("ls", str(ui_runs / run)) if r["step"] == step and not r["validate"]]
