@@ -194,7 +194,7 @@ def big_pages(steps: int, per_step: int, keep: Path | None = None) -> None:
             sample = rlreplay.open_run(run_dir).trajectories(step=0)["sample_index"][0].as_py()
             prompt = "/r/big/prompt?" + urlencode({"sample_index": sample, "split": "train"})
             row(
-                "prompt history (its latest steps: 50 before, a page of 10 after)",
+                "prompt history, first page",
                 median(server, prompt, 3),
                 "median of 3",
             )
