@@ -279,6 +279,7 @@ class UI:
         if decoder is not None:
             from rlreplay.text.token2text import add_text
 
+            decoder = views.Memo(decoder)
             add_text([traj], decoder)
         row = view.row(traj.id) or {}
         siblings = []

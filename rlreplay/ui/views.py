@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import re
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +58,28 @@ def plain(text: Any) -> str:
     if not isinstance(text, str):
         return " ".join(map(str, text)) if isinstance(text, list) else ""
     return _SPECIAL.sub("", text)
+
+
+class Memo:
+    """A decoder that decodes each id list once (a page decodes the same turns for several views)."""
+
+    def __init__(self, decoder: Any) -> None:
+        self.decoder = decoder
+        self._texts: dict[tuple[bool, tuple[int, ...]], str] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.decoder, name)
+
+    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
+        return self.decode_many([ids], skip_special_tokens)[0]
+
+    def decode_many(self, seqs: Any, skip_special_tokens: bool = False) -> list[str]:
+        keys = [(skip_special_tokens, tuple(ids)) for ids in seqs]
+        missing = list(dict.fromkeys(k for k in keys if k not in self._texts))
+        if missing:
+            texts = self.decoder.decode_many([list(k[1]) for k in missing], skip_special_tokens)
+            self._texts.update(zip(missing, texts))
+        return [self._texts[k] for k in keys]
 
 
 # ---- conversation ------------------------------------------------------------------------------
@@ -254,8 +278,9 @@ ENTROPY_KEYS = ("entropy", "entropies", "token_entropy")
 
 
 def _floats(value: Any, n: int) -> list[float | None] | None:
+    """``value`` when it is a list of ``n`` numbers (its first one says; ``_array`` reads the rest)."""
     if isinstance(value, list) and len(value) == n and all(isinstance(v, (int, float)) for v in value[:1]):
-        return [float(v) if isinstance(v, (int, float)) else None for v in value]
+        return value
     return None
 
 
@@ -297,7 +322,7 @@ def _aligned(value: Any, n: int) -> list[float | None] | None:
     """A list of numbers cut or padded (None) to ``n`` entries (the trainer may pad or trim)."""
     if not isinstance(value, list) or not value or not isinstance(value[0], (int, float)):
         return None
-    out = [float(v) if isinstance(v, (int, float)) else None for v in value[:n]]
+    out = value[:n]
     return out + [None] * (n - len(out))
 
 
@@ -333,12 +358,15 @@ CHUNK = 2000  # tokens per block: the page draws a block at a time, the browser 
 
 
 def _array(values: list[float | None] | None, n: int) -> Any:
-    """Values as float64 (NaN where none)."""
+    """Values as float64 (NaN where none or not a number)."""
     import numpy as np
 
     if values is None:
         return np.full(n, np.nan)
-    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+    try:
+        return np.asarray(values, dtype=np.float64)  # None becomes NaN
+    except (TypeError, ValueError):
+        return np.array([v if isinstance(v, (int, float)) else np.nan for v in values], dtype=np.float64)
 
 
 def _levels(values: Any, full: float) -> Any:
@@ -352,6 +380,30 @@ def _levels(values: Any, full: float) -> Any:
 
 def _json_values(values: Any) -> Any:
     return values.round(4).tolist()  # NaN is written as null
+
+
+_PIECES: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
+_PIECES_LOCK = threading.Lock()
+
+
+def _token_texts(decoder: Any, ids: list[int]) -> list[str]:
+    """Each token's text alone, decoded once per tokenizer (kept for the pages that follow)."""
+    if decoder is None:
+        return [f"{i} " for i in ids]
+    decoder = decoder.decoder if isinstance(decoder, Memo) else decoder
+    try:
+        with _PIECES_LOCK:
+            known = _PIECES.setdefault(decoder, {})
+    except TypeError:  # not weakly referable: decode every time
+        known = {}
+    missing = [i for i in ids if i not in known]
+    if missing:
+        decoded = dict(zip(missing, decoder.decode_many([[i] for i in missing])))
+        with _PIECES_LOCK:
+            known.update(decoded)
+    else:
+        decoded = {}
+    return [known.get(i, decoded.get(i, "")) for i in ids]
 
 
 def _script_json(value: Any) -> Markup:
@@ -384,8 +436,8 @@ def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
     rollout, trainer, entropy = _array(lps, n), _array(trainer_list, n), _array(entropy_list, n)
     known = entropy[~np.isnan(entropy)]
     top_entropy = float(known.max()) if known.size and known.max() > 0 else 1.0
-    unique = list(dict.fromkeys(ids))  # decode each distinct token once
-    texts = decoder.decode_many([[i] for i in unique]) if decoder is not None else [f"{i} " for i in unique]
+    unique = list(dict.fromkeys(ids))
+    texts = _token_texts(decoder, unique)
     levels = [
         _levels(rollout, LOGPROB_FULL),
         _levels(np.abs(trainer - rollout), MISMATCH_FULL),
