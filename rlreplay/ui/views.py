@@ -92,6 +92,19 @@ class Message:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments" (text)}
     tokens: int | None = None
 
+    @property
+    def head(self) -> str:
+        """The content shown at once (a long one's rest is laid out only when opened)."""
+        return self.content[:CHAT_SHOWN]
+
+    @property
+    def rest(self) -> str:
+        return self.content[CHAT_SHOWN:]
+
+
+#: characters of a chat message shown at once (laying out a 100,000-token answer takes seconds)
+CHAT_SHOWN = 20_000
+
 
 def messages(traj: Trajectory, decoder: Any, adapter: Any = None) -> list[Message]:
     """The conversation as OpenAI-style chat messages (system, user, assistant, tool); without a

@@ -332,26 +332,40 @@ def test_compare_page_a_run_and_its_changed_replay(ui_url, ui_runs: Path, tab) -
 
 
 def test_long_response_minimap_and_tooltips_across_blocks(ui_url, ui_runs: Path, tab) -> None:
+    from support import qwen_tokenizer_dir
     from ui_record_job import TREND_LONG_SAMPLE, TREND_LONG_TOKENS
 
     from rlreplay.read.open import open_run
+    from rlreplay.text.token2text import Decoder
 
     row = next(r for r in cli_json("ls", str(ui_runs / TREND)) if r["sample_index"] == TREND_LONG_SAMPLE)
     traj = open_run(ui_runs / TREND).trajectory(row["id"])
     ids = next(s.output["response_ids"] for s in traj.spans if s.kind == "agent")
     assert len(ids) == TREND_LONG_TOKENS
     tab.goto(f"{ui_url}/r/{TREND}/t/{row['id']}")
-    assert tab.locator("#tokens .tk").count() == len(ids)
     cells = tab.locator("#minimap .cell")
     per = -(-len(ids) // 240)
     assert cells.count() == -(-len(ids) // per)
-    cells.last.click()  # scrolls the tokens box to the last cell's first token
+    cells.last.click()  # scrolls the tokens box to the last cell's first token (drawn now if not yet)
     k = int(cells.last.get_attribute("data-at"))
     target = tab.locator("#tokens .tk").nth(k)
     box, at = tab.locator("#tokens").bounding_box(), target.bounding_box()
     assert box["y"] <= at["y"] <= box["y"] + box["height"]
     target.hover()
     assert f"#{k} id {ids[k]} " in tab.inner_text("#tip")  # its index counted across blocks
+    tab.wait_for_selector(f"#tokens[data-drawn='{len(ids)}']", state="attached")
+    assert tab.locator("#tokens .tk").count() == len(ids)
+    starts = tab.locator("#tokens .chunk").evaluate_all("cs => cs.map(c => Number(c.dataset.from))")
+    size = int(tab.get_attribute("#tokens", "data-chunk"))
+    assert starts == list(range(0, len(ids), size))  # each block once, in order
+    texts = tab.locator("#tokens .tk").evaluate_all("ts => [0, 1, ts.length - 1].map(i => ts[i].textContent)")
+    decoder = Decoder.load(str(qwen_tokenizer_dir()))
+    assert texts == [decoder.decode([ids[i]]) for i in (0, 1, len(ids) - 1)]
+    answer = decoder.decode(ids).replace("<|im_end|>", "").strip()
+    more = tab.locator("#chat .bubble.assistant details.more")  # the long answer's rest, on demand
+    assert answer.split()[-1] not in tab.inner_text("#chat")
+    more.locator("summary").click()
+    assert answer.split()[-1] in more.inner_text()
     assert tab.errors == []
 
 
