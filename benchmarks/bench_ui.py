@@ -7,6 +7,7 @@ are kept for step 0 only (the list pages read span metadata, never payloads). La
 100,000-token trajectory is rendered in Chromium while another client asks for the overview.
 
     python benchmarks/bench_ui.py [--steps 200] [--per-step 1024] [--no-samples] [--no-big] [--no-long]
+        [--keep DIR]
 """
 
 from __future__ import annotations
@@ -99,16 +100,19 @@ def sample_pages() -> None:
             server.close()
 
 
-def big_pages(steps: int, per_step: int) -> None:
+def big_pages(steps: int, per_step: int, keep: Path | None = None) -> None:
     from rlreplay.read.selection import Selection
 
     with tempfile.TemporaryDirectory(prefix="bench-ui-") as tmp:
-        run_dir = Path(tmp) / "big"
+        run_dir = (keep or Path(tmp)) / "big"
         t = time.perf_counter()
-        n = build_run(run_dir, steps, per_step)
+        if keep is not None and (run_dir / "run.json").is_file():
+            n = rlreplay.open_run(run_dir).trajectories(step=0).num_rows  # built by an earlier run
+        else:
+            n = build_run(run_dir, steps, per_step)
         built = time.perf_counter() - t
         total = n * steps
-        print(f"\n## synthetic run: {steps} steps x {n} trajectories = {total:,} ({built:.1f} s to write)\n")
+        print(f"\n## synthetic run: {steps} steps x {n} trajectories = {total:,} ({built:.1f} s)\n")
         server = Server(run_dir)
         try:
             base = "/r/big/trajectories"
@@ -146,7 +150,11 @@ def big_pages(steps: int, per_step: int) -> None:
             row("step page (step 150)", median(server, later, 3), "median of 3")
             sample = rlreplay.open_run(run_dir).trajectories(step=0)["sample_index"][0].as_py()
             prompt = "/r/big/prompt?" + urlencode({"sample_index": sample, "split": "train"})
-            row("prompt history (latest 50 steps)", median(server, prompt, 3), "median of 3")
+            row(
+                "prompt history, first page",
+                median(server, prompt, 3),
+                "median of 3",
+            )
 
             run = rlreplay.open_run(run_dir)
             t = time.perf_counter()
@@ -272,12 +280,13 @@ def main() -> None:
     parser.add_argument("--no-samples", action="store_true")
     parser.add_argument("--no-big", action="store_true")
     parser.add_argument("--no-long", action="store_true")
+    parser.add_argument("--keep", type=Path, help="build the big run in DIR/big once and reuse it after")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M')}")
     if not args.no_samples:
         sample_pages()
     if not args.no_big:
-        big_pages(args.steps, args.per_step)
+        big_pages(args.steps, args.per_step, args.keep)
     if not args.no_long:
         long_trajectory()
 

@@ -608,6 +608,7 @@ class GroupDiff:
     validate: bool | None
     best_id: str
     members: list[GroupMember]
+    loaded: dict[str, Trajectory] = field(default_factory=dict, repr=False)  # the rollouts read, by id
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -667,4 +668,6 @@ def diff_group(
         if i in previews:
             member.preview_best, member.preview = previews[i]
         out.append(member)
-    return GroupDiff(traj.step, traj.sample_index, traj.validate, members[best].id, out)
+    return GroupDiff(
+        traj.step, traj.sample_index, traj.validate, members[best].id, out, {t.id: t for t in members}
+    )

@@ -27,13 +27,39 @@ PREVIEW_BYTES = 1024
 
 
 def snapshot(value: Any) -> Any:
-    """Copy what the caller may mutate after the call: lists, and lists inside dicts (one level)."""
+    """Copy what the caller may mutate after the call: lists, and lists inside dicts (one level);
+    a pydantic model with its list, dict and model fields (verl changes its ``AgentLoopOutput`` in
+    place once the agent loop has returned it)."""
     cls = type(value)
     if cls is list:
         return value.copy()
     if cls is dict:
         return {k: v.copy() if type(v) is list else v for k, v in value.items()}
-    return value
+    return _snapshot_model(value) if _is_model(cls) else value
+
+
+_model_types: dict[type, bool] = {}
+
+
+def _is_model(cls: type) -> bool:
+    """A pydantic (v2) model class, told by its public API without importing pydantic."""
+    known = _model_types.get(cls)
+    if known is None:
+        fields, copy = getattr(cls, "model_fields", None), getattr(cls, "model_copy", None)
+        known = _model_types[cls] = isinstance(fields, dict) and callable(copy)
+    return known
+
+
+def _snapshot_model(value: Any) -> Any:
+    update = {}
+    for name in type(value).model_fields:
+        field = getattr(value, name, None)
+        cls = type(field)
+        if cls is list or cls is dict:
+            update[name] = snapshot(field)
+        elif _is_model(cls):
+            update[name] = field.model_copy()
+    return value.model_copy(update=update)
 
 
 def snapshot_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -421,13 +421,17 @@ class Run:
                 table = base.apply(table) if table is not None else None
             if table is not None and table.num_rows:
                 tables.append(table)
+        # one stable sort by id, then each trajectory's rows are a slice (one take per trajectory
+        # over many files' chunks costs more than reading them)
         table = concat_spans(tables, None)
-        groups: dict[str, list[int]] = {}
+        table = ops.sort_by(table, [("trajectory_id", "ascending")]).combine_chunks()
+        groups: dict[str, tuple[int, int]] = {}
         for i, tid in enumerate(table["trajectory_id"].to_pylist()):
-            groups.setdefault(tid, []).append(i)
+            start, _ = groups.get(tid, (i, 0))
+            groups[tid] = (start, i + 1 - start)
         return [
             trajectory_from_table(
-                ops.take(table, groups[t]), lambda m, t=t: self._warn(f"{', '.join(sources.get(t, []))}: {m}")
+                table.slice(*groups[t]), lambda m, t=t: self._warn(f"{', '.join(sources.get(t, []))}: {m}")
             )
             for t in wanted
             if t in groups

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from rlreplay.ui.data import (
     NotFound,
     RunSet,
     RunView,
+    one_look,
     paginate,
     run_base,
     select,
@@ -154,6 +157,8 @@ class UI:
         return JSONResponse({"version": self.view(request).version()}, headers=HEADERS)
 
     def overview(self, request: Request) -> Response:
+        import pyarrow.compute as pc
+
         view = self.view(request)
         version = view.version()
         table = view.listing()
@@ -177,9 +182,8 @@ class UI:
                     "charts": _trend_charts(view, rows, split_name),
                 }
             )
-        status_counts: dict[str, int] = {}
-        for s in table["status"].to_pylist():
-            status_counts[s] = status_counts.get(s, 0) + 1
+        counted = pc.value_counts(table["status"]).to_pylist()
+        status_counts = {c["values"]: c["counts"] for c in counted}
         return self.page(
             "overview.html",
             view=view,
@@ -254,11 +258,7 @@ class UI:
         ]
         findings = view.listing_findings()
         steps = sorted(
-            {
-                s
-                for s, v in zip(table["step"].to_pylist(), table["validate"].to_pylist())
-                if isinstance(s, int) and bool(v) == validate
-            }
+            {r["step"] for r in view.stats() if r["validate"] == validate and isinstance(r["step"], int)}
         )
         at = steps.index(step)
         return {
@@ -333,28 +333,46 @@ class UI:
             {r["step"] for r in rows},
             key=lambda s: (not isinstance(s, int), str(s) if not isinstance(s, int) else s),
         )
-        shown_steps = steps[-PROMPT_STEPS_SHOWN:]
-        rows = [r for r in rows if r["step"] in shown_steps]
+        # a page of steps (the latest first): only their rollouts are read, for their answers
+        per = q.per if "per" in request.query_params else PROMPT_STEPS_SHOWN
+        pages = max(1, math.ceil(len(steps) / per))
+        page = min(q.page, pages)
+        end = len(steps) - (page - 1) * per
+        shown_steps = steps[max(0, end - per) : end]
+        shown = [r for r in rows if r["step"] in shown_steps]
         decoder, adapter = view.decoder(), view.adapter()
-        loaded = {t.id: t for t in view.run.load([r["id"] for r in rows], Filters(sample_index=key))}
+        # only the shown steps' files (their partitions), only the row groups holding these rollouts
+        ints = [s for s in shown_steps if isinstance(s, int)]
+        step_filter = ints if len(ints) == len(shown_steps) else None
+        wanted = Filters(step=step_filter, sample_index=key)
+        loaded = {t.id: t for t in view.run.load([r["id"] for r in shown], wanted)}
         question = ""
         by_step: dict[Any, list[dict[str, Any]]] = {}
-        for r in sorted(rows, key=lambda r: r["rollout_n"] or 0):
+        for r in sorted(shown, key=lambda r: r["rollout_n"] or 0):
             traj = loaded.get(r["id"])
             msgs = views.messages(traj, decoder, adapter) if traj is not None else []
             question = question or next((m.content for m in msgs if m.role == "user"), "")
             answer = next((m.content for m in reversed(msgs) if m.role == "assistant"), "")
             by_step.setdefault(r["step"], []).append({**r, "answer": answer})
-        ints = [s for s in shown_steps if isinstance(s, int)]
-        means = []
-        for s in ints:
-            known = [r["reward"] for r in by_step[s] if r["reward"] is not None]
-            means.append(sum(known) / len(known) if known else None)
+        # the chart covers every step (from the listing); a point opens the page showing its step
+        rewards: dict[Any, list[float]] = {}
+        for r in rows:
+            if r["reward"] is not None:
+                rewards.setdefault(r["step"], []).append(r["reward"])
+        every = [s for s in steps if isinstance(s, int)]
+        means = [sum(rewards[s]) / len(rewards[s]) if s in rewards else None for s in every]
+        at = {s: i for i, s in enumerate(steps)}
+
+        def href(step: Any) -> str:
+            on = (len(steps) - 1 - at[step]) // per + 1
+            return f"#step-{step}" if on == page else prompt_page(on) + f"#step-{step}"
+
+        def prompt_page(number: int) -> str:
+            more = {"page": number, **({"per": per} if per != PROMPT_STEPS_SHOWN else {})}
+            return f"{prompt_href(view, key, validate)}&{urlencode(more)}"
+
         chart = charts.trend_chart(
-            "reward mean of this prompt",
-            ints,
-            [charts.Series("mean", means)],
-            href=lambda st: f"#step-{st}",
+            "reward mean of this prompt", every, [charts.Series("mean", means)], href=href
         )
         return self.page(
             "prompt.html",
@@ -363,7 +381,9 @@ class UI:
             split=q.split,
             question=question,
             steps=[(s, by_step[s]) for s in shown_steps],
-            hidden=len(steps) - len(shown_steps),
+            total_steps=len(steps),
+            newer=prompt_page(page - 1) if page > 1 else None,
+            older=prompt_page(page + 1) if page < pages else None,
             chart=chart,
             decoder_error=view.decoder_error,
             crumbs=[(f"prompt {key} ({q.split})", None)],
@@ -436,10 +456,7 @@ class UI:
         decoder = view.decoder()
         group = diff_group(view.run, traj, decoder)
         ids = [m.side.id for m in group.members]
-        from rlreplay.read.filters import Filters
-
-        step = traj.step if isinstance(traj.step, int) else None
-        loaded = {t.id: t for t in view.run.load(ids, Filters(step=step))}
+        loaded = group.loaded
         table = view.listing()
         rows = {r["id"]: r for r in table.filter(pc.is_in(table["id"], pa.array(ids))).to_pylist()}
         adapter = view.adapter()
@@ -509,6 +526,8 @@ SERIES_NAMES = {
 
 def step_href(view: RunView, step: Any, split: str) -> str:
     """The step page: the listing of one step and split, with its distributions and groups."""
+    if isinstance(step, int):  # what urlencode gives, without its cost for every point of a chart
+        return f"{view.base}/trajectories?step={step}&split={split}"
     return f"{view.base}/trajectories?{urlencode({'step': step, 'split': split})}"
 
 
@@ -534,8 +553,8 @@ def _trend_charts(view: RunView, rows: list[dict[str, Any]], split: str) -> list
 
 #: the list's columns until the user chooses (the list fits 1,280 px)
 DEFAULT_COLUMNS = tuple(c for c in LIST_COLUMNS if c not in ("agent", "model_calls", "worker"))
-#: the latest steps shown on a prompt's page
-PROMPT_STEPS_SHOWN = 50
+#: the steps a page of a prompt's history shows (their rollouts are read for their answers)
+PROMPT_STEPS_SHOWN = 10
 #: groups on a step page whose prompt is read and shown
 PROMPTS_SHOWN = 64
 
@@ -659,6 +678,17 @@ def _traj_crumbs(view: RunView, traj: Any) -> list[tuple[str, str | None]]:
     return crumbs
 
 
+def looked_once(handler: Any) -> Any:
+    """The page handler, looking at each run's files once per request."""
+
+    @functools.wraps(handler)
+    def page(request: Request) -> Response:
+        with one_look():
+            return handler(request)
+
+    return page
+
+
 def create_app(
     root: str | os.PathLike[str],
     poll_ms: int = 1500,
@@ -686,15 +716,15 @@ def create_app(
     routes = [
         Route("/", ui.index),
         Route("/api/version", ui.root_version),
-        Route("/r/{run}/", ui.overview),
-        Route("/r/{run}/trajectories", ui.trajectories),
-        Route("/r/{run}/t/{tid}", ui.trajectory),
-        Route("/r/{run}/group/{tid}", ui.group),
-        Route("/r/{run}/prompt", ui.prompt),
-        Route("/r/{run}/diff", ui.diff),
-        Route("/r/{run}/findings", ui.findings),
-        Route("/r/{run}/compare", ui.compare),
-        Route("/r/{run}/api/version", ui.version),
+        Route("/r/{run}/", looked_once(ui.overview)),
+        Route("/r/{run}/trajectories", looked_once(ui.trajectories)),
+        Route("/r/{run}/t/{tid}", looked_once(ui.trajectory)),
+        Route("/r/{run}/group/{tid}", looked_once(ui.group)),
+        Route("/r/{run}/prompt", looked_once(ui.prompt)),
+        Route("/r/{run}/diff", looked_once(ui.diff)),
+        Route("/r/{run}/findings", looked_once(ui.findings)),
+        Route("/r/{run}/compare", looked_once(ui.compare)),
+        Route("/r/{run}/api/version", looked_once(ui.version)),
         Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"),
     ]
     middleware = []

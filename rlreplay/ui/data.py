@@ -6,11 +6,14 @@ names a run by a name found there and a trajectory by its hex id.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -91,7 +94,7 @@ class RunSet:
 def file_signature(run_dir: Path) -> tuple[Any, ...]:
     """(name, size, mtime) of every span and counter file: changes whenever anything is written."""
     out: list[tuple[str, int, int]] = []
-    stack = [run_dir / SPANS_DIR, run_dir / WORKERS_DIR]
+    stack = [os.path.join(run_dir, SPANS_DIR), os.path.join(run_dir, WORKERS_DIR)]
     while stack:
         folder = stack.pop()
         try:
@@ -101,7 +104,7 @@ def file_signature(run_dir: Path) -> tuple[Any, ...]:
         for entry in entries:
             try:
                 if entry.is_dir(follow_symlinks=False):
-                    stack.append(Path(entry.path))
+                    stack.append(entry.path)
                 elif entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
                     out.append((entry.path, st.st_size, st.st_mtime_ns))
@@ -109,6 +112,21 @@ def file_signature(run_dir: Path) -> tuple[Any, ...]:
                 continue
     out.sort()
     return tuple(out)
+
+
+#: the runs whose files were looked at in this request (None outside one)
+_looked: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar("looked", default=None)
+
+
+@contextlib.contextmanager
+def one_look() -> Iterator[None]:
+    """Within: each run's files are looked at once, so that a page shows one version of a run
+    and does not list a big run's files again for every part of it."""
+    token = _looked.set(set())
+    try:
+        yield
+    finally:
+        _looked.reset(token)
 
 
 def run_base(name: str) -> str:
@@ -137,6 +155,7 @@ class RunView:
         self._findings: tuple[pa.Table, Any] | None = None
         self._listing_findings: tuple[pa.Table, list[Any]] | None = None
         self._stats: tuple[pa.Table, list[dict[str, Any]]] | None = None
+        self._checks: list[Any] | None = None
         self._prompts: dict[str, str] = {}
 
     def version(self) -> str:
@@ -169,7 +188,13 @@ class RunView:
 
         When re-reading took long (a big run being recorded), pages keep the previous listing
         while a background thread reads the new one; ``version`` changes when it is ready.
+        Within :func:`one_look`, the files are looked at once.
         """
+        looked = _looked.get()
+        if looked is not None and id(self) in looked and self._listing is not None:
+            return self._listing[1]
+        if looked is not None:
+            looked.add(id(self))
         remote = getattr(self.run, "file_signature", None)  # a run on an object store: its objects
         sig = remote() if callable(remote) else file_signature(self.run.path)
         cached = self._listing
@@ -191,6 +216,10 @@ class RunView:
                     return cached[1]
                 start = time.perf_counter()
                 table = listing(self.run)
+                # what every page shows from a listing is ready before it is: a page never waits
+                # for the per-step stats or the listing checks (seconds on a big run)
+                self._stats = (table, step_stats(table))
+                self._listing_findings = (table, self._check_listing(table))
                 self._build_s = time.perf_counter() - start
                 self._listing = (sig, table)
                 return table
@@ -205,7 +234,6 @@ class RunView:
     def trajectory(self, ref: str) -> Any:
         """One trajectory by id or unique prefix; the cached listing tells its step, so only that
         step's files are read."""
-        from rlreplay.model import trajectory_from_table
         from rlreplay.read.filters import Filters
 
         if not re.fullmatch(r"[0-9a-fA-F]{1,64}", ref or ""):
@@ -214,9 +242,10 @@ class RunView:
         table = self.listing()
         found = table.filter(pc.starts_with(table["id"], ref)).select(["id", "step"]).to_pylist()
         if len(found) == 1 and isinstance(found[0]["step"], int):
-            spans = self.run.spans(Filters(step=found[0]["step"], trajectory_id=found[0]["id"]))
-            if spans.num_rows:
-                return trajectory_from_table(spans)
+            # the step's index tells the row groups that hold it: only these are read
+            loaded = self.run.load([found[0]["id"]], Filters(step=found[0]["step"]))
+            if loaded:
+                return loaded[0]
         try:
             return self.run.trajectory(ref)
         except RunError as exc:
@@ -248,9 +277,7 @@ class RunView:
         table = self.listing()
         cached = self._findings
         if cached is None or cached[0] is not table:
-            report = engine.audit(
-                self.run, table, list(engine.available().values()), tokenizer=self.tokenizer
-            )
+            report = engine.audit(self.run, table, self.checks(), tokenizer=self.tokenizer)
             self._findings = cached = (table, report)
         return cached[1]
 
@@ -275,16 +302,27 @@ class RunView:
 
     def listing_findings(self) -> list[Any]:
         """What the checks over the listing find (the whole audit's findings once it ran)."""
-        from rlreplay.audit import engine
-        from rlreplay.audit.finding import OVER_LISTING
-
         table = self.listing()
         if self._findings is not None and self._findings[0] is table:
             return list(self._findings[1].findings)
         if self._listing_findings is None or self._listing_findings[0] is not table:
-            over_listing = [c for c in engine.available().values() if c.over == OVER_LISTING]
-            self._listing_findings = (table, engine.audit(self.run, table, over_listing).findings)
+            self._listing_findings = (table, self._check_listing(table))
         return self._listing_findings[1]
+
+    def _check_listing(self, table: pa.Table) -> list[Any]:
+        from rlreplay.audit import engine
+        from rlreplay.audit.finding import OVER_LISTING
+
+        over_listing = [c for c in self.checks() if c.over == OVER_LISTING]
+        return engine.audit(self.run, table, over_listing).findings
+
+    def checks(self) -> list[Any]:
+        """The installed audit checks, found once (looking up plug-ins takes 0.1-0.3 s)."""
+        from rlreplay.audit import engine
+
+        if self._checks is None:
+            self._checks = list(engine.available().values())
+        return self._checks
 
     def trajectory_findings(self, traj: Any) -> list[Any]:
         """What the audit checks find in one trajectory: its listing findings (its own and its
@@ -292,7 +330,7 @@ class RunView:
         from rlreplay.audit import engine
         from rlreplay.audit.finding import Context
 
-        checks = list(engine.available().values())
+        checks = self.checks()
         table = self.listing()
         if self._findings is not None and self._findings[0] is table:
             return engine.about(self._findings[1].findings, traj)

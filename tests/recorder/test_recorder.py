@@ -480,6 +480,50 @@ def test_lists_mutated_after_the_call_are_recorded_as_at_call_time(run_dir: Path
         prompt = [*prompt, -1]
 
 
+class Metrics(pydantic.BaseModel):
+    generate_s: float = 0.0
+    score_s: float = 0.0
+
+
+class LoopOutput(pydantic.BaseModel):
+    """Shaped like verl's ``AgentLoopOutput``, which verl's post-processing changes in place."""
+
+    response_ids: list[int]
+    reward_score: float | None = None
+    extra_fields: dict[str, Any] = {}
+    metrics: Metrics = Metrics()
+
+
+def test_a_model_the_caller_changes_after_the_call_is_recorded_as_returned(run_dir: Path) -> None:
+    @rlreplay.trace_op(kind="agent")
+    async def run_loop(n: int) -> LoopOutput:
+        await asyncio.sleep(0)
+        return LoopOutput(response_ids=list(range(n)), extra_fields={"turn_scores": [0.5]})
+
+    async def postprocess(n: int) -> None:
+        async with rlreplay.trajectory(step=0, sample_index=n):
+            output = await run_loop(n)
+            # what verl's _agent_loop_postprocess and _compute_score do to the returned object
+            output.extra_fields["raw_prompt"] = [{"role": "user", "content": "hi"}]
+            output.extra_fields["turn_scores"].append(1.0)
+            output.reward_score = 1.0
+            output.metrics.score_s = 2.5
+            output.response_ids.append(-1)
+            await asyncio.sleep(0.01)
+
+    async def main_loop() -> None:
+        await asyncio.gather(*(postprocess(n) for n in range(1, 9)))
+
+    asyncio.run(main_loop())
+    rlreplay.flush()
+    spans = by_name(spans_of(run_dir), "run_loop")
+    assert len(spans) == 8
+    for span in spans:
+        n = span["inputs"]["n"]
+        expected = LoopOutput(response_ids=list(range(n)), extra_fields={"turn_scores": [0.5]})
+        assert span["output"] == expected.model_dump()
+
+
 # ---- durability: steps, flush, counters ------------------------------------------------------------
 
 

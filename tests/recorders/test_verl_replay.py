@@ -137,6 +137,26 @@ def check_equal_driver(source: Path, tmp_path: Path) -> None:
         assert advantage == pytest.approx((reward - mean) / (std + 1e-6), rel=1e-5, abs=1e-6)
 
 
+def test_the_recorded_agent_loop_output_is_what_run_returned(source: Path) -> None:
+    """verl's post-processing adds ``raw_prompt`` (and rlreplay its key) to the ``AgentLoopOutput``
+    that ``run`` returned, and its reward loop sets ``reward_score``, in place. Recorded after that,
+    a served agent loop would carry them, and verl would skip computing the reward of a replay."""
+    import rlreplay
+
+    run = rlreplay.open_run(source / "src")
+    rows = listing(source / "src")
+    assert len(rows) == 4
+    for row in rows:
+        traj = run.trajectory(row["id"])
+        [agent] = [s for s in traj.spans if s.kind == "agent"]
+        extra = agent.output["extra_fields"]
+        assert "raw_prompt" not in extra and OWN_KEY not in extra, sorted(extra)
+        assert agent.output["reward_score"] is None
+        model_ids = [i for s in traj.spans if s.kind == "llm" for i in s.output["token_ids"]]
+        response = agent.output["response_ids"]
+        assert [t for t, m in zip(response, agent.output["response_mask"]) if m] == model_ids
+
+
 def test_serve_llm_gives_the_recorded_batch_without_a_model_server(source: Path, tmp_path: Path) -> None:
     proc = replay(source, tmp_path, "llm")
     check_equal_batches(source / "src.pt", tmp_path / "new.pt")

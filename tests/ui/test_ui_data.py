@@ -41,6 +41,28 @@ def test_listing_is_cached_until_the_files_change(
     assert view.version() != version
 
 
+def test_a_page_looks_at_the_files_once(
+    growing_run: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Within one request a run's files are listed once: a step sealed meanwhile shows on the next
+    page, never half-way through this one."""
+    run, held = growing_run
+    monkeypatch.setattr(data, "SLOW_LISTING_S", 1e9)
+    view = RunView(open_run(run))
+    looked: list[Path] = []
+    listed = data.file_signature
+    monkeypatch.setattr(data, "file_signature", lambda path: looked.append(path) or listed(path))
+    with data.one_look():
+        first = view.listing()
+        shutil.move(held, run / "spans" / "step=7")
+        assert view.listing() is first
+        view.version()
+        assert len(looked) == 1
+    with data.one_look():
+        assert view.listing().num_rows == first.num_rows + 40  # step 7: 32 training + 8 validation
+    assert len(looked) == 2
+
+
 def test_a_slow_listing_is_refreshed_in_the_background(
     growing_run: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

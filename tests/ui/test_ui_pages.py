@@ -189,6 +189,63 @@ def test_prompt_history_across_steps(ui_url, ui_runs: Path, tab) -> None:
     assert tab.errors == []
 
 
+def test_prompt_history_in_pages_of_steps(ui_url, ui_runs: Path) -> None:
+    """A page of a prompt's history reads the rollouts of some steps (the latest first); its chart
+    has every step, each point opening the page that shows it."""
+    rows = [r for r in cli_json("ls", str(ui_runs / TREND)) if r["sample_index"] == 11 and not r["validate"]]
+    steps = sorted({r["step"] for r in rows})
+    assert len(steps) >= 5
+    per = 2
+    pages = [steps[max(0, len(steps) - per * k) : len(steps) - per * (k - 1)] for k in range(1, 4)]
+    assert sorted(s for page in pages for s in page) == steps
+    base = f"{ui_url}/r/{TREND}/prompt?sample_index=11&split=train&per={per}"
+    for number, want in enumerate(pages, 1):
+        html = _get(f"{base}&page={number}")
+        shown = [int(s) for s in re.findall(r'<section class="pstep" id="step-\d+" data-step="(\d+)"', html)]
+        assert shown == want
+        ids = re.findall(r'<tr class="[^"]*" data-id="([0-9a-f]+)"', html)
+        assert sorted(ids) == sorted(r["id"] for r in rows if r["step"] in want)
+        points = {
+            int(step): link.replace("&amp;", "&")
+            for link, step in re.findall(
+                r'<a class="point" href="([^"]*)"><rect class="hit"[^>]*data-step="(\d+)"', html
+            )
+        }
+        assert sorted(points) == steps
+        for step, link in points.items():
+            on = next(k for k, page in enumerate(pages, 1) if step in page)
+            assert link.endswith(f"#step-{step}")
+            assert (link == f"#step-{step}") == (on == number)
+            assert on == number or f"page={on}&" in link + "&"
+        assert ('id="older"' in html) == (number < len(pages))
+        assert ('id="newer"' in html) == (number > 1)
+
+
+def test_overview_status_counts_and_step_links(ui_url, ui_runs: Path) -> None:
+    """The overview counts trajectories per status as ``ls`` does; a step page links the steps of
+    its split before and after it."""
+    for run in (TREND, SHOWCASE.name):
+        listing = cli_json("ls", str(ui_runs / run))
+        want: dict[str, int] = {}
+        for r in listing:
+            want[r["status"]] = want.get(r["status"], 0) + 1
+        html = _get(f"{ui_url}/r/{run}/")
+        cards = re.findall(r'<div class="card [^"]*"><div class="big">(\d+)</div>(\w+)</div>', html)
+        statuses = {"ok", "error", "incomplete"}  # the other cards are the recorder's counters
+        assert {status: int(n) for n, status in cards if status in statuses} == want
+        for split, validate in (("train", False), ("val", True)):
+            steps = sorted({r["step"] for r in listing if bool(r["validate"]) == validate})
+            for at, step in enumerate(steps):
+                page = _get(f"{ui_url}/r/{run}/trajectories?step={step}&split={split}")
+                links = dict(re.findall(r'data-key="(prev|next)" href="[^"]*step=(-?\d+)', page))
+                expected = {}
+                if at > 0:
+                    expected["prev"] = str(steps[at - 1])
+                if at + 1 < len(steps):
+                    expected["next"] = str(steps[at + 1])
+                assert links == expected, (run, split, step)
+
+
 def test_group_page_chat_side_by_side(ui_url, ui_runs: Path, tab) -> None:
     for run, step in ((TREND, 3), (SHOWCASE.name, 2)):
         listing = [r for r in cli_json("ls", str(ui_runs / run)) if r["step"] == step and not r["validate"]]
