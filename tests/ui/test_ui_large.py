@@ -155,13 +155,22 @@ def test_step_page_groups_and_prompt_history(big_url: str, truth: list[dict[str,
     tab.locator(f"#groups tr[data-sample='{sample}'] a.prompt-link").click()
     tab.wait_for_selector("#history")
     mine = [t for t in truth if t["sample_index"] == sample and not t["validate"]]
-    sections = tab.locator("#history section.pstep")
-    assert sections.count() == STEPS
-    for s in (0, step, STEPS - 1):
-        section = tab.locator(f"#history section[data-step='{s}']")
-        by_id = {t["id"]: t["reward"] for t in mine if t["step"] == s}
-        ids = section.locator("tr[data-id]").evaluate_all("rs => rs.map(r => r.dataset.id)")
-        assert set(ids) == set(by_id)
-        shown = _numbers(section.locator("td.reward").all_inner_texts())
-        assert _close(shown, [by_id[i] for i in ids])
+    seen: list[int] = []
+    while True:  # the history's pages, latest steps first, each with its rollouts' rewards
+        steps_here = tab.locator("#history section.pstep").evaluate_all(
+            "ss => ss.map(s => Number(s.dataset.step))"
+        )
+        seen += steps_here
+        for s in set(steps_here) & {0, step, STEPS - 1}:
+            section = tab.locator(f"#history section[data-step='{s}']")
+            by_id = {t["id"]: t["reward"] for t in mine if t["step"] == s}
+            ids = section.locator("tr[data-id]").evaluate_all("rs => rs.map(r => r.dataset.id)")
+            assert set(ids) == set(by_id)
+            shown = _numbers(section.locator("td.reward").all_inner_texts())
+            assert _close(shown, [by_id[i] for i in ids])
+        if tab.locator("#older").count() == 0:
+            break
+        with tab.expect_navigation():
+            tab.click("#older")
+    assert sorted(seen) == list(range(STEPS)) and len(seen) == STEPS
     assert tab.errors == []
