@@ -172,6 +172,12 @@ def big_pages(steps: int, per_step: int, keep: Path | None = None) -> None:
 
 
 LONG_TOKENS = 100_000
+#: every token on the page (its count of drawn tokens when it keeps one: counting 100,000 elements
+#: on every poll slows the drawing it waits for)
+DRAWN = """n => {
+  const t = document.getElementById('tokens');
+  return Number(t.dataset.drawn) >= n || t.querySelectorAll('.tk').length >= n;
+}"""
 
 
 def build_long(run_dir: Path, n: int) -> str:
@@ -247,7 +253,7 @@ def long_trajectory() -> None:
                 page.goto(f"{server.base}/r/long/t/{tid}", wait_until="load", timeout=120_000)
                 loaded = time.perf_counter() - start
                 page.wait_for_function(
-                    "n => document.querySelectorAll('#tokens .tk').length >= n",
+                    DRAWN,
                     arg=LONG_TOKENS,
                     timeout=120_000,
                 )
