@@ -36,6 +36,10 @@ from rlreplay.shards.layout import partition_dir
 from rlreplay.shards.seal import write_sealed
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import synthetic_run  # noqa: E402  (tests/: the run builder the UI tests share)
+from synthetic_run import as_step  # noqa: E402
+
 SAMPLE_RUN = ROOT / "sample_runs" / "gsm8k-grpo-qwen3"
 TEMPLATE_STEP = 5
 WHERE = "reward > 0 and model_calls >= 3"
@@ -59,32 +63,7 @@ def step_template(per_step: int) -> pa.Table:
             values = pa.array(rng.integers(50, 4000, base.num_rows), mask=~counted)
             base = base.set_column(base.column_names.index(name), name, values)
     per_copy = len(set(base["trajectory_id"].to_pylist()))
-    replicas = max(1, per_step // per_copy)
-    parts = []
-    for r in range(replicas):
-        part = base
-        for name in ("trajectory_id", "span_id", "parent_id"):
-            prefixed = pc.binary_join_element_wise(
-                pa.scalar(f"{r:04x}"), pc.utf8_slice_codeunits(part[name], 4), ""
-            )
-            part = part.set_column(part.column_names.index(name), name, prefixed)
-        part = part.set_column(
-            part.column_names.index("sample_index"), "sample_index", pc.add(part["sample_index"], r * 10_000)
-        )
-        parts.append(part)
-    return pa.concat_tables(parts)
-
-
-def as_step(table: pa.Table, step: int) -> pa.Table:
-    """``table``'s spans as step ``step``: its step column, and trajectory ids of their own."""
-    table = table.set_column(
-        table.column_names.index("step"), "step", pa.array([step] * table.num_rows, pa.int64())
-    )
-    ids = table["trajectory_id"]
-    stepped = pc.binary_join_element_wise(
-        pc.utf8_slice_codeunits(ids, 0, 4), pa.scalar(f"{step:04x}"), pc.utf8_slice_codeunits(ids, 8), ""
-    )
-    return table.set_column(table.column_names.index("trajectory_id"), "trajectory_id", stepped)
+    return synthetic_run.replicate(base, max(1, per_step // per_copy), 10_000)
 
 
 def build_run(

@@ -23,61 +23,18 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlencode
 
-import pyarrow as pa
-import pyarrow.compute as pc
-
 import rlreplay
-from rlreplay.format.schema import FORMAT_VERSION, PAYLOAD_COLUMNS, SPAN_SCHEMA
-from rlreplay.shards.layout import partition_dir
-from rlreplay.shards.seal import write_sealed
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import synthetic_run  # noqa: E402  (tests/: the run builder the UI tests share)
+
 SAMPLES = [ROOT / "sample_runs" / "gsm8k-grpo-qwen3", ROOT / "sample_runs" / "verl-toolagent-smollm2"]
 
 
 def build_run(run_dir: Path, steps: int, per_step: int) -> int:
     base = rlreplay.open_run(SAMPLES[0]).spans(step=5)
-    n_base = len(pc.unique(base["trajectory_id"]))
-    replicas = max(1, per_step // n_base)
-    parts = []
-    for r in range(replicas):
-        # characters 4-8 tell the replica (0-4 the step, set below): every trajectory id is unique
-        ids = pc.binary_join_element_wise(
-            pc.utf8_slice_codeunits(base["trajectory_id"], 0, 4),
-            pa.scalar(f"{r:04x}"),
-            pc.utf8_slice_codeunits(base["trajectory_id"], 8),
-            "",
-        )
-        part = base.set_column(base.schema.get_field_index("trajectory_id"), "trajectory_id", ids)
-        part = part.set_column(
-            part.schema.get_field_index("sample_index"),
-            "sample_index",
-            pc.add(part["sample_index"], r * 1000),
-        )
-        parts.append(part)
-    template = pa.concat_tables(parts).cast(SPAN_SCHEMA)
-    bare = template
-    for name in PAYLOAD_COLUMNS:
-        bare = bare.set_column(
-            bare.schema.get_field_index(name), name, pa.nulls(bare.num_rows, bare.schema.field(name).type)
-        )
-    workers = sorted(set(template["worker"].to_pylist()))
-    for step in range(steps):
-        table = template if step == 0 else bare
-        stepped = table.set_column(
-            table.schema.get_field_index("step"), "step", pa.array([step] * table.num_rows, pa.int64())
-        )
-        ids = pc.binary_join_element_wise(
-            pa.scalar(f"{step:04x}"), pc.utf8_slice_codeunits(stepped["trajectory_id"], 4), ""
-        )
-        stepped = stepped.set_column(stepped.schema.get_field_index("trajectory_id"), "trajectory_id", ids)
-        for w in workers:
-            part = stepped.filter(pc.equal(stepped["worker"], w))
-            folder = partition_dir(run_dir, step, w)
-            folder.mkdir(parents=True, exist_ok=True)
-            write_sealed(part, folder / f"part-bench-{step}.parquet")
-    (run_dir / "run.json").write_text(f'{{"experiment": "bench-ui", "format_version": {FORMAT_VERSION}}}')
-    return replicas * n_base
+    return synthetic_run.build_run(run_dir, base, steps, per_step, payload_steps=1)
 
 
 class Server:
@@ -215,6 +172,12 @@ def big_pages(steps: int, per_step: int, keep: Path | None = None) -> None:
 
 
 LONG_TOKENS = 100_000
+#: every token on the page (its count of drawn tokens when it keeps one: counting 100,000 elements
+#: on every poll slows the drawing it waits for)
+DRAWN = """n => {
+  const t = document.getElementById('tokens');
+  return Number(t.dataset.drawn) >= n || t.querySelectorAll('.tk').length >= n;
+}"""
 
 
 def build_long(run_dir: Path, n: int) -> str:
@@ -288,8 +251,13 @@ def long_trajectory() -> None:
                 client.start()
                 start = time.perf_counter()
                 page.goto(f"{server.base}/r/long/t/{tid}", wait_until="load", timeout=120_000)
-                page.locator("#tokens .tk").last.wait_for(state="attached")
                 loaded = time.perf_counter() - start
+                page.wait_for_function(
+                    DRAWN,
+                    arg=LONG_TOKENS,
+                    timeout=120_000,
+                )
+                drawn = time.perf_counter() - start
                 stop.set()
                 client.join()
                 shown = page.locator("#tokens .tk").count()
@@ -303,6 +271,7 @@ def long_trajectory() -> None:
                 loaded,
                 "while the overview is fetched in a loop",
             )
+            row("trajectory page in Chromium, every token drawn", drawn, "from the same start")
             row("overview meanwhile: median", statistics.median(latencies), f"{len(latencies)} requests")
             row("overview meanwhile: slowest", max(latencies), "")
             row("overview alone: median", quiet, "median of 5")

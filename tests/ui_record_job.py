@@ -198,7 +198,7 @@ def trend(run_dir: Path) -> None:
 
 
 TREND_LONG_SAMPLE = 99
-TREND_LONG_TOKENS = 5000
+TREND_LONG_TOKENS = 20_000  # more blocks than the page draws at once
 
 
 class LongLoop:

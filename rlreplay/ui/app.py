@@ -32,6 +32,7 @@ from rlreplay.ui.data import (
     run_base,
     select,
 )
+from rlreplay.ui.pairing import Comparisons, Shown
 
 HERE = Path(__file__).parent
 LOSS_COUNTERS = ("dropped", "spilled", "lost", "encode_errors")
@@ -105,7 +106,7 @@ class UI:
         self.runs = runs
         self.env = _env()
         self.poll_ms = poll_ms
-        self._compared: dict[tuple[str, str], tuple[Any, list[Any]]] = {}
+        self.comparisons = Comparisons(runs)
 
     def warm(self) -> None:
         """Do the first request's work now: templates, query engine, a single run's listing."""
@@ -232,6 +233,7 @@ class UI:
             step_page=step_page,
             within=urlencode(q.params(page=1)),
             findings=_findings_per_trajectory(view.listing_findings()),
+            compared=self.comparisons.badges(view),
             crumbs=crumbs,
         )
 
@@ -277,6 +279,7 @@ class UI:
         if decoder is not None:
             from rlreplay.text.token2text import add_text
 
+            decoder = views.Memo(decoder)
             add_text([traj], decoder)
         row = view.row(traj.id) or {}
         siblings = []
@@ -302,6 +305,7 @@ class UI:
             tokens=views.tokens(traj, decoder),
             siblings=siblings,
             findings=findings,
+            compared=self.comparisons.badges(view).get(traj.id),
             decoder_error=view.decoder_error,
             prompt_link=_prompt_link(view, traj),
             moves=_moves(view, traj, request.query_params.get("in")),
@@ -387,7 +391,7 @@ class UI:
 
     def compare(self, request: Request) -> Response:
         """This run against another of the folder (e.g. its replay): pairs same, changed or in one."""
-        from rlreplay.compare import compare_runs, summary
+        from rlreplay.compare import summary
 
         view = self.view(request)
         others = [n for n in self.runs.names() if n != view.name]
@@ -404,17 +408,9 @@ class UI:
                 crumbs=[("compare", None)],
             )
         b = self.runs.get(other)
-        key = (view.listing(), b.listing(), q.step, q.split)
-        cached = self._compared.get((view.name, other))
-        if cached is None or cached[0] != key:
-            selection = None
-            if q.step or q.split:
-                from rlreplay.read.selection import Selection
-
-                selection = Selection(step=q.step or None, validate=None if not q.split else q.split == "val")
-            pairs = list(compare_runs(view.run, b.run, selection))
-            cached = self._compared[(view.name, other)] = (key, pairs)
-        pairs = cached[1]
+        shown = Shown(view.name, other, q.step, q.split)
+        pairs = self.comparisons.pairs(shown)
+        self.comparisons.show(shown)
         order = {"changed": 0, "only_a": 1, "only_b": 2, "same": 3}
         shown = sorted(pairs, key=lambda p: order[p.status])[:FINDINGS_SHOWN]
         return self.page(

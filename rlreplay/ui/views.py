@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import re
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from markupsafe import Markup, escape
+from markupsafe import Markup
 
 from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_SIGNALS, KIND_TOOL
 from rlreplay.model import Span, Trajectory
@@ -18,7 +20,17 @@ TRAINER_LOGPROB_KEYS = ("old_log_probs", "trainer_log_probs", "log_probs", "logp
 MAX_TOKENS = 100_000
 
 
-_NUMBERS = re.compile(r"\[\s*((?:-?[0-9][0-9.eE+-]*,?\s*)+)\]")  # a list of numbers: one line
+def _one_line_numbers(value: Any) -> Any:
+    """``value`` with each list of numbers as ready JSON on one line (``[1, 2, 3]``), not one a line."""
+    if isinstance(value, dict):
+        return {k: _one_line_numbers(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        if value and type(value[0]) in (int, float):
+            dumped = orjson.dumps(value)
+            if not dumped[1:-1].translate(None, b"0123456789.-+eE,"):  # numbers only
+                return orjson.Fragment(dumped.replace(b",", b", "))
+        return [_one_line_numbers(v) for v in value]
+    return value
 
 
 def pretty(value: Any, limit: int = 4000) -> str:
@@ -29,8 +41,10 @@ def pretty(value: Any, limit: int = 4000) -> str:
         text = value
     else:
         try:
-            text = orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
-            text = _NUMBERS.sub(lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]", text)
+            text = orjson.dumps(
+                _one_line_numbers(value), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
+            )
+            text = text.decode()
         except TypeError:
             text = repr(value)
     return text if len(text) <= limit else text[:limit] + f"… ({len(text):,} characters)"
@@ -46,6 +60,28 @@ def plain(text: Any) -> str:
     return _SPECIAL.sub("", text)
 
 
+class Memo:
+    """A decoder that decodes each id list once (a page decodes the same turns for several views)."""
+
+    def __init__(self, decoder: Any) -> None:
+        self.decoder = decoder
+        self._texts: dict[tuple[bool, tuple[int, ...]], str] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.decoder, name)
+
+    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
+        return self.decode_many([ids], skip_special_tokens)[0]
+
+    def decode_many(self, seqs: Any, skip_special_tokens: bool = False) -> list[str]:
+        keys = [(skip_special_tokens, tuple(ids)) for ids in seqs]
+        missing = list(dict.fromkeys(k for k in keys if k not in self._texts))
+        if missing:
+            texts = self.decoder.decode_many([list(k[1]) for k in missing], skip_special_tokens)
+            self._texts.update(zip(missing, texts))
+        return [self._texts[k] for k in keys]
+
+
 # ---- conversation ------------------------------------------------------------------------------
 
 
@@ -55,6 +91,19 @@ class Message:
     content: str
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments" (text)}
     tokens: int | None = None
+
+    @property
+    def head(self) -> str:
+        """The content shown at once (a long one's rest is laid out only when opened)."""
+        return self.content[:CHAT_SHOWN]
+
+    @property
+    def rest(self) -> str:
+        return self.content[CHAT_SHOWN:]
+
+
+#: characters of a chat message shown at once (laying out a 100,000-token answer takes seconds)
+CHAT_SHOWN = 20_000
 
 
 def messages(traj: Trajectory, decoder: Any, adapter: Any = None) -> list[Message]:
@@ -117,23 +166,40 @@ class SpanRow:
         return (self.span.end_ns - self.span.start_ns) / 1e6
 
 
-TEXT_FIELDS = (("inputs", "prompt_ids"), ("output", "token_ids"), ("output", "response_ids"))
+TEXT_FIELDS = (
+    ("inputs", "prompt_ids", "prompt_text"),
+    ("output", "token_ids", "response_text"),
+    ("output", "response_ids", "response_text"),
+)
 
 
 def _texts(span: Span, decoder: Any) -> list[tuple[str, str, int]]:
-    """The span's token-id lists decoded (a model call's prompt and answer)."""
+    """The span's token-id lists decoded (a model call's prompt and answer): the text ``add_text``
+    put beside them when there, else decoded here."""
     if decoder is None:
         return []
-    found = []
-    for where, key in TEXT_FIELDS:
+    found, missing = [], []
+    for where, key, text_key in TEXT_FIELDS:
         value = getattr(span, where)
         ids = value.get(key) if isinstance(value, dict) else None
         if isinstance(ids, list) and ids and isinstance(ids[0], int):
-            found.append((key, ids))
-    if not found:
-        return []
-    texts = decoder.decode_many([ids for _, ids in found])
-    return [(key, text, len(ids)) for (key, ids), text in zip(found, texts)]
+            text = value.get(text_key)
+            found.append([key, text if isinstance(text, str) else None, len(ids)])
+            if not isinstance(text, str):
+                missing.append((len(found) - 1, ids))
+    for (at, _), text in zip(missing, decoder.decode_many([ids for _, ids in missing])):
+        found[at][1] = text
+    return [(key, _cut(text), n) for key, text, n in found]
+
+
+#: characters of a span's decoded text shown (the conversation above shows it whole)
+SPAN_TEXT_SHOWN = 20_000
+
+
+def _cut(text: str) -> str:
+    if len(text) <= SPAN_TEXT_SHOWN:
+        return text
+    return f"{text[:SPAN_TEXT_SHOWN]}… ({len(text):,} characters; the conversation above has them all)"
 
 
 def timeline(traj: Trajectory, decoder: Any = None) -> list[SpanRow]:
@@ -198,8 +264,8 @@ def tool_calls(traj: Trajectory) -> list[dict[str, Any]]:
 
 @dataclass
 class TokenView:
-    html: Markup
-    data: Markup  # JSON: ids, mask and per-token values, for the tooltips
+    data: Markup  # JSON the page draws the tokens from: ids, text per id, mask and overlay levels
+    values: Markup  # JSON: per-token values, read by the tooltips
     count: int
     has_logprobs: bool
     has_mismatch: bool
@@ -210,9 +276,9 @@ class TokenView:
     scale: dict[str, float] = field(default_factory=dict)
 
     @property
-    def chunked(self) -> bool:
-        """In several blocks, laid out by the browser only when in view."""
-        return self.count > CHUNK
+    def chunk(self) -> int:
+        """Tokens per block the page draws at a time."""
+        return CHUNK
 
 
 #: log-prob shown at full colour (and below); mismatch |Δ| likewise
@@ -225,8 +291,9 @@ ENTROPY_KEYS = ("entropy", "entropies", "token_entropy")
 
 
 def _floats(value: Any, n: int) -> list[float | None] | None:
+    """``value`` when it is a list of ``n`` numbers (its first one says; ``_array`` reads the rest)."""
     if isinstance(value, list) and len(value) == n and all(isinstance(v, (int, float)) for v in value[:1]):
-        return [float(v) if isinstance(v, (int, float)) else None for v in value]
+        return value
     return None
 
 
@@ -268,7 +335,7 @@ def _aligned(value: Any, n: int) -> list[float | None] | None:
     """A list of numbers cut or padded (None) to ``n`` entries (the trainer may pad or trim)."""
     if not isinstance(value, list) or not value or not isinstance(value[0], (int, float)):
         return None
-    out = [float(v) if isinstance(v, (int, float)) else None for v in value[:n]]
+    out = value[:n]
     return out + [None] * (n - len(out))
 
 
@@ -299,17 +366,20 @@ def _entropy(traj: Trajectory, n: int) -> list[float | None] | None:
     return _trainer_logprobs(traj, n, ENTROPY_KEYS)
 
 
-LEVELS = 20  # colour steps of an overlay
-CHUNK = 2000  # tokens per block: the browser lays out only the blocks in view
+LEVELS = 20  # colour steps of an overlay (classes a0–a20, b0–b20, c0–c20 in style.css)
+CHUNK = 2000  # tokens per block: the page draws a block at a time, the browser lays out those in view
 
 
 def _array(values: list[float | None] | None, n: int) -> Any:
-    """Values as float64 (NaN where none)."""
+    """Values as float64 (NaN where none or not a number)."""
     import numpy as np
 
     if values is None:
         return np.full(n, np.nan)
-    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+    try:
+        return np.asarray(values, dtype=np.float64)  # None becomes NaN
+    except (TypeError, ValueError):
+        return np.array([v if isinstance(v, (int, float)) else np.nan for v in values], dtype=np.float64)
 
 
 def _levels(values: Any, full: float) -> Any:
@@ -321,22 +391,51 @@ def _levels(values: Any, full: float) -> Any:
     return np.rint(np.clip(share, 0.0, 1.0) * LEVELS).astype(np.int64)
 
 
-def _open_tag(key: int) -> str:
-    mask, rest = divmod(key, (LEVELS + 1) ** 3)
-    lp, rest = divmod(rest, (LEVELS + 1) ** 2)
-    mm, en = divmod(rest, LEVELS + 1)
-    style = ";".join(f"--{k}:{v / LEVELS:.2f}" for k, v in (("lp", lp), ("mm", mm), ("en", en)) if v)
-    return f'<span class="tk m{mask}" style="{style}">' if style else f'<span class="tk m{mask}">'
-
-
 def _json_values(values: Any) -> Any:
     return values.round(4).tolist()  # NaN is written as null
 
 
+_PIECES: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
+_PIECES_LOCK = threading.Lock()
+
+
+def _token_texts(decoder: Any, ids: list[int]) -> list[str]:
+    """Each token's text alone, decoded once per tokenizer (kept for the pages that follow)."""
+    if decoder is None:
+        return [f"{i} " for i in ids]
+    decoder = decoder.decoder if isinstance(decoder, Memo) else decoder
+    try:
+        with _PIECES_LOCK:
+            known = _PIECES.setdefault(decoder, {})
+    except TypeError:  # not weakly referable: decode every time
+        known = {}
+    missing = [i for i in ids if i not in known]
+    if missing:
+        decoded = dict(zip(missing, decoder.decode_many([[i] for i in missing])))
+        with _PIECES_LOCK:
+            known.update(decoded)
+    else:
+        decoded = {}
+    return [known.get(i, decoded.get(i, "")) for i in ids]
+
+
+def _script_json(value: Any) -> Markup:
+    """JSON for a ``<script type="application/json">`` element (no ``<`` to end it early)."""
+    return Markup(orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode().replace("<", "\\u003c"))
+
+
+def _chars(values: Any, first: str) -> str:
+    """Small non-negative integers as one character each (``first`` for 0): compact per-token data."""
+    import numpy as np
+
+    return (values + ord(first)).astype(np.uint8).tobytes().decode("ascii")
+
+
 def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
-    """Each response token as a ``<span>`` carrying its mask and its colour variables (log-prob,
-    mismatch, entropy); the values for the tooltips travel once, as JSON (``data``); a minimap of
-    the whole response when it is long."""
+    """The response's tokens as compact data the page draws from (``ui.js``, block by block): ids,
+    each distinct id's text decoded once, the mask and each overlay's colour level as one character
+    per token; the values for the tooltips apart (read on the first hover); a minimap of the whole
+    response when it is long."""
     import numpy as np
 
     ids, mask, lps = _response(traj)
@@ -350,30 +449,28 @@ def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
     rollout, trainer, entropy = _array(lps, n), _array(trainer_list, n), _array(entropy_list, n)
     known = entropy[~np.isnan(entropy)]
     top_entropy = float(known.max()) if known.size and known.max() > 0 else 1.0
-    unique = list(dict.fromkeys(ids))  # decode and escape each distinct token once
-    texts = decoder.decode_many([[i] for i in unique]) if decoder is not None else [f"{i} " for i in unique]
-    piece = {i: str(escape(t)) for i, t in zip(unique, texts)}
+    unique = list(dict.fromkeys(ids))
+    texts = _token_texts(decoder, unique)
     levels = [
         _levels(rollout, LOGPROB_FULL),
         _levels(np.abs(trainer - rollout), MISMATCH_FULL),
         _levels(entropy, top_entropy),
     ]
-    side = LEVELS + 1
     marks = np.array(mask, dtype=np.int64)
-    keys = ((marks * side + levels[0]) * side + levels[1]) * side + levels[2]
-    tags: dict[int, str] = {}
-    parts = []
-    for key, tid in zip(keys.tolist(), ids):
-        tag = tags.get(key)
-        if tag is None:
-            tag = tags[key] = _open_tag(key)
-        parts.append(f"{tag}{piece[tid]}</span>")
+    present = (lps is not None, trainer_list is not None, entropy_list is not None)
     data = {
         "ids": ids,
-        "mask": mask,
-        "logprob": _json_values(rollout) if lps else None,
-        "trainer": _json_values(trainer) if trainer_list is not None else None,
-        "entropy": _json_values(entropy) if entropy_list is not None else None,
+        "text": dict(zip(unique, texts)),
+        "mask": _chars(marks, "0"),
+        "levels": {
+            name: _chars(lv, "a") if on else None
+            for name, lv, on in zip(("logprob", "mismatch", "entropy"), levels, present)
+        },
+    }
+    values = {
+        "logprob": _json_values(rollout) if present[0] else None,
+        "trainer": _json_values(trainer) if present[1] else None,
+        "entropy": _json_values(entropy) if present[2] else None,
     }
     note = None
     if trainer_list is None:
@@ -385,19 +482,15 @@ def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
         note = "no per-token trainer log-probs recorded" + (
             f" (logprob_diff_max {scalars[-1]['logprob_diff_max']})" if scalars else ""
         )
-    chunks = (
-        f'<div class="chunk" data-from="{k}">{"".join(parts[k : k + CHUNK])}</div>'
-        for k in range(0, n, CHUNK)
-    )
     return TokenView(
-        Markup("".join(chunks)),
-        Markup(orjson.dumps(data).decode().replace("<", "\\u003c")),
+        _script_json(data),
+        _script_json(values),
         n,
-        lps is not None,
-        trainer_list is not None,
+        present[0],
+        present[1],
         note,
         truncated,
-        entropy_list is not None,
+        present[2],
         _minimap(marks, levels) if n >= MINIMAP_FROM else None,
         {"logprob": LOGPROB_FULL, "mismatch": MISMATCH_FULL, "entropy": top_entropy},
     )

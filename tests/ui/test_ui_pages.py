@@ -389,26 +389,40 @@ def test_compare_page_a_run_and_its_changed_replay(ui_url, ui_runs: Path, tab) -
 
 
 def test_long_response_minimap_and_tooltips_across_blocks(ui_url, ui_runs: Path, tab) -> None:
+    from support import qwen_tokenizer_dir
     from ui_record_job import TREND_LONG_SAMPLE, TREND_LONG_TOKENS
 
     from rlreplay.read.open import open_run
+    from rlreplay.text.token2text import Decoder
 
     row = next(r for r in cli_json("ls", str(ui_runs / TREND)) if r["sample_index"] == TREND_LONG_SAMPLE)
     traj = open_run(ui_runs / TREND).trajectory(row["id"])
     ids = next(s.output["response_ids"] for s in traj.spans if s.kind == "agent")
     assert len(ids) == TREND_LONG_TOKENS
     tab.goto(f"{ui_url}/r/{TREND}/t/{row['id']}")
-    assert tab.locator("#tokens .tk").count() == len(ids)
     cells = tab.locator("#minimap .cell")
     per = -(-len(ids) // 240)
     assert cells.count() == -(-len(ids) // per)
-    cells.last.click()  # scrolls the tokens box to the last cell's first token
+    cells.last.click()  # scrolls the tokens box to the last cell's first token (drawn now if not yet)
     k = int(cells.last.get_attribute("data-at"))
     target = tab.locator("#tokens .tk").nth(k)
     box, at = tab.locator("#tokens").bounding_box(), target.bounding_box()
     assert box["y"] <= at["y"] <= box["y"] + box["height"]
     target.hover()
     assert f"#{k} id {ids[k]} " in tab.inner_text("#tip")  # its index counted across blocks
+    tab.wait_for_selector(f"#tokens[data-drawn='{len(ids)}']", state="attached")
+    assert tab.locator("#tokens .tk").count() == len(ids)
+    starts = tab.locator("#tokens .chunk").evaluate_all("cs => cs.map(c => Number(c.dataset.from))")
+    size = int(tab.get_attribute("#tokens", "data-chunk"))
+    assert starts == list(range(0, len(ids), size))  # each block once, in order
+    texts = tab.locator("#tokens .tk").evaluate_all("ts => [0, 1, ts.length - 1].map(i => ts[i].textContent)")
+    decoder = Decoder.load(str(qwen_tokenizer_dir()))
+    assert texts == [decoder.decode([ids[i]]) for i in (0, 1, len(ids) - 1)]
+    answer = decoder.decode(ids).replace("<|im_end|>", "").strip()
+    more = tab.locator("#chat .bubble.assistant details.more")  # the long answer's rest, on demand
+    assert answer.split()[-1] not in tab.inner_text("#chat")
+    more.locator("summary").click()
+    assert answer.split()[-1] in more.inner_text()
     assert tab.errors == []
 
 
@@ -442,4 +456,103 @@ def test_showcase_run_has_data_in_every_overlay(ui_url, tab) -> None:
     assert f"#{k} id {agent['response_ids'][k]}" in tip
     assert f"logprob {rollout[k]:.4f}" in tip and f"trainer {trainer[k]:.4f}" in tip
     assert f"|Δ| {diffs[k]:.4f}" in tip
+    assert tab.errors == []
+
+
+def _record_pair(ui_runs: Path, names: tuple[str, str]) -> None:
+    """Two runs of the replay job: the second with a changed answer, a rollout skipped, one extra."""
+    import json
+    import subprocess
+    import sys
+
+    base = {"steps": 2, "samples": 3, "rollouts": 2, "seed": 0, "parser": "v1"}
+    changed = {**base, "changes": {"1:2:0:0": 7}, "skip": [[0, 0, 1]], "extra": [[1, 0, 2]]}
+    tests = str(Path(__file__).parents[1])
+    for name, config in zip(names, (base, changed)):
+        cmd = [sys.executable, "-c", RECORD_REPLAY_JOB, str(ui_runs / name), json.dumps(config), tests]
+        subprocess.run(cmd, check=True, timeout=180)
+
+
+def _statuses(a: Path, b: Path) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """From ``rlreplay compare A B --json``: each trajectory's status in A, in B, and B's twin of A's."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "rlreplay", "compare", str(a), str(b), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    in_a, in_b, twin = {}, {}, {}
+    for line in out.stdout.splitlines():
+        p = json.loads(line)
+        status = "only in this run" if not (p["a"] and p["b"]) else "same" if p["same"] else "changed"
+        if p["a"]:
+            in_a[p["a"]] = status
+        if p["b"]:
+            in_b[p["b"]] = status
+        if p["a"] and p["b"]:
+            twin[p["a"]] = p["b"]
+    return in_a, in_b, twin
+
+
+def _row_badges(tab) -> dict[str, str]:
+    """The list's trajectory ids and the compare badge each row wears."""
+    return {
+        row.locator("a.traj-link").get_attribute("href").split("/t/")[1].split("?")[0]: row.locator(
+            ".badge.pairstatus"
+        ).inner_text()
+        for row in tab.locator("table.list tr:has(a.traj-link)").all()
+    }
+
+
+def test_compare_badges_on_trajectories_and_list_rows(ui_url, ui_runs: Path, tab) -> None:
+    _record_pair(ui_runs, ("cmp-a", "cmp-b"))
+    in_a, in_b, twin = _statuses(ui_runs / "cmp-a", ui_runs / "cmp-b")
+    assert {"same", "changed", "only in this run"} <= set(in_a.values())
+    changed = next(i for i, s in in_a.items() if s == "changed")
+    tab.goto(f"{ui_url}/r/cmp-a/t/{changed}")
+    assert tab.locator("#compare-badge").count() == 0  # no comparison shown yet
+
+    tab.goto(f"{ui_url}/r/cmp-a/compare?with=cmp-b")
+    tab.wait_for_selector("#pairs")
+    for tid, status in in_a.items():  # each trajectory's page wears its status
+        tab.goto(f"{ui_url}/r/cmp-a/t/{tid}")
+        assert tab.inner_text("#compare-badge") == status, tid
+    same = next(i for i, s in in_a.items() if s == "same")
+    tab.goto(f"{ui_url}/r/cmp-a/t/{same}")
+    assert tab.get_attribute("#compare-badge", "href") == f"/r/cmp-b/t/{twin[same]}"
+    tab.goto(f"{ui_url}/r/cmp-a/t/{changed}")
+    tab.click("#compare-badge")  # to the compare view of that pair
+    tab.wait_for_selector(f"#pair-{changed}")
+    assert f"#pair-{changed}" in tab.url and "with=cmp-b" in tab.url
+    assert tab.locator(f"#pair-{changed} .badge").inner_text() == "changed"
+    for tid, status in in_b.items():  # the other run's pages too, from its side
+        tab.goto(f"{ui_url}/r/cmp-b/t/{tid}")
+        assert tab.inner_text("#compare-badge") == status, tid
+
+    # the list's rows wear them
+    tab.goto(f"{ui_url}/r/cmp-a/trajectories")
+    shown = _row_badges(tab)
+    assert shown == in_a
+    assert tab.errors == []
+
+
+def test_a_replay_wears_compare_badges_against_its_source(ui_url, ui_runs: Path, tab) -> None:
+    """A run whose manifest names its source (as ``rlreplay replay`` writes it) is compared with it."""
+    from rlreplay.playback import mark_replay
+
+    _record_pair(ui_runs, ("rpl-source", "rpl-replay"))
+    mark_replay(ui_runs / "rpl-replay", ui_runs / "rpl-source", "llm", "live")
+    _, in_replay, _ = _statuses(ui_runs / "rpl-source", ui_runs / "rpl-replay")
+    tab.goto(f"{ui_url}/r/rpl-replay/trajectories")
+    shown = _row_badges(tab)
+    assert shown == in_replay
+    changed = next(i for i, s in in_replay.items() if s == "changed")
+    tab.goto(f"{ui_url}/r/rpl-replay/t/{changed}")
+    assert tab.inner_text("#compare-badge") == "changed"
+    tab.click("#compare-badge")
+    tab.wait_for_selector(f"#pair-{changed}")
+    assert "/r/rpl-replay/compare?with=rpl-source" in tab.url
     assert tab.errors == []

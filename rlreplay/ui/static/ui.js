@@ -1,22 +1,64 @@
-// Tooltips for anything carrying data-tip (chart columns, histogram bars) and for tokens (their
-// values come once, as JSON in #token-data); the token overlay switch; the minimap; keyboard
-// moves: j / k (or → / ←) follow the page's data-key=next / prev links.
+// Tooltips for anything carrying data-tip (chart columns, histogram bars) and for tokens; the
+// tokens themselves, drawn from #token-data a block at a time (the first blocks at once, the rest
+// in the background, or at once up to a minimap click's token); the token overlay switch; the
+// minimap; keyboard moves: j / k (or → / ←) follow the page's data-key=next / prev links.
 (function () {
   const tip = document.createElement("div");
   tip.id = "tip";
   document.body.appendChild(tip);
   const tokens = document.getElementById("tokens");
   const dataEl = document.getElementById("token-data");
-  let data = null;
+  const valuesEl = document.getElementById("token-values");
+  const FIRST_BLOCKS = 4; // drawn before the page shows; the rest in the background
+  let data = null, values = null, drawn = 0;
+  const ESC = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" };
+  function escape(text) { return String(text).replace(/[&<>"]/g, function (c) { return ESC[c]; }); }
+  function drawBlock() {
+    const n = data.ids.length, size = Number(tokens.dataset.chunk), end = Math.min(drawn + size, n);
+    const overlays = [["a", data.levels.logprob], ["b", data.levels.mismatch], ["c", data.levels.entropy]]
+      .filter(function (o) { return o[1]; });
+    const parts = [];
+    for (let k = drawn; k < end; k++) {
+      let cls = "tk m" + data.mask[k];
+      for (const [prefix, levels] of overlays) {
+        const level = levels.charCodeAt(k) - 97;
+        if (level) cls += " " + prefix + level;
+      }
+      let piece = data.html[data.ids[k]];
+      if (piece === undefined) piece = data.html[data.ids[k]] = escape(data.text[data.ids[k]]);
+      parts.push('<span class="' + cls + '">' + piece + "</span>");
+    }
+    const block = document.createElement("div");
+    block.className = "chunk";
+    block.dataset.from = drawn;
+    block.innerHTML = parts.join("");
+    tokens.appendChild(block);
+    drawn = end;
+    tokens.dataset.drawn = drawn;
+  }
+  function drawUpTo(k) { while (drawn <= k && drawn < data.ids.length) drawBlock(); }
+  function drawRest() { // blocks for up to ~12 ms, then the page gets its turn (input, paint)
+    const start = performance.now();
+    while (drawn < data.ids.length && performance.now() - start < 12) drawBlock();
+    if (drawn < data.ids.length) setTimeout(drawRest, 0);
+  }
+  if (tokens && dataEl) {
+    data = JSON.parse(dataEl.textContent);
+    data.html = {};
+    tokens.textContent = "";
+    if (data.ids.length > Number(tokens.dataset.chunk)) tokens.classList.add("chunked"); // lays out blocks in view only
+    for (let b = 0; b < FIRST_BLOCKS && drawn < data.ids.length; b++) drawBlock();
+    setTimeout(drawRest, 0);
+  }
   function num(v) { return v === null || v === undefined ? null : Number(v).toFixed(4); }
   function tokenTip(el) {
-    if (!data) data = JSON.parse(dataEl.textContent);
+    if (!values) values = JSON.parse(valuesEl.textContent);
     const chunk = el.parentElement;
     const k = Number(chunk.dataset.from) + Array.prototype.indexOf.call(chunk.children, el);
-    let t = "#" + k + " id " + data.ids[k] + " · " + (data.mask[k] ? "model" : "tool") + " · " + JSON.stringify(el.textContent);
-    const lp = data.logprob ? data.logprob[k] : null;
-    const tr = data.trainer ? data.trainer[k] : null;
-    const en = data.entropy ? data.entropy[k] : null;
+    let t = "#" + k + " id " + data.ids[k] + " · " + (data.mask[k] === "1" ? "model" : "tool") + " · " + JSON.stringify(el.textContent);
+    const lp = values.logprob ? values.logprob[k] : null;
+    const tr = values.trainer ? values.trainer[k] : null;
+    const en = values.entropy ? values.entropy[k] : null;
     if (lp !== null) t += " · logprob " + num(lp);
     if (tr !== null && lp !== null) t += " · trainer " + num(tr) + " (|Δ| " + num(Math.abs(tr - lp)) + ")";
     if (en !== null) t += " · entropy " + num(en);
@@ -31,7 +73,7 @@
   document.addEventListener("mouseover", function (e) {
     const t = e.target;
     let text = null;
-    if (t.classList && t.classList.contains("tk") && tokens && dataEl) text = tokenTip(t);
+    if (t.classList && t.classList.contains("tk") && data) text = tokenTip(t);
     else {
       const el = t.closest ? t.closest("[data-tip]") : null;
       if (el) text = el.dataset.tip;
@@ -50,9 +92,10 @@
     set();
   }
   const minimap = document.getElementById("minimap");
-  if (minimap && tokens) minimap.addEventListener("click", function (e) {
+  if (minimap && data) minimap.addEventListener("click", function (e) {
     const at = e.target.dataset ? e.target.dataset.at : undefined;
     if (at === undefined) return;
+    drawUpTo(Number(at));
     const chunks = tokens.children;
     let c = chunks.length - 1;
     while (c > 0 && Number(chunks[c].dataset.from) > Number(at)) c--;
