@@ -3,7 +3,7 @@ the trajectories streamed step by step (one pass over each step's files)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,11 +77,37 @@ def audit(
         if check.over == OVER_LISTING:
             report.findings.extend(check.run(listing, ctx))
     if over_spans:
-        from rlreplay.read.scan import stream
-
-        for traj in stream(run, listing):
-            report.findings.extend(check_trajectory(traj, over_spans, ctx))
+        report.findings.extend(_over_trajectories(run, listing, over_spans, ctx))
     return report
+
+
+def _over_trajectories(run: Any, listing: Any, checks: list[Check], ctx: Context) -> Iterator[Finding]:
+    """Trajectory checks, step by step: a check with ``span_kinds`` over trajectories holding only
+    those spans, the others over whole trajectories (built only when such a check runs)."""
+    from rlreplay.read.scan import by_step, step_calls, step_spans
+    from rlreplay.text.adapters import GenericAdapter
+
+    # an adapter of its own may not read ids left as numpy arrays
+    plain = type(ctx.adapter).call_ids is GenericAdapter.call_ids
+    light = [c for c in checks if c.span_kinds is not None and plain]
+    kinds = sorted({k for c in light for k in c.span_kinds or ()})
+    light_names = {c.name for c in light}
+    for step, ids in by_step(listing).items():
+        if type(step) is not int:
+            for traj in run.load(ids):
+                yield from check_trajectory(traj, checks, ctx)
+            continue
+        warn = lambda message, step=step: run._warn(f"step {step}: {message}")  # noqa: E731
+        whole = step_spans(run, step, ids) if len(light) < len(checks) else None
+        views = step_calls(run, step, ids, kinds, None if whole else warn) if light else None
+        for k in range(len(ids)):
+            traj = whole.trajectory(k, warn) if whole is not None else None
+            view = views[k] if views is not None else None
+            if traj is None and view is None:
+                continue
+            for check in checks:
+                if ctx.decoder is not None or not check.needs_tokenizer:
+                    yield from check.run(view if check.name in light_names else traj, ctx)
 
 
 def check_trajectory(traj: Any, checks: Sequence[Check], ctx: Context) -> list[Finding]:
