@@ -95,16 +95,19 @@ def _may_loop(ids: Any, max_ngram: int, least: int) -> bool:
     """False when no n-gram of up to ``max_ngram`` tokens repeats over a stretch of ``least`` + n
     tokens or more (``_loop`` would find no such stretch): one pass over all n-gram lengths."""
     import numpy as np
-    from numpy.lib.stride_tricks import sliding_window_view
+    from numpy.lib.stride_tricks import as_strided
 
     a = np.asarray(ids, dtype=np.int64)
     if max_ngram < 1 or least > len(a):
         return False
     # distinct negative values after the end: no position past it compares equal
     padded = np.concatenate((a, -np.arange(1, max_ngram + 1, dtype=np.int64)))
-    window = sliding_window_view(padded, max_ngram + 1)
+    window = as_strided(padded, shape=(len(a), max_ngram + 1), strides=(8, 8), writeable=False)
     same = window[:, 1:] == window[:, :1]  # [j, n - 1]: a[j + n] == a[j]
-    if int(same.sum(axis=0).max()) < least:
+    # a stretch of ``least`` equal pairs holds an aligned block of half as many
+    block = (least + 1) // 2
+    whole = len(a) // block * block
+    if not same[:whole].reshape(-1, block, max_ngram).all(axis=1).any():
         return False
     runs = np.zeros((len(a) + 1, max_ngram), dtype=np.int32)
     np.cumsum(same, axis=0, out=runs[1:])
