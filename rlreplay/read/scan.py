@@ -104,30 +104,26 @@ CALL_COLUMNS = (
 )
 
 
-def step_calls(
-    run: Any, step: int, ids: Sequence[str], kinds: Sequence[str], warn: Any = None
-) -> list[Trajectory | None]:
-    """Trajectories ``ids`` of ``step`` holding only their spans of ``kinds`` (no tree, no
-    attributes, token id arrays of 64 ids or more as numpy arrays, other arrays left as their
-    placeholders), read in one pass over the step's files; None for an id without rows there."""
-    table = run.spans(Filters(step=step), columns=list(CALL_COLUMNS))
-    out: list[Trajectory | None] = [None] * len(ids)
-    if not table.num_rows:
-        return out
-    rows = _StepRows(table, ids, set(kinds))
-    for group, who in zip(rows.groups, rows.owners()):
-        out[int(rows.pos[rows.order[group.start]])] = rows.trajectory(group, who, warn)
-    return out
+def step_calls(run: Any, step: int, ids: Sequence[str], kinds: Sequence[str], warn: Any = None) -> StepCalls:
+    """Trajectories ``ids`` of ``step`` holding only their spans of ``kinds``, read in one pass
+    over the step's files and built one at a time (see ``StepCalls.trajectory``)."""
+    return StepCalls(run.spans(Filters(step=step), columns=list(CALL_COLUMNS)), ids, set(kinds), warn)
 
 
-class _StepRows:
+class StepCalls:
     """One step's span rows for ``step_calls``: grouped by trajectory, the rows of the kinds
     wanted as Python values, the others decoded only where a token array refers to them."""
 
-    def __init__(self, table: pa.Table, ids: Sequence[str], kinds: set[str]) -> None:
+    def __init__(self, table: pa.Table, ids: Sequence[str], kinds: set[str], warn: Any = None) -> None:
         import numpy as np
 
         self.table = table
+        self.warn = warn
+        self.group_of: dict[int, int] = {}
+        if not table.num_rows:
+            self.groups: list[range] = []
+            self.who: list[dict[str, Any]] = []
+            return
         position = ops.fill_null(ops.index_in(table["trajectory_id"], pa.array(list(ids), pa.string())), -1)
         self.pos = pos = position.to_numpy()
         keys = pa.table(
@@ -152,6 +148,8 @@ class _StepRows:
         self.cols = {c: ops.take(table[c], kept_rows).to_pylist() for c in plain}
         chunk = table["token_ids"].combine_chunks()
         self.offsets, self.values = chunk.offsets.to_numpy(), chunk.values.to_numpy(zero_copy_only=False)
+        self.who = self.owners()
+        self.group_of = {int(pos[order[g.start]]): i for i, g in enumerate(self.groups)}
 
     def owners(self) -> list[dict[str, Any]]:
         """Per group, its owner row's identity (the root span's row, else the first)."""
@@ -165,7 +163,14 @@ class _StepRows:
     def tokens(self, row: int) -> dict[str, Any]:
         return {"token_ids": self.values[self.offsets[row] : self.offsets[row + 1]]}
 
-    def trajectory(self, group: range, who: dict[str, Any], warn: Any) -> Trajectory:
+    def trajectory(self, k: int) -> Trajectory | None:
+        """Trajectory ``ids[k]`` holding only its spans of the kinds asked for (no tree, no
+        attributes, token id arrays of 64 ids or more as numpy arrays, other arrays left as their
+        placeholders), or None when it has no rows in this step."""
+        i = self.group_of.get(k)
+        return self._build(self.groups[i], self.who[i], self.warn) if i is not None else None
+
+    def _build(self, group: range, who: dict[str, Any], warn: Any) -> Trajectory:
         import numpy as np
 
         from rlreplay.format import payload
@@ -230,6 +235,7 @@ class _StepRows:
                 )
             )
         issues.extend(restorer.issues)
+        restorer.resolve = None  # no reference circle: the step's rows go once it is done with
         if warn is not None and issues:
             warn(
                 f"trajectory {who['trajectory_id'][:12]}: {issues[0]}"
