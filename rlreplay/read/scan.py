@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format.schema import KEY_STR, KEYS
-from rlreplay.model import Span, Trajectory, key_value, trajectory_from_table
+from rlreplay.model import Span, Trajectory, report_issues, trajectory_from_table, trajectory_of
 from rlreplay.read.filters import Filters
 
 #: the column holding each row's trajectory's position in the ids asked for
@@ -236,16 +236,5 @@ class StepCalls:
             )
         issues.extend(restorer.issues)
         restorer.resolve = None  # no reference circle: the step's rows go once it is done with
-        if warn is not None and issues:
-            warn(
-                f"trajectory {who['trajectory_id'][:12]}: {issues[0]}"
-                + (f" (+{len(issues) - 1} more)" if len(issues) > 1 else "")
-            )
-        return Trajectory(
-            id=who["trajectory_id"],
-            **{k: key_value(who.get(k), who.get(KEY_STR[k])) for k in KEYS},
-            validate=who["validate"],
-            experiment=who["experiment"],
-            worker=who["worker"],
-            spans=spans,
-        )
+        report_issues(warn, who["trajectory_id"], issues)
+        return trajectory_of(who, spans)

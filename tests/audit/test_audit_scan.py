@@ -60,15 +60,22 @@ def plain_loop(ids: list[int], max_ngram: int) -> tuple[int, int, int] | None:
     return None if best is None else (best[1], best[0] // best[1], best[2])
 
 
+def random_ids(rng: random.Random, size: int, gram: int, times: int) -> list[int]:
+    """Up to ``size`` ids from a small or large vocabulary, half the time with an n-gram (up to
+    ``gram`` ids) repeated up to ``times`` times put in somewhere."""
+    vocab = rng.choice([2, 3, 7, 1000])
+    ids = [rng.randrange(vocab) for _ in range(rng.randrange(0, size))]
+    if ids and rng.random() < 0.5:
+        loop = [rng.randrange(vocab) for _ in range(rng.randrange(1, gram))]
+        at = rng.randrange(len(ids))
+        ids = ids[:at] + loop * rng.randrange(1, times) + ids[at:]
+    return ids
+
+
 def test_the_repetition_rule_matches_its_plain_form() -> None:
     rng = random.Random(0)
     for _ in range(1500):
-        vocab = rng.choice([2, 3, 7, 1000])
-        ids = [rng.randrange(vocab) for _ in range(rng.randrange(0, 120))]
-        if ids and rng.random() < 0.5:
-            gram = [rng.randrange(vocab) for _ in range(rng.randrange(1, 9))]
-            at = rng.randrange(len(ids))
-            ids = ids[:at] + gram * rng.randrange(1, 12) + ids[at:]
+        ids = random_ids(rng, 120, 9, 12)
         max_ngram = rng.choice([1, 3, 32])
         assert _loop(ids, max_ngram) == plain_loop(ids, max_ngram), (ids, max_ngram)
 
@@ -163,12 +170,7 @@ def test_the_repetition_screen_passes_every_response_the_rule_flags() -> None:
     rng = random.Random(2)
     screened = 0
     for _ in range(3000):
-        vocab = rng.choice([2, 3, 7, 1000])
-        ids = [rng.randrange(vocab) for _ in range(rng.randrange(0, 160))]
-        if ids and rng.random() < 0.5:
-            gram = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
-            at = rng.randrange(len(ids))
-            ids = ids[:at] + gram * rng.randrange(1, 14) + ids[at:]
+        ids = random_ids(rng, 160, 12, 14)
         max_ngram, repeats, tokens = rng.choice([1, 3, 32]), rng.choice([2, 4, 6.5]), rng.choice([4, 16, 32])
         found = plain_loop(ids, max_ngram)
         flagged = found is not None and found[1] >= repeats and found[0] * found[1] >= tokens
