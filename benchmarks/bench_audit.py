@@ -7,14 +7,16 @@
 2. Every check (the trajectory checks stream each step's spans) over a run recorded with the real
    recorder and ``agent_workload.py``'s agent loop (real Qwen3 ids, 2-5 model calls per trajectory,
    a tool call between them) for two steps, written again as RECORD_STEPS steps as
-   ``bench_compare.py`` does; against a pyarrow read of the same span files (the floor).
+   ``bench_compare.py`` does (or a run it kept), audited whole or over its first AUDIT_STEPS
+   steps, optionally with another checkout's code first; against a pyarrow read of the same span
+   files (the floor).
 
 Peak memory is the audit process's maximum resident set size.
 
-    python benchmarks/bench_audit.py                                  # 200 x 1,024 both
+    python benchmarks/bench_audit.py                                        # 200 x 1,024 both
     python benchmarks/bench_audit.py --steps 0 --recorded-run DIR/a-200     # a run bench_compare kept, whole
-    python benchmarks/bench_audit.py --steps 0 --recorded-run DIR/a-20 --audit-steps 2 \
-        --baseline-tree /path/to/other/checkout                              # before and after a change
+    python benchmarks/bench_audit.py --steps 0 --recorded-run DIR/a-200 --audit-steps 2 \
+        --baseline-tree /path/to/other/checkout                             # before and after a change
 """
 
 from __future__ import annotations

@@ -90,8 +90,9 @@ def _over_trajectories(run: Any, listing: Any, checks: list[Check], ctx: Context
     from rlreplay.read.scan import by_step
     from rlreplay.text.adapters import GenericAdapter
 
-    # an adapter of its own may not read ids left as numpy arrays
-    plain = type(ctx.adapter).call_ids is GenericAdapter.call_ids
+    # an adapter reading calls its own way may want what the calls-only reader leaves out
+    reads = ("call_ids", "stop_reason", "max_tokens", "tool_error", "parse_error")
+    plain = all(getattr(type(ctx.adapter), m, None) is getattr(GenericAdapter, m) for m in reads)
     light = [c for c in checks if c.span_kinds is not None and plain]
     for step, ids in by_step(listing).items():
         release_unused()  # what the last step freed: memory stays one step's

@@ -202,3 +202,23 @@ def test_ids_sure_to_be_printable_ascii_decode_to_it() -> None:
             assert text.isascii() and all(c.isprintable() or c in "\n\r\t" for c in text), (seq, text)
     assert sure[0] and not sure[1] and sure[2] and not sure[3]
     assert 100 < sum(sure) < len(seqs) - 100
+
+
+def test_an_adapter_reading_calls_its_own_way_gets_whole_trajectories(planted_run, monkeypatch) -> None:  # noqa: F811
+    from rlreplay.text import adapters
+
+    run = rlreplay.open_run(planted_run[0])
+    listing = run.trajectories()
+    checks = [c for c in engine.available().values() if c.over != OVER_LISTING]
+    expected = [f.to_dict() for f in engine.audit(run, listing, checks).findings]
+    responses: list[Any] = []
+
+    class Mine(adapters.GenericAdapter):
+        def stop_reason(self, span: Any) -> str | None:
+            responses.append(self.call_ids(span)[1])
+            return super().stop_reason(span)
+
+    monkeypatch.setattr(adapters, "adapter_for_run", lambda run: Mine())
+    assert [f.to_dict() for f in engine.audit(run, listing, checks).findings] == expected
+    assert any(r is not None and len(r) >= 64 for r in responses)
+    assert all(r is None or isinstance(r, list) for r in responses)  # as whole trajectories hold them
