@@ -7,12 +7,16 @@
 2. Every check (the trajectory checks stream each step's spans) over a run recorded with the real
    recorder and ``agent_workload.py``'s agent loop (real Qwen3 ids, 2-5 model calls per trajectory,
    a tool call between them) for two steps, written again as RECORD_STEPS steps as
-   ``bench_compare.py`` does; against a pyarrow read of the same span files (the floor).
+   ``bench_compare.py`` does (or a run it kept), audited whole or over its first AUDIT_STEPS
+   steps, optionally with another checkout's code first; against a pyarrow read of the same span
+   files (the floor).
 
 Peak memory is the audit process's maximum resident set size.
 
-    python benchmarks/bench_audit.py                                  # 200 x 1,024 both
-    python benchmarks/bench_audit.py --recorded-run DIR/a --audit-steps 20   # a run bench_compare kept
+    python benchmarks/bench_audit.py                                        # 200 x 1,024 both
+    python benchmarks/bench_audit.py --steps 0 --recorded-run DIR/a-200     # a run bench_compare kept, whole
+    python benchmarks/bench_audit.py --steps 0 --recorded-run DIR/a-200 --audit-steps 2 \
+        --baseline-tree /path/to/other/checkout                             # before and after a change
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ from bench_query import build_run, step_template
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(args: list[str]) -> tuple[float, float, int]:
-    """(seconds, peak MB, lines of output) of ``rlreplay ARGS`` as its own process."""
-    took, peak, rc, out = bench_compare.measure([sys.executable, "-m", "rlreplay", *args])
+def measure(args: list[str], tree: Path | None = None) -> tuple[float, float, int]:
+    """(seconds, peak MB, lines of output) of ``rlreplay ARGS`` as its own process (``tree``:
+    another checkout, run with its own ``.venv`` from its folder; default this one)."""
+    python = str(tree / ".venv" / "bin" / "python") if tree is not None else sys.executable
+    took, peak, rc, out = bench_compare.measure([python, "-m", "rlreplay", *args], tree or ROOT)
     assert rc in (0, 1), f"rlreplay {' '.join(args)} exited {rc}"
     return took, peak, out.count(b"\n")
 
@@ -129,6 +135,38 @@ def pyarrow_read(run_dir: Path, steps: int) -> float:
     return time.perf_counter() - t
 
 
+def audit_recorded(rec: Path, audit_steps: int | None, baseline: Path | None) -> list[tuple[str, ...]]:
+    """Part 2: every check over steps 0..audit_steps-1 of a recorded run (default: the whole run,
+    no selection), after the code of ``baseline`` (a source tree) when given."""
+    from rlreplay.read.open import open_run
+
+    run = open_run(rec)
+    all_steps = len(run.step_partitions())
+    steps = audit_steps or all_steps
+    listing = run.trajectories()
+    n = int(pc.sum(pc.less(listing["step"], steps)).as_py() or 0)
+    selection = ["--step", f"0..{steps - 1}"] if steps < all_steps else []
+    measure(["ls", str(rec), "--limit", "1"])
+    rows = []
+    for tree in ([baseline] if baseline else []) + [None]:
+        took, peak, found = measure(["audit", str(rec), *selection, "--json"], tree)
+        scan = pyarrow_read(rec, steps)
+        rows.append(
+            (
+                f"{steps} x {n // steps:,} (recorded)" + (f", code of {tree}" if tree else ""),
+                "all 11 checks",
+                f"{found:,}",
+                f"{took:.1f} s",
+                f"{took / n * 1000:.2f} ms a trajectory",
+                f"{peak:.0f} MB",
+                f"pyarrow read of the span files {scan:.1f} s",
+                f"{took / scan:.1f}x",
+            )
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -139,6 +177,11 @@ def main() -> None:
     parser.add_argument("--record-per-step", type=int, default=1024)
     parser.add_argument("--audit-steps", type=int, help="audit steps 0..N-1 only (default: all)")
     parser.add_argument("--recorded-run", type=Path, help="a run bench_compare.py built (--keep DIR: DIR/a)")
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="also audit part 2's run with the checkout here (its .venv), first",
+    )
     parser.add_argument("--keep", type=Path)
     args = parser.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="rlreplay-bench-audit-"))
@@ -175,25 +218,7 @@ def main() -> None:
             rec = root / "recorded"
             bench_compare.replicate(base, rec, args.record_steps)
             print(f"recorded and replicated {rec.name} in {time.perf_counter() - t:.0f} s", flush=True)
-        measure(["ls", str(rec), "--limit", "1"])
-        steps = args.audit_steps or args.record_steps
-        selection = ["--step", f"0..{steps - 1}"]
-        took, peak, found = measure(["audit", str(rec), *selection, "--json"])
-        scan = pyarrow_read(rec, steps)
-        n = steps * args.record_per_step
-        rows.append(
-            (
-                f"{steps} x {args.record_per_step} (recorded)",
-                "all 11 checks",
-                f"{found:,}",
-                f"{took:.1f} s",
-                f"{took / n * 1000:.2f} ms a trajectory",
-                f"{peak:.0f} MB",
-                f"pyarrow read of the span files {scan:.1f} s",
-                f"{took / scan:.1f}x",
-            )
-        )
-        print(rows[-1], flush=True)
+        rows += audit_recorded(rec, args.audit_steps, args.baseline_tree)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

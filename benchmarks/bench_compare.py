@@ -50,10 +50,10 @@ sys.stdout.buffer.write(proc.stdout)
 """
 
 
-def measure(argv: list[str]) -> tuple[float, float, int, bytes]:
-    """(seconds, peak MB, exit code, stdout) of ``argv`` as its own process."""
+def measure(argv: list[str], cwd: Path = ROOT) -> tuple[float, float, int, bytes]:
+    """(seconds, peak MB, exit code, stdout) of ``argv`` as its own process, started in ``cwd``."""
     out = subprocess.run(
-        [sys.executable, "-c", MEASURE, *argv], capture_output=True, check=True, cwd=ROOT
+        [sys.executable, "-c", MEASURE, *argv], capture_output=True, check=True, cwd=cwd
     ).stdout
     head, _, body = out.partition(b"\n")
     took, rss_kb, rc = head.split()

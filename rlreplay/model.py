@@ -283,23 +283,33 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
             )
         )
     issues.extend(restorer.issues)
+    report_issues(warn, rows[0]["trajectory_id"], issues)
+    _build_tree(spans)
+    meta_columns = [c for c in tindex.SPAN_COLUMNS if c in table.column_names]
+    meta = table.select(meta_columns) if len(meta_columns) == len(tindex.SPAN_COLUMNS) else None
+    return trajectory_of(_owner_row(rows), spans, meta)
+
+
+def trajectory_of(owner: dict[str, Any], spans: list[Span], meta: pa.Table | None = None) -> Trajectory:
+    """The trajectory of ``spans``, its id and keys from its owner row (the root span's)."""
+    return Trajectory(
+        id=owner["trajectory_id"],
+        **{k: key_value(owner.get(k), owner.get(KEY_STR[k])) for k in KEYS},
+        validate=owner["validate"],
+        experiment=owner["experiment"],
+        worker=owner["worker"],
+        spans=spans,
+        _meta=meta,
+    )
+
+
+def report_issues(warn: Any, trajectory_id: str, issues: list[str]) -> None:
+    """Tell ``warn`` (when given) the first of a trajectory's unreadable payloads, and how many more."""
     if warn is not None and issues:
         warn(
-            f"trajectory {rows[0]['trajectory_id'][:12]}: {issues[0]}"
+            f"trajectory {trajectory_id[:12]}: {issues[0]}"
             + (f" (+{len(issues) - 1} more)" if len(issues) > 1 else "")
         )
-    _build_tree(spans)
-    first = _owner_row(rows)
-    meta_columns = [c for c in tindex.SPAN_COLUMNS if c in table.column_names]
-    return Trajectory(
-        id=first["trajectory_id"],
-        **{k: key_value(first.get(k), first.get(KEY_STR[k])) for k in KEYS},
-        validate=first["validate"],
-        experiment=first["experiment"],
-        worker=first["worker"],
-        spans=spans,
-        _meta=table.select(meta_columns) if len(meta_columns) == len(tindex.SPAN_COLUMNS) else None,
-    )
 
 
 def decoded_rows(spans: pa.Table, warn: Any = None) -> list[dict[str, Any]]:

@@ -30,14 +30,18 @@ def _calls(traj: Any, kind: str) -> list[Any]:
 
 
 def retokenization(traj: Any, ctx: Context) -> Iterator[Finding]:
+    import numpy as np
+
     calls = [ctx.adapter.call_ids(s) for s in _calls(traj, "llm")]
     for turn in range(1, len(calls)):
         (prompt, response), (following, _) = calls[turn - 1], calls[turn]
         if prompt is None or response is None or following is None:
             continue
-        expected = prompt + response
+        expected = np.concatenate((np.asarray(prompt, np.int64), np.asarray(response, np.int64)))
+        following = np.asarray(following, np.int64)
         n = min(len(expected), len(following))
-        position = next((i for i in range(n) if expected[i] != following[i]), None)
+        differ = np.flatnonzero(expected[:n] != following[:n])
+        position = int(differ[0]) if len(differ) else None
         if position is None and len(following) < len(expected):
             position = len(following)
         if position is not None:
@@ -87,12 +91,47 @@ def _loop(ids: Any, max_ngram: int) -> tuple[int, int, int] | None:
     return n_best, int(lengths[pick] + n_best) // n_best, int(starts[pick] - rows[pick] * (size + 1))
 
 
+def _may_loop(ids: Any, max_ngram: int, least: int) -> bool:
+    """False when no n-gram of up to ``max_ngram`` tokens repeats over a stretch of ``least`` + n
+    tokens or more (``_loop`` would find no such stretch): one pass over all n-gram lengths."""
+    import numpy as np
+    from numpy.lib.stride_tricks import as_strided
+
+    a = np.asarray(ids, dtype=np.int64)
+    if max_ngram < 1 or least > len(a):
+        return False
+    # distinct negative values after the end: no position past it compares equal
+    padded = np.concatenate((a, -np.arange(1, max_ngram + 1, dtype=np.int64)))
+    window = as_strided(padded, shape=(len(a), max_ngram + 1), strides=(8, 8), writeable=False)
+    same = window[:, 1:] == window[:, :1]  # [j, n - 1]: a[j + n] == a[j]
+    # a stretch of ``least`` equal pairs holds an aligned block of half as many
+    block = (least + 1) // 2
+    whole = len(a) // block * block
+    if not same[:whole].reshape(-1, block, max_ngram).all(axis=1).any():
+        return False
+    runs = np.zeros((len(a) + 1, max_ngram), dtype=np.int32)
+    np.cumsum(same, axis=0, out=runs[1:])
+    return bool(((runs[least:] - runs[:-least]) == least).any())
+
+
+def _least_run(max_ngram: int, min_repeats: float, min_tokens: float) -> int:
+    """The fewest equal pairs (a[j + n] == a[j] in a row) a finding's n-gram loop spans."""
+    import math
+
+    repeats, tokens = math.ceil(min_repeats), math.ceil(min_tokens)
+    return max(1, min((max(tokens, repeats * n, 2 * n) - n for n in range(1, max_ngram + 1)), default=1))
+
+
 def repetition(traj: Any, ctx: Context) -> Iterator[Finding]:
+    max_ngram = int(ctx["repetition_max_ngram"])
+    least = _least_run(max_ngram, ctx["repetition_min_repeats"], ctx["repetition_min_tokens"])
     for turn, span in enumerate(_calls(traj, "llm")):
         _, response = ctx.adapter.call_ids(span)
-        if not response or len(response) < ctx["repetition_min_tokens"]:
+        if response is None or not len(response) or len(response) < ctx["repetition_min_tokens"]:
             continue
-        found = _loop(response, int(ctx["repetition_max_ngram"]))
+        if not _may_loop(response, max_ngram, least):
+            continue
+        found = _loop(response, max_ngram)
         if found is None:
             continue
         n, repeats, start = found
@@ -172,9 +211,17 @@ def _char_kind(c: str) -> str | None:
 
 def garbled(traj: Any, ctx: Context) -> Iterator[Finding]:
     spans = _calls(traj, "llm")
-    ids = [ctx.adapter.call_ids(s)[1] or [] for s in spans]
-    texts = ctx.decoder.decode_many(ids, skip_special_tokens=True) if any(ids) else []
-    for turn, text in enumerate(texts):
+    ids = [r if (r := ctx.adapter.call_ids(s)[1]) is not None else [] for s in spans]
+    if not any(len(i) for i in ids):
+        return
+    # a text of printable ASCII alone has no replacement or control character and one script
+    can_pass = ctx["garbled_replacements"] > 0 and ctx["garbled_controls"] > 0 and ctx["garbled_scripts"] > 1
+    plain = ctx.decoder.printable_ascii(ids, skip_special_tokens=True) if can_pass else [False] * len(ids)
+    todo = [i for i, sure in enumerate(plain) if not sure]
+    texts = ctx.decoder.decode_many(
+        [ids[i] if isinstance(ids[i], list) else ids[i].tolist() for i in todo], skip_special_tokens=True
+    )
+    for turn, text in zip(todo, texts):
         reasons = garbled_reasons(text, ctx)
         if reasons:
             yield _finding(
@@ -200,7 +247,9 @@ def truncated(traj: Any, ctx: Context) -> Iterator[Finding]:
             detail = f"model call {turn} generated {len(response)} tokens, its max_tokens {limit}"
         else:
             continue
-        yield _finding("truncated", traj, WARNING, detail, turn=turn, score=len(response or ()))
+        yield _finding(
+            "truncated", traj, WARNING, detail, turn=turn, score=len(response) if response is not None else 0
+        )
 
 
 def empty_response(traj: Any, ctx: Context) -> Iterator[Finding]:
@@ -242,6 +291,7 @@ RETOKENIZATION = Check(
     "re-tokenized text: the trainer sees tokens the model never sampled); reports the turn and the "
     "first differing position",
     retokenization,
+    span_kinds=("llm",),
 )
 REPETITION = Check(
     "repetition",
@@ -251,6 +301,7 @@ REPETITION = Check(
     "repetition_min_repeats times over at least repetition_min_tokens tokens",
     repetition,
     {"repetition_max_ngram": 32, "repetition_min_repeats": 4, "repetition_min_tokens": 32},
+    span_kinds=("llm",),
 )
 GARBLED = Check(
     "garbled",
@@ -262,6 +313,7 @@ GARBLED = Check(
     garbled,
     {"garbled_replacements": 2, "garbled_controls": 1, "garbled_scripts": 3, "garbled_script_letters": 3},
     needs_tokenizer=True,
+    span_kinds=("llm",),
 )
 TRUNCATED = Check(
     "truncated",
@@ -270,6 +322,7 @@ TRUNCATED = Check(
     'a model call that stopped on its length limit (stop reason "length", or as many tokens as the '
     "request's max_tokens)",
     truncated,
+    span_kinds=("llm",),
 )
 EMPTY_RESPONSE = Check(
     "empty_response",
@@ -277,6 +330,7 @@ EMPTY_RESPONSE = Check(
     LEVEL_TRAJECTORY,
     "a model call that returned no token ids",
     empty_response,
+    span_kinds=("llm",),
 )
 TOOL_ERROR = Check(
     "tool_error",
@@ -284,6 +338,7 @@ TOOL_ERROR = Check(
     LEVEL_TRAJECTORY,
     "a tool call that raised, or returned an error (text beginning with error/exception/traceback)",
     tool_error,
+    span_kinds=("tool",),
 )
 PARSE_ERROR = Check(
     "parse_error",
@@ -292,4 +347,5 @@ PARSE_ERROR = Check(
     "a parser call that raised, or returned a tool call without a name or with arguments that are not "
     "a JSON object",
     parse_error,
+    span_kinds=("parser",),
 )

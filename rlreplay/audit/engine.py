@@ -3,7 +3,7 @@ the trajectories streamed step by step (one pass over each step's files)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,8 +65,10 @@ def audit(
     tokenizer: str | None = None,
 ) -> Report:
     """Run ``checks`` over the trajectories of ``listing`` (rows of ``run.trajectories()``)."""
+    from rlreplay.format.arrow_ops import release_unused
     from rlreplay.text.adapters import adapter_for_run
 
+    release_unused()  # what reading the listing freed, before the tokenizer takes its share
     report = Report(list(checks), trajectories=listing.num_rows)
     ctx = Context({**default_thresholds(checks), **(thresholds or {})}, adapter_for_run(run), run=run)
     over_spans = [c for c in checks if c.over != OVER_LISTING]
@@ -77,11 +79,52 @@ def audit(
         if check.over == OVER_LISTING:
             report.findings.extend(check.run(listing, ctx))
     if over_spans:
-        from rlreplay.read.scan import stream
-
-        for traj in stream(run, listing):
-            report.findings.extend(check_trajectory(traj, over_spans, ctx))
+        report.findings.extend(_over_trajectories(run, listing, over_spans, ctx))
     return report
+
+
+def _over_trajectories(run: Any, listing: Any, checks: list[Check], ctx: Context) -> Iterator[Finding]:
+    """Trajectory checks, step by step: a check with ``span_kinds`` over trajectories holding only
+    those spans, the others over whole trajectories (built only when such a check runs)."""
+    from rlreplay.format.arrow_ops import release_unused
+    from rlreplay.read.scan import by_step
+    from rlreplay.text.adapters import GenericAdapter
+
+    # an adapter reading calls its own way may want what the calls-only reader leaves out
+    reads = ("call_ids", "stop_reason", "max_tokens", "tool_error", "parse_error")
+    plain = all(getattr(type(ctx.adapter), m, None) is getattr(GenericAdapter, m) for m in reads)
+    light = [c for c in checks if c.span_kinds is not None and plain]
+    for step, ids in by_step(listing).items():
+        release_unused()  # what the last step freed: memory stays one step's
+        if type(step) is not int:
+            for traj in run.load(ids):
+                yield from check_trajectory(traj, checks, ctx)
+        else:
+            yield from _over_step(run, step, ids, checks, light, ctx)
+
+
+def _over_step(
+    run: Any, step: int, ids: list[str], checks: list[Check], light: list[Check], ctx: Context
+) -> list[Finding]:
+    """The findings of ``checks`` over the trajectories ``ids`` of ``step`` (a list: nothing of
+    the step is held once it returns)."""
+    from rlreplay.read.scan import step_calls, step_spans
+
+    warn = lambda message: run._warn(f"step {step}: {message}")  # noqa: E731
+    kinds = sorted({k for c in light for k in c.span_kinds or ()})
+    light_names = {c.name for c in light}
+    whole = step_spans(run, step, ids) if len(light) < len(checks) else None
+    views = step_calls(run, step, ids, kinds, None if whole else warn) if light else None
+    found: list[Finding] = []
+    for k in range(len(ids)):
+        traj = whole.trajectory(k, warn) if whole is not None else None
+        view = views.trajectory(k) if views is not None else None
+        if traj is None and view is None:
+            continue
+        for check in checks:
+            if ctx.decoder is not None or not check.needs_tokenizer:
+                found.extend(check.run(view if check.name in light_names else traj, ctx))
+    return found
 
 
 def check_trajectory(traj: Any, checks: Sequence[Check], ctx: Context) -> list[Finding]:

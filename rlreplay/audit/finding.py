@@ -52,6 +52,10 @@ class Check:
     thresholds: dict[str, float] = field(default_factory=dict)
     #: needs a tokenizer to decode text (skipped with a note without one)
     needs_tokenizer: bool = False
+    #: a trajectory check that reads only spans of these kinds: it may be given trajectories
+    #: holding only those spans, without children or attributes, their token ids lists or numpy
+    #: arrays (None: whole trajectories)
+    span_kinds: tuple[str, ...] | None = None
 
 
 @dataclass

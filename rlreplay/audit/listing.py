@@ -234,8 +234,10 @@ def _step_means(listing: Any, column: str) -> list[tuple[Any, float, float, floa
     cols = ["step", "step_str", "validate", column, "reward", "tool_calls", "tool_errors"]
     out = []
     by_step = _by_step(listing_rows(listing.select(cols)), train_only=True)
+    # a trajectory that recorded no step has no place in a trend
     for (step, _split), members in sorted(
-        by_step.items(), key=lambda kv: (isinstance(kv[0][0], str), kv[0][0])
+        ((key, rows) for key, rows in by_step.items() if key[0] is not None),
+        key=lambda kv: (isinstance(kv[0][0], str), kv[0][0]),
     ):
         values = [r[column] for r in members if r[column] is not None]
         rewards = [r["reward"] for r in members if r["reward"] is not None]

@@ -476,3 +476,18 @@ class Restorer:
         elif cls is list:
             for v in data:
                 self._walk(v, columns, dtype, out)
+
+
+class IdRestorer(Restorer):
+    """A ``Restorer`` for token ids alone: id arrays come back as numpy int32 arrays, placeholders
+    of other arrays (masks, log-probs) stay as they are."""
+
+    def restore(self, data: Any, columns: dict[str, Any]) -> Any:
+        cls = type(data)
+        if cls is dict:
+            if data.get("__type__") == TOKENS and "t" in data:
+                return self._array(data, columns) if data["t"] == _I32 else data
+            return {k: self.restore(v, columns) for k, v in data.items()}
+        if cls is list:
+            return [self.restore(v, columns) for v in data]
+        return data

@@ -230,3 +230,8 @@ def min(values: Any) -> pa.Scalar:
     import pyarrow.compute as pc
 
     return pc.min(values)
+
+
+def release_unused() -> None:
+    """Hand the memory Arrow has freed back to the system (its allocator keeps it otherwise)."""
+    pa.default_memory_pool().release_unused()

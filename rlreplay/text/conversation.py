@@ -120,7 +120,10 @@ def _descendants(traj: Trajectory, root: Span | None, kind: str) -> list[Span]:
 
 
 def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(type(v) is int for v in value[:1])
+    """A list of ints, or a 1-d numpy array of integers (ids a reader left as numpy)."""
+    if isinstance(value, list):
+        return all(type(v) is int for v in value[:1])
+    return type(value).__name__ == "ndarray" and value.ndim == 1 and value.dtype.kind in "iu"
 
 
 def llm_output_ids(output: Any, fields: ConversationFields) -> list[int] | None:

@@ -143,6 +143,7 @@ class Decoder:
         self._tok = tokenizer  # a tokenizers.Tokenizer, or None with ``slow``
         self._slow = slow  # a transformers tokenizer without a Rust backend
         self._byte_level = tokenizer is not None and type(tokenizer.decoder).__name__ == "ByteLevel"
+        self._ascii: dict[bool, Any] = {}  # skip_special_tokens → printable-ASCII ids (numpy)
 
     def __repr__(self) -> str:
         return f"Decoder({self.name!r}, source={self.source!r})"
@@ -168,6 +169,37 @@ class Decoder:
     def concatenative(self) -> bool:
         """True when decode(a + b) == decode(a) + decode(b) wherever a ends a character (byte-level BPE)."""
         return self._byte_level
+
+    def printable_ascii(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = False) -> list[bool]:
+        """Per id list: True when its text is sure to be printable ASCII (tabs and line breaks
+        allowed), known without decoding it: on a byte-level tokenizer, every id of it decodes
+        alone to such text. False: not known (decode it)."""
+        import numpy as np
+
+        table = self._ascii_table(skip_special_tokens)
+        if table is None:
+            return [False] * len(seqs)
+        out = []
+        for seq in seqs:
+            ids = np.asarray(seq, dtype=np.int64)
+            out.append(bool(not len(ids) or (ids.min() >= 0 and ids.max() < len(table) and table[ids].all())))
+        return out
+
+    def _ascii_table(self, skip_special_tokens: bool) -> Any:
+        """Per id of the vocabulary: it decodes alone to printable ASCII (None: not byte-level)."""
+        if not self._byte_level:
+            return None
+        key = bool(skip_special_tokens)
+        table = self._ascii.get(key)
+        if table is None:
+            import numpy as np
+
+            size = self._tok.get_vocab_size(with_added_tokens=True)
+            texts = self._tok.decode_batch([[i] for i in range(size)], skip_special_tokens=key)
+            plain = str.maketrans("\t\n\r", "   ")
+            table = np.fromiter((t.isascii() and t.translate(plain).isprintable() for t in texts), bool, size)
+            self._ascii[key] = table
+        return table
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.decode_many([ids], skip_special_tokens)[0]

@@ -411,3 +411,18 @@ def test_the_readme_shows_the_real_output_on_the_sample_run() -> None:
     proc = audit(str(VERL_RUN), "--fail-on", "none")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.replace(str(VERL_RUN), "sample_runs/verl-arith-smollm2") == shown
+
+
+def test_a_run_with_a_trajectory_without_a_step_is_audited(tmp_path: Path) -> None:
+    import shutil
+
+    import rlreplay
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "v1-run", run_dir)
+    steps = rlreplay.open_run(run_dir).trajectories()["step"].to_pylist()
+    assert None in steps and any(s is not None for s in steps)  # the case: one recorded no step
+    proc = audit(str(run_dir), "--json", "--fail-on", "none")
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr[-2000:]
+    trends = audit(str(run_dir), "--json", "--checks", "length_drift,reward_drift", "--fail-on", "none")
+    assert trends.returncode == 0 and not trends.stderr, trends.stderr[-2000:]

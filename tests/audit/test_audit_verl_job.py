@@ -93,3 +93,11 @@ def test_audit_finds_what_went_wrong_and_flags_no_clean_rollout(planted: tuple) 
     clean = keys - {key for _, key in happened}
     assert clean, "the run keeps clean rollouts to check precision on"
     assert not {key for _, key in found} & clean
+
+
+def test_checks_over_calls_alone_find_what_whole_trajectories_give(planted: tuple) -> None:
+    from test_audit_scan import over_whole_trajectories
+
+    fast, whole = over_whole_trajectories(planted[0])
+    assert fast == whole
+    assert {f["check"] for f in whole} >= set(PLANTS.values())
