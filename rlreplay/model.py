@@ -212,8 +212,9 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
     import numpy as np
 
     table = ops.sort_by(table, [("start_ns", "ascending"), ("end_ns", "descending")]).combine_chunks()
-    present = [c for c in TOKEN_COLUMNS if c in table.column_names]
-    plain = [c for c in table.column_names if c not in TOKEN_COLUMNS]
+    names = table.column_names  # a new list each time it is asked for
+    present = [c for c in TOKEN_COLUMNS if c in names]
+    plain = [c for c in names if c not in TOKEN_COLUMNS]
     rows = table.select(plain).to_pylist()
     tokens: dict[str, tuple[Any, Any]] = {}
     for name in present:
@@ -290,7 +291,7 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
         )
     _build_tree(spans)
     first = _owner_row(rows)
-    meta_columns = [c for c in tindex.SPAN_COLUMNS if c in table.column_names]
+    meta_columns = [c for c in tindex.SPAN_COLUMNS if c in names]
     return Trajectory(
         id=first["trajectory_id"],
         **{k: key_value(first.get(k), first.get(KEY_STR[k])) for k in KEYS},
