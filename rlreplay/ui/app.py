@@ -312,6 +312,7 @@ class UI:
         """One prompt across training: its rollouts at every step, with reward, length and answer."""
         import pyarrow.compute as pc
 
+        from rlreplay.format.schema import KIND_SIGNALS
         from rlreplay.read.filters import Filters
 
         view = self.view(request)
@@ -341,7 +342,9 @@ class UI:
         ints = [s for s in shown_steps if isinstance(s, int)]
         step_filter = ints if len(ints) == len(shown_steps) else None
         wanted = Filters(step=step_filter, sample_index=key)
-        loaded = {t.id: t for t in view.run.load([r["id"] for r in shown], wanted)}
+        # the trainer's signals (per-token arrays) are no part of the conversation: not decoded
+        ids = [r["id"] for r in shown]
+        loaded = {t.id: t for t in view.run.load(ids, wanted, skip_kinds=(KIND_SIGNALS,))}
         question = ""
         by_step: dict[Any, list[dict[str, Any]]] = {}
         for r in sorted(shown, key=lambda r: r["rollout_n"] or 0):

@@ -290,13 +290,21 @@ class RunView:
 
     def prompts(self, ids: list[str], step: Any) -> dict[str, str]:
         """Each trajectory's first user message (its question, no chat template), by id."""
+        from rlreplay.format.schema import KIND_AGENT, KIND_TRAJECTORY
         from rlreplay.read.filters import Filters
-        from rlreplay.ui.views import prompt_text
+        from rlreplay.ui.views import prompt_text, recorded_prompt
 
         missing = [i for i in ids if i not in self._prompts]
-        if missing:
-            decoder, adapter = self.decoder(), self.adapter()
-            for traj in self.run.load(missing, Filters(step=step)):
+        decoder = self.decoder() if missing else None
+        if decoder is not None:  # without a tokenizer there is no prompt text: nothing to read
+            adapter = self.adapter()
+            # the agent spans first: the chat messages recorded there are the prompt
+            for traj in self.run.load(missing, Filters(step=step), kinds=(KIND_TRAJECTORY, KIND_AGENT)):
+                text = recorded_prompt(traj, adapter)
+                if text is not None:
+                    self._prompts[traj.id] = text
+            rest = [i for i in missing if i not in self._prompts]
+            for traj in self.run.load(rest, Filters(step=step)):
                 self._prompts[traj.id] = prompt_text(traj, decoder, adapter)
         return {i: self._prompts.get(i, "") for i in ids}
 
