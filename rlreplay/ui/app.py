@@ -30,7 +30,6 @@ from rlreplay.ui.data import (
     one_look,
     paginate,
     run_base,
-    select,
 )
 
 HERE = Path(__file__).parent
@@ -205,7 +204,7 @@ class UI:
         table = view.listing()
         error = None
         try:
-            chosen = select(table, q)
+            chosen = view.selected(q)
         except RunError as exc:
             error, chosen = str(exc), table.slice(0, 0)
         page = paginate(chosen, q)
@@ -593,7 +592,7 @@ def _moves(view: RunView, traj: Any, within: str | None) -> dict[str, Any]:
     if within is None:
         return out
     try:
-        ids = select(view.listing(), ListQuery.from_params(QueryParams(within)))["id"].to_pylist()
+        ids = view.selected(ListQuery.from_params(QueryParams(within)))["id"].to_pylist()
     except RunError:
         return out
     if traj.id not in ids:
