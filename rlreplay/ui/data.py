@@ -33,6 +33,7 @@ WORKERS_DIR = "_workers"
 PAGE_SIZES = (25, 50, 100, 200, 500)
 DEFAULT_PAGE_SIZE = 100
 SLOW_LISTING_S = 0.5  # re-read a listing that took longer than this in the background
+SELECTIONS_KEPT = 4  # a listing's latest selections: paging and prev/next do not query again
 
 
 class NotFound(RunError):
@@ -157,6 +158,7 @@ class RunView:
         self._stats: tuple[pa.Table, list[dict[str, Any]]] | None = None
         self._checks: list[Any] | None = None
         self._prompts: dict[str, str] = {}
+        self._selections: tuple[pa.Table | None, dict[tuple[str, ...], pa.Table]] = (None, {})
 
     def version(self) -> str:
         """Changes when the data the pages show changes (the files, once their listing is read)."""
@@ -226,6 +228,26 @@ class RunView:
             finally:
                 self._refreshing = False
 
+    def selected(self, q: ListQuery) -> pa.Table:
+        """:func:`select` over the listing, the latest few kept until the listing changes."""
+        table = self.listing()
+        key = (q.step, q.sample_index, q.rollout_n, q.split, q.experiment, q.status, q.where, q.sort)
+        with self._lock:
+            owner, kept = self._selections
+            if owner is not table:
+                owner, kept = table, {}
+                self._selections = (owner, kept)
+            found = kept.pop(key, None)
+            if found is not None:
+                kept[key] = found  # the latest used last
+                return found
+        found = select(table, q)
+        with self._lock:
+            kept[key] = found
+            while len(kept) > SELECTIONS_KEPT:
+                kept.pop(next(iter(kept)))
+        return found
+
     def row(self, traj_id: str) -> dict[str, Any] | None:
         table = self.listing()
         found = table.filter(pc.equal(table["id"], traj_id))
@@ -290,13 +312,21 @@ class RunView:
 
     def prompts(self, ids: list[str], step: Any) -> dict[str, str]:
         """Each trajectory's first user message (its question, no chat template), by id."""
+        from rlreplay.format.schema import KIND_AGENT, KIND_TRAJECTORY
         from rlreplay.read.filters import Filters
-        from rlreplay.ui.views import prompt_text
+        from rlreplay.ui.views import prompt_text, recorded_prompt
 
         missing = [i for i in ids if i not in self._prompts]
-        if missing:
-            decoder, adapter = self.decoder(), self.adapter()
-            for traj in self.run.load(missing, Filters(step=step)):
+        decoder = self.decoder() if missing else None
+        if decoder is not None:  # without a tokenizer there is no prompt text: nothing to read
+            adapter = self.adapter()
+            # the agent spans first: the chat messages recorded there are the prompt
+            for traj in self.run.load(missing, Filters(step=step), kinds=(KIND_TRAJECTORY, KIND_AGENT)):
+                text = recorded_prompt(traj, adapter)
+                if text is not None:
+                    self._prompts[traj.id] = text
+            rest = [i for i in missing if i not in self._prompts]
+            for traj in self.run.load(rest, Filters(step=step)):
                 self._prompts[traj.id] = prompt_text(traj, decoder, adapter)
         return {i: self._prompts.get(i, "") for i in ids}
 

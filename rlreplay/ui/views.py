@@ -131,6 +131,25 @@ def prompt_text(traj: Trajectory, decoder: Any, adapter: Any = None) -> str:
     return users[0] if users else ""
 
 
+def recorded_prompt(traj: Trajectory, adapter: Any) -> str | None:
+    """:func:`prompt_text` from the agent spans alone, when the adapter builds the prompt from the
+    chat messages recorded there (its first user message); None when the whole trajectory is needed."""
+    from rlreplay.text.adapters import GenericAdapter
+    from rlreplay.text.messages import build_messages
+
+    kind = type(adapter)
+    if not (
+        isinstance(adapter, GenericAdapter)
+        and kind.messages is GenericAdapter.messages
+        and kind.prompt_messages is GenericAdapter.prompt_messages
+        and adapter.prompt_messages(traj)
+    ):
+        return None
+    # with recorded messages they open the conversation, whatever the turns: none are needed
+    users = [m for m in build_messages(adapter, traj, [], None) if str(m.get("role")) == "user"]
+    return str(users[0].get("content") or "") if users else ""
+
+
 def _id_messages(traj: Trajectory) -> list[Message]:
     from rlreplay.text.adapters import turns
 

@@ -232,3 +232,31 @@ def test_pandas_export(run_dir: Path) -> None:
 
     frame = rlreplay.open_run(run_dir).trajectories(step=3).to_pandas()
     assert isinstance(frame, pd.DataFrame) and set(frame["step"]) == {3}
+
+
+def test_load_keeps_only_the_kinds_asked_for() -> None:
+    """``Run.load(kinds=..., skip_kinds=...)``: each trajectory holds only its spans of those kinds,
+    their payloads as a whole load gives them."""
+    run_dir = Path(__file__).resolve().parents[2] / "sample_runs" / "verl-arith-smollm2"
+    files = sorted(run_dir.glob("spans/**/*.parquet"))
+    rows = pa.concat_tables([pq.read_table(f, columns=["trajectory_id", "span_id", "kind"]) for f in files])
+    kinds_of: dict[str, dict[str, str]] = {}
+    for r in rows.to_pylist():
+        kinds_of.setdefault(r["trajectory_id"], {})[r["span_id"]] = r["kind"]
+    ids = sorted(t for t, spans in kinds_of.items() if "signals" in spans.values())[:3]
+    assert ids
+    run = rlreplay.open_run(run_dir)
+    whole = {t.id: {s.span_id: s for s in t.spans} for t in run.load(ids)}
+    only = run.load(ids, kinds=("trajectory", "agent"))
+    without = run.load(ids, skip_kinds=("signals",))
+    assert [t.id for t in only] == ids == [t.id for t in without]
+    for t in only:
+        assert sorted(s.span_id for s in t.spans) == sorted(
+            s for s, k in kinds_of[t.id].items() if k in ("trajectory", "agent")
+        )
+        assert all(s.inputs == whole[t.id][s.span_id].inputs for s in t.spans)
+    for t in without:
+        assert sorted(s.span_id for s in t.spans) == sorted(
+            s for s, k in kinds_of[t.id].items() if k != "signals"
+        )
+        assert all(s.output == whole[t.id][s.span_id].output for s in t.spans if s.kind == "agent")

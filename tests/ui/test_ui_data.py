@@ -153,3 +153,32 @@ def test_a_tokenizer_named_after_the_run_was_opened_is_used(tmp_path: Path) -> N
     decoder = view.decoder()
     assert decoder is not None and view.decoder_error is None
     assert decoder.decode([785, 4226, 374]) == "The answer is"
+
+
+def test_a_selection_is_kept_until_the_listing_changes(
+    growing_run: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Paging a sorted, filtered list (or moving to the next trajectory in it) does not query again;
+    new files give a new selection."""
+    import pyarrow.compute as pc
+
+    run, held = growing_run
+    monkeypatch.setattr(data, "SLOW_LISTING_S", 1e9)
+    view = RunView(open_run(run))
+    q = data.ListQuery(where="reward > 0", sort="reward desc, id")
+    first = view.selected(q)
+    assert view.selected(data.ListQuery(where="reward > 0", sort="reward desc, id", page=3)) is first
+    rows = view.listing().to_pylist()
+    want = sorted((r for r in rows if r["reward"] is not None and r["reward"] > 0), key=lambda r: r["id"])
+    want.sort(key=lambda r: r["reward"], reverse=True)
+    assert first["id"].to_pylist() == [r["id"] for r in want] and want
+    for n in range(data.SELECTIONS_KEPT):  # others push it out
+        view.selected(data.ListQuery(step=str(n)))
+    again = view.selected(q)
+    assert again is not first and again.equals(first)
+    shutil.move(held, run / "spans" / "step=7")
+    grown = view.selected(q)
+    added = pc.sum(
+        pc.greater(view.listing().filter(pc.equal(view.listing()["step"], 7))["reward"], 0)
+    ).as_py()
+    assert grown.num_rows == first.num_rows + added

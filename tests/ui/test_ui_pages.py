@@ -556,3 +556,64 @@ def test_a_replay_wears_compare_badges_against_its_source(ui_url, ui_runs: Path,
     tab.wait_for_selector(f"#pair-{changed}")
     assert "/r/rpl-replay/compare?with=rpl-source" in tab.url
     assert tab.errors == []
+
+
+def _exported(run: str, step: int, tmp_path: Path) -> list[dict]:
+    """``rlreplay export`` of one training step: each trajectory's chat messages."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / f"step-{step}.jsonl"
+    job = [sys.executable, "-m", "rlreplay", "export", run, "--step", str(step), "--train", "-o", str(out)]
+    subprocess.run(job, check=True, capture_output=True)
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def test_step_page_snippets_are_the_groups_prompts(ui_url, ui_runs: Path, tmp_path: Path) -> None:
+    """Each group's snippet (its title holds the whole text) is the first user message of its first
+    rollout, as ``rlreplay export`` gives it."""
+    import html as markup
+
+    for name, step in ((SHOWCASE.name, 1), (TREND, 3)):
+        records = _exported(str(ui_runs / name), step, tmp_path)
+        firsts: dict[int, dict] = {}
+        for r in sorted(records, key=lambda r: r["rollout_n"]):
+            firsts.setdefault(r["sample_index"], r)
+        page = _get(f"{ui_url}/r/{name}/trajectories?step={step}&split=train")
+        shown = {
+            int(s): markup.unescape(t)
+            for s, t in re.findall(
+                r'<tr data-sample="(-?\d+)"><td>[^<]*</td><td class="snippet" title="([^"]*)"', page
+            )
+        }
+        assert firsts and sorted(shown) == sorted(firsts), name
+        for s, r in firsts.items():
+            want = next(m["content"] for m in r["messages"] if m["role"] == "user")
+            assert want and shown[s] == want, (name, s)
+
+
+def test_prompt_history_answers_are_the_last_assistant_messages(
+    ui_url, ui_runs: Path, tmp_path: Path
+) -> None:
+    """Each rollout's answer on the prompt's history is the last assistant message ``rlreplay export``
+    gives (the trend run's trainer signals carry per-token arrays the page does not read)."""
+    import html as markup
+
+    rows = [r for r in cli_json("ls", str(ui_runs / TREND)) if r["sample_index"] == 11 and not r["validate"]]
+    steps = sorted({r["step"] for r in rows})[-2:]
+    want = {}
+    for step in steps:
+        for r in _exported(str(ui_runs / TREND), step, tmp_path):
+            if r["sample_index"] == 11:
+                want[r["id"]] = [m["content"] for m in r["messages"] if m["role"] == "assistant"][-1]
+    page = _get(f"{ui_url}/r/{TREND}/prompt?sample_index=11&split=train&per=2")
+    shown = {
+        i: markup.unescape(a)
+        for i, a in re.findall(
+            r'<tr class="[^"]*" data-id="([0-9a-f]+)">.*?<td class="answer"><pre>(.*?)</pre>', page, re.S
+        )
+    }
+    assert sorted(shown) == sorted(want) and len(want) >= 2
+    for i, answer in want.items():
+        assert answer and len(answer) <= 600 and shown[i] == answer, i
