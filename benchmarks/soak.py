@@ -42,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 BUCKET = "soak"
 SPANS_PER_TURN = 2  # an llm span, and a tool span between turns
 STOP_FILE = "stop"
+MIN_SLOPE_STEPS = 100  # a process's slopes count once its samples span this many steps
 
 
 # ---- the recording process ----------------------------------------------------------------------
@@ -758,11 +759,13 @@ class Soak:
         return round(seconds, 2), shards
 
     def slopes(self) -> dict[str, Any]:
-        """Per process that ran long enough: slope per 100 steps after its first 10% of samples."""
+        """Per process sampled over at least ``MIN_SLOPE_STEPS`` steps: slope per 100 steps after its
+        first 10% of samples (a replacement started late, sampled over a few steps, mostly shows its
+        start-up, not a trend)."""
         rss, fds, thr = [], [], []
         for w in self.workers:
             samples = w.samples[max(1, len(w.samples) // 10) :]
-            if len(samples) < 8 or samples[-1][0] - samples[0][0] < 10:
+            if len(samples) < 8 or samples[-1][0] - samples[0][0] < MIN_SLOPE_STEPS:
                 continue
             for out, col in ((rss, 1), (fds, 2), (thr, 3)):
                 slope = _slope_per_100([(s[0], s[col]) for s in samples])
@@ -781,6 +784,7 @@ class Soak:
             "threads_per_100_steps_worst": round(worst(thr), 2) if thr else None,
             "peak_rss_mb": round(peak_rss / 2**20),
             "processes_sampled": len(rss),
+            "processes_started": len(self.workers),
         }
 
     def close(self) -> None:
@@ -900,6 +904,8 @@ def table(result: dict[str, Any]) -> str:
         ("reader calls", ", ".join(f"{k} {v}" for k, v in sorted(result["reader_calls"].items()))),
         ("reader errors (must be 0)", result["reader_errors"]),
         ("reader refusals (exit 2, one line)", result["reader_refusals"]),
+        ("processes whose slopes count (sampled over >= 100 steps) / started",
+         f"{result['processes_sampled']} / {result['processes_started']}"),
         ("recorder RSS slope, MB per 100 steps (median / worst)",
          f"{result['rss_mb_per_100_steps_median']} / {result['rss_mb_per_100_steps_worst']}"),
         ("open FDs slope per 100 steps (worst)", result["fds_per_100_steps_worst"]),
