@@ -931,6 +931,34 @@ def failures(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def one_process(args: argparse.Namespace) -> None:
+    """One recording process, no faults and no readers: its RSS every 25 steps, and the slope from
+    step 100 on (does a long-lived process grow, or only start up?)."""
+    state = Path(tempfile.mkdtemp(prefix="rlreplay-soak-one-"))
+    cmd = [
+        sys.executable, str(Path(__file__).resolve()), "--worker", "--steps", str(args.one_process),
+        "--batch", str(args.batch), "--tokens", str(args.tokens), "--rotate-kb", str(args.rotate_kb),
+        "--seed", str(args.seed), "--run", str(state / "run"), "--ledger", str(state / "ledger.jsonl"),
+        "--state", str(state),
+    ]  # fmt: skip
+    points: list[tuple[int, float]] = []
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            parts = line.split()
+            if parts[:1] == ["STEP"] and int(parts[1]) % 25 == 0:
+                sample = _proc_sample(proc.pid)
+                if sample is not None:
+                    points.append((int(parts[1]), sample[0] / 2**20))
+                    print(f"step {parts[1]}: RSS {points[-1][1]:.1f} MB", flush=True)
+        proc.wait()
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    slope = _slope_per_100([p for p in points if p[0] >= 100])
+    print(f"RSS slope from step 100: {slope:+.2f} MB per 100 steps" if slope is not None else "too few steps")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--processes", type=int, default=8)
@@ -954,6 +982,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", type=Path, help="also write the result here")
     p.add_argument("--keep", action="store_true", help="keep the state folder (run, ledgers, logs)")
+    p.add_argument(
+        "--one-process", type=int, metavar="STEPS", help="only one recording process, no faults: its RSS"
+    )
     # a recording process
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("slot", "gen", "first"):
@@ -963,6 +994,9 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         record_worker(args)
+        return
+    if args.one_process:
+        one_process(args)
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up (unmount) when stopped
     soak = Soak(args)
