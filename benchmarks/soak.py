@@ -42,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 BUCKET = "soak"
 SPANS_PER_TURN = 2  # an llm span, and a tool span between turns
 STOP_FILE = "stop"
+MIN_SLOPE_STEPS = 100  # a process's slopes count once its samples span this many steps
 
 
 # ---- the recording process ----------------------------------------------------------------------
@@ -758,11 +759,13 @@ class Soak:
         return round(seconds, 2), shards
 
     def slopes(self) -> dict[str, Any]:
-        """Per process that ran long enough: slope per 100 steps after its first 10% of samples."""
+        """Per process sampled over at least ``MIN_SLOPE_STEPS`` steps: slope per 100 steps after its
+        first 10% of samples (a replacement started late, sampled over a few steps, mostly shows its
+        start-up, not a trend)."""
         rss, fds, thr = [], [], []
         for w in self.workers:
             samples = w.samples[max(1, len(w.samples) // 10) :]
-            if len(samples) < 8 or samples[-1][0] - samples[0][0] < 10:
+            if len(samples) < 8 or samples[-1][0] - samples[0][0] < MIN_SLOPE_STEPS:
                 continue
             for out, col in ((rss, 1), (fds, 2), (thr, 3)):
                 slope = _slope_per_100([(s[0], s[col]) for s in samples])
@@ -781,6 +784,7 @@ class Soak:
             "threads_per_100_steps_worst": round(worst(thr), 2) if thr else None,
             "peak_rss_mb": round(peak_rss / 2**20),
             "processes_sampled": len(rss),
+            "processes_started": len(self.workers),
         }
 
     def close(self) -> None:
@@ -900,6 +904,8 @@ def table(result: dict[str, Any]) -> str:
         ("reader calls", ", ".join(f"{k} {v}" for k, v in sorted(result["reader_calls"].items()))),
         ("reader errors (must be 0)", result["reader_errors"]),
         ("reader refusals (exit 2, one line)", result["reader_refusals"]),
+        ("processes whose slopes count (sampled over >= 100 steps) / started",
+         f"{result['processes_sampled']} / {result['processes_started']}"),
         ("recorder RSS slope, MB per 100 steps (median / worst)",
          f"{result['rss_mb_per_100_steps_median']} / {result['rss_mb_per_100_steps_worst']}"),
         ("open FDs slope per 100 steps (worst)", result["fds_per_100_steps_worst"]),
@@ -925,6 +931,34 @@ def failures(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def one_process(args: argparse.Namespace) -> None:
+    """One recording process, no faults and no readers: its RSS every 25 steps, and the slope from
+    step 100 on (does a long-lived process grow, or only start up?)."""
+    state = Path(tempfile.mkdtemp(prefix="rlreplay-soak-one-"))
+    cmd = [
+        sys.executable, str(Path(__file__).resolve()), "--worker", "--steps", str(args.one_process),
+        "--batch", str(args.batch), "--tokens", str(args.tokens), "--rotate-kb", str(args.rotate_kb),
+        "--seed", str(args.seed), "--run", str(state / "run"), "--ledger", str(state / "ledger.jsonl"),
+        "--state", str(state),
+    ]  # fmt: skip
+    points: list[tuple[int, float]] = []
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            parts = line.split()
+            if parts[:1] == ["STEP"] and int(parts[1]) % 25 == 0:
+                sample = _proc_sample(proc.pid)
+                if sample is not None:
+                    points.append((int(parts[1]), sample[0] / 2**20))
+                    print(f"step {parts[1]}: RSS {points[-1][1]:.1f} MB", flush=True)
+        proc.wait()
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    slope = _slope_per_100([p for p in points if p[0] >= 100])
+    print(f"RSS slope from step 100: {slope:+.2f} MB per 100 steps" if slope is not None else "too few steps")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--processes", type=int, default=8)
@@ -948,6 +982,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", type=Path, help="also write the result here")
     p.add_argument("--keep", action="store_true", help="keep the state folder (run, ledgers, logs)")
+    p.add_argument(
+        "--one-process", type=int, metavar="STEPS", help="only one recording process, no faults: its RSS"
+    )
     # a recording process
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("slot", "gen", "first"):
@@ -957,6 +994,9 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         record_worker(args)
+        return
+    if args.one_process:
+        one_process(args)
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up (unmount) when stopped
     soak = Soak(args)

@@ -88,3 +88,23 @@ def test_short_soak_into_s3(tmp_path: Path) -> None:
     )
     assert_nothing_lost(result)
     assert result["faults"], result
+
+
+def test_slopes_count_only_processes_sampled_over_100_steps() -> None:
+    """A replacement started late shows its start-up over a few steps: it must not set the worst
+    slope; the report says how many processes were counted."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("soak_module", SOAK)
+    assert spec is not None and spec.loader is not None
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    mb = 1 << 20
+    # (step, rss, fds, threads): flat over 300 steps; a late one climbing 50 MB over 30 steps
+    flat = SimpleNamespace(samples=[(s, 200 * mb + (s % 3) * mb, 20, 6) for s in range(0, 300, 5)])
+    late = SimpleNamespace(samples=[(s, (100 + 50 * (s - 900) / 30) * mb, 20, 6) for s in range(900, 930)])
+    result = soak.Soak.slopes(SimpleNamespace(workers=[flat, late]))
+    assert (result["processes_sampled"], result["processes_started"]) == (1, 2)
+    assert abs(result["rss_mb_per_100_steps_worst"]) < 1
+    assert result["peak_rss_mb"] == 202

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import struct
 from typing import Any, ClassVar
 
 import orjson
@@ -49,6 +50,19 @@ def _small_ints(values: list | tuple) -> Any:
     except (TypeError, ValueError):
         return None
     return array if len(array) and array.min() >= 0 else None
+
+
+def _int32(values: list | tuple) -> Any:
+    """Ints as an int32 array; OverflowError for one beyond int32 (``struct`` packs them with a
+    third of the instructions numpy's conversion takes)."""
+    import numpy as np
+
+    out = np.empty(len(values), dtype=np.int32)
+    try:
+        struct.pack_into(f"={len(values)}i", out, 0, *values)
+    except struct.error:
+        return np.array(values, dtype=np.int32)  # says why: OverflowError
+    return out
 
 
 def _types_at(values: list | tuple, positions: Any) -> set[type]:
@@ -118,24 +132,18 @@ class Arrays:
         import numpy as np
 
         mask = "mask" in key.lower()
-        known = None
+        found: list[list[Any]] = []
+        after = self._last
         if not mask and self.shared is not None and type(values) is list and len(values) >= MIN_SHARED:
-            known = self.shared.list_prefix(values, self._last)  # no conversion of what repeats
-        n = 0 if known is None else known[2]
+            found, after = self.shared.list_cover(values, self._last)  # no conversion of what repeats
         array = _small_ints(values) if mask else None  # 0..127: bytes() converts 3x faster than numpy
-        if array is None and known is not None and n == len(values):
-            array = known[3]  # all of it repeats an earlier span's ids: nothing to convert
-        if array is None:
-            rest = values[n:] if n else values
-            if mask:
-                with contextlib.suppress(OverflowError):
-                    array = np.array(rest, dtype=np.int8)
-            if array is None:  # numpy refuses a value beyond int32 (OverflowError): JSON keeps them
-                array = np.array(rest, dtype=np.int32)
-                if known is not None:
-                    array = np.concatenate((known[3], array))
+        if array is None and mask:
+            with contextlib.suppress(OverflowError):
+                array = np.array(values, dtype=np.int8)
+        if array is None:  # numpy refuses a value beyond int32 (OverflowError): JSON keeps them
+            array = self._int32(values, found)
         # a bool counts as 0 or 1 to sum() and numpy: only those positions need a look
-        small = np.flatnonzero((array >> 1) == 0)
+        small = np.flatnonzero(array.view(np.uint32 if array.dtype == np.int32 else np.uint8) < 2)
         if len(small) > 256:
             if b"e" in orjson.dumps(values):  # true/false; JSON integers have no "e"
                 return None
@@ -143,7 +151,25 @@ class Arrays:
             return None
         if array.dtype == np.int8:
             return self._add(_I8, array)
-        return self._shared(_I32, array, values, None if known is None else known[:3])
+        return self._shared(_I32, array, values, found, after)
+
+    def _int32(self, values: list | tuple, found: list[list[Any]]) -> Any:
+        """``values`` as int32: the stretches ``found`` in the latest id stream copied from it, only
+        the rest converted."""
+        import numpy as np
+
+        if not found:
+            return _int32(values)
+        stream = self.shared.latest[2]
+        pieces, pos = [], 0
+        for _, start, length, at in found:
+            if at > pos:
+                pieces.append(_int32(values[pos:at]))
+            pieces.append(stream[start : start + length])
+            pos = at + length
+        if pos < len(values):
+            pieces.append(_int32(values[pos:]))
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def _floats(self, values: list | tuple) -> dict[str, Any] | None:
         """Floats exact in float32 (bit for bit: -0.0, NaN payloads); else None (JSON keeps them)."""
@@ -168,23 +194,31 @@ class Arrays:
         return placeholder
 
     def _shared(
-        self, dtype: str, array: Any, values: Any = None, known: tuple[str, int, int] | None = None
+        self,
+        dtype: str,
+        array: Any,
+        values: Any = None,
+        found: list[list[Any]] | None = None,
+        after: tuple[str, int] | None = None,
     ) -> dict[str, Any]:
-        """Store ``array`` less the stretches earlier spans hold; ``known``: its first ``length``
-        values are stretch ``(span, start, length)``, already found on the values as given."""
+        """Store ``array`` less the stretches earlier spans hold; ``found``: stretches
+        ``[span, start, length, at]`` already found on the values as given (``list_cover``), and
+        ``after`` where the last of them ended; the gaps between them are searched as arrays."""
         import numpy as np
 
         refs: list[list[Any]] = []
+        if found:
+            state, pos = self._last, 0
+            for ref in found:
+                refs += self._cover_gap(dtype, array, pos, ref[3], state)
+                refs.append(ref)
+                pos = ref[3] + ref[2]
+                state = (ref[0], ref[1] + ref[2])
+            self._last = state
+            refs += self._cover_gap(dtype, array, pos, len(array), after)
+        else:
+            refs = self._cover_gap(dtype, array, 0, len(array), self._last)
         stored = array
-        skip = 0
-        if known is not None:
-            refs.append([known[0], known[1], known[2], 0])
-            self._last = (known[0], known[1] + known[2])
-            skip = known[2]
-        if self.shared is not None and len(array) - skip >= MIN_SHARED:
-            more, last = self.shared.cover(dtype, array[skip:] if skip else array, self._last)
-            self._last = last
-            refs += [[span, start, length, at + skip] for span, start, length, at in more]
         if len(refs) == 1 and refs[0][2] == len(array):
             stored = array[:0]
         elif refs:
@@ -201,6 +235,21 @@ class Arrays:
         if dtype == _I32:
             self.lists.append(values if type(values) is list else None)
         return placeholder
+
+    def _cover_gap(
+        self, dtype: str, array: Any, begin: int, end: int, after: tuple[str, int] | None
+    ) -> list[list[Any]]:
+        """Stretches of earlier streams that make up parts of ``array[begin:end]`` (``after``: where
+        the stretch before it ended); sets where the last one ended."""
+        if end <= begin:
+            self._last = after
+            return []
+        if self.shared is None or end - begin < MIN_SHARED:
+            self._last = None  # a gap too short to share: the next stretch cannot continue one
+            return []
+        part = array[begin:end] if begin or end < len(array) else array
+        more, self._last = self.shared.cover(dtype, part, after)
+        return [[span, start, length, at + begin] for span, start, length, at in more]
 
     def columns(self) -> tuple[Any, Any, Any]:
         """The span's values per typed column (token_ids, token_masks, token_logprobs)."""
@@ -229,9 +278,10 @@ class SharedIndex:
         # per dtype: the bits of the first two values of each kept array → (span, stream bits, start);
         # values are compared as bits (-0.0 is not 0.0), two at a time (one common id starts many)
         self.by_first: dict[str, dict[int, list[tuple[str, Any, int]]]] = {_I32: {}, _F32: {}}
-        # the latest id stream's lists as given (span, lists, stream): the next model call's prompt
-        # usually repeats them, which a list comparison finds before any conversion
-        self.latest: tuple[str, list[list[int]], Any] | None = None
+        # the latest id stream as given (span, one list of its ids, stream, where its arrays begin):
+        # the next model call's prompt usually repeats stretches of it, which list comparisons find
+        # before any conversion
+        self.latest: tuple[str, list[int], Any, list[int]] | None = None
 
     def add(self, span_id: str, arrays: Arrays) -> None:
         import numpy as np
@@ -259,39 +309,67 @@ class SharedIndex:
             bits = stream.view(np.uint32)
             for key, start in keys:
                 by_first.setdefault(key, []).append((span_id, bits, start))
-            if dtype == _I32:  # copies: a caller may change a list it gave after the call returns
+            if dtype == _I32:  # a copy: a caller may change a list it gave after the call returns
                 lists = arrays.lists
-                self.latest = (span_id, [v.copy() for v in lists], stream) if None not in lists else None
+                self.latest = None
+                if None not in lists:
+                    flat: list[int] = []
+                    for part in lists:
+                        flat += part
+                    self.latest = (span_id, flat, stream, starts)
 
-    def list_prefix(self, values: list, after: tuple[str, int] | None) -> tuple[str, int, int, Any] | None:
-        """``(span, start, length, ids)``: the longest run of the latest id stream, from its start,
-        from ``after`` (where the span's previous array ended in it) or from the start of one of its
-        lists, that ``values`` begins with, compared as lists (C speed, no conversion); None if
-        shorter than ``MIN_SHARED``."""
+    def list_cover(
+        self, values: list, after: tuple[str, int] | None
+    ) -> tuple[list[list[Any]], tuple[str, int] | None]:
+        """Stretches ``[span, start, length, at]`` of the latest id stream that make up parts of
+        ``values`` (greedy, longest first at each position, as ``cover``), and where the last one
+        ended; found by comparing lists (C speed, no conversion) from the stream's array starts and
+        from ``after`` (where the span's previous array ended in it)."""
         if self.latest is None:
-            return None
-        span, lists, stream = self.latest
-        best = 0
-        best_start = 0
-        starts = [0, after[1]] if after is not None and after[0] == span else [0]
-        first, pos = values[0], 0
-        for part in lists:  # a list given again whole (a response passed on): its start too
-            if pos and part and part[0] == first and pos not in starts:
-                starts.append(pos)
-            pos += len(part)
+            return [], after
+        span, flat, _, starts = self.latest
+        size, n = len(flat), len(values)
+        by_first: dict[int, list[int]] = {}
         for start in starts:
-            length = _list_match(lists, start, values)
-            if length > best:
-                best, best_start = length, start
-        if best < MIN_SHARED:
-            return None
-        return span, best_start, best, stream[best_start : best_start + best]
+            if size - start >= MIN_SHARED:
+                by_first.setdefault(flat[start], []).append(start)
+        cont = after[1] if after is not None and after[0] == span else None
+        refs: list[list[Any]] = []
+        p, probes = 0, 0
+        while n - p >= MIN_SHARED and probes < MAX_PROBES:
+            probes += 1
+            options = by_first.get(values[p], [])
+            if cont is not None and cont not in options:
+                options = [*options, cont]
+            best, best_start = 0, 0
+            for start in reversed(options):  # ``after`` first, then the latest array: they win ties
+                m = min(n - p, size - start)
+                if m < MIN_SHARED or best >= m:
+                    continue
+                length = _common(values, p, flat, start, m)
+                if length > best:
+                    best, best_start = length, start
+            if best >= MIN_SHARED:
+                refs.append([span, best_start, best, p])
+                p += best
+                cont = best_start + best
+                after = (span, cont)
+                continue
+            cont, after = None, None
+            limit = n - MIN_SHARED + 1  # the next position where one of its arrays begins
+            for first in by_first:
+                with contextlib.suppress(ValueError):
+                    limit = values.index(first, p + 1, limit)
+            if limit > n - MIN_SHARED:
+                break
+            p = limit
+        return refs, after
 
     @property
     def nbytes(self) -> int:
         # the kept lists: an 8-byte pointer per item, and the int itself when the caller has let
         # go of it (counted always: a bound, not a guess)
-        lists = 40 * len(self.latest[2]) if self.latest is not None else 0
+        lists = 40 * len(self.latest[1]) if self.latest is not None else 0
         return lists + sum(s[1].nbytes for kept in self.streams.values() for s in kept)
 
     def cover(
@@ -385,23 +463,23 @@ def _positions_of(bits: Any, keys: Any) -> Any:
     )
 
 
-def _list_match(lists: list[list[int]], start: int, values: list) -> int:
-    """How many leading ``values`` equal the concatenated ``lists`` from position ``start``
-    (whole pieces compared at once; the first piece that differs ends the match)."""
-    pos = 0
-    n = len(values)
-    for part in lists:
-        size = len(part)
-        if start >= size:
-            start -= size
-            continue
-        k = min(n - pos, size - start)
-        mine = values if not pos and k == n else values[pos : pos + k]
-        if k <= 0 or mine != (part[start : start + k] if start or k < size else part):
-            break
-        pos += k
-        start = 0
-    return pos
+def _common(values: list, at: int, other: list, start: int, m: int) -> int:
+    """How many of ``values[at:at + m]`` equal ``other[start:start + m]`` from the first on (slices
+    compared at C speed; a binary search for where they first differ)."""
+    if values[at] != other[start]:
+        return 0
+    mine = values if not at and m == len(values) else values[at : at + m]  # no copy of a whole list
+    theirs = other if not start and m == len(other) else other[start : start + m]
+    if mine == theirs:
+        return m
+    lo, hi = 0, m  # the first lo are equal; the first hi are not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if values[at + lo : at + mid] == other[start + lo : start + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class Restorer:

@@ -139,10 +139,12 @@ def _list_column(values: list, typ: pa.DataType) -> pa.Array:
 
 
 class PrefixCache:
-    """Per open trajectory, the id streams that its next spans may share a prefix with (bounded)."""
+    """Per open trajectory, the id streams that its next spans may share a prefix with (bounded in
+    bytes and in trajectories: the least recently used goes first)."""
 
-    def __init__(self, max_bytes: int = 64 << 20) -> None:
+    def __init__(self, max_bytes: int = 64 << 20, max_trajectories: int = 4096) -> None:
         self.max_bytes = max_bytes
+        self.max_trajectories = max_trajectories
         self._by_trajectory: OrderedDict[Any, token_arrays.SharedIndex] = OrderedDict()
         self._bytes = 0
 
@@ -150,9 +152,16 @@ class PrefixCache:
         index = self._by_trajectory.get(trajectory)
         if index is None:
             index = self._by_trajectory[trajectory] = token_arrays.SharedIndex()
+            if len(self._by_trajectory) > self.max_trajectories:
+                _, old = self._by_trajectory.popitem(last=False)
+                self._bytes -= old.nbytes
         else:
             self._by_trajectory.move_to_end(trajectory)
         return index
+
+    def peek(self, trajectory: Any) -> token_arrays.SharedIndex | None:
+        """The trajectory's index if it has one (none is made)."""
+        return self._by_trajectory.get(trajectory)
 
     def added(self, trajectory: Any, before: int, after: int) -> None:
         self._bytes += after - before
@@ -255,7 +264,9 @@ def encode_row(
     num_tokens = token_arrays.count_token_ids(inputs_data) + token_arrays.count_token_ids(output_data)
     prompt_tokens, response_tokens = _token_counts(meta.kind, inputs_data, output_data)
 
-    index = prefixes.get(tid) if prefixes is not None else None
+    index = None
+    if prefixes is not None:  # signals come after a trajectory ended: they open no index
+        index = prefixes.peek(tid) if meta.kind == KIND_SIGNALS else prefixes.get(tid)
     arrays = token_arrays.Arrays(index, kinds)
     inputs_text = None
     if inputs_data is not None:

@@ -42,3 +42,44 @@ def test_prefixes_of_trajectories_whose_root_did_not_queue_are_dropped(tmp_path:
     if policy == "spill":
         run = rlreplay.open_run(run_dir)
         assert len(run.trajectories()) == 8
+
+
+def test_signals_after_a_trajectory_ended_leave_no_prefix_index(tmp_path: Path) -> None:
+    """verl records a trajectory's reward after it ended: its signals span must not open a new
+    (never dropped) index, or the writer holds one per trajectory for the whole run."""
+    from rlreplay.recorder import record_signals
+
+    rng = np.random.default_rng(1)
+
+    @rlreplay.trace_op(kind="llm")
+    def generate(prompt_ids: list[int]) -> dict:
+        return {"token_ids": rng.integers(0, 151_000, 200).tolist()}
+
+    rlreplay.init(tmp_path / "run", worker="w")
+    rec = get_recorder()
+    assert rec is not None
+    n = 40
+    for i in range(n):
+        traj = rlreplay.trajectory(step=i // 4, sample_index=i % 4, rollout_n=0)
+        with traj:
+            generate(rng.integers(0, 151_000, 300).tolist())
+        record_signals(traj.id, step=i // 4, sample_index=i % 4, rollout_n=0, validate=False, reward=1.0)
+    assert rlreplay.flush()
+    assert len(rec._prefixes._by_trajectory) == 0
+    rlreplay.close()
+    assert len(rlreplay.open_run(tmp_path / "run").trajectories()) == n
+
+
+def test_prefix_cache_holds_at_most_its_trajectories() -> None:
+    """Spans that end after their trajectory (a late child) open an index nobody drops: the cache
+    keeps the most recently used ``max_trajectories`` whatever their size."""
+    from rlreplay.recorder.rows import PrefixCache
+
+    cache = PrefixCache(max_trajectories=3)
+    for i in range(10):
+        cache.get(f"t{i}")
+    cache.get("t8")  # used again: kept over t7
+    cache.get("t10")
+    assert list(cache._by_trajectory) == ["t9", "t8", "t10"]
+    assert cache.peek("t0") is None and cache.peek("t9") is not None
+    assert len(cache._by_trajectory) == 3

@@ -141,10 +141,10 @@ def test_values_that_are_not_plain_ints_or_float32_read_back_as_given(tmp_path: 
     assert third.output["token_ids"] == [*base, *more, *base]
 
 
-def test_list_prefix_claims_only_equal_runs() -> None:
-    """The list comparison finds the longest run of the latest id stream the new list begins with,
-    from the stream's start or where the span's previous array ended; a run shorter than
-    MIN_SHARED, or a first piece that differs inside, is left to the array search."""
+def test_list_cover_claims_only_equal_runs() -> None:
+    """The list comparison finds the longest runs of the latest id stream in the new list, from the
+    stream's array starts or where the span's previous array ended, wherever they begin in the new
+    list, each to the exact value where it stops; a run shorter than MIN_SHARED is not claimed."""
     rng = np.random.default_rng(3)
     a, b = rng.integers(0, VOCAB, 120).tolist(), rng.integers(0, VOCAB, 90).tolist()
     index = token_arrays.SharedIndex()
@@ -154,16 +154,22 @@ def test_list_prefix_claims_only_equal_runs() -> None:
     stream = a + b
     for start in (0, 50):
         after = ("s1", start) if start else None
-        span, at, length, values = index.list_prefix([*stream[start:], 5, 6], after)
-        assert (span, at, length) == ("s1", start, len(stream) - start)
-        assert values.tolist() == stream[start:]
-    assert index.list_prefix(a[:100], None)[2] == 100
-    assert index.list_prefix(a[: payload.MIN_SHARED - 1] + [-1] * 100, None) is None
-    assert index.list_prefix([-1, *a], ("s2", 0)) is None
+        refs, last = index.list_cover([*stream[start:], 5, 6], after)
+        assert refs == [["s1", start, len(stream) - start, 0]]
+        assert last == ("s1", len(stream))
+    assert index.list_cover(a[:100], None)[0] == [["s1", 0, 100, 0]]
+    assert index.list_cover(a[: payload.MIN_SHARED - 1] + [-1] * 100, None) == ([], None)
+    assert index.list_cover([-1, *a], ("s2", 0))[0] == [["s1", 0, len(a), 1]]  # a run starting later
     edited = [*a[:70], a[70] + 1, *a[71:]]
-    assert index.list_prefix(edited, None) is None
+    assert index.list_cover(edited, None)[0] == [["s1", 0, 70, 0]]  # up to the value that differs
+    # a new id, then the stream moved by one (a sliding window): the run begins at the second value
+    window = [-7, *stream[:-1]]
+    assert index.list_cover(window, None)[0] == [["s1", 0, len(stream) - 1, 1]]
+    # two runs with a new stretch between them
+    spliced = [*a, *([-3] * 80), *b]
+    assert index.list_cover(spliced, None)[0] == [["s1", 0, len(a), 0], ["s1", len(a), len(b), len(a) + 80]]
     placeholder = token_arrays.Arrays(index).extract({"prompt_ids": edited})["prompt_ids"]
-    assert placeholder["r"][0][:3] == ["s1", 0, 70]  # the array search still shares the start
+    assert placeholder["r"][0][:3] == ["s1", 0, 70]
 
 
 def test_log_probs_equal_in_value_but_not_in_bits_are_not_shared(tmp_path: Path) -> None:
@@ -181,3 +187,46 @@ def test_log_probs_equal_in_value_but_not_in_bits_are_not_shared(tmp_path: Path)
     first, second = _spans(run_dir)
     assert _bits(first.output["log_probs"]) == _bits(negative_zeros)
     assert _bits(second.output["log_probs"]) == _bits(zeros)
+
+
+def test_prompts_that_slide_splice_and_edit_read_back_and_share(tmp_path: Path) -> None:
+    """Prompts made of stretches of the previous call's ids at any position (a window moved by a few
+    ids, two stretches with new ids between them, an edited value, a bool among them): each reads
+    back as sent, and the stretches are stored once."""
+    rng = np.random.default_rng(11)
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(2, VOCAB, n).tolist()
+
+    prompts, replies = [ids(400)], [ids(300)]
+    for k in range(12):
+        prev = prompts[-1] + replies[-1]
+        choice = k % 4
+        if choice == 0:  # a window: new ids in front, the end cut
+            new = ids(3) + prev[: len(prev) - 3]
+        elif choice == 1:  # two stretches, new ids between them
+            new = prev[:150] + ids(90) + prev[200:]
+        elif choice == 2:  # one value changed inside
+            new = list(prev)
+            new[333] += 1
+        else:  # a bool equal to the id it replaces (True == 1)
+            new = [1, *prev]
+        prompts.append(new)
+        replies.append(replies[-1] if k % 2 else ids(200))
+    with_bool = [True, *prompts[-1][1:]]
+    prompts.append(with_bool)
+    replies.append(ids(100))
+    run_dir = tmp_path / "run"
+    rlreplay.init(run_dir, worker="w")
+    with rlreplay.trajectory(step=0, sample_index=0):
+        for prompt, reply in zip(prompts, replies):
+            generate(prompt_ids=prompt, reply={"token_ids": reply})
+    rlreplay.close()
+    spans = _spans(run_dir)
+    for span, prompt, reply in zip(spans, prompts, replies):
+        assert span.inputs["prompt_ids"] == prompt
+        assert [type(x) for x in span.inputs["prompt_ids"]] == [type(x) for x in prompt]
+        assert span.output["token_ids"] == reply
+    # every id kept once, except the new ones each prompt brings: well under the ids sent
+    sent = sum(len(p) + len(r) for p, r in zip(prompts, replies))
+    assert _stored_ids(run_dir) < sent / 4
