@@ -77,7 +77,7 @@ SAME_AS_PC: list[tuple[str, tuple[Any, ...]]] = [
 ]
 
 #: Functions standing for a pyarrow method (or ``pa.array``): checked by their own tests below.
-OWN_TESTS = {"cast_table", "sort_by", "from_numpy"}
+OWN_TESTS = {"cast_table", "sort_by", "from_numpy", "release_unused"}
 
 
 def same(ours: Any, theirs: Any) -> bool:
@@ -157,3 +157,16 @@ def test_from_numpy_refuses_what_it_does_not_wrap() -> None:
     for values in (np.array(["ok", "error"]), np.array([[1, 2]]), np.array([None, 1], object)):
         with pytest.raises(TypeError):
             ops.from_numpy(values)
+
+
+def test_release_unused_keeps_what_is_still_in_use() -> None:
+    import numpy as np
+
+    pool = pa.default_memory_pool()
+    live = pa.array(np.arange(1_000_000, dtype=np.int64))
+    freed = pa.array(np.arange(4_000_000, dtype=np.int64))
+    del freed
+    before = pool.bytes_allocated()
+    ops.release_unused()
+    assert pool.bytes_allocated() == before  # only memory nothing holds is handed back
+    assert live.equals(pa.array(np.arange(1_000_000, dtype=np.int64)))
