@@ -103,6 +103,26 @@ def collapsed(table: pa.Table, groups: int, reward: float = 0.25) -> pa.Table:
     )
 
 
+def far_ratios(table: pa.Table, trajectories: int, ratio: float = 100.0) -> pa.Table:
+    """``table`` with a trainer's signals span of importance ratio ``ratio`` added to each of its
+    first ``trajectories`` trajectories (lowest ids): trainer-vs-rollout outliers ``mismatch`` flags."""
+    ids = pc.unique(table["trajectory_id"]).sort()[:trajectories]
+    roots = table.filter(
+        pc.and_(pc.is_in(table["trajectory_id"], ids), pc.equal(table["kind"], "trajectory"))
+    )
+    n = roots.num_rows
+    signals = {
+        "span_id": _prefixed(roots, "span_id", "5e1a")["span_id"],
+        "parent_id": roots["span_id"],
+        "name": pa.array(["signals"] * n),
+        "kind": pa.array(["signals"] * n),
+        "importance_ratio": pa.array([ratio] * n, pa.float64()),
+    }
+    for name, column in signals.items():
+        roots = roots.set_column(roots.column_names.index(name), name, column)
+    return pa.concat_tables([table, roots.cast(table.schema)])
+
+
 def plant_token_change(table: pa.Table, every: int, rollouts: int = 8) -> tuple[pa.Table, int]:
     """``table`` with the first stored token id of the last model call of every ``every``-th
     trajectory (by sample_index * ``rollouts`` + rollout_n) changed; and how many were changed."""
@@ -150,21 +170,25 @@ def build_run(
     payload_steps: int | None = None,
     seed: int | None = None,
     collapse: int = 0,
+    outliers: int = 0,
 ) -> int:
     """A run of ``steps`` steps, each ``base``'s spans replicated to about ``per_step`` trajectories;
     payloads kept on the first ``payload_steps`` steps (all by default); ``seed``: rewards drawn per
     trajectory and step (else ``base``'s); ``collapse``: the rollouts of each step's first ``collapse``
-    prompts given one reward (``collapsed``). Returns the trajectories per step."""
+    prompts given one reward (``collapsed``); ``outliers``: that many trajectories a step with a far
+    importance ratio (``far_ratios``). Returns the trajectories per step."""
     n_base = len(pc.unique(base["trajectory_id"]))
     template = replicate(base, max(1, per_step // n_base), sample_stride).cast(SPAN_SCHEMA)
     bare = without_payloads(template) if payload_steps is not None else template
     rng = np.random.default_rng(seed) if seed is not None else None
     for step in range(steps):
-        table = template if payload_steps is None or step < payload_steps else bare
+        table = as_step(template if payload_steps is None or step < payload_steps else bare, step)
         if rng is not None:
             table = with_rewards(table, rng)
         if collapse:
             table = collapsed(table, collapse)
-        write_step(run_dir, as_step(table, step), step)
+        if outliers:
+            table = far_ratios(table, outliers)
+        write_step(run_dir, table, step)
     write_manifest(run_dir, run_dir.name)
     return len(pc.unique(template["trajectory_id"]))

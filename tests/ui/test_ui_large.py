@@ -1,5 +1,6 @@
 """The pages on a large synthetic run (30 steps x 256 trajectories, built from the sample run's step
-5 in this session, each step's first prompts planted as collapsed groups), driven in real Chromium:
+5 in this session, each step's first prompts planted as collapsed groups and a few trajectories
+with a far importance ratio), driven in real Chromium:
 overview, paging, sorting, filtering, the step page, prompt history, the drill-down to a token,
 findings, and the comparison with a copy whose token ids were changed in a few trajectories;
 numbers checked against the span files read with pyarrow and ``rlreplay ls/stats/audit/compare
@@ -28,6 +29,7 @@ from ui_support import REPO, cli_json, serving
 STEPS, PER_STEP = 30, 256
 BIG, TWIN = "big", "big-twin"
 COLLAPSE = 2  # prompts per step whose rollouts all get one reward
+OUTLIERS = 3  # trajectories per step with a far importance ratio (trainer signals)
 CHANGED_STEP, CHANGE_EVERY, ROLLOUTS = 3, 16, 4  # the twin: token ids changed here
 
 
@@ -37,7 +39,7 @@ def big_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("ui-large") / "runs"
     base = open_run(REPO / "sample_runs" / "gsm8k-grpo-qwen3").spans(step=5)
-    synthetic_run.build_run(root / BIG, base, STEPS, PER_STEP, seed=7, collapse=COLLAPSE)
+    synthetic_run.build_run(root / BIG, base, STEPS, PER_STEP, seed=7, collapse=COLLAPSE, outliers=OUTLIERS)
     return root / BIG
 
 
@@ -290,7 +292,7 @@ def test_findings_page_counts_and_group_badges(
         for row in tab.locator("#finding-counts tr").all()[1:]
     }
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
+    assert proc.returncode == 1, err  # 1: a trajectory-level check (mismatch) found something
     audit = [json.loads(line) for line in out.splitlines() if line.strip()]
     skipped = set(re.findall(r"note: (\w+) skipped", err))
     per_check: dict[str, int] = {}
@@ -329,6 +331,22 @@ def test_findings_page_counts_and_group_badges(
         else:
             assert badge.count() == 0, s
     assert {s for st, s in planted if st == step} <= set(on_group)
+
+    # the outliers planted: each step's OUTLIERS lowest ids; the list's rows wear the badge
+    far = set()
+    for step in range(STEPS):
+        far |= set(sorted(t["id"] for t in truth if t["step"] == step)[:OUTLIERS])
+    assert {f["trajectory_id"] for f in audit if f["check"] == "mismatch"} == far
+    tab.goto(f"{big_url}/trajectories?{urlencode({'where': 'importance_ratio > 50', 'per': 200})}")
+    assert tab.inner_text("#count") == str(len(far))
+    rows = tab.locator("table.list tr:has(a.traj-link)")
+    assert rows.count() == len(far)
+    for row in rows.all():
+        tid = row.locator("a.traj-link").get_attribute("href").split("/t/")[1].split("?")[0]
+        assert tid in far and "mismatch" in row.locator("a.badge.finding").all_inner_texts(), tid
+    rows.first.locator("a.traj-link").click()
+    tab.wait_for_selector("h1 .badge.finding")
+    assert "mismatch" in tab.locator("h1 .badge.finding").all_inner_texts()
     assert tab.errors == []
 
 
