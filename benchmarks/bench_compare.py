@@ -27,12 +27,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent_workload import make_agent_loop
 from bench_query import as_step
+from synthetic_run import plant_token_change  # tests/ (put on the path by bench_query)
 
 from rlreplay.shards.layout import partition_dir
 from rlreplay.shards.seal import write_sealed
@@ -91,31 +90,6 @@ def record(run_dir: Path, steps: int, per_step: int) -> Path:
     return run_dir
 
 
-def _plant(table: pa.Table, every: int) -> tuple[pa.Table, int]:
-    """``table`` with the first stored token id of the last model call of every ``every``-th
-    trajectory (by sample_index * 8 + rollout_n) changed; and how many were changed."""
-    order = (pc.multiply(table["sample_index"], 8).to_numpy() + table["rollout_n"].to_numpy()) % every
-    llm = pc.equal(table["kind"], "llm").to_numpy(zero_copy_only=False)
-    last: dict[str, int] = {}
-    starts = table["start_ns"].to_numpy()
-    ids = table["token_ids"].combine_chunks()
-    lengths = pc.fill_null(pc.list_value_length(ids), 0).to_numpy()
-    for row, tid in enumerate(table["trajectory_id"].to_pylist()):
-        if (
-            llm[row]
-            and order[row] == 0
-            and lengths[row]
-            and (tid not in last or starts[row] > starts[last[tid]])
-        ):
-            last[tid] = row
-    offsets = ids.offsets.to_numpy()
-    values = ids.values.to_numpy().copy()
-    for row in last.values():
-        values[offsets[row]] += 1
-    changed = pa.LargeListArray.from_arrays(ids.offsets, pa.array(values, pa.int32()))
-    return table.set_column(table.column_names.index("token_ids"), "token_ids", changed), len(last)
-
-
 def replicate(base: Path, out: Path, steps: int, change_every: int = 0) -> int:
     """``base``'s steps written again as ``steps`` steps (new trajectory ids a step); returns the
     trajectories changed."""
@@ -127,7 +101,7 @@ def replicate(base: Path, out: Path, steps: int, change_every: int = 0) -> int:
     for step in range(steps):
         table = run.spans(step=base_steps[step % len(base_steps)])
         if change_every:
-            table, n = _plant(table, change_every)
+            table, n = plant_token_change(table, change_every)
             changed += n
         table = as_step(table, step)
         folder = partition_dir(out, step, "w0")
