@@ -404,6 +404,9 @@ def _list_match(lists: list[list[int]], start: int, values: list) -> int:
     return pos
 
 
+_NESTED = frozenset((dict, list))
+
+
 class Restorer:
     """Puts typed arrays back where a span's JSON has placeholders; resolves shared stretches."""
 
@@ -419,6 +422,8 @@ class Restorer:
                 return full.tolist() if not isinstance(full, dict) else full
             return {k: self.restore(v, columns) for k, v in data.items()}
         if cls is list:
+            if _NESTED.isdisjoint(map(type, data)):  # numbers or strings only: nothing to restore
+                return data
             return [self.restore(v, columns) for v in data]
         return data
 
