@@ -482,6 +482,9 @@ def _common(values: list, at: int, other: list, start: int, m: int) -> int:
     return lo
 
 
+_NESTED = frozenset((dict, list))
+
+
 class Restorer:
     """Puts typed arrays back where a span's JSON has placeholders; resolves shared stretches."""
 
@@ -497,6 +500,8 @@ class Restorer:
                 return full.tolist() if not isinstance(full, dict) else full
             return {k: self.restore(v, columns) for k, v in data.items()}
         if cls is list:
+            if _NESTED.isdisjoint(map(type, data)):  # numbers or strings only: nothing to restore
+                return data
             return [self.restore(v, columns) for v in data]
         return data
 

@@ -159,13 +159,24 @@ def _llm_prompt(span: Span, fields: ConversationFields) -> list[int] | None:
 
 def _mask_runs(mask: Sequence[int], length: int) -> list[tuple[int, int, int]]:
     """(value, start, end) for each run of equal mask values over the first ``length`` tokens."""
+    import numpy as np
+
     runs: list[tuple[int, int, int]] = []
-    start = 0
     n = min(length, len(mask))
-    for i in range(1, n + 1):
-        if i == n or (mask[i] != 0) != (mask[start] != 0):
-            runs.append((1 if mask[start] else 0, start, i))
-            start = i
+    marks = np.asarray(mask[:n])
+    if marks.ndim == 1 and marks.dtype.kind in "biuf":  # numbers: the run ends found in one pass
+        on = marks != 0
+        ends = [*(np.flatnonzero(on[1:] != on[:-1]) + 1).tolist(), n] if n else []
+        start = 0
+        for end in ends:
+            runs.append((int(on[start]), start, end))
+            start = end
+    else:
+        start = 0
+        for i in range(1, n + 1):
+            if i == n or (mask[i] != 0) != (mask[start] != 0):
+                runs.append((1 if mask[start] else 0, start, i))
+                start = i
     if n < length:  # ids past the mask: unknown origin, shown as tool output
         runs.append((0, n, length))
     return runs

@@ -324,8 +324,19 @@ def _first(d: dict[str, Any], keys: tuple[str, ...], n: int) -> list[float | Non
     return None
 
 
-def _response(traj: Trajectory) -> tuple[list[int], list[int], list[float | None] | None]:
-    """Response ids, mask (1 model, 0 tool) and rollout log-probs, from the agent span or the turns."""
+def _marks(mask: list[Any]) -> Any:
+    """A response mask as int64 (1 model, 0 tool): any true value is 1."""
+    import numpy as np
+
+    arr = np.asarray(mask)
+    if arr.ndim == 1 and arr.dtype.kind in "biuf":  # numbers: one pass, no Python loop
+        return (arr != 0).astype(np.int64)
+    return np.array([int(bool(m)) for m in mask], dtype=np.int64)
+
+
+def _response(traj: Trajectory) -> tuple[list[int], Any, list[float | None] | None]:
+    """Response ids, mask (int64: 1 model, 0 tool) and rollout log-probs, from the agent span or the
+    turns."""
     from rlreplay.text.adapters import turns
     from rlreplay.text.conversation import ROLE_ASSISTANT, ROLE_PROMPT
 
@@ -334,7 +345,7 @@ def _response(traj: Trajectory) -> tuple[list[int], list[int], list[float | None
         out = agent.output
         ids, mask = out.get("response_ids"), out.get("response_mask")
         if isinstance(ids, list) and isinstance(mask, list) and len(mask) >= len(ids):
-            return ids, [int(bool(m)) for m in mask[: len(ids)]], _first(out, LOGPROB_KEYS, len(ids))
+            return ids, _marks(mask[: len(ids)]), _first(out, LOGPROB_KEYS, len(ids))
     by_span = {s.span_id: s for s in traj.by_kind(KIND_LLM)}
     ids, mask, lps = [], [], []
     for turn in turns(traj):
@@ -347,7 +358,7 @@ def _response(traj: Trajectory) -> tuple[list[int], list[int], list[float | None
         span = by_span.get(turn.span_id) if turn.span_id else None
         found = _first(span.output, LOGPROB_KEYS, n) if span and isinstance(span.output, dict) else None
         lps += found if found is not None else [None] * n
-    return ids, mask, lps if any(v is not None for v in lps) else None
+    return ids, _marks(mask), lps if any(v is not None for v in lps) else None
 
 
 def _aligned(value: Any, n: int) -> list[float | None] | None:
@@ -475,7 +486,7 @@ def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
         _levels(np.abs(trainer - rollout), MISMATCH_FULL),
         _levels(entropy, top_entropy),
     ]
-    marks = np.array(mask, dtype=np.int64)
+    marks = mask
     present = (lps is not None, trainer_list is not None, entropy_list is not None)
     data = {
         "ids": ids,
