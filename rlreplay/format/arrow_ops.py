@@ -163,6 +163,8 @@ def cast_table(table: pa.Table, schema: pa.Schema) -> pa.Table:
             f"target schema's field names are not matching the table's field names: "
             f"{table.schema.names!r}, {schema.names!r}"
         )
+    if table.schema.equals(schema):  # the same types: only the metadata changes
+        return table.replace_schema_metadata(schema.metadata)
     columns = [
         column if column.type == field.type else cast(column, field.type)
         for column, field in zip(table.columns, schema)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,26 +140,53 @@ class Run:
 
     def _index(self, path: Path, sealed: bool) -> pa.Table | None:
         """A file's trajectory index: the sidecar of a sealed file, else built from its spans."""
-        try:
-            size, mtime_ns = self._stamp(path)
-        except OSError as exc:
-            self._skip(path, exc)
-            return None
-        cached = self._indexes.get(path)
-        if cached is not None and cached[:2] == (mtime_ns, size):
-            return cached[2]
-        index = None
+        return self._indexes_of([path], sealed)[0]
+
+    def _indexes_of(
+        self, paths: Sequence[Path], sealed: bool, stamps: Sequence[tuple[int, int] | None] | None = None
+    ) -> list[pa.Table | None]:
+        """``_index`` of each file (None where unreadable); the sidecars not cached are read in a
+        thread pool (pyarrow reads without the GIL), ``stamps`` are their (bytes, mtime in ns)
+        when known."""
+        found: list[pa.Table | None] = [None] * len(paths)
+        todo: list[tuple[int, int, int]] = []  # (position, bytes, mtime_ns)
+        for i, path in enumerate(paths):
+            stamp = stamps[i] if stamps is not None else None
+            if stamp is None:
+                try:
+                    stamp = self._stamp(path)
+                except OSError as exc:
+                    self._skip(path, exc)
+                    continue
+            size, mtime_ns = stamp
+            cached = self._indexes.get(path)
+            if cached is not None and cached[:2] == (mtime_ns, size):
+                found[i] = cached[2]
+            else:
+                todo.append((i, size, mtime_ns))
         if sealed:
-            index = tindex.read(tindex.index_path(path), size)
-            if index is None:
-                index = self._build_index(path)
+            read = _map(lambda t: tindex.read(tindex.index_path(paths[t[0]]), t[1]), todo)
         else:
-            table = self._partial(path)
-            if table is not None:
-                index = tindex.build(table.select(tindex.SPAN_COLUMNS))
-        if index is not None:
-            self._indexes[path] = (mtime_ns, size, index)
-        return index
+            read = [None] * len(todo)
+        for (i, size, mtime_ns), index in zip(todo, read):
+            path = paths[i]
+            if index is None:
+                index = self._build_index(path) if sealed else self._live_index(path)
+            if index is not None:
+                self._indexes[path] = (mtime_ns, size, index)
+            found[i] = index
+        return found
+
+    def _live_index(self, path: Path) -> pa.Table | None:
+        """The index of a live file, built from its spans."""
+        table = self._partial(path)
+        return tindex.build(table.select(tindex.SPAN_COLUMNS)) if table is not None else None
+
+    def _relative(self, path: Path) -> str:
+        """A run file's path relative to the run, with ``/``."""
+        prefix = str(self.path) + "/"
+        name = str(path)
+        return name[len(prefix) :] if name.startswith(prefix) else path.relative_to(self.path).as_posix()
 
     def _stamp(self, path: Path) -> tuple[int, int]:
         """(bytes, mtime in ns) of a run file: what tells an index or a run index it is current."""
@@ -211,10 +238,10 @@ class Run:
     def _files(self, filters: Filters) -> list[_File]:
         sealed, partials = self._paths(filters)
         files = []
-        for path, is_sealed in [(p, True) for p in sealed] + [(p, False) for p in partials]:
-            index = self._index(path, is_sealed)
-            if index is not None:
-                files.append(_File(path, is_sealed, index))
+        for paths, is_sealed in ((sealed, True), (partials, False)):
+            for path, index in zip(paths, self._indexes_of(paths, is_sealed)):
+                if index is not None:
+                    files.append(_File(path, is_sealed, index))
         return files
 
     # ---- reading ----------------------------------------------------------------------------
@@ -256,26 +283,23 @@ class Run:
         covers (brought up to date here), the index files of shards sealed since, and live files."""
         sealed, partials = self._paths(Filters())
         stamps: dict[str, list[int]] = {}
-        for path in sealed:
+        rels = [self._relative(path) for path in sealed]
+        for path, rel in zip(sealed, rels):
             try:
-                stamps[path.relative_to(self.path).as_posix()] = list(self._stamp(path))
+                stamps[rel] = list(self._stamp(path))
             except OSError as exc:
                 self._skip(path, exc)
                 continue
         rows, covered, where, repair = self._read_run_index(stamps)
-        added: dict[str, list[int]] = {}
-        more = []
-        for path in sealed:
-            rel = path.relative_to(self.path).as_posix()
-            if rel in stamps and rel not in covered:
-                index = self._index(path, True)
-                if index is not None:
-                    more.append(index)
-                    added[rel] = stamps[rel]
-        rows = tindex.merge_into(rows, more)
+        todo = [(path, rel) for path, rel in zip(sealed, rels) if rel in stamps and rel not in covered]
+        indexes = self._indexes_of(
+            [path for path, _ in todo], True, [(stamps[rel][0], stamps[rel][1]) for _, rel in todo]
+        )
+        added = {rel: stamps[rel] for (_, rel), index in zip(todo, indexes) if index is not None}
+        rows = tindex.merge_into(rows, [index for index in indexes if index is not None])
         if (added or repair) and len(covered) + len(added) >= tindex.RUN_INDEX_MIN_SHARDS:
             self._write_run_index(rows, {**covered, **added}, where)
-        live = [index for index in (self._index(path, False) for path in partials) if index is not None]
+        live = [index for index in self._indexes_of(partials, False) if index is not None]
         return tindex.merge_into(rows, live)
 
     def _steps_index(self, filters: Filters) -> pa.Table | None:
@@ -308,8 +332,10 @@ class Run:
             mine = {rel: stamp for rel, stamp in covered.items() if rel.startswith(prefixes)}
             if any(stamps.get(rel) != stamp for rel, stamp in mine.items()):
                 continue
-            more = [self._index(p, True) for p in sealed if p.relative_to(self.path).as_posix() not in mine]
-            live = [self._index(p, False) for p in partials]
+            more = self._indexes_of(
+                [p for p in sealed if p.relative_to(self.path).as_posix() not in mine], True
+            )
+            live = self._indexes_of(partials, False)
             rows = tindex.merge_into(rows, [t for t in more if t is not None])
             return tindex.merge_into(rows, [t for t in live if t is not None])
         return None
@@ -458,6 +484,19 @@ class Run:
         totals = manifest.total_counters(self.path, self.warnings)
         totals["recovered_shards"] = int(self.manifest.get("recovered_shards", 0) or 0)
         return totals
+
+
+def _map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    """``[fn(x) for x in items]``, in a thread pool of one thread per core when there are many."""
+    import os
+
+    workers = min(os.cpu_count() or 1, len(items) // 64)
+    if workers < 2:
+        return [fn(item) for item in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(fn, items, chunksize=64))
 
 
 def _row_group_may_match(group: pq.RowGroupMetaData, wanted: list[tuple[str, list[Any]]]) -> bool:
