@@ -209,7 +209,6 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
     Token arrays go back where they were recorded, prefixes resolved; a payload that cannot be
     read becomes an ``error`` marker and is reported through ``warn(message)``.
     """
-    import numpy as np
 
     table = ops.sort_by(table, [("start_ns", "ascending"), ("end_ns", "descending")]).combine_chunks()
     names = table.column_names  # a new list each time it is asked for
@@ -250,9 +249,7 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
             return None
         resolving.add(key)
         cols = row_columns(i)
-        found = restorer.stream(decoded[i][0], cols, dtype) + restorer.stream(decoded[i][1], cols, dtype)
-        found.sort(key=lambda p: p[0])
-        stream = np.concatenate([a for _, a in found]) if found else None
+        stream = restorer.span_stream(decoded[i][0], decoded[i][1], cols, dtype)
         streams[key] = stream
         resolving.discard(key)
         return stream

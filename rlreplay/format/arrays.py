@@ -545,6 +545,15 @@ class Restorer:
         self._walk(data, columns, dtype, out)
         return out
 
+    def span_stream(self, inputs: Any, output: Any, columns: dict[str, Any], dtype: str) -> Any:
+        """A span's whole ``dtype`` stream (its inputs' and output's arrays in stream order), or
+        None when it holds no such array."""
+        import numpy as np
+
+        found = self.stream(inputs, columns, dtype) + self.stream(output, columns, dtype)
+        found.sort(key=lambda p: p[0])
+        return np.concatenate([a for _, a in found]) if found else None
+
     def _walk(self, data: Any, columns: dict[str, Any], dtype: str, out: list[tuple[int, Any]]) -> None:
         cls = type(data)
         if cls is dict:

@@ -400,9 +400,8 @@ def read(path: Path, shard_bytes: int) -> pa.Table | None:
             return None
         if metadata.get(SHARD_BYTES_KEY) != str(shard_bytes).encode():
             return None
-        return ops.cast_table(
-            pf.read(use_threads=False), INDEX_SCHEMA
-        )  # threads cost more than they save on a small file
+        # threads cost more than they save on a small file
+        return ops.cast_table(pf.read(use_threads=False), INDEX_SCHEMA)
     except (OSError, pa.ArrowException, ValueError):
         return None
 

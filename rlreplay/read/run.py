@@ -332,9 +332,7 @@ class Run:
             mine = {rel: stamp for rel, stamp in covered.items() if rel.startswith(prefixes)}
             if any(stamps.get(rel) != stamp for rel, stamp in mine.items()):
                 continue
-            more = self._indexes_of(
-                [p for p in sealed if p.relative_to(self.path).as_posix() not in mine], True
-            )
+            more = self._indexes_of([p for p in sealed if self._relative(p) not in mine], True)
             live = self._indexes_of(partials, False)
             rows = tindex.merge_into(rows, [t for t in more if t is not None])
             return tindex.merge_into(rows, [t for t in live if t is not None])

@@ -171,7 +171,6 @@ class StepCalls:
         return self._build(self.groups[i], self.who[i], self.warn) if i is not None else None
 
     def _build(self, group: range, who: dict[str, Any], warn: Any) -> Trajectory:
-        import numpy as np
 
         from rlreplay.format import payload
         from rlreplay.format.arrays import IdRestorer
@@ -204,9 +203,7 @@ class StepCalls:
             streams[key] = None  # a reference circle resolves to nothing
             inputs, output = payloads(j)
             cols = self.tokens(int(self.order[j]))
-            found = restorer.stream(inputs, cols, dtype) + restorer.stream(output, cols, dtype)
-            found.sort(key=lambda p: p[0])
-            streams[key] = np.concatenate([a for _, a in found]) if found else None
+            streams[key] = restorer.span_stream(inputs, output, cols, dtype)
             return streams[key]
 
         restorer = IdRestorer(resolve)
