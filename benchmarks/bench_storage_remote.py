@@ -324,7 +324,7 @@ def whole_run_listing(args: argparse.Namespace, env: dict[str, str], tmp: Path, 
     os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{proxy.port}"  # this URI's reads go through it
     uri = f"s3://{BUCKET}/runs/payload"
     spool = tmp / "payload-spool"
-    shutil.copytree(run, spool, ignore=shutil.ignore_patterns("_trajectories.index"))
+    shutil.copytree(run, spool, ignore=shutil.ignore_patterns("_trajectories.index", "_run_index"))
     assert publish.Publisher(location.location(uri), spool).close(timeout_s=600).pending == 0
     local_run = open_run(run)
     expected = local_run.trajectories()

@@ -43,6 +43,7 @@ BUCKET = "soak"
 SPANS_PER_TURN = 2  # an llm span, and a tool span between turns
 STOP_FILE = "stop"
 MIN_SLOPE_STEPS = 100  # a process's slopes count once its samples span this many steps
+RUN_INDEX_DIR = "_run_index"  # the run index segments, in the run
 
 
 # ---- the recording process ----------------------------------------------------------------------
@@ -461,9 +462,9 @@ class Soak:
             self.faults["corrupt run index" if key.endswith("_trajectories.index") else "corrupt .index"] += 1
             return
         assert self.local_run is not None
-        run_index = self.local_run / "_trajectories.index"
-        if run_index.exists() and self.rng.random() < 0.5:
-            target, kind = run_index, "corrupt run index"
+        segments = sorted((self.local_run / RUN_INDEX_DIR).glob("*.index"))
+        if segments and self.rng.random() < 0.5:
+            target, kind = self.rng.choice(segments), "corrupt run index"
         else:
             sidecars = list((self.local_run / "spans").glob("step=*/worker=*/*.index"))
             if not sidecars:
@@ -740,8 +741,7 @@ class Soak:
         """Seconds a fresh reader takes to list the run without its run index; sealed shards."""
         if self.local_run is not None:
             shards = len(list((self.local_run / "spans").glob("step=*/worker=*/*.parquet")))
-            with contextlib.suppress(FileNotFoundError):
-                (self.local_run / "_trajectories.index").unlink()
+            shutil.rmtree(self.local_run / RUN_INDEX_DIR, ignore_errors=True)
             env_cache = self.state / "cache-rebuild"
         else:
             assert self.store is not None

@@ -5,8 +5,8 @@ at seal time; for a live file (or a shard without one) it is built from the span
 the fly. ``merge`` combines the rows of one trajectory found in several files (a spilled span, a
 ``signals`` row from the trainer process); ``listing`` turns merged rows into the trajectory
 listing (contract C2). ``summarize`` is ``listing(merge(build(spans)))``: the
-status and reward rules live here only. A run of many shards also keeps a run index: the merged
-rows of every sealed shard in one file, naming the shards it covers (a cache, rebuilt at will).
+status and reward rules live here only. A run of many shards also keeps a run index of merged
+rows (``format/run_index.py``).
 """
 
 from __future__ import annotations
@@ -426,110 +426,6 @@ def write(index: pa.Table, path: Path, shard_bytes: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, path)
-
-
-# ---- the run index: every sealed shard's rows, merged, in one file ---------------------------------
-
-#: The run index's file name, in the run directory (or, when that cannot be written, in
-#: :func:`run_index_paths`' user cache folder).
-RUN_INDEX = "_trajectories.index"
-RUN_INDEX_KEY = b"rlreplay.run_index_version"
-RUN_INDEX_VERSION = b"2"  # 2: pages carry checksums (damage that still decodes is caught)
-COVERED_KEY = b"rlreplay.run_index_shards"
-#: Runs with fewer sealed shards are listed from their shards' own index files, fast enough.
-RUN_INDEX_MIN_SHARDS = 32
-#: Rows per row group: a step range reads only the groups (sorted by step) that hold its steps.
-RUN_INDEX_ROW_GROUP = 8192
-
-
-def run_index_paths(run_dir: Path) -> list[Path]:
-    """Where a run's run index may be: in the run directory, else in the user's cache."""
-    import hashlib
-    import os
-
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlreplay" / "index"
-    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:24]
-    return [Path(run_dir) / RUN_INDEX, cache / f"{key}{INDEX_SUFFIX}"]
-
-
-def read_run_index(
-    path: Path, steps: Sequence[int] | None = None
-) -> tuple[pa.Table, dict[str, list[int]]] | None:
-    """A run index's merged rows (with ``steps``: at least those of these steps, reading only the
-    row groups that may hold them) and the shards it covers (``{relative path: [bytes,
-    mtime_ns]}``); None when it is missing or of another version. Raises ``ValueError`` when it is
-    unreadable."""
-    import orjson
-    import pyarrow.parquet as pq
-
-    try:
-        # a damaged page may still decode (to other ids): its checksum tells
-        pf = pq.ParquetFile(path, page_checksum_verification=True)
-        metadata = pf.schema_arrow.metadata or {}
-        if metadata.get(RUN_INDEX_KEY) != RUN_INDEX_VERSION or metadata.get(INDEX_KEY) != INDEX_VERSION:
-            return None
-        covered = orjson.loads(metadata[COVERED_KEY])
-        if not isinstance(covered, dict) or not all(
-            isinstance(v, list) and len(v) == 2 and all(type(n) is int for n in v) for v in covered.values()
-        ):
-            raise ValueError("bad list of shards")
-        if pf.schema_arrow.names != INDEX_SCHEMA.names:
-            raise ValueError("not a run index")
-        groups = range(pf.num_row_groups) if steps is None else _step_groups(pf, steps)
-        return ops.cast_table(pf.read_row_groups(list(groups)), INDEX_SCHEMA), covered
-    except FileNotFoundError:
-        return None
-    except (OSError, KeyError, orjson.JSONDecodeError, pa.ArrowException, ValueError) as exc:
-        raise ValueError(str(exc) or type(exc).__name__) from exc
-
-
-def _step_groups(pf: Any, steps: Sequence[int]) -> list[int]:
-    """Row groups of a run index (sorted by step) whose step statistics may hold one of ``steps``."""
-    column = INDEX_SCHEMA.get_field_index("step")
-    wanted = np.asarray(sorted(set(steps)), dtype=np.int64)
-    out = []
-    for i in range(pf.num_row_groups):
-        stats = pf.metadata.row_group(i).column(column).statistics
-        if stats is None or not stats.has_min_max:
-            if stats is None or stats.null_count != pf.metadata.row_group(i).num_rows:
-                out.append(i)
-            continue
-        first = np.searchsorted(wanted, stats.min)
-        if first < len(wanted) and wanted[first] <= stats.max:
-            out.append(i)
-    return out
-
-
-def write_run_index(rows: pa.Table, covered: dict[str, list[int]], path: Path) -> None:
-    """Write merged rows covering the shards ``covered`` as ``path``, atomically (temp, rename)."""
-    import os
-    import secrets
-
-    import orjson
-    import pyarrow.parquet as pq
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rows = rows.set_column(
-        rows.schema.get_field_index("row_groups"), "row_groups", pa.nulls(rows.num_rows, pa.list_(pa.int32()))
-    )
-    metadata = {
-        **INDEX_SCHEMA.metadata,
-        RUN_INDEX_KEY: RUN_INDEX_VERSION,
-        COVERED_KEY: orjson.dumps(dict(sorted(covered.items()))),
-    }
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        order = [(c, "ascending") for k in KEYS for c in (k, KEY_STR[k])] + [("start_ns", "ascending")]
-        pq.write_table(
-            ops.sort_by(rows, [*order, ("id", "ascending")]).replace_schema_metadata(metadata),
-            tmp,
-            compression="snappy",
-            row_group_size=RUN_INDEX_ROW_GROUP,
-            write_page_checksum=True,
-        )
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def merge_into(merged: pa.Table, more: Sequence[pa.Table]) -> pa.Table:

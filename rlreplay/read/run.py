@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 from rlreplay.errors import FormatError, RunError
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format import index as tindex
-from rlreplay.format import manifest
+from rlreplay.format import manifest, run_index
 from rlreplay.format.schema import (
     FORMAT_VERSION,
     KEY_STR,
@@ -47,6 +47,7 @@ class Run:
         self.warnings: list[str] = []
         self.manifest = manifest.read_manifest(path, self.warnings)
         self._indexes: dict[Path, tuple[float, int, pa.Table]] = {}
+        self._segments: dict[Path, tuple[tuple[int, int], pa.Table]] = {}
         self._partials: dict[Path, tuple[float, int, pa.Table]] = {}
         version = self.manifest.get("format_version", FORMAT_VERSION)
         if int(version) > FORMAT_VERSION:
@@ -265,11 +266,15 @@ class Run:
     def index(self, filters: Filters | None = None, **kw: Any) -> pa.Table:
         """Merged index rows (one per trajectory) passing the filters."""
         filters = filters or Filters(**kw)
-        if filters.step is None:
-            return filters.apply(self._run_index(), id_column="id")
-        rows = self._steps_index(filters)
-        if rows is not None:
-            return filters.apply(rows, id_column="id")
+        single = filters.single_step()
+        steps = [single] if single is not None else filters.step
+        if filters.step is None or (
+            isinstance(steps, (list, tuple, set, frozenset)) and all(type(s) is int for s in steps)
+        ):
+            sealed, partials = self._paths(filters)
+            rows = self._sealed_rows(sealed, None if filters.step is None else sorted(set(steps)))
+            live = [index for index in self._indexes_of(partials, False) if index is not None]
+            return filters.apply(tindex.merge_into(rows, live), id_column="id")
         files = self._files(filters)
         rows = (
             tindex.merge(pa.concat_tables([f.index for f in files]))
@@ -278,103 +283,123 @@ class Run:
         )
         return filters.apply(rows, id_column="id")
 
-    def _run_index(self) -> pa.Table:
-        """Merged index rows of every trajectory: the run index file for the sealed shards it
-        covers (brought up to date here), the index files of shards sealed since, and live files."""
-        sealed, partials = self._paths(Filters())
-        stamps: dict[str, list[int]] = {}
-        rels = [self._relative(path) for path in sealed]
-        for path, rel in zip(sealed, rels):
+    def _sealed_rows(self, sealed: Sequence[Path], steps: Sequence[int] | None = None) -> pa.Table:
+        """Merged index rows of the sealed shards ``sealed``: from the run index's segments that
+        cover them as they are now, the rest from the shards' own index files. Listing the whole
+        run (``steps`` None) saves those as new segments, merges small segments and removes
+        segments that can never be used again."""
+        stamps: run_index.Covered = {}
+        paths: dict[str, Path] = {}
+        for path in sealed:
+            rel = self._relative(path)
             try:
                 stamps[rel] = list(self._stamp(path))
             except OSError as exc:
                 self._skip(path, exc)
                 continue
-        rows, covered, where, repair = self._read_run_index(stamps)
-        todo = [(path, rel) for path, rel in zip(sealed, rels) if rel in stamps and rel not in covered]
-        indexes = self._indexes_of(
-            [path for path, _ in todo], True, [(stamps[rel][0], stamps[rel][1]) for _, rel in todo]
-        )
-        added = {rel: stamps[rel] for (_, rel), index in zip(todo, indexes) if index is not None}
-        rows = tindex.merge_into(rows, [index for index in indexes if index is not None])
-        if (added or repair) and len(covered) + len(added) >= tindex.RUN_INDEX_MIN_SHARDS:
-            self._write_run_index(rows, {**covered, **added}, where)
-        live = [index for index in self._indexes_of(partials, False) if index is not None]
-        return tindex.merge_into(rows, live)
-
-    def _steps_index(self, filters: Filters) -> pa.Table | None:
-        """Merged index rows of the filters' steps (integers) from the run index's row groups that
-        hold them, the shards of these steps sealed since, and their live files; None when no run
-        index covers these steps' shards as they are now."""
-        single = filters.single_step()
-        steps = [single] if single is not None else filters.step
-        if not isinstance(steps, (list, tuple, set, frozenset)) or not all(type(s) is int for s in steps):
-            return None
-        candidates = []
-        for where in tindex.run_index_paths(self.path):
+            paths[rel] = path
+        segments, unreadable = run_index.find(self.path)
+        bad = [path for path, _ in unreadable]
+        for path, why in unreadable:
+            self._warn(f"ignored unreadable run index {path}: {why} (rebuilding it)")
+        prefixes = None if steps is None else tuple(f"{SPANS_DIR}/step={s}/" for s in steps)
+        used, unused = run_index.choose(segments, stamps, prefixes)
+        rows_of: dict[Path, pa.Table] = {}
+        for segment in used:
             try:
-                found = tindex.read_run_index(where, sorted(set(steps)))
-            except ValueError:
-                continue  # the whole-run listing reports it and writes a good one
-            if found is not None:
-                candidates.append(found)
-        if not candidates:
-            return None
-        sealed, partials = self._paths(filters)
-        stamps: dict[str, list[int]] = {}
-        for path in sealed:
-            try:
-                stamps[path.relative_to(self.path).as_posix()] = list(self._stamp(path))
-            except OSError:
-                return None
-        prefixes = tuple(f"{SPANS_DIR}/step={s}/" for s in steps)
-        for rows, covered in candidates:
-            mine = {rel: stamp for rel, stamp in covered.items() if rel.startswith(prefixes)}
-            if any(stamps.get(rel) != stamp for rel, stamp in mine.items()):
-                continue
-            more = self._indexes_of([p for p in sealed if self._relative(p) not in mine], True)
-            live = self._indexes_of(partials, False)
-            rows = tindex.merge_into(rows, [t for t in more if t is not None])
-            return tindex.merge_into(rows, [t for t in live if t is not None])
-        return None
-
-    def _read_run_index(
-        self, stamps: dict[str, list[int]]
-    ) -> tuple[pa.Table, dict[str, list[int]], Path | None, bool]:
-        """(rows, shards covered, its file, whether an unreadable one was met) of the run index
-        covering the most shards, and only shards as they are now (``stamps``); else no rows."""
-        repair = False
-        best: tuple[pa.Table, dict[str, list[int]], Path | None] = (
-            tindex.INDEX_SCHEMA.empty_table(),
-            {},
-            None,
-        )
-        for path in tindex.run_index_paths(self.path):
-            try:
-                found = tindex.read_run_index(path)
+                rows = self._segment_rows(segment, steps)
             except ValueError as exc:
-                self._warn(f"ignored unreadable run index {path}: {_one_line(exc)} (rebuilding it)")
-                repair = True
+                self._warn(f"ignored unreadable run index {segment.path}: {_one_line(exc)} (rebuilding it)")
+                bad.append(segment.path)
                 continue
-            if found is None or any(stamps.get(rel) != stamp for rel, stamp in found[1].items()):
+            if rows is not None:  # else merged into another meanwhile
+                rows_of[segment.path] = rows
+        read = [s for s in used if s.path in rows_of]
+        done = run_index.covered_by(read, prefixes)
+        todo = [rel for rel in stamps if rel not in done]
+        save = steps is None and len(stamps) >= run_index.RUN_INDEX_MIN_SHARDS
+        tables = list(rows_of.values())
+        for at in range(0, len(todo), run_index.SEGMENT_MAX_SHARDS):
+            chunk = todo[at : at + run_index.SEGMENT_MAX_SHARDS]
+            indexes = self._indexes_of(
+                [paths[r] for r in chunk], True, [(stamps[r][0], stamps[r][1]) for r in chunk]
+            )
+            got = [(rel, index) for rel, index in zip(chunk, indexes) if index is not None]
+            if not got:
                 continue
-            if len(found[1]) > len(best[1]):
-                best = (found[0], found[1], None if repair else path)
-            if len(best[1]) == len(stamps):
-                break
-        return (*best, repair)
+            rows = tindex.merge(pa.concat_tables([index for _, index in got]))
+            tables.append(rows)
+            if save:
+                segment = self._save_segment(rows, {rel: stamps[rel] for rel, _ in got})
+                if segment is not None:
+                    read.append(segment)
+                    rows_of[segment.path] = rows
+                    for rel, _ in got:
+                        self._indexes.pop(paths[rel], None)  # the segment holds them now
+        if steps is None:  # keep only the rows of segments in use
+            self._segments = {p: v for p, v in self._segments.items() if p in rows_of}
+        if save:
+            self._tidy(read, unused, bad, stamps, rows_of)
+        return tindex.merge(pa.concat_tables(tables)) if tables else tindex.INDEX_SCHEMA.empty_table()
 
-    def _write_run_index(self, rows: pa.Table, covered: dict[str, list[int]], where: Path | None) -> None:
-        """Save the run index where it was read, else in the run, else in the user's cache."""
-        paths = tindex.run_index_paths(self.path)
-        if where is not None:
-            paths = [where] + [p for p in paths if p != where]
-        for path in paths:
+    def _segment_rows(self, segment: run_index.Segment, steps: Sequence[int] | None) -> pa.Table | None:
+        """A segment's rows (all, or at least those of ``steps``), kept while its file is unchanged."""
+        try:
+            stamp = self._stamp(segment.path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ValueError(_one_line(exc)) from exc
+        cached = self._segments.get(segment.path)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        rows = run_index.read_rows(segment.path, steps)
+        if rows is not None and steps is None:
+            self._segments[segment.path] = (stamp, rows)
+        return rows
+
+    def _save_segment(self, rows: pa.Table, covered: run_index.Covered) -> run_index.Segment | None:
+        """Save rows as a new segment in the run, else in the user's cache; None when neither can be
+        written."""
+        for folder in run_index.folders(self.path):
             try:
-                tindex.write_run_index(rows, covered, path)
-                return
+                segment = run_index.write(rows, covered, folder)
             except (OSError, pa.ArrowException):
                 continue
+            self._segments[segment.path] = (self._stamp(segment.path), rows)
+            return segment
+        return None
+
+    def _tidy(
+        self,
+        read: list[run_index.Segment],
+        unused: list[run_index.Segment],
+        bad: list[Path],
+        stamps: run_index.Covered,
+        rows_of: dict[Path, pa.Table],
+    ) -> None:
+        """Remove the segments that can never be used again (unreadable, a shard of theirs changed
+        or gone, every shard of theirs in a segment used), then merge small ones."""
+        covered = run_index.covered_by(read)
+        dead = list(bad)
+        for segment in unused:
+            if set(segment.covered) <= covered or any(
+                (rel in stamps and stamps[rel] != stamp)
+                or (rel not in stamps and not (self.path / rel).exists())
+                for rel, stamp in segment.covered.items()
+            ):
+                dead.append(segment.path)
+        for folder in run_index.folders(self.path):
+            merging = run_index.to_merge([s for s in read if s.folder == folder])
+            if not merging:
+                continue
+            rows = tindex.merge(pa.concat_tables([rows_of[s.path] for s in merging]))
+            if self._save_segment(rows, {rel: v for s in merging for rel, v in s.covered.items()}):
+                dead += [s.path for s in merging]
+            break
+        run_index.remove(dead)
+        for path in dead:
+            self._segments.pop(path, None)
 
     def trajectories(self, filters: Filters | None = None, **kw: Any) -> pa.Table:
         """One row per trajectory (contract C2), sorted by step, sample_index, rollout_n, start.

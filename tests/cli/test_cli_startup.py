@@ -166,7 +166,7 @@ def test_listing_commands_load_no_numpy_ma(args: list[str], tmp_path: Path) -> N
 def test_the_run_index_is_written_and_read_loading_no_numpy_ma(tmp_path: Path) -> None:
     """A run of enough shards for a run index: the first listing writes it, a step's listing reads
     its row groups; neither loads numpy.ma."""
-    from rlreplay.format.index import RUN_INDEX, RUN_INDEX_MIN_SHARDS
+    from rlreplay.format.run_index import RUN_INDEX_DIR, RUN_INDEX_MIN_SHARDS
 
     run = tmp_path / "run"
     shutil.copytree(SAMPLE_RUN, run)
@@ -177,10 +177,10 @@ def test_the_run_index_is_written_and_read_loading_no_numpy_ma(tmp_path: Path) -
             folder.mkdir(exist_ok=True)
             for sibling in (shard, shard.with_suffix(".index")):
                 shutil.copy2(sibling, folder / sibling.name)
-    assert not (run / RUN_INDEX).exists()
+    assert not (run / RUN_INDEX_DIR).exists()
     proc, modules = run_cli("ls", str(run), tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (run / RUN_INDEX).is_file() and modules & NOT_ON_THE_LISTING_PATH == set()
+    assert any((run / RUN_INDEX_DIR).iterdir()) and modules & NOT_ON_THE_LISTING_PATH == set()
     assert len(proc.stdout.splitlines()) == SAMPLE_TRAJECTORIES + 2
     proc, modules = run_cli("ls", str(run), "--step", "3", "--sort", "reward desc", tmp=tmp_path)
     assert proc.returncode == 0 and modules & NOT_ON_THE_LISTING_PATH == set(), proc.stderr[-2000:]

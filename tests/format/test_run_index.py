@@ -1,5 +1,6 @@
-"""The run index: one file of every sealed shard's merged trajectory rows, kept exact as shards are
-added, sealed, recovered or removed; an unreadable one is ignored; read-only runs still list."""
+"""The run index: segment files of sealed shards' merged trajectory rows, kept exact as shards are
+added, sealed, recovered or removed; an unreadable segment is ignored and only its shards read again;
+read-only runs still list."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 import rlreplay
 from rlreplay.format import index as tindex
+from rlreplay.format import run_index
 from rlreplay.format.schema import SPAN_SCHEMA
 from rlreplay.read import summary
 from rlreplay.read.selection import Selection
@@ -25,7 +27,7 @@ from rlreplay.shards.live import PartialWriter
 from rlreplay.shards.seal import write_sealed
 
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3"
-SHARDS = tindex.RUN_INDEX_MIN_SHARDS + 4  # enough for the run index to be written
+SHARDS = run_index.RUN_INDEX_MIN_SHARDS + 4  # enough for the run index to be written
 PER_SHARD = 3  # trajectories per shard
 
 
@@ -108,10 +110,15 @@ def listed(table: pa.Table) -> dict[str, tuple[Any, ...]]:
     return {r[0]: tuple(r[1:]) for r in zip(*(table[c].to_pylist() for c in cols))}
 
 
+def segment_files(run: Path) -> list[Path]:
+    return sorted((run / run_index.RUN_INDEX_DIR).glob(f"*{tindex.INDEX_SUFFIX}"))
+
+
 def covered(run: Path) -> set[str]:
-    found = tindex.read_run_index(run / tindex.RUN_INDEX)
-    assert found is not None
-    return set(found[1])
+    """The shards the run's segments cover, each shard by one segment only."""
+    names = [rel for path in segment_files(run) for rel in run_index.read_covered(path) or {}]
+    assert len(names) == len(set(names))
+    return set(names)
 
 
 def sealed_names(run: Path) -> set[str]:
@@ -215,7 +222,7 @@ def test_an_unreadable_run_index_is_ignored_with_one_warning(
 ) -> None:
     want = expected(base_run[1])
     rlreplay.open_run(run_dir).trajectories()
-    path = run_dir / tindex.RUN_INDEX
+    [path] = segment_files(run_dir)
     data = path.read_bytes()
     if damage == "garbage":
         path.write_bytes(b"not a parquet file" * 100)
@@ -224,13 +231,16 @@ def test_an_unreadable_run_index_is_ignored_with_one_warning(
     else:  # a Parquet file, but not a run index
         import pyarrow.parquet as pq
 
-        versions = {tindex.RUN_INDEX_KEY: tindex.RUN_INDEX_VERSION, tindex.INDEX_KEY: tindex.INDEX_VERSION}
+        versions = {
+            run_index.RUN_INDEX_KEY: run_index.RUN_INDEX_VERSION,
+            tindex.INDEX_KEY: tindex.INDEX_VERSION,
+        }
         pq.write_table(pa.table({"x": [1]}).replace_schema_metadata(versions), path)
     run = rlreplay.open_run(run_dir)
     assert listed(run.trajectories()) == want
     assert listed(run.trajectories()) == want
     assert [w for w in run.warnings if "run index" in w] == run.warnings and len(run.warnings) == 1
-    assert tindex.read_run_index(path) is not None  # replaced by a good one
+    assert not path.exists() and covered(run_dir) == sealed_names(run_dir)  # replaced by a good one
     again = rlreplay.open_run(run_dir)
     assert listed(again.trajectories()) == want and not again.warnings
 
@@ -263,7 +273,7 @@ def test_a_read_only_run_is_listed_and_indexed_in_the_user_cache(
         shutil.copytree(base_run[0], run)
         if shipped:  # its run index was written while it could be; a shard came after
             rlreplay.open_run(run).trajectories()
-            shipped_index = (run / tindex.RUN_INDEX).read_bytes()
+            shipped_index = {p.name: p.read_bytes() for p in segment_files(run)}
             sample = rlreplay.open_run(SAMPLE).spans(step=1)
             tables.append(
                 _retag(sample.filter(pc.equal(sample["trajectory_id"], sample["trajectory_id"][0])), "ro", 77)
@@ -288,13 +298,14 @@ def test_a_read_only_run_is_listed_and_indexed_in_the_user_cache(
             assert rows == want, attempt
             assert warnings == []
             if shipped:
-                assert (run / tindex.RUN_INDEX).read_bytes() == shipped_index
+                assert {p.name: p.read_bytes() for p in segment_files(run)} == shipped_index
             else:
-                assert not (run / tindex.RUN_INDEX).exists()
+                assert not (run / run_index.RUN_INDEX_DIR).exists()
             found = list(cache.rglob(f"*{tindex.INDEX_SUFFIX}"))
             assert len(found) == 1
-            index = tindex.read_run_index(found[0])
-            assert index is not None and set(index[1]) == sealed_names(run)
+            in_cache = run_index.read_covered(found[0])
+            assert in_cache is not None
+            assert set(in_cache) == sealed_names(run) - (covered(run) if shipped else set())
             writes.append((found[0].stat().st_ino, found[0].stat().st_mtime_ns))
         assert writes[1] == writes[0]  # the second listing read the fuller one and wrote nothing
     finally:
@@ -317,7 +328,7 @@ def test_a_run_index_damaged_where_it_still_parses_is_ignored_and_rebuilt(
     want = expected(base_run[1], more.cast(SPAN_SCHEMA))
     assert len(want) == 128
     assert listed(rlreplay.open_run(run_dir).trajectories()) == want
-    path = run_dir / tindex.RUN_INDEX
+    [path] = segment_files(run_dir)
     meta = pq.ParquetFile(path).metadata
     assert meta.num_row_groups == 1
     chunk = meta.row_group(0).column(tindex.INDEX_SCHEMA.get_field_index("id"))
@@ -333,7 +344,10 @@ def test_a_run_index_damaged_where_it_still_parses_is_ignored_and_rebuilt(
     assert sorted(ids) == sorted(want)
     assert listed(run.trajectories()) == want
     assert [w for w in run.warnings if "run index" in w] == run.warnings and len(run.warnings) == 1
-    assert len(set(pq.read_table(path)["id"].to_pylist())) == 128  # replaced by a good one
+    assert not path.exists()  # replaced by a good one
+    assert sorted(i for p in segment_files(run_dir) for i in pq.read_table(p)["id"].to_pylist()) == sorted(
+        want
+    )
     again = rlreplay.open_run(run_dir)
     assert listed(again.trajectories()) == want and not again.warnings
 
@@ -364,3 +378,141 @@ def test_a_shard_index_damaged_where_it_still_parses_is_ignored(tmp_path: Path) 
     run_ = rlreplay.open_run(run)
     assert listed(run_.trajectories()) == want
     assert listed(run_.trajectories(step=0)) == want
+
+
+@pytest.fixture
+def small_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Segments of at most 8 shards, three of a size merging: a 36-shard run writes several."""
+    monkeypatch.setattr(run_index, "SEGMENT_MAX_SHARDS", 8)
+    monkeypatch.setattr(run_index, "FANOUT", 3)
+
+
+def segment_bytes(run: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in segment_files(run)}
+
+
+@pytest.mark.usefixtures("small_segments")
+def test_a_cold_listing_writes_segments_of_at_most_the_cap(
+    run_dir: Path, base_run: tuple[Path, pa.Table]
+) -> None:
+    want = expected(base_run[1])
+    run = rlreplay.open_run(run_dir)
+    assert listed(run.trajectories()) == want
+    sizes = sorted(len(run_index.read_covered(p) or {}) for p in segment_files(run_dir))
+    assert sizes == sorted([8] * (SHARDS // 8) + [SHARDS % 8])
+    assert covered(run_dir) == sealed_names(run_dir)
+    assert run._indexes == {}  # the shards' own index rows are let go once a segment holds them
+    again = rlreplay.open_run(run_dir)
+    assert listed(again.trajectories()) == want and again._indexes == {} and not again.warnings
+
+
+@pytest.mark.usefixtures("small_segments")
+@pytest.mark.parametrize("change", ["damaged", "shard gone"])
+def test_a_damaged_or_stale_segment_costs_only_its_own_shards(
+    run_dir: Path, base_run: tuple[Path, pa.Table], change: str
+) -> None:
+    spans = base_run[1]
+    rlreplay.open_run(run_dir).trajectories()
+    before = segment_bytes(run_dir)
+    victim = next(p for p in segment_files(run_dir) if len(run_index.read_covered(p) or {}) == 8)
+    its_shards = set(run_index.read_covered(victim) or {})
+    if change == "damaged":
+        victim.write_bytes(victim.read_bytes()[:100])
+        want = expected(spans)
+    else:
+        gone = sorted(its_shards)[0]
+        (run_dir / gone).unlink()
+        tindex.index_path(run_dir / gone).unlink()
+        gone_step = int(gone.split("/")[1].removeprefix("step="))
+        want = expected(spans.filter(pc.not_equal(spans["step"], gone_step)))
+        its_shards.discard(gone)
+    run = rlreplay.open_run(run_dir)
+    assert listed(run.trajectories()) == want
+    assert len(run.warnings) == (1 if change == "damaged" else 0)
+    after = segment_bytes(run_dir)
+    kept = {name: data for name, data in after.items() if name in before}
+    assert kept == {name: data for name, data in before.items() if name != victim.name}
+    [new] = [p for p in segment_files(run_dir) if p.name not in before]
+    assert set(run_index.read_covered(new) or {}) == its_shards  # read again: its shards, no other
+    assert covered(run_dir) == sealed_names(run_dir)
+    assert listed(rlreplay.open_run(run_dir).trajectories()) == want
+
+
+@pytest.mark.usefixtures("small_segments")
+def test_a_growing_run_merges_small_segments_and_lists_exactly(
+    run_dir: Path, base_run: tuple[Path, pa.Table]
+) -> None:
+    tables = [base_run[1]]
+    rlreplay.open_run(run_dir).trajectories()
+    sample = rlreplay.open_run(SAMPLE).spans(step=5)
+    ids = sorted(set(sample["trajectory_id"].to_pylist()))
+    counts = []
+    for n in range(12):  # a live run: a shard sealed, a listing, ...
+        tables.append(_retag(sample.filter(pc.equal(sample["trajectory_id"], ids[n])), f"g{n:02d}", 200 + n))
+        _write(run_dir, tables[-1], 200 + n)
+        assert listed(rlreplay.open_run(run_dir).trajectories()) == expected(*tables), n
+        assert covered(run_dir) == sealed_names(run_dir), n
+        counts.append(len(segment_files(run_dir)))
+    # 5 segments from the first listing, one more a listing, small ones merged: never FANOUT more
+    assert max(counts) <= 5 + 3 and counts[-1] < 5 + 12
+    sizes = [len(run_index.read_covered(p) or {}) for p in segment_files(run_dir)]
+    assert max(sizes) <= 8 and sum(sizes) == SHARDS + 12
+
+
+@pytest.mark.usefixtures("small_segments")
+def test_two_segments_covering_the_same_shards_are_counted_once(
+    run_dir: Path, base_run: tuple[Path, pa.Table]
+) -> None:
+    want = expected(base_run[1])
+    rlreplay.open_run(run_dir).trajectories()
+    first = segment_files(run_dir)[0]
+    twin = first.with_name("0" + first.name)  # as two readers listing at once would both write it
+    shutil.copy2(first, twin)
+    run = rlreplay.open_run(run_dir)
+    assert listed(run.trajectories()) == want
+    assert not run.warnings
+    assert first.exists() != twin.exists()  # the one not used is removed
+    assert covered(run_dir) == sealed_names(run_dir)
+
+
+def _list_repeatedly(run: str, times: int, conn: Any) -> None:
+    try:
+        seen = [listed(rlreplay.open_run(run).trajectories()) for _ in range(times)]
+        conn.send((seen, None))
+    except BaseException as exc:  # reported to the test
+        conn.send((None, repr(exc)))
+
+
+@pytest.mark.usefixtures("small_segments")
+def test_readers_listing_at_once_while_shards_are_sealed_stay_exact(
+    run_dir: Path, base_run: tuple[Path, pa.Table]
+) -> None:
+    """Three processes list the run over and over (each writing, merging and removing segments)
+    while shards are sealed; every listing holds each trajectory sealed before it began, counted
+    once, and afterwards each shard is in exactly one segment."""
+    tables = [base_run[1]]
+    sample = rlreplay.open_run(SAMPLE).spans(step=6)
+    ids = sorted(set(sample["trajectory_id"].to_pylist()))
+    ctx = multiprocessing.get_context("fork")
+    pipes, procs = [], []
+    for _ in range(3):
+        parent, child = ctx.Pipe()
+        procs.append(ctx.Process(target=_list_repeatedly, args=(str(run_dir), 12, child)))
+        pipes.append(parent)
+    for proc in procs:
+        proc.start()
+    for n in range(10):
+        tables.append(_retag(sample.filter(pc.equal(sample["trajectory_id"], ids[n])), f"c{n:02d}", 300 + n))
+        _write(run_dir, tables[-1], 300 + n)
+    results = [pipe.recv() for pipe in pipes]
+    for proc in procs:
+        proc.join(60)
+    final = expected(*tables)
+    for seen, error in results:
+        assert error is None
+        for listing in seen:
+            assert set(listing) <= set(final)
+            assert {k: final[k] for k in listing} == listing  # no trajectory counted twice or changed
+            assert set(expected(base_run[1])) <= set(listing)
+    assert listed(rlreplay.open_run(run_dir).trajectories()) == final
+    assert covered(run_dir) == sealed_names(run_dir)

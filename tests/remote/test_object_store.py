@@ -589,7 +589,7 @@ def test_listing_a_remote_run_fetches_only_index_files(
     listed = [k for k in s3.keys("exp/listed/spans/") if k.endswith(".index")]
     assert len(is_cached(cache, ".index")) == len(listed) == 32
     assert len(_json_lines(rlreplay(env, "ls", uri, "--json", cwd=tmp_path))) == 64
-    assert list(cache.glob("*/*/_trajectories.index"))  # the run index, kept in the cache
+    assert list(cache.glob("*/*/_run_index/*.index"))  # the run index, kept in the cache
 
     rows = _json_lines(rlreplay(env, "ls", uri, "--json", "--step", "7", "--sample-index", "3", cwd=tmp_path))
     show = rlreplay(env, "show", rows[0]["id"], "--run", uri, "--json", "--no-text", cwd=tmp_path)
