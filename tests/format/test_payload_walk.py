@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import namedtuple
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,25 @@ class Broken:
         return f"Broken({URL})"
 
 
+class Hostile(list):
+    def __iter__(self) -> Any:
+        raise RuntimeError(f"cannot read {URL}")
+
+
+class HalfMapping(Mapping):
+    """Yields one entry with ids, then fails: its walk ends in an error marker."""
+
+    def __getitem__(self, key: str) -> Any:
+        return [1, 2, 3]
+
+    def __len__(self) -> int:
+        return 2
+
+    def __iter__(self) -> Any:
+        yield "input_ids"
+        raise RuntimeError(f"gone {URL}")
+
+
 def _count(data: Any) -> int:
     """Items of lists under keys ending in ``ids``, through mappings only (what a span's
     num_tokens has always counted)."""
@@ -64,6 +84,7 @@ PAYLOADS = [
     {"pair": Pair([1, 2, 3], URL), "set": {URL, "plain"}, "bytes": b"\x00\x01", "nan": math.nan},
     {"array_ids": np.arange(80, dtype=np.int64), "floats": np.zeros(3, dtype=np.float32)},
     {"broken": Broken(), "after_ids": [7, 8], 3: "int key", None: "none key"},
+    {"hostile": Hostile([1, 2]), "half": HalfMapping(), "kept_ids": [4, 5]},
     [{"prompt_ids": [1, 2, 3]}, URL],
     URL,
     12,
@@ -80,6 +101,9 @@ def test_one_walk_matches_to_jsonable_then_redaction() -> None:
         assert payload.dumps(got) == payload.dumps(expected), value
         assert count == _count(expected), value
         assert issues_b == issues_a
+    hostile = payload.to_payload({"h": Hostile([1]), "half": HalfMapping(), "kept_ids": [4, 5]})
+    assert hostile[0]["h"]["__type__"] == hostile[0]["half"]["__type__"] == "error"
+    assert "pa55" not in payload.dumps(hostile[0]) and hostile[1] == 2
 
 
 def test_lists_that_begin_with_a_number_are_redacted_too() -> None:
