@@ -10,19 +10,6 @@ import orjson
 
 from rlreplay.format.payload import MAX_PROBES, MIN_ARRAY, MIN_SHARED, TOKENS
 
-
-def count_token_ids(value: Any) -> int:
-    """Integer ids in top-level token-looking lists of an encoded payload (``*_ids``, ``token_ids``)."""
-    total = 0
-    if isinstance(value, dict):
-        for key, v in value.items():
-            if isinstance(key, str) and key.endswith("ids") and isinstance(v, list):
-                total += len(v)
-            elif isinstance(v, dict):
-                total += count_token_ids(v)
-    return total
-
-
 #
 # A number list of a span's inputs/output goes to a typed column; the JSON keeps a placeholder
 # ``{"__type__": "tokens", "t": dtype, "o": offset, "n": stored count, "s": stream position,

@@ -17,6 +17,8 @@ from typing import Any
 
 import orjson
 
+from rlreplay.format import redact as redaction
+
 _ORJSON_OPTS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 _SCALARS = (str, int, bool, type(None))
 _INT_MIN = -(1 << 63)
@@ -109,20 +111,32 @@ class _Simplifier:
     """Walks containers once, making everything orjson can take; number lists pass through whole.
 
     ``strict`` also walks number lists item by item, catching integers orjson cannot write.
+    ``redact`` applies the payload rules of ``redact_data`` in the same walk and counts, in
+    ``token_ids``, the items of the result's lists under keys ending in ``ids`` (``prompt_ids``,
+    ``token_ids``) reached through mappings alone.
     """
 
     def __init__(
-        self, strict: bool = False, issues: list[str] | None = None, kinds: dict[int, Any] | None = None
+        self,
+        strict: bool = False,
+        issues: list[str] | None = None,
+        kinds: dict[int, Any] | None = None,
+        redact: bool = False,
     ) -> None:
         self.active: set[int] = set()
         self.strict = strict
         self.issues = issues if issues is not None else []
         self.kinds = kinds
+        self.redact = redact
+        self.token_ids = 0
+        self.in_items = 0  # how many lists (or sets) the walk is inside: ids count outside any
 
     def __call__(self, value: Any, depth: int = 0) -> Any:
+        counted = self.token_ids
         try:
             return self._simplify(value, depth)
         except Exception as exc:  # a hostile value costs only itself
+            self.token_ids = counted  # its marker holds no ids
             return self._failed(value, exc)
 
     def _failed(self, value: Any, exc: Exception) -> dict[str, str]:
@@ -132,12 +146,23 @@ class _Simplifier:
             name = "?"
         message = f"{name}: {type(exc).__name__}: {_str(exc)}"[:REPR_CHARS]
         self.issues.append(message)
-        return {"__type__": "error", "class": name, "error": message}
+        return self._marker({"__type__": "error", "class": name, "error": message})
+
+    def _marker(self, marker: dict[str, str]) -> Any:
+        return redaction.redact_data(marker) if self.redact else marker
+
+    def _items(self, value: Any, depth: int) -> list[Any]:
+        self.in_items += 1
+        try:
+            return [self(v, depth + 1) for v in value]
+        finally:
+            self.in_items -= 1
 
     def _simplify(self, value: Any, depth: int) -> Any:
         cls = type(value)
         if cls is str:
-            return value if not self.strict else self._text(value)
+            text = value if not self.strict else self._text(value)
+            return redaction.redact_text(text) if self.redact else text
         if cls is bool or value is None:
             return value
         if cls is int:
@@ -155,7 +180,7 @@ class _Simplifier:
                     if self.kinds is not None and len(value) >= MIN_ARRAY:
                         self.kinds[id(value)] = (value, kind)  # spares Arrays a second sum()
                     return value  # token ids, logprobs: orjson writes them in C
-            return self._container(value, lambda: [self(v, depth + 1) for v in value])
+            return self._container(value, lambda: self._items(value, depth))
         if cls is dict:
             return self._container(value, lambda: self._dict(value, depth))
         if cls is bytes or cls is bytearray or cls is memoryview:
@@ -165,7 +190,7 @@ class _Simplifier:
         return self._object(value, depth)
 
     def _set(self, value: Any, depth: int) -> dict[str, Any]:
-        items = [self(v, depth + 1) for v in value]
+        items = self._items(value, depth)
         try:
             items.sort()
         except TypeError:
@@ -184,7 +209,14 @@ class _Simplifier:
             key = k if _plain_key(k) else "None" if k is None else _safe_repr(k)
             if self.strict and type(key) is str:
                 key = self._text(key)
-            out[key] = self(v, depth + 1)
+            counted = self.token_ids
+            new = self(v, depth + 1)
+            if self.redact:
+                if redaction.hides(key, new):
+                    new, self.token_ids = redaction.REDACTED, counted
+                elif not self.in_items and type(new) is list and type(key) is str and key.endswith("ids"):
+                    self.token_ids += len(new)
+            out[key] = new
         return out
 
     def _container(self, value: Any, build: Any) -> Any:
@@ -205,7 +237,7 @@ class _Simplifier:
             data = value.detach().cpu().tolist() if hasattr(value, "detach") else value.tolist()
             return self(data, depth + 1)
         if isinstance(value, type):
-            return _repr_marker(value)
+            return self._marker(_repr_marker(value))
         if hasattr(value, "model_dump") and callable(value.model_dump):
             return self._container(value, lambda: self(_model_dump(value), depth + 1))
         if dataclasses.is_dataclass(value):
@@ -216,7 +248,7 @@ class _Simplifier:
         if isinstance(value, tuple) and hasattr(value, "_asdict"):  # namedtuple
             return self._container(value, lambda: self._dict(value._asdict(), depth))
         if isinstance(value, (list, tuple, deque)):
-            return self._container(value, lambda: [self(v, depth + 1) for v in value])
+            return self._container(value, lambda: self._items(value, depth))
         if isinstance(value, (bytes, bytearray)):
             return {"__type__": "bytes", "base64": base64.b64encode(bytes(value)).decode()}
         # subclasses of plain scalars (IntEnum, str subclasses): their plain value
@@ -228,8 +260,8 @@ class _Simplifier:
             return self(float(value), depth + 1)
         if isinstance(value, str):
             text = str.__str__(value)
-            return self._text(text) if self.strict else text
-        return _repr_marker(value)
+            return self(self._text(text) if self.strict else text, depth + 1)
+        return self._marker(_repr_marker(value))
 
 
 def _model_dump(value: Any) -> Any:
@@ -284,6 +316,16 @@ def to_jsonable(
     number lists kept as they are, with the type of their sum.
     """
     return _Simplifier(strict, issues, kinds)(value)
+
+
+def to_payload(
+    value: Any, issues: list[str] | None = None, kinds: dict[int, Any] | None = None
+) -> tuple[Any, int]:
+    """``redact_data(to_jsonable(value))`` in one walk, and its token id count (the items of its
+    lists under keys ending in ``ids``, reached through mappings alone)."""
+    walk = _Simplifier(False, issues, kinds, redact=True)
+    data = walk(value)
+    return data, walk.token_ids
 
 
 def encode(value: Any, max_field_bytes: int | None = None) -> str:

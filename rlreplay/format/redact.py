@@ -209,7 +209,8 @@ def redact_mapping(data: Mapping[str, Any]) -> dict[str, Any]:
     return dict(out) if out is data or not isinstance(out, dict) else out
 
 
-def _hides(key: Any, value: Any) -> bool:
+def hides(key: Any, value: Any) -> bool:
+    """Whether a mapping's ``value`` under ``key`` is hidden whole (a secret name, a value to hide)."""
     if value is None or type(value) in _PLAIN or (type(value) is str and not value):
         return False  # nothing to hide, and counts stay readable
     return type(key) is str and secret_name(key, bare_key=False)
@@ -218,15 +219,20 @@ def _hides(key: Any, value: Any) -> bool:
 _PLAIN = frozenset({bool, int, float})
 
 
+def redact_text(value: str) -> str:
+    """A payload string with a URL's user and password hidden; ``value`` itself when unchanged."""
+    if "://" not in value or "@" not in value:
+        return value
+    new = redact_url(value)
+    return value if new == value else new
+
+
 def _redact_any(value: Any, seen: set[int]) -> Any:
     kind = type(value)
     if kind in _PLAIN or value is None:
         return value
     if kind is str:
-        if "://" not in value or "@" not in value:
-            return value
-        new = redact_url(value)
-        return value if new == value else new
+        return redact_text(value)
     if kind is dict or isinstance(value, Mapping):
         if id(value) in seen:
             return value
@@ -234,7 +240,7 @@ def _redact_any(value: Any, seen: set[int]) -> Any:
         changed = False
         out = {}
         for k, v in value.items():
-            new = REDACTED if _hides(k, v) else _redact_any(v, seen)
+            new = REDACTED if hides(k, v) else _redact_any(v, seen)
             changed = changed or new is not v
             out[k] = new
         return out if changed else value

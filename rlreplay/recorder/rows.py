@@ -236,13 +236,14 @@ def encode_row(
     signals: dict[str, Any] = {}
     kinds: dict[int, Any] = {}  # number lists to_jsonable kept, for Arrays
     inputs_data: Any = None
+    num_tokens = 0
     if meta.kind == KIND_SIGNALS:
         signals = kwargs
     elif meta.kind != KIND_TRAJECTORY:
         inputs_obj = _bound(meta, args, kwargs, problem)
         if meta.reduce_inputs is not None:
             inputs_obj = _reduce(meta, "reduce_inputs", meta.reduce_inputs, inputs_obj, warn)
-        inputs_data = _redacted(payload.to_jsonable(inputs_obj, issues=issues, kinds=kinds))
+        inputs_data, num_tokens = payload.to_payload(inputs_obj, issues, kinds)
     reward = None
     if exc is not None:
         output_data: Any = _redacted(exception_data(exc))
@@ -251,9 +252,10 @@ def encode_row(
         out = result
         if meta.reduce_output is not None:
             out = _reduce(meta, "reduce_output", meta.reduce_output, result, warn)
-        output_data = (
-            _redacted(payload.to_jsonable(out, issues=issues, kinds=kinds)) if out is not None else None
-        )
+        output_data = None
+        if out is not None:
+            output_data, output_tokens = payload.to_payload(out, issues, kinds)
+            num_tokens += output_tokens
         error = None
         if meta.reward is not None:
             reward = as_reward(_reduce(meta, "reward", meta.reward, result, warn))
@@ -261,7 +263,6 @@ def encode_row(
             reward = as_reward(output_data.get("reward_score", output_data.get("reward")))
     if signals:
         reward = as_reward(signals.get("reward"))
-    num_tokens = token_arrays.count_token_ids(inputs_data) + token_arrays.count_token_ids(output_data)
     prompt_tokens, response_tokens = _token_counts(meta.kind, inputs_data, output_data)
 
     index = None

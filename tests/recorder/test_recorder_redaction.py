@@ -82,3 +82,34 @@ def test_urls_and_secret_names_are_hidden_in_inputs_outputs_and_errors(tmp_path:
     # model token ids are never touched: the ids come back as they went in
     assert list(spans["generate"].inputs["prompt_ids"]) == prompt
     assert list(spans["generate"].output["token_ids"]) == [i + 7 for i in prompt]
+
+
+class _Remote:
+    def __repr__(self) -> str:
+        return f"Remote({URL})"
+
+
+@rlreplay.trace_op(kind="tool")
+def rows_of(url: str) -> dict:
+    # a list that begins with a number, a secret beside ids, an object kept as its repr
+    return {"row": [200, url, {"token": SECRET}], "remote": _Remote(), "input_ids": list(range(70))}
+
+
+def test_urls_after_a_number_and_in_reprs_are_hidden(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    rlreplay.init(run, experiment="redaction", worker="w0")
+    try:
+        with rlreplay.trajectory(step=0, sample_index=0):
+            rows_of(URL)
+        assert rlreplay.flush()
+    finally:
+        rlreplay.close()
+
+    sealed, _ = list_files(run)
+    assert SECRET.encode() not in b"".join(path.read_bytes() for path in sealed)
+    (traj_id,) = rlreplay.open_run(run).trajectories()["id"].to_pylist()
+    (span,) = [s for s in rlreplay.open_run(run).trajectory(traj_id).spans if s.name.endswith("rows_of")]
+    assert span.output["row"] == [200, SHOWN, {"token": "***"}]
+    assert span.output["remote"]["repr"] == f"Remote({SHOWN})"
+    assert list(span.output["input_ids"]) == list(range(70))
+    assert span.num_tokens == 70
