@@ -7,11 +7,29 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+from typing import Annotated
+
+import typer
 
 from rlreplay.cli.app import fail
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DEFAULT_FRAMEWORK = "verl"
+
+FrameworkOption = Annotated[
+    str,
+    typer.Option(
+        "--framework",
+        metavar="NAME",
+        help="Framework adapter (entry-point group rlreplay.adapters): verl, generic, ...",
+    ),
+]
+GraceOption = Annotated[
+    float,
+    typer.Option(
+        "--grace", min=0, metavar="SECONDS", help="Seconds to wait for worker processes to seal their files."
+    ),
+]
 
 
 def bootstrap_dir() -> Path:

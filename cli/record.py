@@ -13,7 +13,13 @@ from typing import Annotated, Any
 import typer
 
 from rlreplay.cli.app import TokenizerOption, app, fail
-from rlreplay.cli.launch import DEFAULT_FRAMEWORK, child_env, run_forwarding_signals
+from rlreplay.cli.launch import (
+    DEFAULT_FRAMEWORK,
+    FrameworkOption,
+    GraceOption,
+    child_env,
+    run_forwarding_signals,
+)
 
 
 def guess_from_argv(command: list[str], framework: str = DEFAULT_FRAMEWORK) -> tuple[str | None, str | None]:
@@ -68,29 +74,14 @@ def record_command(
         str | None, typer.Option("--experiment", metavar="NAME", help="Experiment name for the run.")
     ] = None,
     tokenizer: TokenizerOption = None,
-    framework: Annotated[
-        str,
-        typer.Option(
-            "--framework",
-            metavar="NAME",
-            help="Framework adapter (entry-point group rlreplay.adapters): verl, generic, ...",
-        ),
-    ] = DEFAULT_FRAMEWORK,
+    framework: FrameworkOption = DEFAULT_FRAMEWORK,
     token_signals: Annotated[
         bool,
         typer.Option(
             "--token-signals", help="Also keep the trainer's per-token log-probs (verl: old_log_probs)."
         ),
     ] = False,
-    grace: Annotated[
-        float,
-        typer.Option(
-            "--grace",
-            min=0,
-            metavar="SECONDS",
-            help="Seconds to wait for worker processes to seal their files.",
-        ),
-    ] = 15.0,
+    grace: GraceOption = 15.0,
 ) -> int:
     """Run CMD with recording on in every process.
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from rlreplay.cli.app import TokenizerOption, app, fail, selection_options
-from rlreplay.cli.launch import DEFAULT_FRAMEWORK
+from rlreplay.cli.launch import DEFAULT_FRAMEWORK, FrameworkOption, GraceOption
 
 
 @dataclass
@@ -80,21 +80,8 @@ def replay_command(
         ),
     ] = None,
     tokenizer: TokenizerOption = None,
-    framework: Annotated[
-        str,
-        typer.Option(
-            "--framework", metavar="NAME", help="Framework adapter: verl, generic, ... (the source run's)."
-        ),
-    ] = DEFAULT_FRAMEWORK,
-    grace: Annotated[
-        float,
-        typer.Option(
-            "--grace",
-            min=0,
-            metavar="SECONDS",
-            help="Seconds to wait for worker processes to seal their files.",
-        ),
-    ] = 15.0,
+    framework: FrameworkOption = DEFAULT_FRAMEWORK,
+    grace: GraceOption = 15.0,
     *,
     selection: Any,
 ) -> int:
