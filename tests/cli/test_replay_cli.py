@@ -7,12 +7,12 @@ source run's files.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support import rlreplay_cli
 
 import rlreplay
 
@@ -21,14 +21,7 @@ BASE = {"steps": 2, "samples": 3, "rollouts": 2, "seed": 0, "parser": "v1", "spa
 
 
 def cli(cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=300,
-    )
+    return rlreplay_cli(*args, cwd=cwd, env=env)
 
 
 def job(config: dict) -> list[str]:

@@ -8,7 +8,6 @@ The recorded run's ``generate_sequences`` DataProto is saved by the job itself
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support import rlreplay_cli
 
 SCRIPT = Path(__file__).parents[1] / "verl_scripts" / "replay_agent_loop.py"
 #: rlreplay's own key in ``non_tensor_batch``: names the trajectory in its own run.
@@ -23,14 +23,7 @@ OWN_KEY = "rlreplay_trajectory"
 
 
 def rlreplay(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=400,
-    )
+    return rlreplay_cli(*args, cwd=cwd, env=env, timeout=400)
 
 
 def job(workdir: Path, out: Path) -> list[str]:
