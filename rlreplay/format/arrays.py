@@ -483,14 +483,17 @@ class Restorer:
         cls = type(data)
         if cls is dict:
             if data.get("__type__") == TOKENS and "t" in data:
-                full = self._array(data, columns)
-                return full.tolist() if not isinstance(full, dict) else full
+                return self._placeholder(data, columns)
             return {k: self.restore(v, columns) for k, v in data.items()}
         if cls is list:
             if _NESTED.isdisjoint(map(type, data)):  # numbers or strings only: nothing to restore
                 return data
             return [self.restore(v, columns) for v in data]
         return data
+
+    def _placeholder(self, placeholder: dict[str, Any], columns: dict[str, Any]) -> Any:
+        full = self._array(placeholder, columns)
+        return full.tolist() if not isinstance(full, dict) else full
 
     def _array(self, placeholder: dict[str, Any], columns: dict[str, Any]) -> Any:
         import numpy as np
@@ -561,12 +564,5 @@ class IdRestorer(Restorer):
     """A ``Restorer`` for token ids alone: id arrays come back as numpy int32 arrays, placeholders
     of other arrays (masks, log-probs) stay as they are."""
 
-    def restore(self, data: Any, columns: dict[str, Any]) -> Any:
-        cls = type(data)
-        if cls is dict:
-            if data.get("__type__") == TOKENS and "t" in data:
-                return self._array(data, columns) if data["t"] == _I32 else data
-            return {k: self.restore(v, columns) for k, v in data.items()}
-        if cls is list:
-            return [self.restore(v, columns) for v in data]
-        return data
+    def _placeholder(self, placeholder: dict[str, Any], columns: dict[str, Any]) -> Any:
+        return self._array(placeholder, columns) if placeholder["t"] == _I32 else placeholder
