@@ -129,6 +129,8 @@ class Run:
         """A live file's rows (format 2 columns), cached while it does not change."""
         try:
             stat = path.stat()
+            if stat.st_size == 0:  # just created, or the disk refused its first bytes: no rows
+                return None
             cached = self._partials.get(path)
             if cached is not None and cached[:2] == (stat.st_mtime, stat.st_size):
                 return cached[2]

@@ -100,7 +100,7 @@ def _describe(run_dir: Path, r: Any) -> str:
     if r.sealed is not None:
         parts.append(f"kept {r.rows} spans in {r.sealed.name}")
     elif r.removed:
-        parts.append("removed (every row already sealed)")
+        parts.append(f"removed ({r.removed})")
     if r.set_aside:
         size = f" ({r.set_aside_bytes:,} bytes)" if r.set_aside_bytes else ""
         parts.append(f"set aside{size} in " + ", ".join(rel(p) for p in r.set_aside))

@@ -374,11 +374,16 @@ class Recorder:
         )
 
     def _give_up(self, buf: _StepBuffer) -> None:
-        """Stop appending to a file after an error (its tail may be torn); try to seal it at close."""
+        """Stop appending to a file after an error (its tail may be torn); try to seal it at close,
+        or remove it now when no batch of it was written."""
         if buf.writer is not None:
-            self._orphans.append(buf.writer)
             with contextlib.suppress(Exception):
                 buf.writer.close()
+            if buf.writer.rows:
+                self._orphans.append(buf.writer)
+            else:
+                with contextlib.suppress(OSError):
+                    buf.writer.path.unlink()
             buf.writer = None
             buf.spilled_in_file = 0
 

@@ -106,7 +106,7 @@ class Recovered:
     rows: int = 0
     set_aside: list[Path] | None = None
     set_aside_bytes: int = 0
-    removed: bool = False  # a partial whose every row was already in its sealed file
+    removed: str = ""  # why the partial was removed: every row of it sealed, or it was empty
     note: str = ""
 
 
@@ -165,6 +165,10 @@ def recover_partial(run_dir: Path, partial: Path) -> Recovered:
     result = Recovered(partial)
     safe_run_path(run_dir, _rel(run_dir, partial))
     final = sealed_path_for(partial)
+    if partial.stat().st_size == 0:  # created, never written: nothing to keep or set aside
+        partial.unlink()
+        result.removed = "empty"
+        return result
     try:
         salvage = salvage_partial(partial)
     except (FormatError, OSError, ValueError) as exc:
@@ -186,7 +190,7 @@ def recover_partial(run_dir: Path, partial: Path) -> Recovered:
             result.set_aside = _quarantine_ranges(run_dir, partial, salvage.bad_ranges)
             result.set_aside_bytes = bad_bytes
             partial.unlink()
-            result.removed = True
+            result.removed = "every row already sealed"
             result.note = f"already sealed in {final.name}"
             return result
         else:
@@ -220,7 +224,7 @@ def recover_partial(run_dir: Path, partial: Path) -> Recovered:
             " (a torn tail)" if ranges == 1 and salvage.bad_ranges[0][1] == partial.stat().st_size else ""
         )
     partial.unlink()
-    result.removed = True
+    result.removed = "every row sealed"
     return result
 
 

@@ -377,3 +377,43 @@ def test_losses_are_counted_on_disk_when_the_disk_is_full_at_close(tmp_path: Pat
     stats = report["stats"]
     assert stats["lost"] == 8 and stats["spans"] == 8  # step 1's spans could not be written
     assert rlreplay.open_run(out).counters()["lost"] == stats["lost"]
+
+
+NOTHING_WRITTEN = textwrap.dedent(
+    """
+    import json, resource, signal, sys
+    from pathlib import Path
+    import rlreplay
+
+    run_dir = sys.argv[1]
+    rlreplay.init(run_dir, worker="w0")
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    unlimited = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+
+    @rlreplay.trace_op(kind="llm")
+    def generate(prompt_ids):
+        return {"token_ids": [i + 1 for i in prompt_ids]}
+
+    with rlreplay.trajectory(step=0, sample_index=0):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, unlimited))  # full before the first byte
+        generate([1, 2, 3])
+        ack = rlreplay.flush()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (unlimited, unlimited))
+    left = sorted(str(p.relative_to(run_dir)) for p in Path(run_dir).rglob("_part-*.partial"))
+    print(json.dumps({"ack": ack, "live_files": left, "stats": rlreplay.stats()}))
+    rlreplay.close()
+    """
+)
+
+
+def test_a_live_file_the_full_disk_left_empty_is_removed_at_once(tmp_path: Path) -> None:
+    """The disk refuses a live file's first bytes: the empty file is removed while the process
+    goes on (before, it stayed until the process closed, and every listing warned about it)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", NOTHING_WRITTEN, str(run_dir)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["ack"] is False and report["stats"]["lost"] >= 1
+    assert report["live_files"] == []

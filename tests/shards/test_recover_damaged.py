@@ -249,3 +249,21 @@ def test_recover_reads_a_format_1_live_file(tmp_path: Path, capsys) -> None:
     out = _recover(run_dir, capsys)
     assert "recovered 1 shards" in out and list_files(run_dir)[1] == []
     assert rlreplay.open_run(run_dir).trajectories().num_rows == before > 0
+
+
+def test_an_empty_live_file_is_read_as_empty_and_recover_removes_it(tmp_path: Path, capsys) -> None:
+    """A live file a writer created but never wrote to (it just opened it, or the disk was full)
+    holds nothing: listings read it as empty with no warning, and ``recover`` removes it (nothing
+    to set aside) instead of moving it to RUN/_quarantine/."""
+    run_dir = tmp_path / "run"
+    path, _ = _partial(run_dir, step=7, batches=3)
+    empty = partition_dir(run_dir, 8, "w1") / "_part-18eb000000000000-1-abcdef.partial"
+    empty.parent.mkdir(parents=True)
+    empty.touch()
+    run = rlreplay.open_run(run_dir)
+    assert run.trajectories()["id"].to_pylist() == [f"{b:032x}" for b in range(3)]
+    assert run.warnings == []
+    out = _recover(run_dir, capsys)
+    assert not empty.exists() and _quarantined(run_dir) == []
+    assert f"{empty.relative_to(run_dir)}: removed (empty)" in out
+    assert sealed_path_for(path).exists()
