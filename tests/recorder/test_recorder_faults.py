@@ -397,9 +397,9 @@ NOTHING_WRITTEN = textwrap.dedent(
     with rlreplay.trajectory(step=0, sample_index=0):
         resource.setrlimit(resource.RLIMIT_FSIZE, (0, unlimited))  # full before the first byte
         generate([1, 2, 3])
-        ack = rlreplay.flush()
+        ack = rlreplay.flush()  # the writer is idle once it returns
+        left = sorted(str(p.relative_to(run_dir)) for p in Path(run_dir).rglob("_part-*.partial"))
         resource.setrlimit(resource.RLIMIT_FSIZE, (unlimited, unlimited))
-    left = sorted(str(p.relative_to(run_dir)) for p in Path(run_dir).rglob("_part-*.partial"))
     print(json.dumps({"ack": ack, "live_files": left, "stats": rlreplay.stats()}))
     rlreplay.close()
     """
