@@ -234,16 +234,22 @@ def test_full_queue_drop_or_spill_is_counted(
     assert f"recording losses: {key}={stats[key]}" in capsys.readouterr().out
 
 
-LOST_PREFIX = textwrap.dedent(
+# A recording process whose file size limit the script sets (EFBIG, as on a full disk).
+LIMITED_JOB = textwrap.dedent(
     """
     import json, resource, signal, sys
+    from pathlib import Path
     import rlreplay
 
     run_dir = sys.argv[1]
     rlreplay.init(run_dir, worker="w0")
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     unlimited = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    """
+)
 
+LOST_PREFIX = LIMITED_JOB + textwrap.dedent(
+    """
     @rlreplay.trace_op(kind="llm")
     def generate(prompt_ids):
         return {"token_ids": [(7 * i + len(prompt_ids)) % 151_000 for i in range(200)]}
@@ -379,17 +385,8 @@ def test_losses_are_counted_on_disk_when_the_disk_is_full_at_close(tmp_path: Pat
     assert rlreplay.open_run(out).counters()["lost"] == stats["lost"]
 
 
-NOTHING_WRITTEN = textwrap.dedent(
+NOTHING_WRITTEN = LIMITED_JOB + textwrap.dedent(
     """
-    import json, resource, signal, sys
-    from pathlib import Path
-    import rlreplay
-
-    run_dir = sys.argv[1]
-    rlreplay.init(run_dir, worker="w0")
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    unlimited = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
-
     @rlreplay.trace_op(kind="llm")
     def generate(prompt_ids):
         return {"token_ids": [i + 1 for i in prompt_ids]}
