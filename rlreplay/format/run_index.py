@@ -13,7 +13,7 @@ import math
 import os
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ class Segment:
     path: Path
     covered: Covered
     folder: Path  # the segment folder it belongs to (a legacy file: its run's)
+    file: Any = field(default=None, compare=False, repr=False)  # its open Parquet file, when read
 
 
 def folders(run_dir: Path) -> list[Path]:
@@ -74,13 +75,35 @@ def find(run_dir: Path) -> tuple[list[Segment], list[tuple[Path, str]]]:
         candidates += [(folder / name, folder) for name in names if not name.startswith(".")]
     for path, folder in candidates:
         try:
-            covered = read_covered(path)
+            opened = _open(path)
         except ValueError as exc:
             bad.append((path, str(exc)))
             continue
-        if covered is not None:
-            found.append(Segment(path, covered, folder))
+        if opened is not None:
+            found.append(Segment(path, opened[1], folder, opened[0]))
     return found, bad
+
+
+def steps_of(run_dir: Path, traj_id: str) -> list[int | None]:
+    """The steps the run's segments give trajectory ``traj_id`` (a hint: segments are not checked
+    against the shards here, and unreadable ones are passed over)."""
+    import pyarrow.parquet as pq
+
+    places = folders(run_dir)
+    paths = [Path(run_dir) / LEGACY_RUN_INDEX]
+    for folder in places:
+        try:
+            paths += [Path(e.path) for e in os.scandir(folder) if e.name.endswith(INDEX_SUFFIX)]
+        except OSError:
+            continue
+    steps: list[int | None] = []
+    for path in paths:
+        try:
+            table = pq.read_table(path, columns=["id", "step"])
+            steps += ops.filter(table["step"], ops.equal(table["id"], traj_id)).to_pylist()
+        except (OSError, KeyError, pa.ArrowException):
+            continue
+    return steps
 
 
 def _open(path: Path) -> tuple[Any, Covered] | None:
@@ -94,9 +117,7 @@ def _open(path: Path) -> tuple[Any, Covered] | None:
         if metadata.get(RUN_INDEX_KEY) != RUN_INDEX_VERSION or metadata.get(INDEX_KEY) != INDEX_VERSION:
             return None
         covered = orjson.loads(metadata[COVERED_KEY])
-        if not isinstance(covered, dict) or not all(
-            isinstance(v, list) and len(v) == 2 and all(type(n) is int for n in v) for v in covered.values()
-        ):
+        if not isinstance(covered, dict):  # a value that is not a stamp matches no shard: stale
             raise ValueError("bad list of shards")
         if pf.schema_arrow.names != INDEX_SCHEMA.names:
             raise ValueError("not a run index")
@@ -114,10 +135,10 @@ def read_covered(path: Path) -> Covered | None:
     return None if found is None else found[1]
 
 
-def read_rows(path: Path, steps: Sequence[int] | None = None) -> pa.Table | None:
+def read_rows(segment: Segment, steps: Sequence[int] | None = None) -> pa.Table | None:
     """A segment's merged rows (with ``steps``: at least those of these steps, reading only the row
     groups that may hold them); None when it is gone. Raises ``ValueError`` when it is unreadable."""
-    found = _open(path)
+    found = (segment.file, segment.covered) if segment.file is not None else _open(segment.path)
     if found is None:
         return None
     pf = found[0]

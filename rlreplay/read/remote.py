@@ -125,8 +125,11 @@ class RemoteRun(Run):
         self._download(missing)
         return sorted(shards)
 
-    def _stamp(self, path: Path) -> tuple[int, int]:
-        found = self._objects.get(path)
+    def _names(self, filters: Any) -> tuple[list[str], list[str]]:
+        return [str(p) for p in self._paths(filters)[0]], []
+
+    def _stamp(self, path: Path | str) -> tuple[int, int]:
+        found = self._objects.get(Path(path))
         return found if found is not None else super()._stamp(path)
 
     def _sealed_source(self, path: Path, whole: bool) -> Any:

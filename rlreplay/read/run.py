@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from rlreplay.format.schema import (
 )
 from rlreplay.model import Trajectory, trajectory_from_table
 from rlreplay.read.filters import Filters, as_key_int
-from rlreplay.shards.layout import SPANS_DIR, list_files, step_dirs
+from rlreplay.shards.layout import SPANS_DIR, list_names, step_dirs
 from rlreplay.shards.live import read_partial
 
 RUNS_DIR = "rlreplay-runs"
@@ -185,15 +186,16 @@ class Run:
         table = self._partial(path)
         return tindex.build(table.select(tindex.SPAN_COLUMNS)) if table is not None else None
 
-    def _relative(self, path: Path) -> str:
-        """A run file's path relative to the run, with ``/``."""
-        prefix = str(self.path) + "/"
-        name = str(path)
-        return name[len(prefix) :] if name.startswith(prefix) else path.relative_to(self.path).as_posix()
+    def _relative(self, name: str) -> str:
+        """A run file's path (a string) relative to the run, with ``/``."""
+        prefix = f"{self.path}/"
+        return (
+            name[len(prefix) :] if name.startswith(prefix) else Path(name).relative_to(self.path).as_posix()
+        )
 
-    def _stamp(self, path: Path) -> tuple[int, int]:
+    def _stamp(self, path: Path | str) -> tuple[int, int]:
         """(bytes, mtime in ns) of a run file: what tells an index or a run index it is current."""
-        stat = path.stat()
+        stat = os.stat(path)
         return stat.st_size, stat.st_mtime_ns
 
     def _sealed_source(self, path: Path, whole: bool) -> Any:
@@ -225,18 +227,24 @@ class Run:
         """The values of the run's ``spans/step=*`` folders, as written (unsorted)."""
         return [d.name.removeprefix("step=") for d in step_dirs(self.path)]
 
-    def _paths(self, filters: Filters) -> tuple[list[Path], list[Path]]:
-        """(sealed files, live files) the filters may need: those of their steps, else all."""
+    def _names(self, filters: Filters) -> tuple[list[str], list[str]]:
+        """(sealed files, live files) the filters may need, as path strings: those of their steps,
+        else all."""
         steps = filters.step if isinstance(filters.step, (list, tuple, set, frozenset)) else None
         if steps is None or not all(type(s) is int for s in steps):
-            return list_files(self.path, filters.single_step())
-        sealed: list[Path] = []
-        partials: list[Path] = []
+            return list_names(self.path, filters.single_step())
+        sealed: list[str] = []
+        partials: list[str] = []
         for step in sorted(set(steps)):
-            more = list_files(self.path, step)
+            more = list_names(self.path, step)
             sealed += more[0]
             partials += more[1]
         return sealed, partials
+
+    def _paths(self, filters: Filters) -> tuple[list[Path], list[Path]]:
+        """``_names`` as paths."""
+        sealed, partials = self._names(filters)
+        return [Path(p) for p in sealed], [Path(p) for p in partials]
 
     def _files(self, filters: Filters) -> list[_File]:
         sealed, partials = self._paths(filters)
@@ -273,9 +281,11 @@ class Run:
         if filters.step is None or (
             isinstance(steps, (list, tuple, set, frozenset)) and all(type(s) is int for s in steps)
         ):
-            sealed, partials = self._paths(filters)
+            sealed, partials = self._names(filters)
             rows = self._sealed_rows(sealed, None if filters.step is None else sorted(set(steps)))
-            live = [index for index in self._indexes_of(partials, False) if index is not None]
+            live = [
+                index for index in self._indexes_of([Path(p) for p in partials], False) if index is not None
+            ]
             return filters.apply(tindex.merge_into(rows, live), id_column="id")
         files = self._files(filters)
         rows = (
@@ -285,21 +295,21 @@ class Run:
         )
         return filters.apply(rows, id_column="id")
 
-    def _sealed_rows(self, sealed: Sequence[Path], steps: Sequence[int] | None = None) -> pa.Table:
+    def _sealed_rows(self, sealed: Sequence[str], steps: Sequence[int] | None = None) -> pa.Table:
         """Merged index rows of the sealed shards ``sealed``: from the run index's segments that
         cover them as they are now, the rest from the shards' own index files. Listing the whole
         run (``steps`` None) saves those as new segments, merges small segments and removes
         segments that can never be used again."""
         stamps: run_index.Covered = {}
-        paths: dict[str, Path] = {}
-        for path in sealed:
-            rel = self._relative(path)
+        names: dict[str, str] = {}
+        for name in sealed:
+            rel = self._relative(name)
             try:
-                stamps[rel] = list(self._stamp(path))
+                stamps[rel] = list(self._stamp(name))
             except OSError as exc:
-                self._skip(path, exc)
+                self._skip(Path(name), exc)
                 continue
-            paths[rel] = path
+            names[rel] = name
         segments, unreadable = run_index.find(self.path)
         bad = [path for path, _ in unreadable]
         for path, why in unreadable:
@@ -324,7 +334,7 @@ class Run:
         for at in range(0, len(todo), run_index.SEGMENT_MAX_SHARDS):
             chunk = todo[at : at + run_index.SEGMENT_MAX_SHARDS]
             indexes = self._indexes_of(
-                [paths[r] for r in chunk], True, [(stamps[r][0], stamps[r][1]) for r in chunk]
+                [Path(names[r]) for r in chunk], True, [(stamps[r][0], stamps[r][1]) for r in chunk]
             )
             got = [(rel, index) for rel, index in zip(chunk, indexes) if index is not None]
             if not got:
@@ -337,7 +347,7 @@ class Run:
                     read.append(segment)
                     rows_of[segment.path] = rows
                     for rel, _ in got:
-                        self._indexes.pop(paths[rel], None)  # the segment holds them now
+                        self._indexes.pop(Path(names[rel]), None)  # the segment holds them now
         if steps is None:  # keep only the rows of segments in use
             self._segments = {p: v for p, v in self._segments.items() if p in rows_of}
         if save:
@@ -355,7 +365,7 @@ class Run:
         cached = self._segments.get(segment.path)
         if cached is not None and cached[0] == stamp:
             return cached[1]
-        rows = run_index.read_rows(segment.path, steps)
+        rows = run_index.read_rows(segment, steps)
         if rows is not None and steps is None:
             self._segments[segment.path] = (stamp, rows)
         return rows
@@ -418,11 +428,16 @@ class Run:
         ref = ref.strip().lower()
         if not ref or any(c not in "0123456789abcdef" for c in ref):
             raise RunError(f"not a trajectory id: {ref!r} (expected hex characters)")
+        for step in set(run_index.steps_of(self.path, ref)):  # a whole id: its step's files tell
+            if type(step) is int and self.index(Filters(step=step, trajectory_id=[ref])).num_rows:
+                return ref, step
         table = self.index()
         matches = ops.filter(table, ops.starts_with(table["id"], ref))
         unique = sorted(set(matches["id"].to_pylist()))
         if not unique:
             raise RunError(f"no trajectory {ref!r} in {self.path}")
+        if ref in unique:  # a whole id, even where it begins another
+            return ref, ops.filter(matches, ops.equal(matches["id"], ref))["step"][0].as_py()
         if len(unique) > 1:
             shown = ", ".join(u[: len(ref) + 4] for u in unique[:5])
             raise RunError(f"ambiguous id prefix {ref!r}: matches {len(unique)} trajectories ({shown}...)")
@@ -513,8 +528,6 @@ class Run:
 
 def _map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
     """``[fn(x) for x in items]``, in a thread pool of one thread per core when there are many."""
-    import os
-
     workers = min(os.cpu_count() or 1, len(items) // 64)
     if workers < 2:
         return [fn(item) for item in items]

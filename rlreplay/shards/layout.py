@@ -63,22 +63,36 @@ def step_dirs(run_dir: Path, step: int | None = None) -> Iterator[Path]:
             yield Path(entry.path)
 
 
+def list_names(run_dir: Path, step: int | None = None) -> tuple[list[str], list[str]]:
+    """``list_files`` as path strings (what listing a large run wants: no ``Path`` per file)."""
+    sealed: list[str] = []
+    partials: list[str] = []
+    for sdir in step_dirs(run_dir, step):
+        for worker in os.listdir(sdir):
+            folder = f"{sdir}/{worker}"
+            try:
+                names = os.listdir(folder)
+            except (NotADirectoryError, FileNotFoundError):
+                continue
+            for name in names:
+                if name.endswith(SEALED_SUFFIX) and not name.startswith(("_", ".")):
+                    sealed.append(f"{folder}/{name}")
+                elif name.endswith(PARTIAL_SUFFIX) and name.startswith("_part-"):
+                    partials.append(f"{folder}/{name}")
+    by_parts = lambda name: name.replace("/", "\0")  # noqa: E731 - the order of sorted Paths
+    sealed.sort(key=by_parts)
+    partials.sort(key=by_parts)
+    sealed_set = set(sealed)
+    partials = [p for p in partials if _sealed_name(p) not in sealed_set]
+    return sealed, partials
+
+
+def _sealed_name(partial: str) -> str:
+    folder, _, name = partial.rpartition("/")
+    return f"{folder}/{name[1:].removesuffix(PARTIAL_SUFFIX)}{SEALED_SUFFIX}"
+
+
 def list_files(run_dir: Path, step: int | None = None) -> tuple[list[Path], list[Path]]:
     """(sealed files, live partials) of a run, optionally of one step only."""
-    sealed: list[Path] = []
-    partials: list[Path] = []
-    for sdir in step_dirs(run_dir, step):
-        for wdir in os.scandir(sdir):
-            if not wdir.is_dir():
-                continue
-            for entry in os.scandir(wdir.path):
-                name = entry.name
-                if name.endswith(SEALED_SUFFIX) and not name.startswith(("_", ".")):
-                    sealed.append(Path(entry.path))
-                elif name.endswith(PARTIAL_SUFFIX) and name.startswith("_part-"):
-                    partials.append(Path(entry.path))
-    sealed.sort()
-    partials.sort()
-    sealed_set = set(sealed)
-    partials = [p for p in partials if sealed_path_for(p) not in sealed_set]
-    return sealed, partials
+    sealed, partials = list_names(run_dir, step)
+    return [Path(p) for p in sealed], [Path(p) for p in partials]

@@ -216,6 +216,72 @@ def test_a_shard_gone_from_the_run_index_rebuilds_it(run_dir: Path, base_run: tu
     assert covered(run_dir) == sealed_names(run_dir)
 
 
+def _listings_of(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
+    """The steps the run's file listings ask for from now on (None: every step)."""
+    import rlreplay.read.run as run_module
+
+    asked: list[int | None] = []
+    real = run_module.list_names
+
+    def listing(run: Path, step: int | None = None) -> tuple[list[str], list[str]]:
+        asked.append(step)
+        return real(run, step)
+
+    monkeypatch.setattr(run_module, "list_names", listing)
+    return asked
+
+
+def test_a_whole_id_is_found_from_its_step_alone(
+    run_dir: Path, base_run: tuple[Path, pa.Table], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spans = base_run[1]
+    rlreplay.open_run(run_dir).trajectories()  # writes the run index
+    target = sorted(set(spans.filter(pc.equal(spans["step"], 5))["trajectory_id"].to_pylist()))[1]
+    asked = _listings_of(monkeypatch)
+    run = rlreplay.open_run(run_dir)
+    assert run.resolve(target) == (target, 5)
+    traj = run.trajectory(target)
+    assert traj.id == target
+    assert len(traj.spans) == pc.sum(pc.equal(spans["trajectory_id"], target)).as_py()
+    assert asked and set(asked) == {5}  # no listing of the whole run
+
+
+def test_a_whole_id_the_run_index_does_not_hold_or_holds_wrongly_is_found_by_the_listing(
+    run_dir: Path, base_run: tuple[Path, pa.Table]
+) -> None:
+    spans = base_run[1]
+    rlreplay.open_run(run_dir).trajectories()
+    sample = rlreplay.open_run(SAMPLE).spans(step=1)
+    new = _retag(sample.filter(pc.equal(sample["trajectory_id"], sample["trajectory_id"][0])), "1a7e", 40)
+    _write(run_dir, new, 40)  # sealed after the run index was written
+    late = new["trajectory_id"][0].as_py()
+    assert rlreplay.open_run(run_dir).resolve(late) == (late, 40)
+    gone = sorted(set(spans.filter(pc.equal(spans["step"], 9))["trajectory_id"].to_pylist()))[0]
+    for path in (run_dir / "spans" / "step=9").glob("*/*"):
+        path.unlink()  # the run index still names its step
+    with pytest.raises(rlreplay.RunError, match="no trajectory"):
+        rlreplay.open_run(run_dir).resolve(gone)
+
+
+def test_a_whole_id_that_begins_another_is_itself(run_dir: Path, base_run: tuple[Path, pa.Table]) -> None:
+    spans = base_run[1]
+    target = sorted(set(spans.filter(pc.equal(spans["step"], 2))["trajectory_id"].to_pylist()))[0]
+    longer = spans.filter(pc.equal(spans["trajectory_id"], target))
+    for name in ("trajectory_id", "span_id", "parent_id"):
+        column = pc.binary_join_element_wise(longer[name], pa.scalar("0"), "")
+        longer = longer.set_column(longer.schema.get_field_index(name), name, column)
+    longer = longer.set_column(longer.schema.get_field_index("step"), "step", pa.array([3] * longer.num_rows))
+    _write(run_dir, longer, 3, worker="w1")
+    for listed_first in (False, True):
+        run = rlreplay.open_run(run_dir)
+        if listed_first:
+            run.trajectories()
+        assert run.resolve(target) == (target, 2)
+        assert run.resolve(target + "0") == (target + "0", 3)
+        with pytest.raises(rlreplay.RunError, match="ambiguous"):
+            run.resolve(target[:-1])
+
+
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "foreign"])
 def test_an_unreadable_run_index_is_ignored_with_one_warning(
     run_dir: Path, base_run: tuple[Path, pa.Table], damage: str

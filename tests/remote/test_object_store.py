@@ -626,7 +626,12 @@ def test_a_shard_published_after_a_listing_appears_in_the_next(
     assert len(run.trajectories()) == 4 and len(view.listing()) == 4
     assert len(_json_lines(rlreplay(env, "ls", later, "--json", cwd=tmp_path))) == 4
     _record_worker(env, later, 2, 3, "0,1,2", tmp_path)  # a new shard on the store
-    assert len(view.listing()) == 7  # the UI's listing, kept until the run changes, sees it
+    # the UI's listing, kept until the run changes, sees it (at once, or from a background
+    # re-read when the first listing was slow)
+    deadline = time.monotonic() + 60
+    while len(view.listing()) != 7 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(view.listing()) == 7
     assert sorted(run.trajectories()["step"].to_pylist()) == [0, 0, 1, 1, 2, 2, 2]
     assert len(run.trajectories(step=2)) == 3
     assert len(_json_lines(rlreplay(env, "ls", later, "--json", cwd=tmp_path))) == 7
