@@ -196,12 +196,16 @@ class RunView:
         self._checks: list[Any] | None = None
         self._prompts: dict[str, str] = {}
         self._selections: tuple[pa.Table | None, dict[tuple[str, ...], pa.Table]] = (None, {})
+        self._version: tuple[tuple[Any, ...] | None, str] = (None, "")
 
     def version(self) -> str:
         """Changes when the data the pages show changes (the files, once their listing is read)."""
         self.listing()
         sig = self._listing[0] if self._listing is not None else ()
-        return f"{len(sig)}-{sum(s[1] for s in sig)}-{max((s[2] for s in sig), default=0)}"
+        if self._version[0] is not sig:
+            text = f"{len(sig)}-{sum(s[1] for s in sig)}-{max((s[2] for s in sig), default=0)}"
+            self._version = (sig, text)
+        return self._version[1]
 
     def manifest(self) -> dict[str, Any]:
         try:
