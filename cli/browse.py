@@ -177,18 +177,17 @@ def ls_command(
         table = _flagged(opened, table, finding)
     report_warnings(opened)
     if as_json:
-        from rlreplay.model import listing_rows
+        from rlreplay.model import listing_json
 
-        write = sys.stdout.write
-        replayed = None
+        extra = None
         if opened.manifest.get("replay"):  # a replay's rows say what each trajectory was served from
             from rlreplay.playback import replay_rows
 
             replayed = replay_rows(opened, selection.filters())
-        for row in listing_rows(table):
-            if replayed is not None:
-                row.update(replayed.get(row["id"], {"replay": None, "replay_of": None}))
-            write(orjson.dumps(row).decode() + "\n")
+            served = [replayed.get(i, {}) for i in table["id"].to_pylist()]
+            extra = {k: [r.get(k) for r in served] for k in ("replay", "replay_of")}
+        for text in listing_json(table, extra):
+            sys.stdout.write(text)
         return
     shown = table.num_rows
     total = f"{shown} trajectories" if selection.limit is None else f"{shown} trajectories (--limit)"

@@ -157,14 +157,21 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
-def _series(rows: list[dict[str, Any]], column: str) -> dict[str, list[tuple[Any, float | None]]]:
-    out: dict[str, list[tuple[Any, float | None]]] = {}
+def _by_split(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        value = row[column]
-        if isinstance(value, float) and math.isnan(value):
-            value = None
-        out.setdefault(split_name(row["validate"]), []).append((row["step"], value))
+        out.setdefault(split_name(row["validate"]), []).append(row)
     return out
+
+
+def _series(
+    rows: list[dict[str, Any]], column: str, by_split: dict[str, list[dict[str, Any]]] | None = None
+) -> dict[str, list[tuple[Any, float | None]]]:
+    """Per split, (step, value) of ``column`` (None for NaN); ``by_split``: ``rows`` grouped already."""
+    return {
+        split: [(r["step"], _value(r[column])) for r in split_rows]
+        for split, split_rows in (by_split if by_split is not None else _by_split(rows)).items()
+    }
 
 
 def _trends(rows: list[dict[str, Any]], metrics: list[str]) -> str:
@@ -173,8 +180,9 @@ def _trends(rows: list[dict[str, Any]], metrics: list[str]) -> str:
     width = max(len(c) for c in metrics) if metrics else 0
     lines = []
     by_split: dict[str, list[str]] = {}
+    grouped = _by_split(rows)
     for column in metrics:
-        for split, points in _series(rows, column).items():
+        for split, points in _series(rows, column, grouped).items():
             values = [v for _, v in points]
             present = [v for v in values if v is not None]
             if not present:
@@ -182,7 +190,7 @@ def _trends(rows: list[dict[str, Any]], metrics: list[str]) -> str:
             ends = f"{_fmt(present[0])} → {_fmt(present[-1])}" if len(present) > 1 else _fmt(present[0])
             by_split.setdefault(split, []).append(f"  {column.ljust(width)}  {sparkline(values)}  {ends}")
     for split, split_lines in by_split.items():
-        steps = [r["step"] for r in rows if split_name(r["validate"]) == split]
+        steps = [r["step"] for r in grouped[split]]
         span = f"step {_fmt(steps[0])}" if len(steps) == 1 else f"steps {_fmt(steps[0])} to {_fmt(steps[-1])}"
         lines.append(f"trends ({split}, {len(steps)} rows, {span}):")
         lines += split_lines

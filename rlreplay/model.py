@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
-from rlreplay.format import arrays, payload
+from rlreplay.format import arrays, json_lines, payload
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format import index as tindex
 from rlreplay.format.index import summarize
@@ -349,3 +350,28 @@ def listing_rows(table: pa.Table) -> list[dict[str, Any]]:
         for key in KEYS:
             row[key] = key_value(row.get(key), row.pop(KEY_STR[key], None))
     return rows
+
+
+def listing_json(
+    table: pa.Table, extra: dict[str, list[Any]] | None = None, chunk: int = 65536
+) -> Iterator[str]:
+    """:func:`listing_rows` as JSON lines (the bytes ``orjson.dumps`` gives row by row), with the
+    ``extra`` columns (one value per row) after them, in slices of ``chunk`` rows; column-wise."""
+    names = table.column_names
+    for start, length in json_lines.chunks(table.num_rows, chunk):
+        part = table.slice(start, length)
+        columns = []
+        for name in names:
+            if name in KEY_STR.values():
+                continue
+            values = json_lines.texts(part[name])
+            if name in KEY_STR and KEY_STR[name] in names:
+                values = ops.coalesce(values, json_lines.texts(part[KEY_STR[name]]))
+            columns.append((name, values))
+        for key in KEYS:
+            if key not in names:
+                strings = part[KEY_STR[key]] if KEY_STR[key] in names else pa.nulls(length)
+                columns.append((key, json_lines.texts(strings)))
+        for name, values in (extra or {}).items():
+            columns.append((name, json_lines.encode(values[start : start + length])))
+        yield json_lines.lines(columns)

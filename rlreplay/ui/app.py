@@ -76,6 +76,7 @@ def _env() -> jinja2.Environment:
     env.filters["pretty"] = views.pretty
     env.filters["plain"] = views.plain
     env.globals["qs"] = lambda params: urlencode(params)
+    env.globals["step_href"] = step_href
     return env
 
 

@@ -24,9 +24,11 @@ import pyarrow.compute as pc
 
 from rlreplay.errors import RunError
 from rlreplay.format import manifest
+from rlreplay.format.index import INDEX_SUFFIX
 from rlreplay.read.open import open_run
 from rlreplay.read.run import Run
 from rlreplay.read.selection import listing
+from rlreplay.shards.layout import SEALED_SUFFIX
 
 SPANS_DIR = "spans"
 WORKERS_DIR = "_workers"
@@ -92,26 +94,61 @@ class RunSet:
 # ---- a run, cached by the files it holds ------------------------------------------------------
 
 
+#: Sealed and index files never change once they have their name: a folder whose mtime is as
+#: last seen holds the same ones. Other files (live ones grow) are looked at every time.
+_FIXED_SUFFIXES = (SEALED_SUFFIX, INDEX_SUFFIX)
+#: A folder's mtime is trusted once it is this much older than the look that saw it (two changes
+#: within one tick of the file system's clock leave one mtime).
+SETTLED_NS = 2_000_000_000
+#: folder -> (its mtime, when it was scanned, its sub-folders, (path, size, mtime) of its files)
+_scanned: dict[str, tuple[int, int, list[str], list[tuple[str, int, int]]]] = {}
+
+
+def _scan(folder: str, mtime: int) -> tuple[int, int, list[str], list[tuple[str, int, int]]]:
+    now = time.time_ns()
+    folders: list[str] = []
+    files: list[tuple[str, int, int]] = []
+    for entry in os.scandir(folder):
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                folders.append(entry.path)
+            elif entry.is_file(follow_symlinks=False):
+                st = entry.stat(follow_symlinks=False)
+                files.append((entry.path, st.st_size, st.st_mtime_ns))
+        except OSError:
+            continue
+    folders.sort(reverse=True)  # popped in order
+    files.sort()
+    return mtime, now, folders, files
+
+
 def file_signature(run_dir: Path) -> tuple[Any, ...]:
-    """(name, size, mtime) of every span and counter file: changes whenever anything is written."""
+    """(name, size, mtime) of every span and counter file, folder by folder in name order: changes
+    whenever anything is written.
+
+    A folder unchanged since a settled look is not listed again; only its files that can change
+    under their name are looked at again."""
     out: list[tuple[str, int, int]] = []
     stack = [os.path.join(run_dir, SPANS_DIR), os.path.join(run_dir, WORKERS_DIR)]
     while stack:
         folder = stack.pop()
         try:
-            entries = list(os.scandir(folder))
+            mtime = os.stat(folder).st_mtime_ns
+            kept = _scanned.get(folder)
+            if kept is None or kept[0] != mtime or kept[1] - mtime < SETTLED_NS:
+                kept = _scanned[folder] = _scan(folder, mtime)
         except OSError:
+            _scanned.pop(folder, None)
             continue
-        for entry in entries:
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
-                elif entry.is_file(follow_symlinks=False):
-                    st = entry.stat(follow_symlinks=False)
-                    out.append((entry.path, st.st_size, st.st_mtime_ns))
-            except OSError:
-                continue
-    out.sort()
+        stack.extend(kept[2])
+        for path, size, changed in kept[3]:
+            if not path.endswith(_FIXED_SUFFIXES):
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                size, changed = st.st_size, st.st_mtime_ns
+            out.append((path, size, changed))
     return tuple(out)
 
 
@@ -159,12 +196,16 @@ class RunView:
         self._checks: list[Any] | None = None
         self._prompts: dict[str, str] = {}
         self._selections: tuple[pa.Table | None, dict[tuple[str, ...], pa.Table]] = (None, {})
+        self._version: tuple[tuple[Any, ...] | None, str] = (None, "")
 
     def version(self) -> str:
         """Changes when the data the pages show changes (the files, once their listing is read)."""
         self.listing()
         sig = self._listing[0] if self._listing is not None else ()
-        return f"{len(sig)}-{sum(s[1] for s in sig)}-{max((s[2] for s in sig), default=0)}"
+        if self._version[0] is not sig:
+            text = f"{len(sig)}-{sum(s[1] for s in sig)}-{max((s[2] for s in sig), default=0)}"
+            self._version = (sig, text)
+        return self._version[1]
 
     def manifest(self) -> dict[str, Any]:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -182,3 +183,53 @@ def test_a_selection_is_kept_until_the_listing_changes(
         pc.greater(view.listing().filter(pc.equal(view.listing()["step"], 7))["reward"], 0)
     ).as_py()
     assert grown.num_rows == first.num_rows + added
+
+
+def _files(run: Path) -> set[tuple[str, int, int]]:
+    """(path, size, mtime) of every file under spans/ and _workers/, each looked at now."""
+    out = set()
+    for top in ("spans", "_workers"):
+        for folder, _, names in os.walk(run / top):
+            for name in names:
+                st = os.stat(os.path.join(folder, name))
+                out.add((os.path.join(folder, name), st.st_size, st.st_mtime_ns))
+    return out
+
+
+def _age(run: Path, seconds: float) -> None:
+    """Every folder of the run as last changed ``seconds`` ago."""
+    old = time.time_ns() - int(seconds * 1e9)
+    for folder, _, _ in os.walk(run):
+        os.utime(folder, ns=(old, old))
+
+
+def test_file_signature_reuses_settled_folders_and_sees_every_change(
+    growing_run: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run, _ = growing_run
+    worker = next((run / "spans").glob("step=*/worker=*"))
+    live = worker / "_part-live.partial"
+    live.write_bytes(b"x" * 10)
+    _age(run, 3600)
+    first = data.file_signature(run)
+    assert len(first) == len(_files(run)) and set(first) == _files(run)
+
+    scanned: list[str] = []
+    scan = data._scan
+    monkeypatch.setattr(data, "_scan", lambda folder, mtime: scanned.append(folder) or scan(folder, mtime))
+    assert data.file_signature(run) == first and scanned == []  # settled folders are not listed again
+
+    with open(live, "ab") as f:  # a live file grows under its name: its folder's mtime stays
+        f.write(b"y" * 5)
+    grown = data.file_signature(run)
+    assert grown != first and set(grown) == _files(run) and scanned == []
+
+    (worker / "part-new.parquet").write_bytes(b"p")  # a new file changes its folder's mtime
+    added = data.file_signature(run)
+    assert set(added) == _files(run) and scanned == [str(worker)]
+    # a second file within the same clock tick leaves the folder's mtime as it was: a folder
+    # changed lately is listed again all the same
+    tick = os.stat(worker).st_mtime_ns
+    (worker / "part-newer.parquet").write_bytes(b"q")
+    os.utime(worker, ns=(tick, tick))
+    assert set(data.file_signature(run)) == _files(run)
