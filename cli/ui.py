@@ -17,10 +17,11 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @app.command("ui")
 def ui_command(
     run_path: Annotated[
-        Path | None,
+        str | None,
         typer.Argument(
             metavar="RUN",
-            help="A run directory or a folder of runs (default: $RLREPLAY_DIR, else ./rlreplay-runs/).",
+            help="A run directory, a folder of runs or a run's URI (s3://...) (default: $RLREPLAY_DIR, "
+            "else ./rlreplay-runs/).",
         ),
     ] = None,
     host: Annotated[
@@ -70,7 +71,7 @@ def ui_command(
     application.state.ui.warm()  # read a single run now, so that the first page is fast
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{sock.getsockname()[1]}/"
-    print(f"rlreplay ui: {url}  (serving {Path(root).resolve()}; Ctrl-C to stop)", flush=True)
+    print(f"rlreplay ui: {url}  (serving {application.state.ui.runs.address}; Ctrl-C to stop)", flush=True)
     if open_browser:
         import webbrowser
 

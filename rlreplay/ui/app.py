@@ -145,7 +145,7 @@ class UI:
             except RunError as exc:
                 m = {"error": str(exc)}
             rows.append({"name": name, "base": run_base(name), "manifest": m})
-        return self.page("index.html", rows=rows, root=self.runs.root.name, version=self._root_version())
+        return self.page("index.html", rows=rows, root=self.runs.name, version=self._root_version())
 
     def _root_version(self) -> str:
         return "|".join(self.runs.names())

@@ -28,6 +28,7 @@ from rlreplay.format.index import INDEX_SUFFIX
 from rlreplay.read.open import open_run
 from rlreplay.read.run import Run
 from rlreplay.read.selection import listing
+from rlreplay.remote.location import as_uri
 from rlreplay.shards.layout import SEALED_SUFFIX
 
 SPANS_DIR = "spans"
@@ -57,20 +58,29 @@ class RunSet:
     """One run, or every run directly inside a folder (runs appear as they are created)."""
 
     def __init__(self, root: str | os.PathLike[str], tokenizer: str | None = None) -> None:
-        path = Path(root)
         self.tokenizer = tokenizer
+        self._views: dict[str, RunView] = {}
+        self._lock = threading.Lock()
+        self.uri = as_uri(root)  # one run on an object store
+        if self.uri is not None:
+            run = open_run(self.uri)
+            self.root, self.single, self.name, self.address = run.path, True, run.name, run.address
+            view = self._views[run.name] = RunView(run, tokenizer)
+            threading.Thread(target=view.decoder, daemon=True).start()  # load the tokenizer early
+            return
+        path = Path(root)
         if not path.is_dir():
             raise RunError(f"no run or folder of runs at {path}")
         self.root = path.resolve()
+        self.name = self.root.name
+        self.address = str(self.root)  # as shown to a user
         self.single = is_run_dir(self.root)
         if self.single:
             open_run(self.root)  # fails early on an unreadable manifest
-        self._views: dict[str, RunView] = {}
-        self._lock = threading.Lock()
 
     def names(self) -> list[str]:
         if self.single:
-            return [self.root.name]
+            return [self.name]
         found = []
         for entry in os.scandir(self.root):
             path = Path(entry.path)

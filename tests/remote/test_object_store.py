@@ -638,6 +638,48 @@ def test_a_shard_published_after_a_listing_appears_in_the_next(
     assert is_cached(tmp_path / "cache", ".parquet") == []
 
 
+def test_the_ui_serves_a_run_on_the_store_as_it_serves_a_copy(
+    s3: S3Server, two_worker_run: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import re
+
+    from starlette.testclient import TestClient
+
+    from rlreplay.ui.app import create_app
+
+    uri, local, env, _ = _listed_copy(s3, two_worker_run, tmp_path)
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(key, env[key])
+    monkeypatch.setenv("RLREPLAY_CACHE", env["RLREPLAY_CACHE"])
+    ids = sorted(r["id"] for r in _json_lines(rlreplay(env, "ls", str(local), "--json", cwd=tmp_path)))
+    assert len(ids) == 64
+
+    def served(root: str) -> tuple[list[str], str]:
+        with TestClient(create_app(root)) as client:
+            first = client.get("/")  # a single run: its overview
+            assert first.status_code == 200, first.text
+            base = first.url.path  # /r/NAME/
+            listed = client.get(f"{base}trajectories")
+            assert listed.status_code == 200, listed.text
+            one = client.get(f"{base}t/{ids[5]}")
+            assert one.status_code == 200, one.text
+        return sorted(set(re.findall(r"/t/([0-9a-f]{32})", listed.text))), one.text
+
+    remote_ids, remote_page = served(uri)
+    local_ids, _ = served(str(local))
+    assert remote_ids == local_ids == ids
+    assert ids[5] in remote_page and "Model.generate" in remote_page
+
+
+def test_the_ui_names_a_missing_run_on_the_store_in_one_line(s3: S3Server, tmp_path: Path) -> None:
+    env = _env(s3, tmp_path)
+    proc = rlreplay(env, "ui", f"s3://{BUCKET}/exp/no-such-run", "--port", "0", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"rlreplay: error: no run at s3://{BUCKET}/exp/no-such-run (no run.json and no spans/)"
+    ]
+
+
 def test_concurrent_listings_share_one_cache(
     s3: S3Server, two_worker_run: tuple[str, Path], tmp_path: Path
 ) -> None:
