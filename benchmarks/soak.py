@@ -926,6 +926,9 @@ def failures(result: dict[str, Any]) -> list[str]:
         "reader errors": result["reader_errors"],
     }
     out = [f"{k}: {v}" for k, v in checks.items() if v]
+    calls = sum(result["reader_calls"].values())
+    if calls and calls <= result["reader_refusals"] + result["reader_errors"]:
+        out.append(f"none of {calls} reader calls was answered")
     if not result["listing_equals_direct_count"]:
         out.append(f"listing {result['listed']} != direct count {result['direct_count']}")
     return out
@@ -1007,6 +1010,8 @@ def main() -> None:
     print(table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    for example in result["reader_refusal_examples"]:
+        print("reader refusal: " + example[:500], file=sys.stderr)
     bad = failures(result)
     if bad:
         print("FAILED: " + "; ".join(bad), file=sys.stderr)

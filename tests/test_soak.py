@@ -30,6 +30,7 @@ def run_soak(tmp_path: Path, *args: str) -> dict:
 
 
 def _failed(result: dict) -> bool:
+    calls = sum(result["reader_calls"].values())
     return bool(
         result["duplicated"]
         or result["silently_missing"]
@@ -37,6 +38,7 @@ def _failed(result: dict) -> bool:
         or result["phantom"]
         or result["reader_errors"]
         or not result["listing_equals_direct_count"]
+        or (calls and calls <= result["reader_refusals"] + result["reader_errors"])
     )
 
 
