@@ -11,6 +11,7 @@ import contextvars
 import math
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -197,6 +198,7 @@ class RunView:
         self._listing: tuple[tuple[Any, ...], pa.Table] | None = None
         self._build_s = 0.0
         self._refreshing = False
+        self._refresh_error: str | None = None
         self._decoder: Any = None
         self._decoder_error: str | None = None
         self._decoder_loaded = False
@@ -257,9 +259,22 @@ class RunView:
             with self._lock:
                 if not self._refreshing:
                     self._refreshing = True
-                    threading.Thread(target=self._build, args=(sig,), daemon=True).start()
+                    threading.Thread(target=self._refresh, args=(sig,), daemon=True).start()
             return cached[1]
         return self._build(sig)
+
+    def _refresh(self, sig: tuple[Any, ...]) -> None:
+        """``_build`` in the background. When the run cannot be read (its object store unreachable),
+        pages keep the listing they have, the terminal gets one line (once per cause), and the next
+        look tries again."""
+        try:
+            self._build(sig)
+            self._refresh_error = None
+        except (RunError, OSError) as exc:
+            why = " ".join(str(exc).split()) or type(exc).__name__
+            if why != self._refresh_error:
+                self._refresh_error = why
+                sys.stderr.write(f"rlreplay ui: could not re-read {self.name}, showing it as it was: {why}\n")
 
     def _build(self, sig: tuple[Any, ...]) -> pa.Table:
         with self._build_lock:

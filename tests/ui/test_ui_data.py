@@ -81,6 +81,46 @@ def test_a_slow_listing_is_refreshed_in_the_background(
     assert view.listing().num_rows == first.num_rows + 40
 
 
+def test_a_background_refresh_that_fails_keeps_the_listing_and_says_so_in_one_line(
+    growing_run: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run on an object store that cannot be reached while the listing is re-read in the
+    background: the pages keep the listing they had, the terminal gets one line, no traceback."""
+    import threading
+
+    from rlreplay.errors import RunError
+
+    run, held = growing_run
+    monkeypatch.setattr(data, "SLOW_LISTING_S", -1.0)
+    view = RunView(open_run(run))
+    first = view.listing()
+    escaped: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
+    real = data.listing
+    tried = threading.Event()
+
+    def unreachable(run: object) -> object:
+        tried.set()
+        raise RunError("s3://bucket/run: Could not connect to server")
+
+    monkeypatch.setattr(data, "listing", unreachable)
+    shutil.move(held, run / "spans" / "step=7")
+    assert view.listing() is first
+    assert tried.wait(30)
+    deadline = time.monotonic() + 30
+    while view._refreshing and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert escaped == []
+    assert view.listing() is first or view.listing().num_rows == first.num_rows
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "could not re-read" in err and "Could not connect to server" in err
+    monkeypatch.setattr(data, "listing", real)  # the store is back: the next look re-reads it
+    deadline = time.monotonic() + 30
+    while view.listing().num_rows != first.num_rows + 40:
+        assert time.monotonic() < deadline, "the run was never re-read"
+        time.sleep(0.05)
+
+
 def test_a_folder_lists_only_runs_inside_it(tmp_path: Path) -> None:
     root = tmp_path / "runs"
     root.mkdir()
