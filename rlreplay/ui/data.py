@@ -251,8 +251,14 @@ class RunView:
         if looked is not None:
             looked.add(id(self))
         remote = getattr(self.run, "file_signature", None)  # a run on an object store: its objects
-        sig = remote() if callable(remote) else file_signature(self.run.path)
         cached = self._listing
+        try:
+            sig = remote() if callable(remote) else file_signature(self.run.path)
+        except (RunError, OSError) as exc:
+            if cached is None:
+                raise
+            self._unreadable(exc)  # the store unreachable: the run as it was
+            return cached[1]
         if cached is not None and cached[0] == sig:
             return cached[1]
         if cached is not None and self._build_s > SLOW_LISTING_S:
@@ -271,10 +277,14 @@ class RunView:
             self._build(sig)
             self._refresh_error = None
         except (RunError, OSError) as exc:
-            why = " ".join(str(exc).split()) or type(exc).__name__
-            if why != self._refresh_error:
-                self._refresh_error = why
-                sys.stderr.write(f"rlreplay ui: could not re-read {self.name}, showing it as it was: {why}\n")
+            self._unreadable(exc)
+
+    def _unreadable(self, exc: BaseException) -> None:
+        """One line in the terminal (once per cause) when the run cannot be read again."""
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        if why != self._refresh_error:
+            self._refresh_error = why
+            sys.stderr.write(f"rlreplay ui: could not re-read {self.name}, showing it as it was: {why}\n")
 
     def _build(self, sig: tuple[Any, ...]) -> pa.Table:
         with self._build_lock:

@@ -121,6 +121,32 @@ def test_a_background_refresh_that_fails_keeps_the_listing_and_says_so_in_one_li
         time.sleep(0.05)
 
 
+def test_a_run_that_cannot_be_looked_at_is_shown_as_it_was(
+    growing_run: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The store cut while a page looks at the run's files: the page shows the last listing (the
+    terminal gets one line), not an error page; a run never read gives the error."""
+    from rlreplay.errors import RunError
+
+    run, _ = growing_run
+    view = RunView(open_run(run))
+    first = view.listing()
+    real = data.file_signature
+
+    def unreachable(path: Path) -> object:
+        raise RunError("s3://bucket/run: Could not connect to server")
+
+    monkeypatch.setattr(data, "file_signature", unreachable)
+    assert view.listing() is first
+    assert view.listing() is first
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Could not connect to server" in err
+    with pytest.raises(RunError, match="Could not connect"):
+        RunView(open_run(run)).listing()
+    monkeypatch.setattr(data, "file_signature", real)
+    assert view.listing() is first
+
+
 def test_a_folder_lists_only_runs_inside_it(tmp_path: Path) -> None:
     root = tmp_path / "runs"
     root.mkdir()
