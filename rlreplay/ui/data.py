@@ -199,6 +199,7 @@ class RunView:
         self._build_s = 0.0
         self._refreshing = False
         self._refresh_error: str | None = None
+        self._counters: dict[str, int] | None = None
         self._decoder: Any = None
         self._decoder_error: str | None = None
         self._decoder_loaded = False
@@ -236,7 +237,14 @@ class RunView:
         return any(is_live(p) for p in (folder / LEASE_DIR).glob("_lease-*.lock"))
 
     def counters(self) -> dict[str, int]:
-        return self.run.counters()
+        """The run's counters; when they cannot be read (its store cut), those read last."""
+        try:
+            self._counters = self.run.counters()
+        except (RunError, OSError) as exc:
+            if self._counters is None:
+                raise
+            self._unreadable(exc)
+        return dict(self._counters)
 
     def listing(self) -> pa.Table:
         """Every trajectory of the run (the ``ls`` columns), re-read only when files change.

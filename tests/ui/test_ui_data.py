@@ -145,6 +145,10 @@ def test_a_run_that_cannot_be_looked_at_is_shown_as_it_was(
         RunView(open_run(run)).listing()
     monkeypatch.setattr(data, "file_signature", real)
     assert view.listing() is first
+    counted = view.counters()
+    assert counted == view.run.counters()
+    monkeypatch.setattr(view.run, "counters", lambda: unreachable(run))
+    assert view.counters() == counted  # the counters read last
 
 
 def test_a_folder_lists_only_runs_inside_it(tmp_path: Path) -> None:
