@@ -35,7 +35,7 @@ def new_uid() -> str:
 
 
 def sealed_path_for(partial: Path) -> Path:
-    return partial.with_name(partial.name[1:].removesuffix(PARTIAL_SUFFIX) + SEALED_SUFFIX)
+    return Path(_sealed_name(str(partial)))
 
 
 def fsync_dir(path: Path) -> None:
