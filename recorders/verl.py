@@ -666,6 +666,21 @@ def _set_fields(value: Any) -> Any:
     return out
 
 
+#: What verl's post-processing adds to an ``AgentLoopOutput`` after ``run`` returned it.
+_POSTPROCESS_EXTRA_FIELDS = ("raw_prompt", EXTRA_FIELD, "reward_extra_info")
+
+
+def _as_run_returned(output: dict[str, Any]) -> dict[str, Any]:
+    """An agent output recorded before outputs were copied at return (rlreplay's own key in its
+    ``extra_fields`` marks it) holds verl's post-processing, the reward among it: served as it is,
+    verl would skip the replay's reward. It is served without what the post-processing added."""
+    extra = output.get("extra_fields")
+    if not isinstance(extra, dict) or EXTRA_FIELD not in extra:
+        return output
+    kept = {k: v for k, v in extra.items() if k not in _POSTPROCESS_EXTRA_FIELDS}
+    return {**output, "extra_fields": kept, "reward_score": None}
+
+
 class VerlAdapter(GenericAdapter):
     """verl 0.9: ``AgentLoopOutput`` fields, Hermes tool calls, Hydra overrides, the rollout-trace hook.
 
@@ -709,7 +724,7 @@ class VerlAdapter(GenericAdapter):
         if kind == "agent" and isinstance(output, dict):
             from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
-            return AgentLoopOutput.model_validate(output)
+            return AgentLoopOutput.model_validate(_as_run_returned(output))
         if kind == "tool" and isinstance(output, list) and len(output) == 3 and isinstance(output[0], dict):
             from verl.tools.schemas import ToolResponse
 

@@ -126,3 +126,47 @@ def test_no_path_of_the_recording_machine_in_the_run() -> None:
 
 def test_under_10_mb() -> None:
     assert sum(p.stat().st_size for p in RUN.rglob("*") if p.is_file()) < 10 * 1024 * 1024
+
+
+def test_served_agent_loop_outputs_of_this_run_leave_the_reward_to_verl() -> None:
+    """This run was recorded before outputs were copied when ``run`` returned: its agent outputs hold
+    what verl's post-processing added afterwards (``raw_prompt``, rlreplay's own key, and the reward
+    loop's ``reward_score`` and ``reward_extra_info``). Served under ``--serve agent`` they must come
+    back as ``run`` returned them, else verl skips the reward of a replay and a changed reward
+    function does not show."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
+
+    import rlreplay
+    from rlreplay.recorders.verl import EXTRA_FIELD, VerlAdapter
+
+    added = {"raw_prompt", EXTRA_FIELD, "reward_extra_info"}
+    run = rlreplay.open_run(RUN)
+    trajs = run.load(run.trajectories()["id"].to_pylist())
+    outputs = [s.output for t in trajs for s in t.spans if s.kind == "agent"]
+    late = [o for o in outputs if EXTRA_FIELD in o["extra_fields"]]
+    assert late and any(o["reward_score"] is not None for o in late)  # what the old recorder kept
+    adapter = VerlAdapter()
+    for output in late:
+        served = adapter.rebuild_output("agent_loop", "agent", output)
+        assert isinstance(served, AgentLoopOutput)
+        assert served.reward_score is None
+        assert set(served.extra_fields) == set(output["extra_fields"]) - added
+        assert served.response_ids == output["response_ids"] and served.prompt_ids == output["prompt_ids"]
+        assert EXTRA_FIELD in output["extra_fields"]  # the recorded value itself is left as it was
+
+
+def test_a_reward_the_agent_loop_returned_itself_is_served() -> None:
+    """Recorded as ``run`` returned it (no post-processing mark): a reward the loop set is kept."""
+    from rlreplay.recorders.verl import VerlAdapter
+
+    output = {
+        "prompt_ids": [1, 2],
+        "response_ids": [3, 4],
+        "response_mask": [1, 1],
+        "num_turns": 2,
+        "metrics": {},
+        "reward_score": 0.5,
+        "extra_fields": {"reward_extra_info": {"acc": 1.0}},
+    }
+    served = VerlAdapter().rebuild_output("agent_loop", "agent", output)
+    assert served.reward_score == 0.5 and served.extra_fields == {"reward_extra_info": {"acc": 1.0}}
