@@ -66,8 +66,7 @@ class RunSet:
         if self.uri is not None:
             run = open_run(self.uri)
             self.root, self.single, self.name, self.address = run.path, True, run.name, run.address
-            view = self._views[run.name] = RunView(run, tokenizer)
-            threading.Thread(target=view.decoder, daemon=True).start()  # load the tokenizer early
+            self._add_view(run.name, run)
             return
         path = Path(root)
         if not path.is_dir():
@@ -96,10 +95,13 @@ class RunSet:
         with self._lock:
             view = self._views.get(name)
             if view is None:
-                path = self.root if self.single else self.root / name
-                view = self._views[name] = RunView(open_run(path), self.tokenizer)
-                threading.Thread(target=view.decoder, daemon=True).start()  # load the tokenizer early
+                view = self._add_view(name, open_run(self.root if self.single else self.root / name))
             return view
+
+    def _add_view(self, name: str, run: Run) -> RunView:
+        view = self._views[name] = RunView(run, self.tokenizer)
+        threading.Thread(target=view.decoder, daemon=True).start()  # load the tokenizer early
+        return view
 
 
 # ---- a run, cached by the files it holds ------------------------------------------------------
@@ -198,7 +200,7 @@ class RunView:
         self._listing: tuple[tuple[Any, ...], pa.Table] | None = None
         self._build_s = 0.0
         self._refreshing = False
-        self._refresh_error: str | None = None
+        self._unreadable_why: str | None = None
         self._counters: dict[str, int] | None = None
         self._decoder: Any = None
         self._decoder_error: str | None = None
@@ -283,15 +285,15 @@ class RunView:
         look tries again."""
         try:
             self._build(sig)
-            self._refresh_error = None
+            self._unreadable_why = None
         except (RunError, OSError) as exc:
             self._unreadable(exc)
 
     def _unreadable(self, exc: BaseException) -> None:
         """One line in the terminal (once per cause) when the run cannot be read again."""
         why = " ".join(str(exc).split()) or type(exc).__name__
-        if why != self._refresh_error:
-            self._refresh_error = why
+        if why != self._unreadable_why:
+            self._unreadable_why = why
             sys.stderr.write(f"rlreplay ui: could not re-read {self.name}, showing it as it was: {why}\n")
 
     def _build(self, sig: tuple[Any, ...]) -> pa.Table:
