@@ -13,15 +13,13 @@ import pyarrow as pa
 
 from rlreplay.errors import FormatError
 from rlreplay.format import arrow_ops as ops
+from rlreplay.format.keys import FIELDS, KEY_STR, KEYS
 
 FORMAT_VERSION = 2
 FORMAT_KEY = b"rlreplay.format_version"
 
-#: Trajectory attributes every span carries (the filters of ``ls``).
-TRAJECTORY_ATTRS = ("step", "sample_index", "rollout_n", "validate", "experiment")
-#: The keys: an int64 column each, plus ``<key>_str`` holding a value that is not an integer.
-KEYS = ("step", "sample_index", "rollout_n")
-KEY_STR = {k: f"{k}_str" for k in KEYS}
+#: Trajectory attributes every span carries (``rlreplay.format.keys.TrajectoryKey``'s fields).
+TRAJECTORY_ATTRS = FIELDS
 
 #: Span kinds: the trajectory root, an agent loop, a model call, a tool call, a tool-call parser,
 #: any other call, and training signals written by another process for an existing trajectory.
