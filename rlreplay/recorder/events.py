@@ -172,6 +172,7 @@ OPEN_BYTES = 64
 # What a queued span keeps alive per item of a list it holds: the copy's 8-byte pointer and the item
 # itself (an int id is a 28-byte object in a 32-byte slot; the caller may have dropped its own list).
 _ITEM_BYTES = 40
+_NO_FIELDS = frozenset((int, float, str, bool, bytes, tuple))  # results without a __dict__ to look into
 
 
 def payload_bytes(args: tuple, kwargs: dict, result: Any) -> int:
@@ -181,13 +182,15 @@ def payload_bytes(args: tuple, kwargs: dict, result: Any) -> int:
     for value in args:
         if type(value) is list:
             size += len(value) * _ITEM_BYTES
-    for value in kwargs.values():
-        if type(value) is list:
-            size += len(value) * _ITEM_BYTES
-    if type(result) is list:
+    if kwargs:
+        for value in kwargs.values():
+            if type(value) is list:
+                size += len(value) * _ITEM_BYTES
+    cls = type(result)
+    if cls is list:
         size += len(result) * _ITEM_BYTES
-    elif result is not None:
-        if type(result) is dict:
+    elif result is not None and cls not in _NO_FIELDS:
+        if cls is dict:
             fields = result
         else:
             try:

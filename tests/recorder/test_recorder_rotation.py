@@ -105,3 +105,21 @@ def test_queue_cap_counts_token_lists_inside_results() -> None:
     ids = list(range(10_000))
     assert payload_bytes((), {}, {"token_ids": ids}) >= 10_000 * 36  # kept ints, not just pointers
     assert payload_bytes((ids,), {}, None) >= 10_000 * 36
+
+
+def test_queue_cap_looks_into_objects_not_into_plain_values() -> None:
+    class Output:
+        def __init__(self, ids: list[int]) -> None:
+            self.token_ids = ids
+
+    class TaggedInt(int):  # a subclass may carry fields of its own
+        pass
+
+    ids = list(range(10_000))
+    tagged = TaggedInt(7)
+    tagged.token_ids = ids  # type: ignore[attr-defined]
+    empty = payload_bytes((), {}, None)
+    for plain in (7, 0.5, "text", True, b"x", (1, 2)):
+        assert payload_bytes((), {}, plain) == empty
+    assert payload_bytes((), {}, Output(ids)) >= empty + 10_000 * 36
+    assert payload_bytes((), {}, tagged) >= empty + 10_000 * 36
