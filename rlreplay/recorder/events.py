@@ -189,18 +189,20 @@ def payload_bytes(args: tuple, kwargs: dict, result: Any) -> int:
     cls = type(result)
     if cls is list:
         size += len(result) * _ITEM_BYTES
-    elif result is not None and cls not in _NO_FIELDS:
-        if cls is dict:
-            fields = result
-        else:
-            try:
-                fields = getattr(result, "__dict__", None)
-            except Exception:
-                fields = None
-        if type(fields) is dict and len(fields) < 64:
-            for value in list(fields.values()):
-                if type(value) is list:
-                    size += len(value) * _ITEM_BYTES
+        return size
+    if cls is dict:
+        fields = result
+    elif result is None or cls in _NO_FIELDS:
+        return size
+    else:
+        try:
+            fields = getattr(result, "__dict__", None)
+        except Exception:
+            fields = None
+    if type(fields) is dict and len(fields) < 64:
+        for value in list(fields.values()):  # a copy: another thread may change an object's fields
+            if type(value) is list:
+                size += len(value) * _ITEM_BYTES
     return size
 
 
