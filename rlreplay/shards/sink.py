@@ -226,7 +226,7 @@ class ShardSink:
                     seal(writer.path)
             except Exception as exc:
                 self.warn("seal", f"could not seal {writer.path.name} ({exc}); it stays recoverable")
-            release_memory()
+            _release_memory()
             with self._sealed_cond:
                 self._sealing -= 1
                 self._sealed_cond.notify_all()
@@ -237,7 +237,7 @@ class ShardSink:
 _malloc_trim: Any = None
 
 
-def release_memory() -> None:
+def _release_memory() -> None:
     """Give freed memory back to the system: Arrow's pool, and the C heap's free pages (numpy arrays
     of the threads that encoded spans live in glibc arenas, which keep what they once held)."""
     global _malloc_trim
