@@ -197,3 +197,34 @@ def test_every_module_opens_with_a_one_line_docstring() -> None:
         if len(first) < 20:
             missing.append(name)
     assert missing == []
+
+
+def _module_classes() -> list[tuple[str, str, list[str]]]:
+    """(module, class, the last part of each base's name) for every class our code defines."""
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                found.append((name, node.name, [ast.unparse(b).rpartition(".")[2] for b in node.bases]))
+    return found
+
+
+def test_every_error_class_is_in_errors_under_rlreplay_error() -> None:
+    """An exception a user may see is declared in ``rlreplay.errors``, under ``RlreplayError`` (a command
+    prints it on one line, exit 2; a caller catches one base). Private ones (``_Failed``) never leave
+    the module that raises them."""
+    import builtins
+
+    from rlreplay import errors
+
+    known = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    classes = _module_classes()
+    while True:  # subclasses of exceptions, to any depth, by name
+        more = {c for _, c, bases in classes if c not in known and known & set(bases)}
+        if not more:
+            break
+        known |= more
+    outside = [f"{m}.{c}" for m, c, _ in classes if c in known and m != "rlreplay.errors" and c[0] != "_"]
+    assert outside == []
+    declared = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, BaseException)]
+    assert len(declared) > 10 and all(issubclass(v, errors.RlreplayError) for v in declared)

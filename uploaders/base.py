@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import orjson
 
-from rlreplay.errors import RunError
+from rlreplay.errors import RequestTimeout, RunError, UploadError  # noqa: F401 - backends import it from here
 from rlreplay.model import Trajectory
 
 LEDGER_DIR = "_uploads"
@@ -48,14 +48,6 @@ class SendResult:
     nbytes: int = 0
     error: str | None = None
     retryable: bool = False
-
-
-class UploadError(Exception):
-    """A failure that stops the whole upload (bad credentials, unknown project): one clear line."""
-
-
-class RequestTimeout(UploadError):
-    """A server that did not answer one request within the deadline: the upload stops, resumable."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlreplay.errors import RunError, install_hint
+from rlreplay.errors import TokenizerUnavailable, install_hint
 from rlreplay.format.schema import KIND_AGENT, KIND_LLM
 from rlreplay.model import Trajectory
 from rlreplay.text import conversation
@@ -31,10 +31,6 @@ PKG_PREFIX = "pkg:"
 TOKENIZER_FILE = "tokenizer.json"
 HOW_TO = "pass a local copy with --tokenizer /path/to/dir-with-tokenizer.json"
 _REPLACEMENT = "\ufffd"
-
-
-class TokenizerUnavailable(RunError):
-    """The tokenizer cannot be loaded on this machine; the message says how to pass a local copy."""
 
 
 def _unavailable(message: str) -> TokenizerUnavailable:
