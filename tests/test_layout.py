@@ -228,3 +228,19 @@ def test_every_error_class_is_in_errors_under_rlreplay_error() -> None:
     assert outside == []
     declared = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, BaseException)]
     assert len(declared) > 10 and all(issubclass(v, errors.RlreplayError) for v in declared)
+
+
+def test_span_kinds_are_spelled_once() -> None:
+    """A span kind (``KIND_LLM = "llm"``) is spelled in ``rlreplay.format.kinds`` alone (it imports
+    nothing: recording processes read it before pyarrow loads); every other module imports it."""
+    spelled = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Assign):
+                continue
+            values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            if not all(isinstance(v, ast.Constant) and isinstance(v.value, str) for v in values):
+                continue
+            names = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            spelled += [f"{name}.{n}" for n in names if n.startswith("KIND_")]
+    assert len(spelled) == 7 and all(s.startswith("rlreplay.format.kinds.") for s in spelled), spelled

@@ -19,12 +19,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rlreplay import plugins
 from rlreplay.errors import RunError
+from rlreplay.format.kinds import KIND_AGENT, KIND_LLM, KIND_OP, KIND_PARSER, KIND_TOOL
 from rlreplay.text.conversation import first_field, function_calls, llm_output_ids, llm_prompt_ids, segment
 from rlreplay.text.messages import build_messages
-
-# rlreplay.format.schema's kinds, spelled out: this module is imported by recording processes, which
-# must not pay for pyarrow before they record.
-KIND_AGENT, KIND_LLM, KIND_OP, KIND_PARSER, KIND_TOOL = "agent", "llm", "op", "parser", "tool"
 
 if TYPE_CHECKING:
     from rlreplay.model import Span, Trajectory
