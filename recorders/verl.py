@@ -27,8 +27,9 @@ from contextvars import ContextVar
 from types import ModuleType
 from typing import Any
 
+from rlreplay.adapters.generic import GenericAdapter
 from rlreplay.format.kinds import KIND_AGENT, KIND_LLM, KIND_PARSER, KIND_TOOL
-from rlreplay.text.adapters import ConversationFields, GenericAdapter
+from rlreplay.text.conversation import ConversationFields
 
 log = logging.getLogger("rlreplay")
 

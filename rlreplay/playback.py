@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from rlreplay.adapters.registry import MANIFEST_KEY, adapter_for_run
 from rlreplay.errors import ReplayError, RlreplayError
 from rlreplay.format import manifest
 from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_TOOL
@@ -36,7 +37,6 @@ from rlreplay.recorder.replay import (
     RecordedTrajectory,
     normal_keys,
 )
-from rlreplay.text.adapters import MANIFEST_KEY, adapter_for_run
 
 #: What ``serve`` may name, and the span kind each serves.
 SERVE_KINDS = {"llm": KIND_LLM, "tool": KIND_TOOL, "agent": KIND_AGENT}

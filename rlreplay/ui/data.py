@@ -450,7 +450,7 @@ class RunView:
         return engine.about(self.listing_findings(), traj) + engine.check_trajectory(traj, checks, ctx)
 
     def adapter(self) -> Any:
-        from rlreplay.text.adapters import adapter_for_run
+        from rlreplay.adapters.registry import adapter_for_run
 
         return adapter_for_run(self.run)
 
