@@ -666,6 +666,7 @@ def _set_fields(value: Any) -> Any:
     return out
 
 
+_VOLATILE = frozenset({"metrics", EXTRA_FIELD})
 #: What verl's post-processing adds to an ``AgentLoopOutput`` after ``run`` returned it.
 _POSTPROCESS_EXTRA_FIELDS = ("raw_prompt", EXTRA_FIELD, "reward_extra_info")
 
@@ -697,9 +698,6 @@ class VerlAdapter(GenericAdapter):
         stop_reason=("stop_reason",), max_tokens=("max_tokens", "max_new_tokens"), length_stops=("length",)
     )
     prompt_message_fields = ("raw_prompt",)
-    #: Output keys that differ between two runs of the same rollout: ``AgentLoopOutput.metrics``
-    #: (wall times) and rlreplay's own trajectory key in ``extra_fields``.
-    volatile_keys = ("metrics", EXTRA_FIELD)
 
     def install(self) -> None:
         """Hook verl's tracing module (now if imported, else when imported) and its trainer."""
@@ -728,8 +726,16 @@ class VerlAdapter(GenericAdapter):
         if kind == "tool" and isinstance(output, list) and len(output) == 3 and isinstance(output[0], dict):
             from verl.tools.schemas import ToolResponse
 
-            return ToolResponse.model_validate(output[0]), output[1], output[2]
+            # a field recorded as None was not set (verl refuses ``image=None``)
+            response = {k: v for k, v in output[0].items() if v is not None}
+            return ToolResponse.model_validate(response), output[1], output[2]
         return output
+
+    def volatile_keys(self) -> frozenset[str]:
+        """Per-call ids, and what differs between two runs of the same rollout: the timing
+        ``metrics`` (of ``AgentLoopOutput``, and of ``AgentData`` in a tool call's inputs) and
+        rlreplay's own trajectory key in ``extra_fields``."""
+        return super().volatile_keys() | _VOLATILE
 
     def tokenizer_from_argv(self, argv: list[str]) -> str | None:
         """``actor_rollout_ref.model.tokenizer_path=`` wins over ``actor_rollout_ref.model.path=``."""

@@ -52,6 +52,10 @@ class FrameworkAdapter(Protocol):
 
     def experiment_from_argv(self, argv: list[str]) -> str | None: ...
 
+    def rebuild_output(self, name: str, kind: str, output: Any) -> Any: ...
+
+    def volatile_keys(self) -> frozenset[str]: ...
+
 
 @dataclass(frozen=True)
 class ConversationFields:
@@ -222,7 +226,19 @@ class GenericAdapter:
     def experiment_from_argv(self, argv: list[str]) -> str | None:
         return None
 
+    # -- replay and compare -----------------------------------------------------------------------
 
+    def rebuild_output(self, name: str, kind: str, output: Any) -> Any:
+        """A served op's recorded output (JSON) as the framework's own type; here, as recorded."""
+        return output
+
+    def volatile_keys(self) -> frozenset[str]:
+        """Keys (at any depth of inputs and outputs) fresh on every run by design, never compared:
+        per-call ids."""
+        return _PER_CALL_IDS
+
+
+_PER_CALL_IDS = frozenset({"request_id", "instance_id"})
 _CHAT_MARKERS = re.compile(
     r"<\|im_start\|>(?:system|user|assistant|tool)?\n?|<\|im_end\|>\n?|<\|endoftext\|>|<\|eot_id\|>"
     r"|<\|start_header_id\|>\w+<\|end_header_id\|>\n*|</?s>"
