@@ -44,9 +44,6 @@ class FrameworkAdapter(Protocol):
 
     #: the name ``--framework`` and ``run.json`` give it
     name: str
-    #: output keys whose values differ between two runs of the same rollout (wall times, ids of
-    #: this run): replay and ``compare`` leave them out
-    volatile_keys: tuple[str, ...]
 
     def install(self) -> None:
         """Hook the framework into this process (``rlreplay record --framework NAME``)."""
@@ -90,6 +87,11 @@ class FrameworkAdapter(Protocol):
 
     def rebuild_output(self, name: str, kind: str, output: Any) -> Any:
         """A recorded output (JSON values) as the framework's own type, for a replay to serve."""
+        ...
+
+    def volatile_keys(self) -> frozenset[str]:
+        """Keys (at any depth of inputs and outputs) whose values differ between two runs of the
+        same rollout (per-call ids, wall times): replay's matching and ``compare`` leave them out."""
         ...
 
     def tokenizer_from_argv(self, argv: list[str]) -> str | None:

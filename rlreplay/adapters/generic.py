@@ -45,9 +45,8 @@ class GenericAdapter:
     }
     #: agent-span input fields that may hold the chat messages the prompt was built from
     prompt_message_fields: tuple[str, ...] = ("raw_prompt", "messages")
-    #: output keys that differ between two runs of the same rollout: none known
-    volatile_keys: tuple[str, ...] = ()
 
+    #: output keys that differ between two runs of the same rollout: none known
     def install(self) -> None:
         """Nothing to hook: the user's code calls ``rlreplay.trace_op`` itself."""
 
@@ -181,6 +180,10 @@ class GenericAdapter:
         """A recorded output served as recorded (JSON values): no framework types to rebuild."""
         return output
 
+    def volatile_keys(self) -> frozenset[str]:
+        """Per-call ids, fresh on every run by design: never compared."""
+        return _PER_CALL_IDS
+
     def tokenizer_from_argv(self, argv: list[str]) -> str | None:
         return None
 
@@ -199,3 +202,6 @@ _TOOL_RESPONSE = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.S)
 
 def _is_message(m: Any) -> bool:
     return isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+
+
+_PER_CALL_IDS = frozenset({"request_id", "instance_id"})
