@@ -59,7 +59,7 @@ class Run:
         version = self.manifest.get("format_version", FORMAT_VERSION)
         if int(version) > FORMAT_VERSION:
             raise RunError(
-                f"{path}: recorded in format {version}, this rlreplay reads up to {FORMAT_VERSION}; "
+                f"{self.address}: recorded in format {version}, this rlreplay reads up to {FORMAT_VERSION}; "
                 "upgrade rlreplay"
             )
 
@@ -482,7 +482,7 @@ class Run:
         matches = ops.filter(table, ops.starts_with(table["id"], ref))
         unique = sorted(set(matches["id"].to_pylist()))
         if not unique:
-            raise RunError(f"no trajectory {ref!r} in {self.path}")
+            raise RunError(f"no trajectory {ref!r} in {self.address}")
         if ref in unique:  # a whole id, even where it begins another
             return ref, ops.filter(matches, ops.equal(matches["id"], ref))["step"][0].as_py()
         if len(unique) > 1:
@@ -499,14 +499,14 @@ class Run:
         traj_id, step = self.resolve(ref)
         found = self.load([traj_id], Filters(step=step) if step is not None else None)
         if not found:
-            raise RunError(f"no trajectory {ref!r} in {self.path}")
+            raise RunError(f"no trajectory {ref!r} in {self.address}")
         traj = found[0]
         if text:
             from rlreplay.text.token2text import Decoder, add_text, resolve_tokenizer
 
             name = resolve_tokenizer(self, tokenizer)
             if name is None:
-                raise RunError(f"no tokenizer is known for {self.path}; pass tokenizer='/path/to/dir'")
+                raise RunError(f"no tokenizer is known for {self.address}; pass tokenizer='/path/to/dir'")
             add_text([traj], Decoder.load(name), skip_special_tokens=skip_special_tokens)
         return traj
 

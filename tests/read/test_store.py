@@ -352,6 +352,27 @@ def test_a_run_reads_the_same_through_the_object_store_as_from_its_folder(
     assert run.file_signature() != before and run.counters()["dropped"] == dropped + 2
 
 
+def test_a_trajectory_not_in_a_stored_run_is_named_with_the_run_not_its_cache(
+    stored_sample: tuple[str, Path],
+) -> None:
+    from rlreplay.errors import RunError
+
+    uri, cache = stored_sample
+    run = rlreplay.open_run(uri)
+    for ref in ("ab" * 16, "ffff"):  # a whole id, a prefix
+        with pytest.raises(RunError) as caught:
+            run.trajectory(ref)
+        assert uri in str(caught.value) and str(cache) not in str(caught.value)
+    import fsspec
+
+    fsspec.filesystem("memory").pipe_file(
+        f"/{uri.removeprefix('memory://')}/run.json", b'{"format_version": 99}'
+    )
+    with pytest.raises(RunError, match="format 99") as caught:
+        rlreplay.open_run(uri)
+    assert uri in str(caught.value) and str(cache) not in str(caught.value)
+
+
 def _files(run: Path) -> set[tuple[str, int, int]]:
     """(path, size, mtime) of every file under spans/ and _workers/, each looked at now."""
     out = set()
