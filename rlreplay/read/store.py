@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from rlreplay.format import manifest
 from rlreplay.format.index import INDEX_SUFFIX
@@ -23,6 +23,7 @@ from rlreplay.shards.layout import SEALED_SUFFIX, SPANS_DIR, list_names, step_di
 Stamp = tuple[int, int]
 
 
+@runtime_checkable
 class Store(Protocol):
     """Where a run's files are kept. Files are named by their path under ``root`` (a ``str`` or a
     ``Path``); ``root`` is the local folder they are read from (the run itself, or the read cache

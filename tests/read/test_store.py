@@ -296,7 +296,7 @@ def test_a_run_reads_the_same_through_the_object_store_as_from_its_folder(
     stored_sample: tuple[str, Path],
 ) -> None:
     from rlreplay.read.remote import ObjectStore
-    from rlreplay.read.store import LocalStore
+    from rlreplay.read.store import LocalStore, Store
 
     uri, cache = stored_sample
     files = sorted(SAMPLE.glob("spans/*/*/*.parquet"))
@@ -310,6 +310,7 @@ def test_a_run_reads_the_same_through_the_object_store_as_from_its_folder(
     run = rlreplay.open_run(uri)
     local = rlreplay.open_run(SAMPLE)
     assert isinstance(run.store, ObjectStore) and isinstance(local.store, LocalStore)
+    assert isinstance(run.store, Store) and isinstance(local.store, Store)  # every member of the protocol
     assert run.address == uri and repr(run) == f"Run({uri!r})" and run.store.cache_dir == run.path
     assert local.address == str(SAMPLE) and local.store.cache_dir is None
     listed = run.trajectories()
