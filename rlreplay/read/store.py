@@ -27,7 +27,8 @@ Stamp = tuple[int, int]
 class Store(Protocol):
     """Where a run's files are kept. Files are named by their path under ``root`` (a ``str`` or a
     ``Path``); ``root`` is the local folder they are read from (the run itself, or the read cache
-    that mirrors a run on an object store). Errors of the storage raise ``RunError``."""
+    that mirrors a run on an object store). An object store that cannot be reached, or that
+    refuses a read, raises ``RunError``; a local file that cannot be read raises ``OSError``."""
 
     #: the local folder the run's files are read from
     root: Path
