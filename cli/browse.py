@@ -374,7 +374,7 @@ def show_command(
     report_warnings(opened)
     decoder = _show_decoder(opened, text, tokenizer)
     if decoder is not None:
-        from rlreplay.text.adapters import adapter_for_run
+        from rlreplay.adapters.registry import adapter_for_run
         from rlreplay.text.token2text import add_text
 
         add_text([traj], decoder, skip_special_tokens=skip_special_tokens, adapter=adapter_for_run(opened))

@@ -27,7 +27,9 @@ from contextvars import ContextVar
 from types import ModuleType
 from typing import Any
 
-from rlreplay.text.adapters import ConversationFields, GenericAdapter
+from rlreplay.adapters.generic import GenericAdapter
+from rlreplay.format.kinds import KIND_AGENT, KIND_LLM, KIND_PARSER, KIND_TOOL
+from rlreplay.text.conversation import ConversationFields
 
 log = logging.getLogger("rlreplay")
 
@@ -35,10 +37,10 @@ TRACE_MODULE = "verl.utils.rollout_trace"
 
 #: Span kind from the decorated method's name; anything else is "op".
 KIND_BY_NAME = {
-    "generate": "llm",
-    "execute": "tool",
-    "extract_tool_calls": "parser",
-    "run": "agent",
+    "generate": KIND_LLM,
+    "execute": KIND_TOOL,
+    "extract_tool_calls": KIND_PARSER,
+    "run": KIND_AGENT,
 }
 
 #: verl backends whose work happens inside verl's own wrapper; for any other value (None,

@@ -19,13 +19,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rlreplay.adapters.registry import adapter_for_run
 from rlreplay.diff.align import first_divergence
 from rlreplay.format.schema import KIND_SIGNALS
 from rlreplay.model import Span, Trajectory, key_value
 from rlreplay.read.filters import Filters
 from rlreplay.read.run import Run
 from rlreplay.recorder.replay import IGNORED_KEYS, comparable
-from rlreplay.text.adapters import adapter_for_run, turns
+from rlreplay.text.conversation import turns
 
 Keys = tuple[Any, Any, Any, Any]
 

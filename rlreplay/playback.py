@@ -18,7 +18,8 @@ from typing import Any
 
 import orjson
 
-from rlreplay.errors import RlreplayError
+from rlreplay.adapters.registry import MANIFEST_KEY, adapter_for_run
+from rlreplay.errors import ReplayError, RlreplayError
 from rlreplay.format import manifest
 from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_TOOL
 from rlreplay.model import key_value
@@ -36,7 +37,6 @@ from rlreplay.recorder.replay import (
     RecordedTrajectory,
     normal_keys,
 )
-from rlreplay.text.adapters import MANIFEST_KEY, adapter_for_run
 
 #: What ``serve`` may name, and the span kind each serves.
 SERVE_KINDS = {"llm": KIND_LLM, "tool": KIND_TOOL, "agent": KIND_AGENT}
@@ -44,10 +44,6 @@ ENV_SOURCE = "RLREPLAY_REPLAY_SOURCE"
 ENV_SERVE = "RLREPLAY_REPLAY_SERVE"
 ENV_ON_DIVERGE = "RLREPLAY_REPLAY_ON_DIVERGE"
 ENV_SELECT = "RLREPLAY_REPLAY_SELECT"
-
-
-class ReplayError(RlreplayError):
-    """A replay that cannot start: no source run, an unknown kind to serve, a selection of nothing."""
 
 
 def parse_serve(serve: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:

@@ -1,5 +1,6 @@
-"""The house rules of the code base, checked on its source: imports point one way, no import circles,
-no other package's private modules, and every module says its job in its first line."""
+"""The house rules of the code base, checked on its source: imports point one way, no import circles
+(type-only imports count), no other package's private modules, and every module says its job in its
+first line."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ PACKAGES |= {"rlreplay.recorders": ROOT / "recorders", "rlreplay.uploaders": ROO
 
 # Layers of rlreplay/, lowest first: a module imports only from its own layer or below.
 LAYERS = [
-    ("rlreplay.errors", "rlreplay.plugins"),
+    ("rlreplay.errors", "rlreplay.hookspecs", "rlreplay.plugins"),
     ("rlreplay.format",),
     ("rlreplay.model",),
     ("rlreplay.shards",),
     ("rlreplay.remote",),
     ("rlreplay.recorder",),
     ("rlreplay.text",),
+    ("rlreplay.adapters",),
     ("rlreplay.read",),
     (
         "rlreplay.audit",
@@ -35,9 +37,9 @@ LAYERS = [
 PRIVATE_ALLOWED = ("verl",)
 
 
-def modules() -> dict[str, Path]:
+def modules(packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:
     found = {}
-    for package, folder in PACKAGES.items():
+    for package, folder in packages.items():
         for path in folder.rglob("*.py"):
             if "bootstrap" in path.parts:
                 continue
@@ -47,15 +49,16 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imports(path: Path, name: str) -> list[tuple[str, int]]:
-    """Every module ``name`` imports (at any depth, in functions too; not under ``if TYPE_CHECKING``)."""
+def imports(path: Path, name: str, type_only: bool = False) -> list[tuple[str, int]]:
+    """Every module ``name`` imports (at any depth, in functions too); those under ``if TYPE_CHECKING``
+    only with ``type_only``."""
     tree = ast.parse(path.read_text(), str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: list[tuple[str, int]] = []
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if not type_only and isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 for stmt in child.orelse:
                     visit(stmt)
                 continue
@@ -74,11 +77,12 @@ def imports(path: Path, name: str) -> list[tuple[str, int]]:
     return found
 
 
-def graph() -> dict[str, set[str]]:
-    mods = modules()
+def graph(packages: dict[str, Path] = PACKAGES, type_only: bool = False) -> dict[str, set[str]]:
+    """Which of our modules each of our modules imports (``type_only``: type-only imports too)."""
+    mods = modules(packages)
     edges: dict[str, set[str]] = {name: set() for name in mods}
     for name, path in mods.items():
-        for target, _ in imports(path, name):
+        for target, _ in imports(path, name, type_only):
             parts = target.split(".")
             for i in range(len(parts), 0, -1):  # the longest prefix that is one of ours
                 candidate = ".".join(parts[:i])
@@ -133,12 +137,25 @@ def layer(name: str) -> int | None:
 
 def test_the_checker_finds_a_circle_and_an_arrow_up() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert layer("rlreplay.format.schema") == 1 and layer("rlreplay.read.run") == 7
+    assert layer("rlreplay.format.schema") == 1 and layer("rlreplay.read.run") == 8
     assert layer("rlreplay.cli.main") is None
 
 
+def test_the_checker_counts_type_only_imports_in_circles(tmp_path: Path) -> None:
+    """Two modules importing each other, one of them only for type hints: a circle all the same
+    (it is where a runtime import creeps in), though neither imports the other up a layer."""
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "turns.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.fields import Fields\n"
+    )
+    (tmp_path / "fields.py").write_text("def split():\n    from pkg import turns\n")
+    packages = {"pkg": tmp_path}
+    assert cycles(graph(packages, type_only=True)) == [["pkg.fields", "pkg.turns"]]
+    assert graph(packages)["pkg.turns"] == set()  # imports point down: type-only ones aside
+
+
 def test_no_import_circles() -> None:
-    assert cycles(graph()) == []
+    assert cycles(graph(type_only=True)) == []
 
 
 def test_imports_point_down() -> None:
@@ -197,3 +214,50 @@ def test_every_module_opens_with_a_one_line_docstring() -> None:
         if len(first) < 20:
             missing.append(name)
     assert missing == []
+
+
+def _module_classes() -> list[tuple[str, str, list[str]]]:
+    """(module, class, the last part of each base's name) for every class our code defines."""
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                found.append((name, node.name, [ast.unparse(b).rpartition(".")[2] for b in node.bases]))
+    return found
+
+
+def test_every_error_class_is_in_errors_under_rlreplay_error() -> None:
+    """An exception a user may see is declared in ``rlreplay.errors``, under ``RlreplayError`` (a command
+    prints it on one line, exit 2; a caller catches one base). Private ones (``_Failed``) never leave
+    the module that raises them."""
+    import builtins
+
+    from rlreplay import errors
+
+    known = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    classes = _module_classes()
+    while True:  # subclasses of exceptions, to any depth, by name
+        more = {c for _, c, bases in classes if c not in known and known & set(bases)}
+        if not more:
+            break
+        known |= more
+    outside = [f"{m}.{c}" for m, c, _ in classes if c in known and m != "rlreplay.errors" and c[0] != "_"]
+    assert outside == []
+    declared = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, BaseException)]
+    assert len(declared) > 10 and all(issubclass(v, errors.RlreplayError) for v in declared)
+
+
+def test_span_kinds_are_spelled_once() -> None:
+    """A span kind (``KIND_LLM = "llm"``) is spelled in ``rlreplay.format.kinds`` alone (it imports
+    nothing: recording processes read it before pyarrow loads); every other module imports it."""
+    spelled = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Assign):
+                continue
+            values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            if not all(isinstance(v, ast.Constant) and isinstance(v.value, str) for v in values):
+                continue
+            names = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            spelled += [f"{name}.{n}" for n in names if n.startswith("KIND_")]
+    assert len(spelled) == 7 and all(s.startswith("rlreplay.format.kinds.") for s in spelled), spelled

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rlreplay.errors import RlreplayError
+from rlreplay.errors import ReplayDivergence
 from rlreplay.format import payload
 
 log = logging.getLogger("rlreplay")
@@ -28,10 +28,6 @@ IGNORED_KEYS = frozenset({"request_id", "instance_id"})
 SERVED = "served"
 DIVERGED = "diverged"
 LIVE = "live"
-
-
-class ReplayDivergence(RlreplayError):
-    """A served op was called with other inputs than the recorded one (``on_diverge="fail"``)."""
 
 
 def comparable(value: Any, ignored: frozenset[str] = IGNORED_KEYS) -> Any:

@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rlreplay.errors import RunError
+from rlreplay.errors import NotFound, RunError
 from rlreplay.format import manifest
 from rlreplay.read.open import open_run
 from rlreplay.read.run import Run
@@ -36,10 +36,6 @@ PAGE_SIZES = (25, 50, 100, 200, 500)
 DEFAULT_PAGE_SIZE = 100
 SLOW_LISTING_S = 0.5  # re-read a listing that took longer than this in the background
 SELECTIONS_KEPT = 4  # a listing's latest selections: paging and prev/next do not query again
-
-
-class NotFound(RunError):
-    """A run or trajectory the app does not have (answered with 404)."""
 
 
 def is_run_dir(path: Path) -> bool:
@@ -393,7 +389,7 @@ class RunView:
         return engine.about(self.listing_findings(), traj) + engine.check_trajectory(traj, checks, ctx)
 
     def adapter(self) -> Any:
-        from rlreplay.text.adapters import adapter_for_run
+        from rlreplay.adapters.registry import adapter_for_run
 
         return adapter_for_run(self.run)
 
