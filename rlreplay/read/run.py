@@ -88,9 +88,6 @@ class Run:
         if message not in self.warnings:
             self.warnings.append(message)
 
-    # the name readers outside this module used before ``warn`` was public
-    _warn = warn
-
     def _skip(self, path: Path, exc: BaseException) -> None:
         self.warn(f"skipped unreadable file {path.relative_to(self.path)}: {_one_line(exc)}")
 
