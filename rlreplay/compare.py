@@ -242,8 +242,8 @@ def _step_pairs(
         if equal[i]:
             out[ia, ib] = (True, None)
             continue
-        ta = spans_a.trajectory(i, lambda m: run_a._warn(f"step {step}: {m}"))
-        tb = spans_b.trajectory(i, lambda m: run_b._warn(f"step {step}: {m}"))
+        ta = spans_a.trajectory(i, lambda m: run_a.warn(f"step {step}: {m}"))
+        tb = spans_b.trajectory(i, lambda m: run_b.warn(f"step {step}: {m}"))
         if ta is not None and tb is not None:
             difference = first_difference(ta, tb, adapter_a, adapter_b)
             out[ia, ib] = (difference is None, difference)

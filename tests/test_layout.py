@@ -261,3 +261,116 @@ def test_span_kinds_are_spelled_once() -> None:
             names = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
             spelled += [f"{name}.{n}" for n in names if n.startswith("KIND_")]
     assert len(spelled) == 7 and all(s.startswith("rlreplay.format.kinds.") for s in spelled), spelled
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined_privates(tree: ast.AST) -> set[str]:
+    """The private names a module defines: functions, classes, names and attributes it assigns,
+    arguments, ``__slots__`` entries."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            found.add(node.attr)
+        elif isinstance(node, ast.arg):
+            found.add(node.arg)
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets
+        ):
+            found.update(n.value for n in ast.walk(node.value) if isinstance(n, ast.Constant))
+    return {name for name in found if _is_private(name)}
+
+
+def private_reaches(packages: dict[str, Path] = PACKAGES) -> list[str]:
+    """Where a module reaches into another module's private names: ``obj._name`` / ``getattr(obj,
+    "_name")`` / ``from mod import _name`` of a name another of our modules defines and this one does
+    not (``self`` and ``cls`` aside), and a subclass defining a private method of a base class
+    declared in another module (overriding a private hook)."""
+    mods = modules(packages)
+    trees = {name: ast.parse(path.read_text(), str(path)) for name, path in mods.items()}
+    own = {name: _defined_privates(tree) for name, tree in trees.items()}
+    anywhere = set().union(*own.values()) if own else set()
+    methods: dict[str, list[tuple[str, set[str]]]] = {}  # class name -> (module, its private methods)
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                defs = {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                methods.setdefault(node.name, []).append((name, {d for d in defs if _is_private(d)}))
+    found = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            reached = None
+            if isinstance(node, ast.Attribute):
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    reached = node.attr
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) > 1:
+                key = node.args[1]
+                if node.func.id in ("getattr", "hasattr", "setattr") and isinstance(key, ast.Constant):
+                    reached = key.value if isinstance(key.value, str) else None
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in packages:
+                for alias in node.names:
+                    if _is_private(alias.name) and f"{node.module}.{alias.name}" not in mods:
+                        found.append(f"{name}:{node.lineno} imports {alias.name}")
+            elif isinstance(node, ast.ClassDef):
+                mine = {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                for base in (ast.unparse(b).rpartition(".")[2] for b in node.bases):
+                    for module, hooks in methods.get(base, []):
+                        if module != name and mine & hooks:
+                            found.append(f"{name}:{node.lineno} {node.name} overrides {sorted(mine & hooks)}")
+            if reached and _is_private(reached) and reached not in own[name] and reached in anywhere:
+                found.append(f"{name}:{node.lineno} reaches {reached}")
+    return found
+
+
+def test_the_checker_finds_a_reach_into_another_modules_privates(tmp_path: Path) -> None:
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "base.py").write_text(
+        "import sys\n"
+        "def _helper():\n    return sys._getframe()\n"
+        "class Run:\n"
+        "    def _hook(self):\n        self._state = 1\n"
+        "    def same(self, other):\n        return other._state  # the same module: fine\n"
+    )
+    (tmp_path / "user.py").write_text(
+        "from pkg import base\nfrom pkg.base import _helper\n"
+        "def f(run):\n    base._helper()\n    getattr(run, '_state')\n    return run._hook()\n"
+    )
+    (tmp_path / "remote.py").write_text(
+        "from pkg.base import Run\nclass Remote(Run):\n    def _hook(self):\n        return 2\n"
+    )
+    found = private_reaches({"pkg": tmp_path})
+    assert sorted(found) == [
+        "pkg.remote:2 Remote overrides ['_hook']",
+        "pkg.user:2 imports _helper",
+        "pkg.user:4 reaches _helper",
+        "pkg.user:5 reaches _state",
+        "pkg.user:6 reaches _hook",
+    ]
+
+
+#: Reaches left to the write side's split (issue 37, item 5); each one listed goes when it is gone.
+PRIVATE_REACHES_LEFT = {
+    ("rlreplay.recorder.api", "_closed"),
+    ("rlreplay.recorder.api", "_lock_held_here"),
+    ("rlreplay.recorder.api", "_wake"),
+    ("rlreplay.recorders.verl", "_span_id"),
+    ("rlreplay.shards.lease", "_raw"),
+}
+
+
+def test_no_module_reaches_into_another_modules_privates() -> None:
+    """A module calls another module's public functions and methods only, and no subclass overrides
+    a private hook of a class in another module: the other side of a module's boundary stays free
+    to change."""
+    found = private_reaches()
+    left = {(f.split(":")[0], f.rsplit(" ", 1)[1]) for f in found}
+    assert [f for f in found if (f.split(":")[0], f.rsplit(" ", 1)[1]) not in PRIVATE_REACHES_LEFT] == []
+    assert left >= PRIVATE_REACHES_LEFT, (
+        f"no longer reached, remove from the list: {PRIVATE_REACHES_LEFT - left}"
+    )

@@ -68,7 +68,7 @@ def adapter_for_run(run: Any) -> FrameworkAdapter:
     try:
         return get_adapter(name)
     except RunError as exc:
-        warn = getattr(run, "_warn", None)
+        warn = getattr(run, "warn", None)
         if callable(warn):
             warn(f"{exc}; reading with the generic adapter")
         return get_adapter(DEFAULT)

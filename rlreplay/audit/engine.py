@@ -110,7 +110,7 @@ def _over_step(
     the step is held once it returns)."""
     from rlreplay.read.scan import step_calls, step_spans
 
-    warn = lambda message: run._warn(f"step {step}: {message}")  # noqa: E731
+    warn = lambda message: run.warn(f"step {step}: {message}")  # noqa: E731
     kinds = sorted({k for c in light for k in c.span_kinds or ()})
     light_names = {c.name for c in light}
     whole = step_spans(run, step, ids) if len(light) < len(checks) else None

@@ -263,7 +263,7 @@ def encode_row(
             reward = as_reward(output_data.get("reward_score", output_data.get("reward")))
     if signals:
         reward = as_reward(signals.get("reward"))
-    prompt_tokens, response_tokens = _token_counts(meta.kind, inputs_data, output_data)
+    prompt_tokens, response_tokens = token_counts(meta.kind, inputs_data, output_data)
 
     index = None
     if prefixes is not None:  # signals come after a trajectory ended: they open no index
@@ -362,7 +362,8 @@ def _redacted(data: Any) -> Any:
         return {k: redaction.REDACTED for k in data} if isinstance(data, dict) else redaction.REDACTED
 
 
-def _token_counts(kind: str, inputs: Any, output: Any) -> tuple[int | None, int | None]:
+def token_counts(kind: str, inputs: Any, output: Any) -> tuple[int | None, int | None]:
+    """(prompt, response) token counts of a span's payloads (None where it holds no such list)."""
     prompt = response = None
     source = output if kind == KIND_AGENT else inputs
     for data in (source, output):
