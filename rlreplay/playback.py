@@ -96,8 +96,7 @@ def _selection_record(selection: Selection) -> dict[str, Any]:
 def _source_text(source: str | os.PathLike[str] | Run) -> str:
     """The source as every process of a job can open it: a URI as given, a local path absolute."""
     if isinstance(source, Run):
-        uri = getattr(source, "uri", None)  # a run on an object store is read through a local cache
-        return uri if isinstance(uri, str) else str(Path(source.path).resolve())
+        return source.store.uri or str(Path(source.path).resolve())
     return location.as_uri(source) or str(location.local_path(source).resolve())
 
 

@@ -36,6 +36,8 @@ class Store(Protocol):
     address: str
     #: the read cache the files come through (None: they are read where they are)
     cache_dir: Path | None
+    #: the run's URI, credentials included, for processes that open it again (None: a folder)
+    uri: str | None
     #: file reads worth having in flight at once (an object store's latency: many)
     concurrency: int
 
@@ -81,6 +83,7 @@ class LocalStore:
     """A run in a local (or mounted, shared) folder: files are read where they are."""
 
     cache_dir: Path | None = None
+    uri: str | None = None
     concurrency = 1
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
