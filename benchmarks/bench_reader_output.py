@@ -17,7 +17,8 @@ from rlreplay.format.schema import KEY_STR, KEYS
 from rlreplay.model import listing_json
 from rlreplay.read.open import open_run
 from rlreplay.read.selection import listing
-from rlreplay.ui import data
+from rlreplay.read.store import folder_signature
+from rlreplay.shards.layout import LEASE_DIR, SPANS_DIR
 
 
 def row_by_row(table: Any) -> str:
@@ -34,7 +35,7 @@ def row_by_row(table: Any) -> str:
 def every_file(run_dir: Path) -> tuple[Any, ...]:
     """The plain way: every span and counter file looked at (scandir, stat), sorted."""
     out = []
-    stack = [os.path.join(run_dir, data.SPANS_DIR), os.path.join(run_dir, data.WORKERS_DIR)]
+    stack = [os.path.join(run_dir, SPANS_DIR), os.path.join(run_dir, LEASE_DIR)]
     while stack:
         for entry in os.scandir(stack.pop()):
             if entry.is_dir(follow_symlinks=False):
@@ -62,13 +63,13 @@ def main() -> None:
     args = parser.parse_args()
     table = listing(open_run(args.run))
     assert "".join(listing_json(table)) == row_by_row(table)
-    data.file_signature(args.run)  # the UI's first look (at start-up)
-    assert set(data.file_signature(args.run)) == set(every_file(args.run))
+    folder_signature(args.run)  # the UI's first look (at start-up)
+    assert set(folder_signature(args.run)) == set(every_file(args.run))
     load = os.getloadavg()[0]
     rows = [
         ("`ls --json` lines", median_s(lambda: "".join(listing_json(table)), args.repeats),
          median_s(lambda: row_by_row(table), args.repeats)),
-        ("UI look at the files", median_s(lambda: data.file_signature(args.run), args.repeats),
+        ("UI look at the files", median_s(lambda: folder_signature(args.run), args.repeats),
          median_s(lambda: every_file(args.run), args.repeats)),
     ]  # fmt: skip
     print(f"{table.num_rows} trajectories, load (1 min) {load:.1f}")

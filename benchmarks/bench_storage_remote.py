@@ -335,8 +335,8 @@ def whole_run_listing(args: argparse.Namespace, env: dict[str, str], tmp: Path, 
 
     def mirror() -> Run:  # the previous reader: every object under spans/ into the cache first
         remote = open_run(uri)
-        remote.cache.fetch(SPANS_DIR)
-        return Run(remote.cache.dir)
+        remote.store.cache.fetch(SPANS_DIR)
+        return Run(remote.store.cache_dir)
 
     cases = [
         ("`ls`, before: cold cache (mirror `spans/`, list it)", lambda: mirror().trajectories(), True),

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import rlreplay
-from rlreplay.text import adapters
+from rlreplay.text import conversation
 from rlreplay.text.token2text import Decoder, _llm_output_ids, _llm_prompt_ids, add_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,7 +145,7 @@ def sequences(trajs: list[rlreplay.Trajectory]) -> list[list[int]]:
                 ]
             elif span.kind == "agent" and isinstance(span.output, dict):
                 seqs += [span.output.get("prompt_ids") or [], span.output.get("response_ids") or []]
-        seqs += [t.token_ids for t in adapters.turns(traj)]
+        seqs += [t.token_ids for t in conversation.turns(traj)]
     return seqs
 
 

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 
+from rlreplay.errors import CliError
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -59,10 +61,6 @@ def err_console() -> Console:
     from rich.console import Console
 
     return Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or not sys.stderr.isatty())
-
-
-class CliError(Exception):
-    """Bad input: printed as one line on stderr, exit code 2."""
 
 
 def fail(message: str) -> NoReturn:

@@ -181,11 +181,11 @@ def ls_command(
 
         extra = None
         if opened.manifest.get("replay"):  # a replay's rows say what each trajectory was served from
-            from rlreplay.playback import replay_rows
+            from rlreplay.playback import COLUMNS, replay_rows
 
             replayed = replay_rows(opened, selection.filters())
             served = [replayed.get(i, {}) for i in table["id"].to_pylist()]
-            extra = {k: [r.get(k) for r in served] for k in ("replay", "replay_of")}
+            extra = {k: [r.get(k) for r in served] for k in COLUMNS}
         for text in listing_json(table, extra):
             sys.stdout.write(text)
         return
@@ -301,7 +301,7 @@ def render_tree(traj: Any, text_lines: Any = None) -> Tree:
         f"rollout_n={traj.rollout_n} {split}  experiment={escape(str(traj.experiment))} "
         f"worker={escape(traj.worker)}  {when}\n"
         f"status={traj.status}{reward}  model_calls={traj.model_calls} tool_calls={traj.tool_calls} "
-        f"tool_errors={traj.tool_errors}"
+        f"tool_errors={traj.tool_errors}" + _replay_line(traj.attributes)
     )
     tree = Tree(title)
 
@@ -316,6 +316,23 @@ def render_tree(traj: Any, text_lines: Any = None) -> Tree:
     for root in traj.roots:
         add(tree, root)
     return tree
+
+
+def _replay_line(attributes: dict[str, Any]) -> str:
+    """The header line of a replayed trajectory: served, diverged (and why) or live, and its source."""
+    from rich.markup import escape
+
+    from rlreplay.recorder.replay import REASON_KEY, SOURCE_KEY, STATUS_KEY
+
+    status = attributes.get(STATUS_KEY)
+    if status is None:
+        return ""
+    line = f"\nreplay={escape(str(status))}"
+    if attributes.get(SOURCE_KEY):
+        line += f" of {escape(str(attributes[SOURCE_KEY]))}"
+    if attributes.get(REASON_KEY):
+        line += f": {escape(str(attributes[REASON_KEY]))}"
+    return line
 
 
 def is_run_dir(text: str) -> bool:
@@ -374,7 +391,7 @@ def show_command(
     report_warnings(opened)
     decoder = _show_decoder(opened, text, tokenizer)
     if decoder is not None:
-        from rlreplay.text.adapters import adapter_for_run
+        from rlreplay.adapters.registry import adapter_for_run
         from rlreplay.text.token2text import add_text
 
         add_text([traj], decoder, skip_special_tokens=skip_special_tokens, adapter=adapter_for_run(opened))

@@ -24,7 +24,7 @@ from rlreplay.cli.launch import (
 
 def guess_from_argv(command: list[str], framework: str = DEFAULT_FRAMEWORK) -> tuple[str | None, str | None]:
     """(experiment, tokenizer) that the framework's adapter finds on the command line, if any."""
-    from rlreplay.text.adapters import get_adapter
+    from rlreplay.adapters.registry import get_adapter
 
     adapter = get_adapter(framework)
     return adapter.experiment_from_argv(command), adapter.tokenizer_from_argv(command)

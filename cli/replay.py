@@ -2,48 +2,39 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from rlreplay.cli.app import TokenizerOption, app, fail, selection_options
 from rlreplay.cli.launch import DEFAULT_FRAMEWORK, FrameworkOption, GraceOption
+from rlreplay.recorder.matchers import DEFAULT_MATCH_ON
 
 
 @dataclass
 class ReplayPlan:
     """What ``record`` needs to carry a replay into every process and to report on it."""
 
-    source: Any  # the source Run
-    serve: str
-    on_diverge: str
-    selection: Any
+    config: Any  # rlreplay.playback.ReplayConfig
+    source: Any  # the source Run, opened
 
     def env(self) -> dict[str, str]:
-        from rlreplay.playback import env_vars
-
-        return env_vars(str(Path(self.source.path).resolve()), self.serve, self.on_diverge, self.selection)
+        return self.config.env()
 
     def manifest(self) -> dict[str, Any]:
-        return {
-            "replay": {
-                "source": str(Path(self.source.path).resolve()),
-                "serve": self.serve.split(","),
-                "on_diverge": self.on_diverge,
-            }
-        }
+        from rlreplay.playback import MANIFEST_KEY
+
+        return {MANIFEST_KEY: self.config.record()}
 
     def report(self, new_run: Any) -> None:
         from rlreplay.playback import replay_summary
 
-        summary = replay_summary(new_run, self.source, self.selection)
+        summary = replay_summary(new_run, self.config, self.source)
         diverged, never = summary["diverged"], summary["never_asked"]
         print(
-            f"rlreplay: replay of {self.source.path}: {summary['served']} ops served; "
+            f"rlreplay: replay of {self.source.address}: {summary['served']} ops served; "
             f"{len(diverged)} trajectories diverged"
             + (f" ({', '.join(diverged)})" if diverged else "")
             + f"; {len(never)} source trajectories never asked for"
@@ -56,7 +47,9 @@ class ReplayPlan:
 @app.command("replay", context_settings={"ignore_unknown_options": True})
 @selection_options
 def replay_command(
-    source: Annotated[Path, typer.Argument(metavar="SOURCE_RUN", help="The recorded run to serve from.")],
+    source: Annotated[
+        str, typer.Argument(metavar="SOURCE_RUN", help="The recorded run to serve from (a directory or URI).")
+    ],
     command: Annotated[list[str], typer.Argument(metavar="-- CMD...", help="The command to run.")],
     serve: Annotated[
         str,
@@ -73,6 +66,15 @@ def replay_command(
             "of its trajectory live) or fail (the call raises).",
         ),
     ] = "live",
+    match_on: Annotated[
+        str,
+        typer.Option(
+            "--match-on",
+            metavar="MATCHERS",
+            help="What a call must share with its recorded op to be served: position (the k-th call "
+            "of its kind), name, inputs (per-call ids aside).",
+        ),
+    ] = ",".join(DEFAULT_MATCH_ON),
     out: Annotated[
         str | None,
         typer.Option(
@@ -92,25 +94,23 @@ def replay_command(
     """
     from rlreplay.cli.record import record_run
     from rlreplay.errors import RlreplayError
-    from rlreplay.playback import open_source, parse_serve, selected, source_framework
+    from rlreplay.playback import ReplayConfig, open_source, selected, source_framework
 
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         fail("no command given: rlreplay replay SOURCE_RUN [OPTIONS] -- CMD ...")
     try:
-        parse_serve(serve)
-        if on_diverge not in ("live", "fail"):
-            fail(f"--on-diverge must be live or fail, not {on_diverge!r}")
-        run = open_source(os.fspath(source))
+        config = ReplayConfig.of(source, serve, selection, on_diverge, match_on)
+        run = open_source(source)
         recorded_with = source_framework(run)
         if recorded_with != framework.strip().lower():
             fail(
-                f"source run {source} was recorded with the {recorded_with} adapter; "
+                f"source run {run.address} was recorded with the {recorded_with} adapter; "
                 f"replay it with --framework {recorded_with}"
             )
-        selected(run, selection)
+        selected(run, config.selection)
     except RlreplayError as exc:
         fail(str(exc))
-    plan = ReplayPlan(run, ",".join(s.strip() for s in serve.split(",")), on_diverge, selection)
+    plan = ReplayPlan(config, run)
     return record_run(command, out, None, None, tokenizer, framework, False, grace, replay=plan)

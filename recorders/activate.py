@@ -215,7 +215,7 @@ def activate() -> None:
     framework = os.environ.get(ENV_FRAMEWORK, "").strip().lower()
     if framework and framework not in BUILTIN_FRAMEWORKS:
         try:
-            from rlreplay.text.adapters import get_adapter
+            from rlreplay.adapters.registry import get_adapter
 
             get_adapter(framework).install()
         except Exception as exc:

@@ -27,7 +27,9 @@ from contextvars import ContextVar
 from types import ModuleType
 from typing import Any
 
-from rlreplay.text.adapters import ConversationFields, GenericAdapter
+from rlreplay.adapters.generic import GenericAdapter
+from rlreplay.format.kinds import KIND_AGENT, KIND_LLM, KIND_PARSER, KIND_TOOL
+from rlreplay.text.conversation import ConversationFields
 
 log = logging.getLogger("rlreplay")
 
@@ -35,10 +37,10 @@ TRACE_MODULE = "verl.utils.rollout_trace"
 
 #: Span kind from the decorated method's name; anything else is "op".
 KIND_BY_NAME = {
-    "generate": "llm",
-    "execute": "tool",
-    "extract_tool_calls": "parser",
-    "run": "agent",
+    "generate": KIND_LLM,
+    "execute": KIND_TOOL,
+    "extract_tool_calls": KIND_PARSER,
+    "run": KIND_AGENT,
 }
 
 #: verl backends whose work happens inside verl's own wrapper; for any other value (None,
@@ -227,7 +229,7 @@ def _wrap(verl_wrapper: Callable[..., Any], func: Callable[..., Any]) -> Callabl
     """
     kind = infer_kind(func)
     name = getattr(func, "__qualname__", getattr(func, "__name__", "op"))
-    wants_tokenizer = kind in ("agent", "llm")
+    wants_tokenizer = kind in (KIND_AGENT, KIND_LLM)
     get_config = _originals["config"].get_instance
     is_async = inspect.iscoroutinefunction(func)
     traced_box: list[Any] = []
@@ -264,7 +266,7 @@ def _wrap(verl_wrapper: Callable[..., Any], func: Callable[..., Any]) -> Callabl
             name=name,
             kind=kind,
             reduce_inputs=_summaries,
-            reward=_tool_reward if kind == "tool" else None,
+            reward=_tool_reward if kind == KIND_TOOL else None,
         )
         traced_box.append(traced)
         return traced
@@ -666,6 +668,7 @@ def _set_fields(value: Any) -> Any:
     return out
 
 
+_VOLATILE = frozenset({"metrics", EXTRA_FIELD})
 #: What verl's post-processing adds to an ``AgentLoopOutput`` after ``run`` returned it.
 _POSTPROCESS_EXTRA_FIELDS = ("raw_prompt", EXTRA_FIELD, "reward_extra_info")
 
@@ -697,9 +700,6 @@ class VerlAdapter(GenericAdapter):
         stop_reason=("stop_reason",), max_tokens=("max_tokens", "max_new_tokens"), length_stops=("length",)
     )
     prompt_message_fields = ("raw_prompt",)
-    #: Output keys that differ between two runs of the same rollout: ``AgentLoopOutput.metrics``
-    #: (wall times) and rlreplay's own trajectory key in ``extra_fields``.
-    volatile_keys = ("metrics", EXTRA_FIELD)
 
     def install(self) -> None:
         """Hook verl's tracing module (now if imported, else when imported) and its trainer."""
@@ -717,19 +717,32 @@ class VerlAdapter(GenericAdapter):
     def rebuild_output(self, name: str, kind: str, output: Any) -> Any:
         """A recorded output as verl's own type: ``TokenOutput`` (model calls), ``AgentLoopOutput``
         (agent loops), ``(ToolResponse, reward, metrics)`` (tools); other values as recorded."""
-        if kind == "llm" and isinstance(output, dict):
+        if kind == KIND_LLM and isinstance(output, dict):
             from verl.workers.rollout.replica import TokenOutput
 
             return TokenOutput.model_validate(output)
-        if kind == "agent" and isinstance(output, dict):
+        if kind == KIND_AGENT and isinstance(output, dict):
             from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
             return AgentLoopOutput.model_validate(_as_run_returned(output))
-        if kind == "tool" and isinstance(output, list) and len(output) == 3 and isinstance(output[0], dict):
+        if (
+            kind == KIND_TOOL
+            and isinstance(output, list)
+            and len(output) == 3
+            and isinstance(output[0], dict)
+        ):
             from verl.tools.schemas import ToolResponse
 
-            return ToolResponse.model_validate(output[0]), output[1], output[2]
+            # a field recorded as None was not set (verl refuses ``image=None``)
+            response = {k: v for k, v in output[0].items() if v is not None}
+            return ToolResponse.model_validate(response), output[1], output[2]
         return output
+
+    def volatile_keys(self) -> frozenset[str]:
+        """Per-call ids, and what differs between two runs of the same rollout: the timing
+        ``metrics`` (of ``AgentLoopOutput``, and of ``AgentData`` in a tool call's inputs) and
+        rlreplay's own trajectory key in ``extra_fields``."""
+        return super().volatile_keys() | _VOLATILE
 
     def tokenizer_from_argv(self, argv: list[str]) -> str | None:
         """``actor_rollout_ref.model.tokenizer_path=`` wins over ``actor_rollout_ref.model.path=``."""

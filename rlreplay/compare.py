@@ -19,13 +19,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rlreplay.adapters.registry import adapter_for_run, get_adapter
 from rlreplay.diff.align import first_divergence
 from rlreplay.format.schema import KIND_SIGNALS
 from rlreplay.model import Span, Trajectory, key_value
 from rlreplay.read.filters import Filters
 from rlreplay.read.run import Run
-from rlreplay.recorder.replay import IGNORED_KEYS, comparable
-from rlreplay.text.adapters import adapter_for_run, turns
+from rlreplay.recorder.matchers import comparable, first_path
+from rlreplay.text.conversation import turns
 
 Keys = tuple[Any, Any, Any, Any]
 
@@ -122,28 +123,16 @@ def _events(traj: Trajectory) -> list[tuple[Span, bool]]:
     return out
 
 
-def _path(a: Any, b: Any, at: str = "") -> str:
-    """Where two values first differ, as a path like ``kwargs.prompt_ids[3]``."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in list(a) + [k for k in b if k not in a]:
-            if key not in a or key not in b or a[key] != b[key]:
-                inner = f"{at}.{key}" if at else str(key)
-                return _path(a.get(key), b.get(key), inner) if key in a and key in b else inner
-        return at
-    if isinstance(a, list) and isinstance(b, list):
-        for i, (x, y) in enumerate(zip(a, b)):
-            if x != y:
-                return _path(x, y, f"{at}[{i}]")
-        return f"{at}[{min(len(a), len(b))}]"
-    return at
+def volatile_keys(*adapters: Any) -> frozenset[str]:
+    """The keys any of ``adapters`` names volatile (None: the generic adapter): never compared."""
+    return frozenset().union(*((a or get_adapter()).volatile_keys() for a in adapters))
 
 
 def first_difference(
     a: Trajectory, b: Trajectory, adapter_a: Any = None, adapter_b: Any = None
 ) -> dict[str, Any] | None:
     """The first span and field where two trajectories differ, or None when they are the same."""
-    ignored = IGNORED_KEYS | frozenset(getattr(adapter_a, "volatile_keys", ()))
-    ignored |= frozenset(getattr(adapter_b, "volatile_keys", ()))
+    ignored = volatile_keys(adapter_a, adapter_b)
     events_a, events_b = _events(a), _events(b)
     index_a = {id(span): i for i, span in enumerate(s for s, opening in events_a if opening)}
     index_b = {id(span): i for i, span in enumerate(s for s, opening in events_b if opening)}
@@ -164,7 +153,7 @@ def first_difference(
             if name in ("inputs", "output"):
                 va, vb = comparable(va, ignored), comparable(vb, ignored)
             if va != vb:
-                path = _path(va, vb) if name in ("inputs", "output") else None
+                path = first_path(va, vb) if name in ("inputs", "output") else None
                 found = {"span": index_a[id(sa)], "name": sa.name, "field": name, "path": path or None}
                 found["ended"] = None
                 break
@@ -202,8 +191,7 @@ def compare_runs(run_a: Run, run_b: Run, selection: Any = None, fast: bool = Tru
     else:
         table_a, table_b = run_a.trajectories(), run_b.trajectories()
     adapter_a, adapter_b = adapter_for_run(run_a), adapter_for_run(run_b)
-    ignored = IGNORED_KEYS | frozenset(getattr(adapter_a, "volatile_keys", ()))
-    ignored |= frozenset(getattr(adapter_b, "volatile_keys", ()))
+    ignored = volatile_keys(adapter_a, adapter_b)
     for step, items in _by_step(pairs(table_a, table_b)).items():
         both = [(ra, rb) for _, ra, rb in items if ra is not None and rb is not None]
         ids_a, ids_b = [ra["id"] for ra, _ in both], [rb["id"] for _, rb in both]
@@ -254,8 +242,8 @@ def _step_pairs(
         if equal[i]:
             out[ia, ib] = (True, None)
             continue
-        ta = spans_a.trajectory(i, lambda m: run_a._warn(f"step {step}: {m}"))
-        tb = spans_b.trajectory(i, lambda m: run_b._warn(f"step {step}: {m}"))
+        ta = spans_a.trajectory(i, lambda m: run_a.warn(f"step {step}: {m}"))
+        tb = spans_b.trajectory(i, lambda m: run_b.warn(f"step {step}: {m}"))
         if ta is not None and tb is not None:
             difference = first_difference(ta, tb, adapter_a, adapter_b)
             out[ia, ib] = (difference is None, difference)

@@ -1,4 +1,4 @@
-"""The errors rlreplay raises for a user's bad input: one base class, one subclass per kind."""
+"""The errors rlreplay reports to its user: one base class, one subclass per kind, all declared here."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ def install_hint(extra: str) -> str:
 
 
 class RlreplayError(Exception):
-    """Bad input from the user: a command prints its message on one line and exits 2."""
+    """An error the user can act on: a command prints its message on one line and exits 2."""
+
+
+class CliError(RlreplayError):
+    """Bad input on the command line (an option's value, a missing argument)."""
 
 
 class RunError(RlreplayError):
@@ -24,6 +28,22 @@ class QueryError(SelectionError):
     """A query DuckDB refused (syntax, unknown column, type): one line naming the problem."""
 
 
+class SelectorError(RunError):
+    """A selector or id that is malformed, or that does not pick exactly one trajectory."""
+
+
+class NotFound(RunError):
+    """A run or trajectory the web UI does not have (answered with 404)."""
+
+
+class TokenizerUnavailable(RunError):
+    """The tokenizer cannot be loaded on this machine; the message says how to pass a local copy."""
+
+
+class ReportPathError(RunError):
+    """A report path that would overwrite the user's files or write into a recorded run."""
+
+
 class FormatError(RlreplayError):
     """A file that rlreplay cannot read: foreign, corrupt, or from a newer format."""
 
@@ -34,3 +54,19 @@ class UnsafePathError(FormatError):
 
 class StorageError(RlreplayError):
     """A run location that cannot be used: unreachable store, missing bucket, bad credentials."""
+
+
+class ReplayError(RlreplayError):
+    """A replay that cannot start: no source run, an unknown kind to serve, a selection of nothing."""
+
+
+class ReplayDivergence(RlreplayError):
+    """A served op was called with other inputs than the recorded one (``on_diverge="fail"``)."""
+
+
+class UploadError(RlreplayError):
+    """A failure that stops the whole upload (bad credentials, unknown project): one clear line."""
+
+
+class RequestTimeout(UploadError):
+    """A server that did not answer one request within the deadline: the upload stops, resumable."""

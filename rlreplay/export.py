@@ -2,7 +2,7 @@
 
 Records hold the keys (merged as in ``ls --json``: a key with any non-int value is a string
 column), ``validate``, ``experiment``, ``reward``, ``advantage`` (both from the listing) and
-``messages`` from :func:`rlreplay.text.adapters.openai_messages` and ``tools``, the tool schemas the
+``messages`` from :func:`rlreplay.adapters.registry.openai_messages` and ``tools``, the tool schemas the
 prompt was rendered with (a JSON array in a string, so that its type is the same for every run; null
 when not recorded): ``apply_chat_template(messages, tools=json.loads(tools))``; with ``ids``, also the agent
 span's ``prompt_ids``, ``response_ids`` and ``response_mask``. JSON lines and Parquet files
@@ -18,13 +18,13 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
+from rlreplay.adapters.registry import adapter_for_run, openai_messages
 from rlreplay.format.index import merged
 from rlreplay.format.schema import KIND_AGENT
 from rlreplay.model import Trajectory
 from rlreplay.read.filters import Filters
 from rlreplay.read.run import Run
 from rlreplay.read.selection import KEYS
-from rlreplay.text.adapters import adapter_for_run, openai_messages
 
 FORMATS = ("jsonl", "parquet")
 RECORD_FIELDS = ("id", *KEYS, "validate", "experiment", "reward", "advantage")

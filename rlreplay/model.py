@@ -335,7 +335,7 @@ def decoded_rows(spans: pa.Table, warn: Any = None) -> list[dict[str, Any]]:
 def _owner_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The root span's row (it carries the trajectory's worker), else the first."""
     for r in rows:
-        if r["parent_id"] is None and r["kind"] != "signals":
+        if r["parent_id"] is None and r["kind"] != KIND_SIGNALS:
             return r
     return rows[0]
 

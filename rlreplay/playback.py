@@ -2,41 +2,50 @@
 
 ``with rlreplay.replay(source_run, serve=("llm",)):`` serves, inside each trajectory whose keys
 (step, sample_index, rollout_n, validate) match a selected trajectory of the source run, the ops of
-the served kinds from the recording (``rlreplay.recorder.replay`` says how calls are matched). The
-new run is recorded as usual; each trajectory's root span carries ``replay`` (``served``,
-``diverged`` or ``live``) and ``replay_of`` (the source trajectory's id), each served span
-``{"replay": "served"}``. ``rlreplay replay`` does the same in every process of a job, through the
-environment variables below.
+the served kinds from the recording (``match_on``: the matchers of ``rlreplay.recorder.matchers``).
+The new run is recorded as usual; each trajectory's root span carries ``replay`` (``served``,
+``diverged`` or ``live``), ``replay_of`` (the source trajectory's id) and, when it diverged,
+``replay_reason``; each served span ``{"replay": "served"}``, the span that diverged
+``{"replay": "diverged", "replay_reason": ...}``. A :class:`ReplayConfig` is the whole replay:
+``rlreplay replay`` carries it into every process of a job through the environment, and both
+write it into the new run's manifest.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import orjson
 
-from rlreplay.errors import RlreplayError
+from rlreplay.adapters.registry import MANIFEST_KEY as ADAPTER_KEY
+from rlreplay.adapters.registry import adapter_for_run
+from rlreplay.errors import ReplayError, RlreplayError
 from rlreplay.format import manifest
+from rlreplay.format.keys import KEY_STR, KEYS, TrajectoryKey
 from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_TOOL
-from rlreplay.model import key_value
 from rlreplay.read.filters import Filters
 from rlreplay.read.open import open_run
 from rlreplay.read.run import Run
 from rlreplay.read.selection import Selection
 from rlreplay.recorder import api
+from rlreplay.recorder.matchers import DEFAULT_MATCH_ON, RecordedOp, matchers
 from rlreplay.recorder.replay import (
     DIVERGED,
     ON_DIVERGE,
+    REASON_KEY,
     SERVED,
+    SOURCE_KEY,
+    STATUS_KEY,
     Cassette,
-    RecordedOp,
     RecordedTrajectory,
-    normal_keys,
+    Recording,
 )
-from rlreplay.text.adapters import MANIFEST_KEY, adapter_for_run
+from rlreplay.remote import location
 
 #: What ``serve`` may name, and the span kind each serves.
 SERVE_KINDS = {"llm": KIND_LLM, "tool": KIND_TOOL, "agent": KIND_AGENT}
@@ -44,30 +53,183 @@ ENV_SOURCE = "RLREPLAY_REPLAY_SOURCE"
 ENV_SERVE = "RLREPLAY_REPLAY_SERVE"
 ENV_ON_DIVERGE = "RLREPLAY_REPLAY_ON_DIVERGE"
 ENV_SELECT = "RLREPLAY_REPLAY_SELECT"
+ENV_MATCH_ON = "RLREPLAY_REPLAY_MATCH_ON"
+#: The manifest's record of a replay (``run.json``), and the listing columns a replay adds.
+MANIFEST_KEY = "replay"
+COLUMNS = (STATUS_KEY, SOURCE_KEY, REASON_KEY)
 
 
-class ReplayError(RlreplayError):
-    """A replay that cannot start: no source run, an unknown kind to serve, a selection of nothing."""
+def _names(value: str | Iterable[str], option: str) -> tuple[str, ...]:
+    names = value.split(",") if isinstance(value, str) else list(value)
+    if not all(isinstance(n, str) for n in names):
+        raise ReplayError(f"{option}: names, not {value!r}")
+    return tuple(n.strip() for n in names)
 
 
-def parse_serve(serve: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+def parse_serve(serve: str | Iterable[str]) -> tuple[str, ...]:
     """``"llm,tool"`` or ``("llm", "tool")`` as span kinds; raises ReplayError for an unknown one."""
-    names = serve.split(",") if isinstance(serve, str) else list(serve)
-    names = [n.strip() for n in names]
+    names = _names(serve, "--serve")
     unknown = [n for n in names if n not in SERVE_KINDS]
     if unknown or not names:
         raise ReplayError(
-            f"--serve: unknown kind {', '.join(unknown) or '(none)'!r} (kinds: llm, tool, agent)"
+            f"--serve: unknown kind {', '.join(unknown) or '(none)'!r} (kinds: {', '.join(SERVE_KINDS)})"
         )
     return tuple(SERVE_KINDS[n] for n in names)
 
 
-def as_selection(select: Selection | dict[str, Any] | None) -> Selection:
+def as_selection(select: Selection | Mapping[str, Any] | None) -> Selection:
     if select is None:
         return Selection()
     if isinstance(select, Selection):
         return select
-    return Selection(**select)
+    try:
+        return Selection(**select)
+    except TypeError as exc:
+        raise ReplayError(f"replay selection: {exc}") from None
+
+
+def _selection_record(selection: Selection) -> dict[str, Any]:
+    """The options a selection was given (its fields that are set)."""
+    return {f.name: v for f in fields(selection) if (v := getattr(selection, f.name)) is not None}
+
+
+def _source_text(source: str | os.PathLike[str] | Run) -> str:
+    """The source as every process of a job can open it: a URI as given, a local path absolute."""
+    if isinstance(source, Run):
+        return source.store.uri or str(Path(source.path).resolve())
+    return location.as_uri(source) or str(location.local_path(source).resolve())
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """A replay: what it serves from and how. The one place that carries it into a job's processes
+    (:meth:`env`, :meth:`from_env`) and into the new run's manifest (:meth:`record`,
+    :meth:`from_manifest`)."""
+
+    source: str  # the source run: a URI as given, or an absolute path
+    serve: tuple[str, ...] = ("llm",)  # names of SERVE_KINDS
+    selection: Selection = field(default_factory=Selection)
+    on_diverge: str = "live"
+    match_on: tuple[str, ...] = DEFAULT_MATCH_ON  # names of rlreplay.recorder.matchers.MATCHERS
+
+    @classmethod
+    def of(
+        cls,
+        source: str | os.PathLike[str] | Run,
+        serve: str | Iterable[str] = ("llm",),
+        select: Selection | Mapping[str, Any] | None = None,
+        on_diverge: str = "live",
+        match_on: str | Iterable[str] = DEFAULT_MATCH_ON,
+    ) -> ReplayConfig:
+        """A checked config; raises ReplayError for an unknown kind, matcher or ``on_diverge``."""
+        config = cls(
+            _source_text(source),
+            _names(serve, "--serve"),
+            as_selection(select),
+            on_diverge,
+            _names(match_on, "--match-on"),
+        )
+        config.check()
+        return config
+
+    def check(self) -> None:
+        parse_serve(self.serve)
+        if self.on_diverge not in ON_DIVERGE:
+            raise ReplayError(f"--on-diverge must be live or fail, not {self.on_diverge!r}")
+        try:
+            matchers(self.match_on)
+        except ValueError as exc:
+            raise ReplayError(f"--match-on: {exc}") from None
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The span kinds served."""
+        return parse_serve(self.serve)
+
+    # -- into a job's processes, and back ------------------------------------------------------
+
+    def env(self) -> dict[str, str]:
+        """What carries this replay into every process of a job."""
+        return {
+            ENV_SOURCE: self.source,
+            ENV_SERVE: ",".join(self.serve),
+            ENV_ON_DIVERGE: self.on_diverge,
+            ENV_SELECT: orjson.dumps(_selection_record(self.selection)).decode(),
+            ENV_MATCH_ON: ",".join(self.match_on),
+        }
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> ReplayConfig | None:
+        """The replay the environment names; None when it names none. Raises ReplayError."""
+        source = environ.get(ENV_SOURCE)
+        if not source:
+            return None
+        try:
+            select = orjson.loads(environ.get(ENV_SELECT) or "{}")
+        except orjson.JSONDecodeError as exc:
+            raise ReplayError(f"${ENV_SELECT}: not JSON ({exc})") from None
+        if not isinstance(select, dict):
+            raise ReplayError(f"${ENV_SELECT}: not a JSON object")
+        return cls.of(
+            source,
+            environ.get(ENV_SERVE) or "llm",
+            select,
+            environ.get(ENV_ON_DIVERGE) or "live",
+            environ.get(ENV_MATCH_ON) or DEFAULT_MATCH_ON,
+        )
+
+    # -- into the new run's manifest, and back --------------------------------------------------
+
+    def record(self) -> dict[str, Any]:
+        """The manifest's ``replay`` record."""
+        return {
+            "source": self.source,
+            "serve": list(self.serve),
+            "on_diverge": self.on_diverge,
+            "match_on": list(self.match_on),
+            "select": _selection_record(self.selection),
+        }
+
+    def write_manifest(self, run_dir: str | os.PathLike[str]) -> None:
+        """Name this replay in the run's manifest: its listing then carries the replay columns."""
+        with contextlib.suppress(OSError):
+            manifest.update_manifest(Path(run_dir), **{MANIFEST_KEY: self.record()})
+
+    @classmethod
+    def from_manifest(cls, data: Mapping[str, Any]) -> ReplayConfig | None:
+        """The replay a run's manifest records (older records name fewer fields); None when it
+        records none or one that is not readable."""
+        found = data.get(MANIFEST_KEY)
+        if not isinstance(found, dict) or not isinstance(found.get("source"), str):
+            return None
+        try:
+            return cls(
+                found["source"],
+                _names(found.get("serve") or ("llm",), "serve"),
+                as_selection(found.get("select") or None),
+                str(found.get("on_diverge") or "live"),
+                _names(found.get("match_on") or DEFAULT_MATCH_ON, "match_on"),
+            )
+        except (ReplayError, TypeError, AttributeError):
+            return None
+
+    # -- the cassette --------------------------------------------------------------------------
+
+    def cassette(self, run: Run | None = None, lazy: bool = False) -> Cassette:
+        """A :class:`Cassette` of the source's selected trajectories (``run``: the source, opened);
+        ``lazy``: read on the first trajectory that opens."""
+
+        def recording() -> Recording:
+            source = run if run is not None else open_source(self.source)
+            adapter = adapter_for_run(source)
+            table = selected(source, self.selection)
+            return Recording(
+                recorded_trajectories(source, table, self.kinds),
+                adapter.volatile_keys(),
+                adapter.rebuild_output,
+            )
+
+        return Cassette(self.kinds, recording if lazy else recording(), self.on_diverge, self.match_on)
 
 
 def open_source(source: str | os.PathLike[str] | Run) -> Run:
@@ -78,84 +240,54 @@ def open_source(source: str | os.PathLike[str] | Run) -> Run:
         run = open_run(source)
         run.index()
     except RlreplayError as exc:
-        raise ReplayError(f"source run {source}: {exc}") from None
+        raise ReplayError(f"source run {location.redact(os.fspath(source))}: {exc}") from None
     except OSError as exc:
-        raise ReplayError(f"source run {source}: cannot be read ({exc.strerror or exc})") from None
+        raise ReplayError(
+            f"source run {location.redact(os.fspath(source))}: cannot be read ({exc.strerror or exc})"
+        ) from None
     return run
 
 
 def source_framework(run: Run) -> str:
-    return str((run.manifest or {}).get(MANIFEST_KEY) or "generic").strip().lower()
+    return str((run.manifest or {}).get(ADAPTER_KEY) or "generic").strip().lower()
 
 
-def selected(run: Run, select: Selection | dict[str, Any] | None) -> Any:
+def selected(run: Run, select: Selection | Mapping[str, Any] | None) -> Any:
     """The source's selected listing; raises ReplayError when it holds no trajectory."""
     table = as_selection(select).trajectories(run)
     if table.num_rows == 0:
-        raise ReplayError(f"the selection matches no trajectory of the source run {run.path}")
+        raise ReplayError(f"the selection matches no trajectory of the source run {run.address}")
     return table
 
 
-def recorded_trajectories(run: Run, table: Any, kinds: tuple[str, ...]) -> dict[Any, RecordedTrajectory]:
-    """The listed trajectories' ops of ``kinds``, in call order, by keys (the first of equal keys)."""
-    out: dict[Any, RecordedTrajectory] = {}
-    rows = table.select(["id", "step", "sample_index", "rollout_n", "validate"]).to_pylist()
-    strs = table.select(["step_str", "sample_index_str", "rollout_n_str"]).to_pylist()
-    by_step: dict[Any, list[tuple[Any, str]]] = {}
-    for row, text in zip(rows, strs):
-        keys = normal_keys(
-            key_value(row["step"], text["step_str"]),
-            key_value(row["sample_index"], text["sample_index_str"]),
-            key_value(row["rollout_n"], text["rollout_n_str"]),
-            row["validate"],
-        )
-        by_step.setdefault(keys[0], []).append((keys, row["id"]))
+def recorded_trajectories(
+    run: Run, table: Any, kinds: Iterable[str]
+) -> dict[TrajectoryKey, RecordedTrajectory]:
+    """The listed trajectories' ops of ``kinds``, in call order, by key (the first of equal keys)."""
+    out: dict[TrajectoryKey, RecordedTrajectory] = {}
+    by_step: dict[Any, list[tuple[TrajectoryKey, str]]] = {}
+    for row in table.select(["id", "validate", *KEYS, *KEY_STR.values()]).to_pylist():
+        key = TrajectoryKey.from_row(row).without_experiment()
+        by_step.setdefault(key.step, []).append((key, row["id"]))
     wanted = set(kinds)
     for step, items in by_step.items():
         loaded = {
             t.id: t
             for t in run.load([i for _, i in items], Filters(step=step) if isinstance(step, int) else None)
         }
-        for keys, traj_id in items:
+        for key, traj_id in items:
             traj = loaded.get(traj_id)
-            if traj is None or keys in out:
+            if traj is None or key in out:
                 continue
             ops: dict[str, list[RecordedOp]] = {}
             for span in sorted(traj.spans, key=lambda s: (s.start_ns, s.span_id)):
                 if span.kind in wanted and span.status == "ok":
-                    ops.setdefault(span.kind, []).append(
-                        RecordedOp(span.span_id, span.name, span.inputs, span.output)
+                    same_kind = ops.setdefault(span.kind, [])
+                    same_kind.append(
+                        RecordedOp(span.span_id, span.name, span.inputs, span.output, len(same_kind))
                     )
-            out[keys] = RecordedTrajectory(traj_id, ops)
+            out[key] = RecordedTrajectory(traj_id, ops)
     return out
-
-
-def cassette(
-    source: str | os.PathLike[str] | Run,
-    serve: str | tuple[str, ...] | list[str] = ("llm",),
-    select: Selection | dict[str, Any] | None = None,
-    on_diverge: str = "live",
-    lazy: bool = False,
-) -> Cassette:
-    """A :class:`Cassette` of ``source``'s selected trajectories; ``lazy``: read them on first use."""
-    kinds = parse_serve(serve)
-    if on_diverge not in ON_DIVERGE:
-        raise ReplayError(f"--on-diverge must be live or fail, not {on_diverge!r}")
-    if lazy:
-        served_from = Cassette(kinds, on_diverge)
-
-        def load() -> dict[Any, RecordedTrajectory]:
-            run = open_source(source)
-            served_from.rebuild = getattr(adapter_for_run(run), "rebuild_output", None)
-            return recorded_trajectories(run, selected(run, select), kinds)
-
-        served_from.load = load
-        return served_from
-    run = open_source(source)
-    rebuild = getattr(adapter_for_run(run), "rebuild_output", None)
-    return Cassette(
-        kinds, on_diverge, recorded_trajectories(run, selected(run, select), kinds), rebuild=rebuild
-    )
 
 
 @contextlib.contextmanager
@@ -164,13 +296,18 @@ def replay(
     serve: str | tuple[str, ...] | list[str] = ("llm",),
     select: Selection | dict[str, Any] | None = None,
     on_diverge: str = "live",
+    match_on: str | tuple[str, ...] | list[str] = DEFAULT_MATCH_ON,
 ) -> Iterator[Cassette]:
     """Serve ``source_run``'s recorded ops of the ``serve`` kinds in this process (recording must be
-    on: ``rlreplay.init`` or ``$RLREPLAY_DIR``); yields the :class:`Cassette` (served, diverged)."""
-    if api.get_recorder() is None:
+    on: ``rlreplay.init`` or ``$RLREPLAY_DIR``); yields the :class:`Cassette` (served, divergences).
+
+    ``match_on``: the matchers a call must pass to be served (``rlreplay.recorder.matchers``)."""
+    recorder = api.get_recorder()
+    if recorder is None:
         raise ReplayError("replay records the new run: call rlreplay.init(dir) first or set $RLREPLAY_DIR")
-    served_from = cassette(source_run, serve, select, on_diverge)
-    mark_replay(api.get_recorder().config.run_dir, source_run, serve, on_diverge)
+    config = ReplayConfig.of(source_run, serve, select, on_diverge, match_on)
+    served_from = config.cassette(open_source(source_run))
+    config.write_manifest(recorder.config.run_dir)
     previous = api.set_replay(served_from)
     try:
         yield served_from
@@ -178,55 +315,28 @@ def replay(
         api.set_replay(previous)
 
 
-def mark_replay(run_dir: Any, source: Any, serve: Any, on_diverge: str) -> None:
-    """Name the source in the new run's manifest: its listing then carries ``replay``/``replay_of``."""
-    path = source.path if isinstance(source, Run) else source
-    kinds = serve.split(",") if isinstance(serve, str) else list(serve)
-    with contextlib.suppress(OSError):
-        manifest.update_manifest(
-            run_dir, replay={"source": str(os.path.abspath(path)), "serve": kinds, "on_diverge": on_diverge}
-        )
-
-
-def env_vars(source: str, serve: str, on_diverge: str, select: Selection | None) -> dict[str, str]:
-    """What carries a replay into every process of a job."""
-    fields = {k: v for k, v in (select.__dict__ if select else {}).items() if v is not None}
-    return {
-        ENV_SOURCE: source,
-        ENV_SERVE: serve,
-        ENV_ON_DIVERGE: on_diverge,
-        ENV_SELECT: orjson.dumps(fields).decode(),
-    }
-
-
 def start_from_env() -> Cassette | None:
     """In a process of ``rlreplay replay``'s job: serve from the source named by the environment (read
     on the first trajectory that opens)."""
-    source = os.environ.get(ENV_SOURCE)
-    if not source:
+    config = ReplayConfig.from_env()
+    if config is None:
         return None
-    select = orjson.loads(os.environ.get(ENV_SELECT) or "{}")
-    served_from = cassette(
-        source,
-        os.environ.get(ENV_SERVE) or "llm",
-        select or None,
-        os.environ.get(ENV_ON_DIVERGE) or "live",
-        lazy=True,
-    )
+    served_from = config.cassette(lazy=True)
     api.set_replay(served_from)
     return served_from
 
 
 def replay_rows(run: Run, filters: Filters | None = None) -> dict[str, dict[str, Any]]:
-    """``{trajectory id: {"replay": ..., "replay_of": ...}}`` from the root spans of a replayed run."""
+    """``{trajectory id: {"replay": ..., "replay_of": ..., "replay_reason": ...}}`` from the root
+    spans of a replayed run (``replay_reason``: why it diverged, else None)."""
     spans = run.spans(filters, columns=["trajectory_id", "parent_id", "kind", "attributes"])
     out: dict[str, dict[str, Any]] = {}
     for row in spans.to_pylist():
         if row["parent_id"] is not None or not row["attributes"] or row["kind"] == "signals":
             continue
         attrs = orjson.loads(row["attributes"])
-        if isinstance(attrs, dict) and "replay" in attrs:
-            out[row["trajectory_id"]] = {"replay": attrs["replay"], "replay_of": attrs.get("replay_of")}
+        if isinstance(attrs, dict) and STATUS_KEY in attrs:
+            out[row["trajectory_id"]] = {k: attrs.get(k) for k in COLUMNS}
     return out
 
 
@@ -238,15 +348,22 @@ def served_count(run: Run) -> int:
         for row in spans.to_pylist()
         if row["parent_id"] is not None
         and row["attributes"]
-        and orjson.loads(row["attributes"]).get("replay") == SERVED
+        and orjson.loads(row["attributes"]).get(STATUS_KEY) == SERVED
     )
 
 
-def replay_summary(new_run: Run, source: Run, select: Selection | dict[str, Any] | None) -> dict[str, Any]:
-    """Served spans, diverged trajectories (source ids), source trajectories never asked for."""
+def replay_summary(new_run: Run, config: ReplayConfig, source: Run | None = None) -> dict[str, Any]:
+    """Served spans, diverged trajectories (source ids) and why, source trajectories never asked for."""
     rows = replay_rows(new_run)
-    diverged = sorted(r["replay_of"] for r in rows.values() if r["replay"] == DIVERGED and r["replay_of"])
-    asked = {r["replay_of"] for r in rows.values() if r["replay_of"]}
-    table = as_selection(select).trajectories(source)
+    divergences = {
+        r[SOURCE_KEY]: r[REASON_KEY] for r in rows.values() if r[STATUS_KEY] == DIVERGED and r[SOURCE_KEY]
+    }
+    asked = {r[SOURCE_KEY] for r in rows.values() if r[SOURCE_KEY]}
+    table = config.selection.trajectories(source if source is not None else open_source(config.source))
     never = [i for i in table["id"].to_pylist() if i not in asked]
-    return {"served": served_count(new_run), "diverged": diverged, "never_asked": never}
+    return {
+        "served": served_count(new_run),
+        "diverged": sorted(divergences),
+        "divergences": divergences,
+        "never_asked": never,
+    }

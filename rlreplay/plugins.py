@@ -1,7 +1,8 @@
 """One plug-in loader: adapters, uploaders and audit checks, found by entry point (built-ins too).
 
-A plug-in is a ``"module:attribute"`` spec registered under a name in an entry-point group, the
-way rlreplay's own adapters and uploaders are (see ``pyproject.toml``). Specs registered
+A plug-in is a ``"module:attribute"`` spec registered under a name in its kind's entry-point group
+(``rlreplay.hookspecs`` declares the groups and what each kind of plug-in implements), the way
+rlreplay's own adapters, uploaders and checks are (see ``pyproject.toml``). Specs registered
 in-process (:func:`register`) come last and win. Nothing is imported until :func:`load`.
 """
 
@@ -11,18 +12,12 @@ import importlib
 from importlib.metadata import entry_points
 from typing import Any
 
-#: Entry-point groups per kind of plug-in; a later group wins. ``rlreplay.recorders`` is the
-#: adapters' former group, still read for one release.
-GROUPS: dict[str, tuple[str, ...]] = {
-    "adapters": ("rlreplay.recorders", "rlreplay.adapters"),
-    "uploaders": ("rlreplay.uploaders",),
-    "checks": ("rlreplay.checks",),
-}
+from rlreplay.hookspecs import GROUPS
 
 #: Built-ins, used when the installed metadata lacks their entry points (e.g. an old editable install).
 BUILTINS: dict[str, dict[str, str]] = {
     "adapters": {
-        "generic": "rlreplay.text.adapters:GenericAdapter",
+        "generic": "rlreplay.adapters.generic:GenericAdapter",
         "verl": "rlreplay.recorders.verl:VerlAdapter",
     },
     "uploaders": {

@@ -16,10 +16,9 @@ from rlreplay.format.schema import (
     SPAN_SCHEMA,
     TOKEN_COLUMNS,
 )
-from rlreplay.read import filters
 from rlreplay.read.open import open_run
 from rlreplay.recorder import rows
-from rlreplay.shards.layout import LEASE_DIR, list_files, sealed_path_for
+from rlreplay.shards.layout import LEASE_DIR, sealed_path_for
 from rlreplay.shards.seal import write_sealed
 
 
@@ -54,12 +53,12 @@ def rewrite_run(src: Path, dst: Path) -> RewriteResult:
         (dst / LEASE_DIR).mkdir()
         for path in (src / LEASE_DIR).glob("*.json"):
             shutil.copy2(path, dst / LEASE_DIR / path.name)
-    sealed, partials = list_files(src)
+    sealed, partials = run.span_files()
     result = RewriteResult(0, 0, 0, 0)
     plain = [c for c in SPAN_SCHEMA.names if c not in TOKEN_COLUMNS and c not in ("inputs", "output")]
     for path in sealed + partials:
         is_sealed = path in sealed
-        table = run._read_sealed(path, filters.Filters(), None) if is_sealed else run._partial(path)
+        table = run.file_rows(path)
         if table is None:
             raise FormatError(f"{path}: unreadable ({'; '.join(run.warnings)})")
         here = set(table["span_id"].to_pylist())

@@ -13,7 +13,7 @@ import pytest
 
 import rlreplay
 from rlreplay.cli.main import main
-from rlreplay.text.adapters import turns
+from rlreplay.text.conversation import turns
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "sample_runs" / "gsm8k-grpo-qwen3"

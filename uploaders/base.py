@@ -17,12 +17,11 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+from typing import Any, TypeVar
 
 import orjson
 
-from rlreplay.errors import RunError
-from rlreplay.model import Trajectory
+from rlreplay.errors import RequestTimeout, RunError, UploadError  # noqa: F401 - backends import it from here
 
 LEDGER_DIR = "_uploads"
 
@@ -50,14 +49,6 @@ class SendResult:
     retryable: bool = False
 
 
-class UploadError(Exception):
-    """A failure that stops the whole upload (bad credentials, unknown project): one clear line."""
-
-
-class RequestTimeout(UploadError):
-    """A server that did not answer one request within the deadline: the upload stops, resumable."""
-
-
 @dataclass(frozen=True)
 class BackendOption:
     """A command-line option a backend declares (``rlreplay upload --backend NAME --help`` lists it)."""
@@ -71,43 +62,6 @@ class BackendOption:
     def key(self) -> str:
         """The name the value goes under in ``BackendOptions.values`` (``--my-opt`` → ``my_opt``)."""
         return self.flag.lstrip("-").replace("-", "_")
-
-
-@runtime_checkable
-class Uploader(Protocol):
-    """What a backend class provides (class attributes, a factory, and the instance methods).
-
-    - ``backend``: its name (the entry point's name);
-    - ``options``: the :class:`BackendOption` s it takes beyond the common ones;
-    - ``requires``: the modules it imports when it runs (a missing one names the extra to install);
-    - ``can_upsert``: sending a trace again replaces it (same ids), so a rerun that can now
-      decode may replace traces sent without text, and ``--force`` may re-send;
-    - ``from_options(BackendOptions)``: the uploader for a run (classmethod);
-    - ``existing(trajectory_ids)``: which of them the server already holds (``None``: cannot tell).
-    """
-
-    backend: str
-    options: ClassVar[tuple[BackendOption, ...]]
-    requires: ClassVar[tuple[str, ...]]
-    can_upsert: ClassVar[bool]
-
-    def target(self) -> str:
-        """Where uploads go (e.g. ``mlflow:http://host:5000#experiment``); keys the ledger."""
-        ...
-
-    def prepare(self, trajectories: Sequence[Trajectory]) -> list[Prepared]:
-        """Convert trajectories (text already decoded) into wire payloads; no network."""
-        ...
-
-    def send(self, batch: Sequence[Prepared]) -> list[SendResult]:
-        """Send one batch; one result per prepared item. Raise UploadError only for fatal errors."""
-        ...
-
-    def existing(self, trajectory_ids: Sequence[str]) -> set[str] | None:
-        """The trajectories among ``trajectory_ids`` the server already has; None if it cannot tell."""
-        ...
-
-    def close(self) -> None: ...
 
 
 T = TypeVar("T")

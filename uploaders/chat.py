@@ -1,6 +1,6 @@
 """A trajectory's conversation as OpenAI chat messages, for the backends that show chats.
 
-``rlreplay.text.adapters.openai_messages`` (the framework adapter's) when it is available, else the
+``rlreplay.adapters.registry.openai_messages`` (the framework adapter's) when it is available, else the
 decoded conversation token2text put on the agent span.
 """
 
@@ -16,7 +16,7 @@ from rlreplay.model import Trajectory
 def messages(traj: Trajectory, decoder: Any) -> list[dict[str, Any]]:
     """The conversation in OpenAI chat form (``rlreplay.text.messages`` when available)."""
     try:
-        from rlreplay.text.adapters import openai_messages
+        from rlreplay.adapters.registry import openai_messages
     except ImportError:
         openai_messages = None
     if openai_messages is not None and decoder is not None:

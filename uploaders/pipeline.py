@@ -1,6 +1,6 @@
 """The upload pipeline, the same for every backend: select → load → decode → prepare → send.
 
-A backend is a class implementing ``rlreplay.uploaders.base.Uploader``, found through the
+A backend is a class implementing ``rlreplay.hookspecs.Uploader``, found through the
 entry-point group ``rlreplay.uploaders`` (or :data:`BACKENDS`, for one registered in-process)
 and imported only when used. :func:`make_uploader` builds it with
 ``Class.from_options(BackendOptions)`` when the class has that classmethod, else with
@@ -36,7 +36,8 @@ from rlreplay.read.run import Run
 from rlreplay.read.selection import Group
 
 if TYPE_CHECKING:
-    from rlreplay.uploaders.base import Ledger, Prepared, Uploader
+    from rlreplay.hookspecs import Uploader
+    from rlreplay.uploaders.base import Ledger, Prepared
 
 #: Backends registered in-process (``name → "module:Class"``), on top of the entry points.
 BACKENDS: dict[str, str] = plugins.REGISTERED["uploaders"]
@@ -426,7 +427,7 @@ def upload(
             trajs = run.load(missing, Filters(step=chunk[0].step)) if missing else []
             if decoder is not None and trajs and not text_failed:
                 try:
-                    from rlreplay.text.adapters import adapter_for_run
+                    from rlreplay.adapters.registry import adapter_for_run
                     from rlreplay.text.token2text import add_text
 
                     add_text(trajs, decoder, adapter=adapter_for_run(run))

@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from rlreplay.format.schema import KIND_AGENT, KIND_TRAJECTORY, STATUS_ERROR
+from rlreplay.format.schema import KIND_AGENT, KIND_SIGNALS, KIND_TRAJECTORY, STATUS_ERROR
 from rlreplay.model import Span, Trajectory
 from rlreplay.uploaders import chat
 from rlreplay.uploaders.base import Prepared, SendResult, UploadError, within
@@ -157,7 +157,7 @@ def step_stats(run: Any) -> dict[tuple[Any, bool], dict[str, float]]:
 
 def _traced(traj: Trajectory) -> list[Span]:
     """The spans verl's decorators trace (every op call; not rlreplay's own trajectory row)."""
-    return [s for s in traj.spans if s.kind != KIND_TRAJECTORY and s.kind != "signals"]
+    return [s for s in traj.spans if s.kind not in (KIND_TRAJECTORY, KIND_SIGNALS)]
 
 
 class TrackioUploader:

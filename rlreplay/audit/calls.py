@@ -17,6 +17,7 @@ from rlreplay.audit.finding import (
     Context,
     Finding,
 )
+from rlreplay.format.kinds import KIND_LLM, KIND_PARSER, KIND_TOOL
 
 
 def _finding(check: str, traj: Any, severity: str, detail: str, **kw: Any) -> Finding:
@@ -32,7 +33,7 @@ def _calls(traj: Any, kind: str) -> list[Any]:
 def retokenization(traj: Any, ctx: Context) -> Iterator[Finding]:
     import numpy as np
 
-    calls = [ctx.adapter.call_ids(s) for s in _calls(traj, "llm")]
+    calls = [ctx.adapter.call_ids(s) for s in _calls(traj, KIND_LLM)]
     for turn in range(1, len(calls)):
         (prompt, response), (following, _) = calls[turn - 1], calls[turn]
         if prompt is None or response is None or following is None:
@@ -125,7 +126,7 @@ def _least_run(max_ngram: int, min_repeats: float, min_tokens: float) -> int:
 def repetition(traj: Any, ctx: Context) -> Iterator[Finding]:
     max_ngram = int(ctx["repetition_max_ngram"])
     least = _least_run(max_ngram, ctx["repetition_min_repeats"], ctx["repetition_min_tokens"])
-    for turn, span in enumerate(_calls(traj, "llm")):
+    for turn, span in enumerate(_calls(traj, KIND_LLM)):
         _, response = ctx.adapter.call_ids(span)
         if response is None or not len(response) or len(response) < ctx["repetition_min_tokens"]:
             continue
@@ -210,7 +211,7 @@ def _char_kind(c: str) -> str | None:
 
 
 def garbled(traj: Any, ctx: Context) -> Iterator[Finding]:
-    spans = _calls(traj, "llm")
+    spans = _calls(traj, KIND_LLM)
     ids = [r if (r := ctx.adapter.call_ids(s)[1]) is not None else [] for s in spans]
     if not any(len(i) for i in ids):
         return
@@ -236,7 +237,7 @@ def garbled(traj: Any, ctx: Context) -> Iterator[Finding]:
 
 def truncated(traj: Any, ctx: Context) -> Iterator[Finding]:
     stops = getattr(ctx.adapter.fields, "length_stops", ("length",))
-    for turn, span in enumerate(_calls(traj, "llm")):
+    for turn, span in enumerate(_calls(traj, KIND_LLM)):
         reason = ctx.adapter.stop_reason(span)
         limit = ctx.adapter.max_tokens(span)
         _, response = ctx.adapter.call_ids(span)
@@ -253,7 +254,7 @@ def truncated(traj: Any, ctx: Context) -> Iterator[Finding]:
 
 
 def empty_response(traj: Any, ctx: Context) -> Iterator[Finding]:
-    for turn, span in enumerate(_calls(traj, "llm")):
+    for turn, span in enumerate(_calls(traj, KIND_LLM)):
         _, response = ctx.adapter.call_ids(span)
         if span.status == "ok" and response is not None and len(response) == 0:
             reason = ctx.adapter.stop_reason(span)
@@ -276,11 +277,11 @@ def _span_errors(traj: Any, kind: str, check: str, what: Any) -> Iterator[Findin
 
 
 def tool_error(traj: Any, ctx: Context) -> Iterator[Finding]:
-    return _span_errors(traj, "tool", "tool_error", ctx.adapter.tool_error)
+    return _span_errors(traj, KIND_TOOL, "tool_error", ctx.adapter.tool_error)
 
 
 def parse_error(traj: Any, ctx: Context) -> Iterator[Finding]:
-    return _span_errors(traj, "parser", "parse_error", ctx.adapter.parse_error)
+    return _span_errors(traj, KIND_PARSER, "parse_error", ctx.adapter.parse_error)
 
 
 RETOKENIZATION = Check(
@@ -291,7 +292,7 @@ RETOKENIZATION = Check(
     "re-tokenized text: the trainer sees tokens the model never sampled); reports the turn and the "
     "first differing position",
     retokenization,
-    span_kinds=("llm",),
+    span_kinds=(KIND_LLM,),
 )
 REPETITION = Check(
     "repetition",
@@ -301,7 +302,7 @@ REPETITION = Check(
     "repetition_min_repeats times over at least repetition_min_tokens tokens",
     repetition,
     {"repetition_max_ngram": 32, "repetition_min_repeats": 4, "repetition_min_tokens": 32},
-    span_kinds=("llm",),
+    span_kinds=(KIND_LLM,),
 )
 GARBLED = Check(
     "garbled",
@@ -313,7 +314,7 @@ GARBLED = Check(
     garbled,
     {"garbled_replacements": 2, "garbled_controls": 1, "garbled_scripts": 3, "garbled_script_letters": 3},
     needs_tokenizer=True,
-    span_kinds=("llm",),
+    span_kinds=(KIND_LLM,),
 )
 TRUNCATED = Check(
     "truncated",
@@ -322,7 +323,7 @@ TRUNCATED = Check(
     'a model call that stopped on its length limit (stop reason "length", or as many tokens as the '
     "request's max_tokens)",
     truncated,
-    span_kinds=("llm",),
+    span_kinds=(KIND_LLM,),
 )
 EMPTY_RESPONSE = Check(
     "empty_response",
@@ -330,7 +331,7 @@ EMPTY_RESPONSE = Check(
     LEVEL_TRAJECTORY,
     "a model call that returned no token ids",
     empty_response,
-    span_kinds=("llm",),
+    span_kinds=(KIND_LLM,),
 )
 TOOL_ERROR = Check(
     "tool_error",
@@ -338,7 +339,7 @@ TOOL_ERROR = Check(
     LEVEL_TRAJECTORY,
     "a tool call that raised, or returned an error (text beginning with error/exception/traceback)",
     tool_error,
-    span_kinds=("tool",),
+    span_kinds=(KIND_TOOL,),
 )
 PARSE_ERROR = Check(
     "parse_error",
@@ -347,5 +348,5 @@ PARSE_ERROR = Check(
     "a parser call that raised, or returned a tool call without a name or with arguments that are not "
     "a JSON object",
     parse_error,
-    span_kinds=("parser",),
+    span_kinds=(KIND_PARSER,),
 )

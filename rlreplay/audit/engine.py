@@ -18,7 +18,7 @@ def available() -> dict[str, Check]:
     for name, spec in plugins.specs("checks").items():
         check = plugins.load(spec)
         if not isinstance(check, Check):
-            raise TypeError(f"check {name!r} ({spec}) is not an rlreplay.audit.Check")
+            raise TypeError(f"check {name!r} ({spec}) is not an rlreplay.hookspecs.Check")
         out[name] = check
     return out
 
@@ -65,8 +65,8 @@ def audit(
     tokenizer: str | None = None,
 ) -> Report:
     """Run ``checks`` over the trajectories of ``listing`` (rows of ``run.trajectories()``)."""
+    from rlreplay.adapters.registry import adapter_for_run
     from rlreplay.format.arrow_ops import release_unused
-    from rlreplay.text.adapters import adapter_for_run
 
     release_unused()  # what reading the listing freed, before the tokenizer takes its share
     report = Report(list(checks), trajectories=listing.num_rows)
@@ -86,9 +86,9 @@ def audit(
 def _over_trajectories(run: Any, listing: Any, checks: list[Check], ctx: Context) -> Iterator[Finding]:
     """Trajectory checks, step by step: a check with ``span_kinds`` over trajectories holding only
     those spans, the others over whole trajectories (built only when such a check runs)."""
+    from rlreplay.adapters.generic import GenericAdapter
     from rlreplay.format.arrow_ops import release_unused
     from rlreplay.read.scan import by_step
-    from rlreplay.text.adapters import GenericAdapter
 
     # an adapter reading calls its own way may want what the calls-only reader leaves out
     reads = ("call_ids", "stop_reason", "max_tokens", "tool_error", "parse_error")
@@ -110,7 +110,7 @@ def _over_step(
     the step is held once it returns)."""
     from rlreplay.read.scan import step_calls, step_spans
 
-    warn = lambda message: run._warn(f"step {step}: {message}")  # noqa: E731
+    warn = lambda message: run.warn(f"step {step}: {message}")  # noqa: E731
     kinds = sorted({k for c in light for k in c.span_kinds or ()})
     light_names = {c.name for c in light}
     whole = step_spans(run, step, ids) if len(light) < len(checks) else None

@@ -18,6 +18,7 @@ from rlreplay.audit.finding import (
     Finding,
 )
 from rlreplay.format import arrow_ops as ops
+from rlreplay.format.kinds import KIND_SIGNALS
 from rlreplay.model import listing_rows
 
 
@@ -205,7 +206,7 @@ def _worst_tokens(ctx: Context, flagged: Any, keep: int) -> dict[str, list[tuple
             (
                 s.output["old_log_probs"]
                 for s in traj.spans
-                if s.kind == "signals" and isinstance(s.output, dict) and "old_log_probs" in s.output
+                if s.kind == KIND_SIGNALS and isinstance(s.output, dict) and "old_log_probs" in s.output
             ),
             None,
         )

@@ -1,6 +1,6 @@
 """Comparing two trajectories: where their conversations part ways, turn by turn.
 
-Token ids are the ground truth. The two conversations (``rlreplay.text.adapters.turns``) are
+Token ids are the ground truth. The two conversations (``rlreplay.text.conversation.turns``) are
 aligned turn by turn; each aligned pair is ``equal``, ``changed``, ``only_a`` or ``only_b``.
 Changed turns get a word-level diff of their text when a decoder is given, else a token-level
 diff of their ids. The *first divergence* is the first token where the prompt or the response
@@ -20,13 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlreplay.adapters.registry import adapter_for_run, get_adapter
 from rlreplay.diff.pick import SelectorError
 from rlreplay.format.schema import KIND_LLM, KIND_TOOL
 from rlreplay.model import Trajectory
 from rlreplay.read.filters import Filters
 from rlreplay.read.run import Run
-from rlreplay.text.adapters import adapter_for_run, get_adapter, turns
-from rlreplay.text.conversation import ROLE_ASSISTANT, ROLE_PROMPT, ROLE_TOOL, BatchDecoder, Turn
+from rlreplay.text.conversation import ROLE_ASSISTANT, ROLE_PROMPT, ROLE_TOOL, BatchDecoder, Turn, turns
 
 EQUAL = "equal"
 CHANGED = "changed"

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlreplay.errors import RunError
+from rlreplay.errors import SelectorError
 from rlreplay.model import Trajectory, listing_rows
 from rlreplay.read.filters import Filters
 from rlreplay.read.run import Run
@@ -24,10 +24,6 @@ _TRUE = {"true", "1", "yes", "val", "validate"}
 _FALSE = {"false", "0", "no", "train"}
 _HEX = set("0123456789abcdef")
 _ASCII_INT = re.compile(r"[+-]?[0-9]+")
-
-
-class SelectorError(RunError):
-    """A selector or id that is malformed, or that does not pick exactly one trajectory."""
 
 
 @dataclass(frozen=True)

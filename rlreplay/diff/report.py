@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlreplay.diff.align import DELTA_FIELDS, EQUAL, TrajectoryDiff, TurnDiff, format_tool_calls
-from rlreplay.errors import RunError
+from rlreplay.errors import ReportPathError
 from rlreplay.format.manifest import MANIFEST
 from rlreplay.shards.layout import SPANS_DIR
 
@@ -240,10 +240,6 @@ def render_html(diff: TrajectoryDiff) -> str:
         f"{_summary(diff)}<h2>Conversation</h2><p>{_e(count_line)}</p>{turns}{_tools(diff)}"
         "</main></body></html>"
     )
-
-
-class ReportPathError(RunError):
-    """A report path that would overwrite the user's files or write into a recorded run."""
 
 
 def _inside_run(path: Path, runs: list[Path]) -> Path | None:

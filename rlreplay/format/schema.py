@@ -14,22 +14,21 @@ import pyarrow as pa
 from rlreplay.errors import FormatError
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format.keys import FIELDS, KEY_STR, KEYS
+from rlreplay.format.kinds import (  # noqa: F401 - the span kinds, read from here too
+    KIND_AGENT,
+    KIND_LLM,
+    KIND_OP,
+    KIND_PARSER,
+    KIND_SIGNALS,
+    KIND_TOOL,
+    KIND_TRAJECTORY,
+)
 
 FORMAT_VERSION = 2
 FORMAT_KEY = b"rlreplay.format_version"
 
 #: Trajectory attributes every span carries (``rlreplay.format.keys.TrajectoryKey``'s fields).
 TRAJECTORY_ATTRS = FIELDS
-
-#: Span kinds: the trajectory root, an agent loop, a model call, a tool call, a tool-call parser,
-#: any other call, and training signals written by another process for an existing trajectory.
-KIND_TRAJECTORY = "trajectory"
-KIND_AGENT = "agent"
-KIND_LLM = "llm"
-KIND_TOOL = "tool"
-KIND_PARSER = "parser"
-KIND_OP = "op"
-KIND_SIGNALS = "signals"
 
 STATUS_OK = "ok"
 STATUS_ERROR = "error"

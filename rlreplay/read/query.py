@@ -18,7 +18,6 @@ from rlreplay.format.index import merged
 from rlreplay.format.schema import SPAN_SCHEMA, file_version
 from rlreplay.read.selection import KEYS, Selection
 from rlreplay.read.where import connect, duckdb_module, one_line, run_query, shared_connection
-from rlreplay.shards.layout import list_files
 
 #: The columns of :func:`stats`, in order.
 STATS_COLUMNS = (
@@ -53,19 +52,16 @@ def _spans_table(run: Any) -> Any:
     import pyarrow.dataset as ds
     import pyarrow.parquet as pq
 
-    fetch = getattr(run, "fetch", None)  # a remote run: bring every shard into its cache first
-    if callable(fetch):
-        fetch()
-    sealed, partials = list_files(run.path)
+    sealed, partials = run.span_files(fetch=True)  # a run on an object store: into its cache first
     good = []
     for path in sealed:
         try:
             file_version(pq.read_schema(path), "file")
             good.append(str(path))
         except (pa.ArrowException, OSError, FormatError) as exc:
-            run._warn(f"skipped unreadable file {path.relative_to(run.path)}: {one_line(exc)}")
+            run.warn(f"skipped unreadable file {path.relative_to(run.path)}: {one_line(exc)}")
     parts = [ds.dataset(good, schema=SPAN_SCHEMA, format="parquet")] if good else []
-    live = [t for t in (run._partial(path) for path in partials) if t is not None]
+    live = [t for t in (run.file_rows(path) for path in partials) if t is not None]
     if live:
         parts.append(ds.dataset([t.cast(SPAN_SCHEMA) for t in live], schema=SPAN_SCHEMA))
     if not parts:

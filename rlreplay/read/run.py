@@ -1,9 +1,10 @@
-"""A recorded run on local disk: its manifest, the trajectory listing, span reads and counters."""
+"""A recorded run, read through its store: its manifest, the trajectory listing, span reads and counters."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ from rlreplay.format.schema import (
 )
 from rlreplay.model import Trajectory, trajectory_from_table
 from rlreplay.read.filters import Filters, as_key_int
-from rlreplay.shards.layout import SPANS_DIR, list_names, step_dirs
+from rlreplay.read.store import LocalStore, Stamp, Store
+from rlreplay.shards.layout import PARTIAL_SUFFIX, SPANS_DIR
 from rlreplay.shards.live import read_partial
 
 RUNS_DIR = "rlreplay-runs"
@@ -41,10 +43,14 @@ class _File:
 
 
 class Run:
-    """A recorded run directory. Corrupt or foreign files are skipped and listed in ``warnings``."""
+    """A recorded run: a run directory, or a :class:`Store` holding one (a run on an object store is
+    read through ``rlreplay.read.remote.ObjectStore``). Corrupt or foreign files are skipped and
+    listed in ``warnings``."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, source: str | os.PathLike[str] | Store) -> None:
+        self.store: Store = LocalStore(source) if isinstance(source, (str, os.PathLike)) else source
+        #: the local folder the run's files are read from (for a run on an object store, its cache)
+        self.path = path = self.store.root
         self.warnings: list[str] = []
         self.manifest = manifest.read_manifest(path, self.warnings)
         self._indexes: dict[Path, tuple[float, int, pa.Table]] = {}
@@ -53,12 +59,12 @@ class Run:
         version = self.manifest.get("format_version", FORMAT_VERSION)
         if int(version) > FORMAT_VERSION:
             raise RunError(
-                f"{path}: recorded in format {version}, this rlreplay reads up to {FORMAT_VERSION}; "
+                f"{self.address}: recorded in format {version}, this rlreplay reads up to {FORMAT_VERSION}; "
                 "upgrade rlreplay"
             )
 
     def __repr__(self) -> str:
-        return f"Run({str(self.path)!r})"
+        return f"Run({self.address!r})"
 
     @property
     def name(self) -> str:
@@ -67,7 +73,7 @@ class Run:
     @property
     def address(self) -> str:
         """Where the run is, as shown to a user: its directory (a URI for a run on an object store)."""
-        return str(self.path)
+        return self.store.address
 
     @property
     def experiment(self) -> str | None:
@@ -77,12 +83,13 @@ class Run:
     def tokenizer(self) -> str | None:
         return self.manifest.get("tokenizer")
 
-    def _warn(self, message: str) -> None:
+    def warn(self, message: str) -> None:
+        """Add a line to ``warnings`` (once)."""
         if message not in self.warnings:
             self.warnings.append(message)
 
     def _skip(self, path: Path, exc: BaseException) -> None:
-        self._warn(f"skipped unreadable file {path.relative_to(self.path)}: {_one_line(exc)}")
+        self.warn(f"skipped unreadable file {path.relative_to(self.path)}: {_one_line(exc)}")
 
     # ---- files ------------------------------------------------------------------------------
 
@@ -96,11 +103,8 @@ class Run:
         """Matching rows of one sealed file (format 2 columns), reading only the row groups that may
         match (``row_groups``, else those whose statistics do not exclude them)."""
         wanted = filters.items()
-        source = self._sealed_source(
-            path, whole=columns is None or any(c in PAYLOAD_COLUMNS for c in columns)
-        )
         try:
-            pf = pq.ParquetFile(source)
+            pf = self._open_sealed(path, whole=columns is None or any(c in PAYLOAD_COLUMNS for c in columns))
             version = file_version(pf.schema_arrow, "file")
             if row_groups is None:
                 row_groups = [
@@ -125,6 +129,14 @@ class Run:
             return None
         table = filters.apply(table)
         return table.select(columns) if columns is not None else table
+
+    def _open_sealed(self, path: Path, whole: bool) -> pq.ParquetFile:
+        """A sealed file, opened: made local first when it is read ``whole`` (payload columns),
+        else read where it is (a run on an object store reads some columns of it in place). Every
+        read of a sealed file opens it here."""
+        if whole:
+            self.store.make_local([path])
+        return pq.ParquetFile(self.store.open_input(path))
 
     def _partial(self, path: Path) -> pa.Table | None:
         """A live file's rows (format 2 columns), cached while it does not change."""
@@ -158,7 +170,7 @@ class Run:
             stamp = stamps[i] if stamps is not None else None
             if stamp is None:
                 try:
-                    stamp = self._stamp(path)
+                    stamp = self.store.stamp(path)
                 except OSError as exc:
                     self._skip(path, exc)
                     continue
@@ -168,8 +180,10 @@ class Run:
                 found[i] = cached[2]
             else:
                 todo.append((i, size, mtime_ns))
-        if sealed:
-            read = _map(lambda t: tindex.read(tindex.index_path(paths[t[0]]), t[1]), todo)
+        if sealed and todo:
+            sidecars = [tindex.index_path(paths[i]) for i, _, _ in todo]
+            self.store.make_local(sidecars)
+            read = _map(lambda job: tindex.read(*job), [(f, t[1]) for f, t in zip(sidecars, todo)])
         else:
             read = [None] * len(todo)
         for (i, size, mtime_ns), index in zip(todo, read):
@@ -193,23 +207,12 @@ class Run:
             name[len(prefix) :] if name.startswith(prefix) else Path(name).relative_to(self.path).as_posix()
         )
 
-    def _stamp(self, path: Path | str) -> tuple[int, int]:
-        """(bytes, mtime in ns) of a run file: what tells an index or a run index it is current."""
-        stat = os.stat(path)
-        return stat.st_size, stat.st_mtime_ns
-
-    def _sealed_source(self, path: Path, whole: bool) -> Any:
-        """What a sealed file is read from (a run on an object store fetches it first, or reads
-        only some columns of it in place when not ``whole``)."""
-        return path
-
     def _build_index(self, path: Path) -> pa.Table | None:
         """The index of a sealed file without one (format 1, or its index lost)."""
         import numpy as np
 
-        source = self._sealed_source(path, whole=False)
         try:
-            pf = pq.ParquetFile(source)
+            pf = self._open_sealed(path, whole=False)
             version = file_version(pf.schema_arrow, "file")
             names = V1_COLUMNS if version == 1 else SPAN_SCHEMA.names
             cols = [c for c in names if c in tindex.SPAN_COLUMNS]
@@ -225,21 +228,46 @@ class Run:
 
     def step_partitions(self) -> list[str]:
         """The values of the run's ``spans/step=*`` folders, as written (unsorted)."""
-        return [d.name.removeprefix("step=") for d in step_dirs(self.path)]
+        return self.store.step_partitions()
+
+    def file_signature(self) -> tuple[Any, ...]:
+        """(name, bytes, mtime) of every span and counter file: changes whenever one is written
+        (a run on an object store: its objects, listed, nothing fetched)."""
+        return self.store.signature()
+
+    def stored_bytes(self) -> int:
+        """Bytes of the run's span files where the run is kept."""
+        return self.store.stored_bytes()
+
+    def fetch(self, step: int | None = None) -> None:
+        """Make the shards of one step (or of every step) local (a run on an object store brings
+        them into its cache; a run directory already is)."""
+        self.span_files(step, fetch=True)
+
+    def span_files(self, step: int | None = None, *, fetch: bool = False) -> tuple[list[Path], list[Path]]:
+        """(sealed shards, live files) of one step (or of every step), as local paths; with
+        ``fetch``, the shards are made local first (a run on an object store has them in its cache)."""
+        sealed, live = self._paths(Filters(step=step))
+        if fetch:
+            self.store.make_local(sealed)
+        return sealed, live
+
+    def file_rows(self, path: str | os.PathLike[str]) -> pa.Table | None:
+        """Every span row of one of the run's span files (sealed or live), in format 2 columns;
+        None when it cannot be read (``warnings`` says why)."""
+        path = Path(path)
+        if path.name.endswith(PARTIAL_SUFFIX):
+            return self._partial(path)
+        return self._read_sealed(path, Filters(), None)
 
     def _names(self, filters: Filters) -> tuple[list[str], list[str]]:
         """(sealed files, live files) the filters may need, as path strings: those of their steps,
         else all."""
         steps = filters.step if isinstance(filters.step, (list, tuple, set, frozenset)) else None
-        if steps is None or not all(type(s) is int for s in steps):
-            return list_names(self.path, filters.single_step())
-        sealed: list[str] = []
-        partials: list[str] = []
-        for step in sorted(set(steps)):
-            more = list_names(self.path, step)
-            sealed += more[0]
-            partials += more[1]
-        return sealed, partials
+        if steps is not None and all(type(s) is int for s in steps):
+            return self.store.list_span_files(sorted(set(steps)))
+        single = filters.single_step()
+        return self.store.list_span_files(None if single is None else [single])
 
     def _paths(self, filters: Filters) -> tuple[list[Path], list[Path]]:
         """``_names`` as paths."""
@@ -264,7 +292,15 @@ class Run:
         filters = filters or Filters(**kw)
         cols = list(columns) if columns is not None else None
         sealed, partials = self._paths(filters)
-        tables = [t for t in (self._read_sealed(f, filters, cols) for f in sealed) if t is not None]
+        if filters.trajectory_id is not None:  # a shard not local yet is read only when it may hold them
+            far = [p for p in sealed if not self.store.is_local(p)]
+            indexes = dict(zip(far, self._indexes_of(far, True)))  # their index files fetched at once
+            ids = pa.array(dict(filters.items())["trajectory_id"], pa.string())
+            sealed = [p for p in sealed if _may_hold(indexes.get(p), ids)]
+        if cols is None or any(c in PAYLOAD_COLUMNS for c in cols):
+            self.store.make_local(sealed)  # all at once (metadata columns alone are read in place)
+        read = self._each(lambda path: self._read_sealed(path, filters, cols), sealed)
+        tables = [t for t in read if t is not None]
         for partial in partials:
             table = self._partial(partial)
             if table is None:
@@ -295,6 +331,14 @@ class Run:
         )
         return filters.apply(rows, id_column="id")
 
+    def _each(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        """``[fn(x) for x in items]``, as many at once as the store's reads pay off."""
+        workers = min(self.store.concurrency, len(items))
+        if workers < 2:
+            return [fn(item) for item in items]
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(fn, items))
+
     def _sealed_rows(self, sealed: Sequence[str], steps: Sequence[int] | None = None) -> pa.Table:
         """Merged index rows of the sealed shards ``sealed``: from the run index's segments that
         cover them as they are now, the rest from the shards' own index files. Listing the whole
@@ -305,7 +349,7 @@ class Run:
         for name in sealed:
             rel = self._relative(name)
             try:
-                stamps[rel] = list(self._stamp(name))
+                stamps[rel] = list(self.store.stamp(name))
             except OSError as exc:
                 self._skip(Path(name), exc)
                 continue
@@ -313,7 +357,7 @@ class Run:
         segments, unreadable = run_index.find(self.path)
         bad = [path for path, _ in unreadable]
         for path, why in unreadable:
-            self._warn(f"ignored unreadable run index {path}: {why} (rebuilding it)")
+            self.warn(f"ignored unreadable run index {path}: {why} (rebuilding it)")
         prefixes = None if steps is None else tuple(f"{SPANS_DIR}/step={s}/" for s in steps)
         used, unused = run_index.choose(segments, stamps, prefixes)
         rows_of: dict[Path, pa.Table] = {}
@@ -321,7 +365,7 @@ class Run:
             try:
                 rows = self._segment_rows(segment, steps)
             except ValueError as exc:
-                self._warn(f"ignored unreadable run index {segment.path}: {_one_line(exc)} (rebuilding it)")
+                self.warn(f"ignored unreadable run index {segment.path}: {_one_line(exc)} (rebuilding it)")
                 bad.append(segment.path)
                 continue
             if rows is not None:  # else merged into another meanwhile
@@ -357,7 +401,7 @@ class Run:
     def _segment_rows(self, segment: run_index.Segment, steps: Sequence[int] | None) -> pa.Table | None:
         """A segment's rows (all, or at least those of ``steps``), kept while its file is unchanged."""
         try:
-            stamp = self._stamp(segment.path)
+            stamp = _local_stamp(segment.path)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -378,7 +422,7 @@ class Run:
                 segment = run_index.write(rows, covered, folder)
             except (OSError, pa.ArrowException):
                 continue
-            self._segments[segment.path] = (self._stamp(segment.path), rows)
+            self._segments[segment.path] = (_local_stamp(segment.path), rows)
             return segment
         return None
 
@@ -435,7 +479,7 @@ class Run:
         matches = ops.filter(table, ops.starts_with(table["id"], ref))
         unique = sorted(set(matches["id"].to_pylist()))
         if not unique:
-            raise RunError(f"no trajectory {ref!r} in {self.path}")
+            raise RunError(f"no trajectory {ref!r} in {self.address}")
         if ref in unique:  # a whole id, even where it begins another
             return ref, ops.filter(matches, ops.equal(matches["id"], ref))["step"][0].as_py()
         if len(unique) > 1:
@@ -452,14 +496,14 @@ class Run:
         traj_id, step = self.resolve(ref)
         found = self.load([traj_id], Filters(step=step) if step is not None else None)
         if not found:
-            raise RunError(f"no trajectory {ref!r} in {self.path}")
+            raise RunError(f"no trajectory {ref!r} in {self.address}")
         traj = found[0]
         if text:
             from rlreplay.text.token2text import Decoder, add_text, resolve_tokenizer
 
             name = resolve_tokenizer(self, tokenizer)
             if name is None:
-                raise RunError(f"no tokenizer is known for {self.path}; pass tokenizer='/path/to/dir'")
+                raise RunError(f"no tokenizer is known for {self.address}; pass tokenizer='/path/to/dir'")
             add_text([traj], Decoder.load(name), skip_special_tokens=skip_special_tokens)
         return traj
 
@@ -481,10 +525,13 @@ class Run:
         wanted_set = pa.array(sorted(set(wanted)), type=pa.string())
         tables = []
         sources: dict[str, list[str]] = {}
+        holding = []
         for f in self._files(base):
             hits = ops.filter(f.index, ops.is_in(f.index["id"], wanted_set))
-            if hits.num_rows == 0:
-                continue
+            if hits.num_rows:
+                holding.append((f, hits))
+        self.store.make_local([f.path for f, _ in holding if f.sealed])  # all at once
+        for f, hits in holding:
             for tid in hits["id"].to_pylist():
                 sources.setdefault(tid, []).append(str(f.path.relative_to(self.path)))
             if f.sealed:
@@ -513,17 +560,30 @@ class Run:
             groups[tid] = (start, i + 1 - start)
         return [
             trajectory_from_table(
-                table.slice(*groups[t]), lambda m, t=t: self._warn(f"{', '.join(sources.get(t, []))}: {m}")
+                table.slice(*groups[t]), lambda m, t=t: self.warn(f"{', '.join(sources.get(t, []))}: {m}")
             )
             for t in wanted
             if t in groups
         ]
 
     def counters(self) -> dict[str, int]:
-        """Spans dropped, spilled, lost or not encodable in the recording processes, and recoveries."""
-        totals = manifest.total_counters(self.path, self.warnings)
+        """Spans dropped, spilled, lost or not encodable in the recording processes, and recoveries
+        (a run on an object store: its uploads' errors and what was left to upload, too)."""
+        found = self.store.counters(self.warnings)
+        totals = {name: found.pop(name, 0) for name in manifest.COUNTERS}
         totals["recovered_shards"] = int(self.manifest.get("recovered_shards", 0) or 0)
-        return totals
+        return {**totals, **found}
+
+
+def _may_hold(index: pa.Table | None, ids: pa.Array) -> bool:
+    """Whether a file whose index is ``index`` (None: not known) may hold rows of trajectories ``ids``."""
+    return index is None or bool(ops.sum(ops.is_in(index["id"], ids)).as_py())
+
+
+def _local_stamp(path: Path) -> Stamp:
+    """(bytes, mtime in ns) of a local file (a run index segment)."""
+    stat = os.stat(path)
+    return stat.st_size, stat.st_mtime_ns
 
 
 def _map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:

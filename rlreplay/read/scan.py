@@ -75,7 +75,7 @@ def stream(run: Any, listing: pa.Table) -> Iterator[Trajectory]:
             yield from run.load(ids)
             continue
         spans = step_spans(run, step, ids)
-        warn = lambda message, step=step: run._warn(f"step {step}: {message}")  # noqa: E731
+        warn = lambda message, step=step: run.warn(f"step {step}: {message}")  # noqa: E731
         for k in range(len(ids)):
             traj = spans.trajectory(k, warn)
             if traj is not None:

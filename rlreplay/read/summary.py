@@ -10,13 +10,7 @@ from rlreplay.format import arrow_ops as ops
 from rlreplay.format import manifest
 from rlreplay.format import redact as redaction
 from rlreplay.read.run import Run
-from rlreplay.shards.layout import SPANS_DIR
 from rlreplay.shards.recover import recover_run
-
-
-def disk_bytes(run_dir: Path) -> int:
-    return sum(p.stat().st_size for p in Path(run_dir, SPANS_DIR).rglob("*") if p.is_file())
-
 
 #: Keys of ``run_summary`` that come from the recording processes' counters, not from the files.
 RECORDER_KEYS = ("spans_written", "dropped", "spilled", "lost", "encode_errors", "recovered_shards")
@@ -29,12 +23,12 @@ def run_summary(run: Run) -> dict[str, Any]:
     spans = run.spans(columns=["trajectory_id", "step", "step_str", "num_tokens"])
     steps = {v for c in ("step", "step_str") for v in ops.drop_null(ops.unique(spans[c])).to_pylist()}
     tokens = int(ops.sum(spans["num_tokens"]).as_py() or 0) if spans.num_rows else 0
-    uri = getattr(run, "uri", None)  # a run on an object store, read through a local cache
-    size = run.stored_bytes() if uri else disk_bytes(run.path)
+    size = run.stored_bytes()
+    cache = run.store.cache_dir  # a run on an object store is read through a local cache
     m = run.manifest
     return {
         "run": run.address,
-        **({"cache": str(run.path)} if uri else {}),
+        **({"cache": str(cache)} if cache is not None else {}),
         "run_id": m.get("run_id"),
         "experiment": m.get("experiment"),
         "tokenizer": m.get("tokenizer"),

@@ -17,6 +17,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from rlreplay.format import manifest, payload
+from rlreplay.format.keys import TrajectoryKey
 from rlreplay.format.schema import KIND_OP, KIND_TRAJECTORY
 from rlreplay.recorder import events
 from rlreplay.recorder.events import (
@@ -260,10 +261,13 @@ def trace_op(
                 untraced_failure(rec, exc)
                 return await fn(*args, **kwargs)
             start = time_ns()
-            served = False
+            served, mark = False, meta  # its span is recorded with ``mark`` (a replay marks it)
             try:
                 if _replay is not None and traj.replay is not None and meta.kind in _replay.kinds:
-                    served, result = _replay.serve(traj.replay, meta, sargs, skw)
+                    played, mark = _replay.serve(traj.replay, meta, sargs, skw)
+                    if played.error is not None:
+                        raise played.error
+                    served, result = played.served, played.output
                     if not served:
                         result = await fn(*args, **kwargs)
                 else:
@@ -271,15 +275,12 @@ def trace_op(
             except BaseException as exc:
                 end = time_ns()
                 current.reset(token)
-                rec.on_end(SpanEvent(traj, span_id, parent, meta, start, end, exc, sargs, skw, None, 256))
+                rec.on_end(SpanEvent(traj, span_id, parent, mark, start, end, exc, sargs, skw, None, 256))
                 raise
             end = time_ns()
             current.reset(token)
             if served:
-                meta_now = _replay.served_meta(meta)
-                rec.on_end(
-                    SpanEvent(traj, span_id, parent, meta_now, start, end, None, sargs, skw, result, 256)
-                )
+                rec.on_end(SpanEvent(traj, span_id, parent, mark, start, end, None, sargs, skw, result, 256))
                 return result
             try:
                 out = snapshot(result)
@@ -290,7 +291,7 @@ def trace_op(
                     traj,
                     span_id,
                     parent,
-                    meta,
+                    mark,
                     start,
                     end,
                     None,
@@ -324,10 +325,13 @@ def trace_op(
             untraced_failure(rec, exc)
             return fn(*args, **kwargs)
         start = time_ns()
-        served = False
+        served, mark = False, meta  # its span is recorded with ``mark`` (a replay marks it)
         try:
             if _replay is not None and traj.replay is not None and meta.kind in _replay.kinds:
-                served, result = _replay.serve(traj.replay, meta, sargs, skw)
+                played, mark = _replay.serve(traj.replay, meta, sargs, skw)
+                if played.error is not None:
+                    raise played.error
+                served, result = played.served, played.output
                 if not served:
                     result = fn(*args, **kwargs)
             else:
@@ -335,13 +339,12 @@ def trace_op(
         except BaseException as exc:
             end = time_ns()
             current.reset(token)
-            rec.on_end(SpanEvent(traj, span_id, parent, meta, start, end, exc, sargs, skw, None, 256))
+            rec.on_end(SpanEvent(traj, span_id, parent, mark, start, end, exc, sargs, skw, None, 256))
             raise
         end = time_ns()
         current.reset(token)
         if served:
-            meta_now = _replay.served_meta(meta)
-            rec.on_end(SpanEvent(traj, span_id, parent, meta_now, start, end, None, sargs, skw, result, 256))
+            rec.on_end(SpanEvent(traj, span_id, parent, mark, start, end, None, sargs, skw, result, 256))
             return result
         try:
             out = snapshot(result)
@@ -349,7 +352,7 @@ def trace_op(
             out = result
         rec.on_end(
             SpanEvent(
-                traj, span_id, parent, meta, start, end, None, sargs, skw, out, payload_bytes(sargs, skw, out)
+                traj, span_id, parent, mark, start, end, None, sargs, skw, out, payload_bytes(sargs, skw, out)
             )
         )
         return result
@@ -407,7 +410,9 @@ class trajectory:
         self._rec = rec
         if _replay is not None:
             step, sample_index, rollout_n = self._traj.keys
-            self._traj.replay = _replay.open(step, sample_index, rollout_n, self._traj.validate)
+            self._traj.replay = _replay.open(
+                TrajectoryKey.of(step, sample_index, rollout_n, self._traj.validate)
+            )
         self._span_id = next(events.span_ids)
         rec.submit(Control(OPEN, self._traj, OPEN_BYTES))
         self._token = _CURRENT.set((self._traj, self._span_id))

@@ -384,7 +384,7 @@ def _redacted(data: Any) -> Any:
 
 
 def token_counts(kind: str, inputs: Any, output: Any) -> tuple[int | None, int | None]:
-    """(prompt, response) token counts of a span of ``kind``, from the id lists its payloads name."""
+    """(prompt, response) token counts of a span's payloads (None where it holds no such list)."""
     prompt = response = None
     source = output if kind == KIND_AGENT else inputs
     for data in (source, output):

@@ -14,10 +14,11 @@ import logging
 import time
 from typing import Any
 
+from rlreplay.format.kinds import KIND_SIGNALS
+
 __all__ = ["record_signals"]
 
 log = logging.getLogger("rlreplay")
-KIND_SIGNALS = "signals"  # rlreplay.format.schema.KIND_SIGNALS, without importing pyarrow here
 
 
 class _SignalsTrajectory:

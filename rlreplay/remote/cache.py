@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from rlreplay.format import manifest
 from rlreplay.remote.location import Location, list_objects, read_bytes
 
 ENV_CACHE = "RLREPLAY_CACHE"
+#: Copies from the store in flight at once.
+MAX_DOWNLOADS = 16
 
 
 # ---- reading ------------------------------------------------------------------------------------
@@ -41,16 +44,23 @@ class Cache:
             name = info.path[len(self.loc.root) + 1 :]
             if skip_private and any(part.startswith(("_", ".")) for part in name.split("/")[-1:]):
                 continue
-            local = self.dir / name
-            if local.exists() and local.stat().st_size == info.size:
-                continue
-            todo.append((info.path, local))
-        if todo:
-            with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
-                list(pool.map(lambda job: self._download(*job), todo))
+            if not is_cached(self.dir / name, info.size):
+                todo.append(name)
+        self.download(todo)
         return len(todo)
 
-    def _download(self, remote: str, local: Path) -> None:
+    def download(self, names: Sequence[str]) -> None:
+        """Copy these run files (paths relative to the run) from the store into the cache, whole,
+        concurrently (the store's latency bounds one copy)."""
+        if len(names) > 1:
+            with ThreadPoolExecutor(max_workers=min(MAX_DOWNLOADS, len(names))) as pool:
+                list(pool.map(self._copy, names))
+        elif names:
+            self._copy(names[0])
+
+    def _copy(self, name: str) -> None:
+        local = self.dir / name
+        remote = self.loc.path(name)
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = local.with_name(f".{local.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         with self.loc.fs.open_input_stream(remote) as src, open(tmp, "wb") as out:

@@ -1,1 +1,1 @@
-"""Trajectories as text: framework adapters, conversations of turns, chat messages, token2text."""
+"""Trajectories as text: conversations of turns, chat messages, token2text."""

@@ -1,7 +1,7 @@
 """One trajectory as a conversation: the prompt, then alternating assistant and tool turns.
 
-Turns and their counts are defined here, once, from the framework adapter's answer
-(``rlreplay.text.adapters``): which fields hold the prompt, the response and its mask. The source of
+Turns and their counts are defined here, once, from the fields a framework adapter names
+(:class:`ConversationFields`): which hold the prompt, the response and its mask. The source of
 truth is the agent span's output (e.g. verl's ``AgentLoopOutput``): ``prompt_ids``,
 ``response_ids`` and ``response_mask`` (1 = model token, 0 = tool/observation token). The
 response splits into contiguous runs of equal mask; runs of 1 are assistant turns, runs of 0
@@ -19,11 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_PARSER
-from rlreplay.model import Span, Trajectory
+from rlreplay.format.kinds import KIND_AGENT, KIND_LLM, KIND_PARSER
 
 if TYPE_CHECKING:
-    from rlreplay.text.adapters import ConversationFields
+    from rlreplay.model import Span, Trajectory
 
 ROLE_PROMPT = "prompt"
 ROLE_ASSISTANT = "assistant"
@@ -32,6 +31,24 @@ ROLE_TOOL = "tool"
 
 class BatchDecoder(Protocol):
     def decode_many(self, ids: list[list[int]], skip_special_tokens: bool = False) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class ConversationFields:
+    """Where a conversation's token ids live in recorded spans (names tried in order); a framework
+    adapter names its own (``fields``)."""
+
+    prompt: tuple[str, ...] = ("prompt_ids",)  # agent output: the prompt
+    response: tuple[str, ...] = ("response_ids",)  # agent output: the whole response
+    mask: tuple[str, ...] = ("response_mask",)  # agent output: 1 = model token, 0 = tool token
+    llm_prompt: tuple[str, ...] = ("prompt_ids",)  # llm inputs (or inputs["kwargs"])
+    llm_output: tuple[str, ...] = ("token_ids", "output_ids")  # llm output
+    log_probs: tuple[str, ...] = ("log_probs", "response_logprobs")
+    reward: tuple[str, ...] = ("reward_score", "reward")  # agent/trajectory output
+    stop_reason: tuple[str, ...] = ("stop_reason", "finish_reason")  # llm output: why it stopped
+    max_tokens: tuple[str, ...] = ("max_tokens", "max_new_tokens")  # llm inputs (or sampling params)
+    #: stop reasons meaning the call hit its length limit
+    length_stops: tuple[str, ...] = ("length", "max_tokens")
 
 
 @dataclass
@@ -56,6 +73,20 @@ class Turn:
             "span_id": self.span_id,
             "start": self.start,
         }
+
+
+def turns(traj: Trajectory, decoder: BatchDecoder | None = None, adapter: Any = None) -> list[Turn]:
+    """The trajectory's turns in order, as its framework adapter splits them (``adapter``, e.g.
+    ``rlreplay.adapters.registry.adapter_for_run(run)``; None: the generic fields).
+
+    With ``decoder``, ``text`` is filled in one batched call.
+    """
+    result = adapter.turns(traj) if adapter is not None else segment(traj, ConversationFields())
+    if decoder is not None and result:
+        texts = decoder.decode_many([t.token_ids for t in result], skip_special_tokens=False)
+        for turn, text in zip(result, texts):
+            turn.text = text
+    return result
 
 
 def segment(traj: Trajectory, fields: ConversationFields) -> list[Turn]:

@@ -1,7 +1,7 @@
 """A trajectory as OpenAI chat messages: the form exports, the UI and tracing backends show.
 
 ``[{"role": "system"|"user"|"assistant"|"tool", "content": str, "tool_calls"?: [...],
-"tool_call_id"?: str}]``. The turns come from the framework adapter (``rlreplay.text.adapters``);
+"tool_call_id"?: str}]``. The turns come from the framework adapter (``rlreplay.hookspecs``);
 system and user messages are the chat messages the prompt was rendered from when the agent span
 recorded them, else the decoded prompt as one user message; a tool message's content is the
 tool span's own output text when recorded, else the decoded tool turn without template markers.
@@ -13,7 +13,7 @@ import json
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from rlreplay.format.schema import KIND_TOOL
+from rlreplay.format.kinds import KIND_TOOL
 
 if TYPE_CHECKING:
     from rlreplay.model import Trajectory
@@ -36,7 +36,7 @@ def build_messages(
     adapter: Any, traj: Trajectory, turns: list[Turn], decoder: BatchDecoder | None
 ) -> list[dict[str, Any]]:
     """Messages from an adapter's turns; ``adapter`` supplies ``prompt_messages``, ``clean_text``,
-    ``tool_texts`` and ``tool_output_text`` (see ``rlreplay.text.adapters.GenericAdapter``)."""
+    ``tool_texts`` and ``tool_output_text`` (see ``rlreplay.adapters.generic.GenericAdapter``)."""
     if decoder is not None and turns:
         texts = decoder.decode_many([t.token_ids for t in turns], skip_special_tokens=False)
     else:

@@ -20,21 +20,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlreplay.errors import RunError, install_hint
+from rlreplay.errors import TokenizerUnavailable, install_hint
 from rlreplay.format.schema import KIND_AGENT, KIND_LLM
 from rlreplay.model import Trajectory
 from rlreplay.text import conversation
-from rlreplay.text.adapters import ConversationFields, get_adapter
-from rlreplay.text.conversation import llm_output_ids, llm_prompt_ids
+from rlreplay.text.conversation import ConversationFields, llm_output_ids, llm_prompt_ids
 
 PKG_PREFIX = "pkg:"
 TOKENIZER_FILE = "tokenizer.json"
 HOW_TO = "pass a local copy with --tokenizer /path/to/dir-with-tokenizer.json"
 _REPLACEMENT = "\ufffd"
-
-
-class TokenizerUnavailable(RunError):
-    """The tokenizer cannot be loaded on this machine; the message says how to pass a local copy."""
 
 
 def _unavailable(message: str) -> TokenizerUnavailable:
@@ -405,13 +400,12 @@ def add_text(
     """Add decoded text to trajectories in place, with one batched decode for all of them.
 
     Which fields hold token ids, and how a trajectory splits into turns, is the framework
-    adapter's answer (``adapter``, default: generic; ``rlreplay.text.adapters.adapter_for_run``).
+    adapter's answer (``adapter``, default: generic; ``rlreplay.adapters.registry.adapter_for_run``).
 
     ``llm`` spans get ``inputs["prompt_text"]`` and ``output["response_text"]`` (like verl's
     token2text); ``agent`` spans get ``output["prompt_text"]``, ``output["response_text"]`` and
     ``output["conversation"]``: ``[{"role", "text", "tool_calls"}, ...]``, one per turn.
     """
-    adapter = adapter or get_adapter()
     fields = _fields(adapter)
     plan = _Plan(decoder, skip_special_tokens)
     conversations: list[tuple[dict[str, Any], list[Any], list[int]]] = []
@@ -421,7 +415,7 @@ def add_text(
             agent = None
         segments = None
         if agent is not None:
-            turns = adapter.turns(traj)
+            turns = conversation.turns(traj, adapter=adapter)
             slots = [plan.add_seq(t.token_ids, dedupe=True) for t in turns]
             conversations.append((agent.output, turns, slots))
             if decoder.concatenative and turns:

@@ -23,14 +23,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rlreplay.errors import RunError
+from rlreplay.errors import NotFound, RunError
 from rlreplay.format import manifest
-from rlreplay.format.index import INDEX_SUFFIX
 from rlreplay.read.open import open_run
 from rlreplay.read.run import Run
 from rlreplay.read.selection import listing
 from rlreplay.remote.location import as_uri
-from rlreplay.shards.layout import SEALED_SUFFIX
 
 SPANS_DIR = "spans"
 WORKERS_DIR = "_workers"
@@ -38,10 +36,6 @@ PAGE_SIZES = (25, 50, 100, 200, 500)
 DEFAULT_PAGE_SIZE = 100
 SLOW_LISTING_S = 0.5  # re-read a listing that took longer than this in the background
 SELECTIONS_KEPT = 4  # a listing's latest selections: paging and prev/next do not query again
-
-
-class NotFound(RunError):
-    """A run or trajectory the app does not have (answered with 404)."""
 
 
 def is_run_dir(path: Path) -> bool:
@@ -105,64 +99,6 @@ class RunSet:
 
 
 # ---- a run, cached by the files it holds ------------------------------------------------------
-
-
-#: Sealed and index files never change once they have their name: a folder whose mtime is as
-#: last seen holds the same ones. Other files (live ones grow) are looked at every time.
-_FIXED_SUFFIXES = (SEALED_SUFFIX, INDEX_SUFFIX)
-#: A folder's mtime is trusted once it is this much older than the look that saw it (two changes
-#: within one tick of the file system's clock leave one mtime).
-SETTLED_NS = 2_000_000_000
-#: folder -> (its mtime, when it was scanned, its sub-folders, (path, size, mtime) of its files)
-_scanned: dict[str, tuple[int, int, list[str], list[tuple[str, int, int]]]] = {}
-
-
-def _scan(folder: str, mtime: int) -> tuple[int, int, list[str], list[tuple[str, int, int]]]:
-    now = time.time_ns()
-    folders: list[str] = []
-    files: list[tuple[str, int, int]] = []
-    for entry in os.scandir(folder):
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                folders.append(entry.path)
-            elif entry.is_file(follow_symlinks=False):
-                st = entry.stat(follow_symlinks=False)
-                files.append((entry.path, st.st_size, st.st_mtime_ns))
-        except OSError:
-            continue
-    folders.sort(reverse=True)  # popped in order
-    files.sort()
-    return mtime, now, folders, files
-
-
-def file_signature(run_dir: Path) -> tuple[Any, ...]:
-    """(name, size, mtime) of every span and counter file, folder by folder in name order: changes
-    whenever anything is written.
-
-    A folder unchanged since a settled look is not listed again; only its files that can change
-    under their name are looked at again."""
-    out: list[tuple[str, int, int]] = []
-    stack = [os.path.join(run_dir, SPANS_DIR), os.path.join(run_dir, WORKERS_DIR)]
-    while stack:
-        folder = stack.pop()
-        try:
-            mtime = os.stat(folder).st_mtime_ns
-            kept = _scanned.get(folder)
-            if kept is None or kept[0] != mtime or kept[1] - mtime < SETTLED_NS:
-                kept = _scanned[folder] = _scan(folder, mtime)
-        except OSError:
-            _scanned.pop(folder, None)
-            continue
-        stack.extend(kept[2])
-        for path, size, changed in kept[3]:
-            if not path.endswith(_FIXED_SUFFIXES):
-                try:
-                    st = os.stat(path)
-                except OSError:
-                    continue
-                size, changed = st.st_size, st.st_mtime_ns
-            out.append((path, size, changed))
-    return tuple(out)
 
 
 #: the runs whose files were looked at in this request (None outside one)
@@ -260,10 +196,9 @@ class RunView:
             return self._listing[1]
         if looked is not None:
             looked.add(id(self))
-        remote = getattr(self.run, "file_signature", None)  # a run on an object store: its objects
         cached = self._listing
         try:
-            sig = remote() if callable(remote) else file_signature(self.run.path)
+            sig = self.run.file_signature()
         except (RunError, OSError) as exc:
             if cached is None:
                 raise
@@ -454,7 +389,7 @@ class RunView:
         return engine.about(self.listing_findings(), traj) + engine.check_trajectory(traj, checks, ctx)
 
     def adapter(self) -> Any:
-        from rlreplay.text.adapters import adapter_for_run
+        from rlreplay.adapters.registry import adapter_for_run
 
         return adapter_for_run(self.run)
 

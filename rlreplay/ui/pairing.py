@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from rlreplay.errors import RunError
+from rlreplay.playback import ReplayConfig
 from rlreplay.ui.data import RunSet, RunView
 
 
@@ -106,12 +107,11 @@ class Comparisons:
 
 
 def _replay_source(view: RunView) -> Path | None:
-    replay = view.manifest().get("replay")
-    source = replay.get("source") if isinstance(replay, dict) else None
-    if not isinstance(source, str) or not source:
+    config = ReplayConfig.from_manifest(view.manifest())
+    if config is None or not config.source:
         return None
     try:
-        return Path(source).resolve()
+        return Path(config.source).resolve()
     except (OSError, RuntimeError):
         return None
 

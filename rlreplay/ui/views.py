@@ -109,7 +109,7 @@ CHAT_SHOWN = 20_000
 def messages(traj: Trajectory, decoder: Any, adapter: Any = None) -> list[Message]:
     """The conversation as OpenAI-style chat messages (system, user, assistant, tool); without a
     tokenizer, the turns (prompt, assistant, tool) with their token ids."""
-    from rlreplay.text.adapters import openai_messages
+    from rlreplay.adapters.registry import openai_messages
 
     if decoder is None:
         return _id_messages(traj)
@@ -134,7 +134,7 @@ def prompt_text(traj: Trajectory, decoder: Any, adapter: Any = None) -> str:
 def recorded_prompt(traj: Trajectory, adapter: Any) -> str | None:
     """:func:`prompt_text` from the agent spans alone, when the adapter builds the prompt from the
     chat messages recorded there (its first user message); None when the whole trajectory is needed."""
-    from rlreplay.text.adapters import GenericAdapter
+    from rlreplay.adapters.generic import GenericAdapter
     from rlreplay.text.messages import build_messages
 
     kind = type(adapter)
@@ -151,7 +151,7 @@ def recorded_prompt(traj: Trajectory, adapter: Any) -> str | None:
 
 
 def _id_messages(traj: Trajectory) -> list[Message]:
-    from rlreplay.text.adapters import turns
+    from rlreplay.text.conversation import turns
 
     out = []
     for turn in turns(traj):
@@ -337,8 +337,7 @@ def _marks(mask: list[Any]) -> Any:
 def _response(traj: Trajectory) -> tuple[list[int], Any, list[float | None] | None]:
     """Response ids, mask (int64: 1 model, 0 tool) and rollout log-probs, from the agent span or the
     turns."""
-    from rlreplay.text.adapters import turns
-    from rlreplay.text.conversation import ROLE_ASSISTANT, ROLE_PROMPT
+    from rlreplay.text.conversation import ROLE_ASSISTANT, ROLE_PROMPT, turns
 
     agents = [s for s in traj.by_kind(KIND_AGENT) if isinstance(s.output, dict)]
     for agent in agents:

@@ -15,10 +15,10 @@ from support import qwen_tokenizer_dir
 from test_audit import planted_run  # noqa: F401  (the planted run fixture)
 
 import rlreplay
+from rlreplay.adapters.registry import adapter_for_run
 from rlreplay.audit import engine
 from rlreplay.audit.calls import _least_run, _loop, _may_loop, garbled_reasons
 from rlreplay.audit.finding import LEVEL_TRAJECTORY, OVER_LISTING, OVER_TRAJECTORIES, Check, Context
-from rlreplay.text.adapters import adapter_for_run
 from rlreplay.text.token2text import Decoder
 
 
@@ -205,7 +205,7 @@ def test_ids_sure_to_be_printable_ascii_decode_to_it() -> None:
 
 
 def test_an_adapter_reading_calls_its_own_way_gets_whole_trajectories(planted_run, monkeypatch) -> None:  # noqa: F811
-    from rlreplay.text import adapters
+    from rlreplay.adapters import generic, registry
 
     run = rlreplay.open_run(planted_run[0])
     listing = run.trajectories()
@@ -213,12 +213,12 @@ def test_an_adapter_reading_calls_its_own_way_gets_whole_trajectories(planted_ru
     expected = [f.to_dict() for f in engine.audit(run, listing, checks).findings]
     responses: list[Any] = []
 
-    class Mine(adapters.GenericAdapter):
+    class Mine(generic.GenericAdapter):
         def stop_reason(self, span: Any) -> str | None:
             responses.append(self.call_ids(span)[1])
             return super().stop_reason(span)
 
-    monkeypatch.setattr(adapters, "adapter_for_run", lambda run: Mine())
+    monkeypatch.setattr(registry, "adapter_for_run", lambda run: Mine())
     assert [f.to_dict() for f in engine.audit(run, listing, checks).findings] == expected
     assert any(r is not None and len(r) >= 64 for r in responses)
     assert all(r is None or isinstance(r, list) for r in responses)  # as whole trajectories hold them

@@ -87,6 +87,37 @@ def test_summary_names_diverged_and_never_asked(source: Path, tmp_path: Path) ->
     assert f"1 source trajectories never asked for ({facts[(1, 2, 1)]['id']})" in line
     served = sum(1 if f["calls"] >= 2 else f["calls"] for k, f in facts.items() if k != (1, 2, 1))
     assert f"{served} ops served" in line
+    rows = ls_rows(new)
+    by_source = {r["replay_of"]: r for r in rows.values()}
+    for source_id in diverged:  # why each diverged: in its listing row and in show's header
+        row = by_source[source_id]
+        assert row["replay"] == "diverged"
+        assert row["replay_reason"].startswith("LLMServerClient.generate call 2 has other inputs")
+        show = cli(tmp_path, "show", str(new), row["id"], "--no-text")
+        assert show.returncode == 0, show.stderr
+        assert f"replay=diverged of {source_id}: {row['replay_reason']}" in show.stdout
+    assert {r["replay_reason"] for r in rows.values() if r["replay"] != "diverged"} == {None}
+
+
+def test_match_on_reaches_every_process(source: Path, tmp_path: Path) -> None:
+    """``--match-on position,name``: model calls whose prompts changed (another tool reply) are
+    served all the same, in each spawned process; the manifest records the whole replay."""
+    log = tmp_path / "engine.log"
+    env = {"REPLAY_JOB_ENGINE_LOG": str(log), "REPLAY_JOB_ENGINE_DOWN": "1"}
+    new = tmp_path / "new"
+    args = ("replay", str(source), "--framework", "generic", "--match-on", "position,name", "--step", "0..1")
+    proc = cli(tmp_path, *args, "--out", str(new), "--", *job({**BASE, "tool_seed": 1}), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert not log.exists()
+    served = sum(f["calls"] for f in source_facts(source).values())
+    assert f"{served} ops served; 0 trajectories diverged" in proc.stderr
+    assert rlreplay.open_run(new).manifest["replay"] == {
+        "source": str(source.resolve()),
+        "serve": ["llm"],
+        "on_diverge": "live",
+        "match_on": ["position", "name"],
+        "select": {"step": "0..1"},
+    }
 
 
 @pytest.mark.parametrize(
@@ -97,6 +128,7 @@ def test_summary_names_diverged_and_never_asked(source: Path, tmp_path: Path) ->
         ("other adapter", "recorded with the generic adapter"),
         ("selects nothing", "matches no trajectory"),
         ("unknown kind", "unknown kind"),
+        ("unknown matcher", "unknown matcher 'prompt'"),
     ],
 )
 def test_bad_input_never_starts_the_command(source: Path, tmp_path: Path, case: str, message: str) -> None:
@@ -109,6 +141,7 @@ def test_bad_input_never_starts_the_command(source: Path, tmp_path: Path, case: 
         "other adapter": [str(source)],  # the default adapter is verl
         "selects nothing": [str(source), "--framework", "generic", "--step", "99"],
         "unknown kind": [str(source), "--framework", "generic", "--serve", "llm,gpu"],
+        "unknown matcher": [str(source), "--framework", "generic", "--match-on", "position,prompt"],
     }[case]
     proc = cli(tmp_path, "replay", *opts, "--out", str(tmp_path / "new"), "--", *command)
     assert proc.returncode == 2
@@ -116,3 +149,26 @@ def test_bad_input_never_starts_the_command(source: Path, tmp_path: Path, case: 
     assert proc.stderr.startswith("rlreplay: error:")
     assert not marker.exists()
     assert not (tmp_path / "new").exists()
+
+
+def test_every_process_is_told_the_source_as_given(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A source on an object store reaches the job's processes as its URI, not as the local cache
+    ``rlreplay replay`` read it through (``tests/remote``: the same on a real S3 server)."""
+    from rlreplay.cli.main import main
+    from rlreplay.playback import ReplayConfig
+
+    monkeypatch.setenv("RLREPLAY_SPOOL", str(tmp_path / "spool"))
+    monkeypatch.setenv("RLREPLAY_CACHE", str(tmp_path / "cache"))
+    uri = f"memory://runs/{tmp_path.name}/src"
+    rlreplay.init(uri)
+    try:
+        with rlreplay.trajectory(step=0, sample_index=0, rollout_n=0):
+            pass
+    finally:
+        rlreplay.close()
+    seen = tmp_path / "seen.json"
+    told = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], 'w'))"
+    args = ["replay", uri, "--framework", "generic", "--out", str(tmp_path / "new")]
+    assert main([*args, "--", sys.executable, "-c", told, str(seen)]) == 0
+    assert ReplayConfig.from_env(json.loads(seen.read_text())) == ReplayConfig.of(uri, "llm")
+    assert rlreplay.open_run(tmp_path / "new").manifest["replay"]["source"] == uri

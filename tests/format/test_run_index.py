@@ -218,16 +218,16 @@ def test_a_shard_gone_from_the_run_index_rebuilds_it(run_dir: Path, base_run: tu
 
 def _listings_of(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
     """The steps the run's file listings ask for from now on (None: every step)."""
-    import rlreplay.read.run as run_module
+    import rlreplay.read.store as store_module
 
     asked: list[int | None] = []
-    real = run_module.list_names
+    real = store_module.list_names
 
     def listing(run: Path, step: int | None = None) -> tuple[list[str], list[str]]:
         asked.append(step)
         return real(run, step)
 
-    monkeypatch.setattr(run_module, "list_names", listing)
+    monkeypatch.setattr(store_module, "list_names", listing)
     return asked
 
 

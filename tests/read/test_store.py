@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shutil
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -260,3 +264,166 @@ def test_load_keeps_only_the_kinds_asked_for() -> None:
             s for s, k in kinds_of[t.id].items() if k != "signals"
         )
         assert all(s.output == whole[t.id][s.span_id].output for s in t.spans if s.kind == "agent")
+
+
+# ---- stores: where a run's files are kept -------------------------------------------------------
+
+SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3"
+
+
+@pytest.fixture
+def stored_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Path]]:
+    """The sample run copied onto fsspec's in-memory filesystem (reached through pyarrow.fs, as an
+    object store is), and the folder of the read cache it is read through."""
+    import fsspec
+
+    monkeypatch.setenv("RLREPLAY_CACHE", str(tmp_path / "cache"))
+    fs = fsspec.filesystem("memory")
+    root = f"/stores/{tmp_path.name}"
+    for path in sorted(SAMPLE.rglob("*")):
+        if path.is_file():
+            fs.pipe_file(f"{root}/{path.relative_to(SAMPLE).as_posix()}", path.read_bytes())
+    yield f"memory://{root.lstrip('/')}", tmp_path / "cache"
+    fs.rm(root, recursive=True)
+
+
+def _cached(cache: Path, suffix: str) -> list[str]:
+    """The run files of that kind in the read cache, relative to the run."""
+    return sorted(str(p.relative_to(p.parents[3])) for p in cache.glob(f"*/*/spans/*/*/*{suffix}"))
+
+
+def test_a_run_reads_the_same_through_the_object_store_as_from_its_folder(
+    stored_sample: tuple[str, Path],
+) -> None:
+    from rlreplay.read.remote import ObjectStore
+    from rlreplay.read.store import LocalStore, Store
+
+    uri, cache = stored_sample
+    files = sorted(SAMPLE.glob("spans/*/*/*.parquet"))
+    rows = pa.concat_tables(
+        [pq.read_table(f, columns=["trajectory_id", "step", "kind", "inputs"]) for f in files]
+    )
+    ids_of: dict[int, set[str]] = {}
+    for tid, step in zip(rows["trajectory_id"].to_pylist(), rows["step"].to_pylist()):
+        ids_of.setdefault(step, set()).add(tid)
+
+    run = rlreplay.open_run(uri)
+    local = rlreplay.open_run(SAMPLE)
+    assert isinstance(run.store, ObjectStore) and isinstance(local.store, LocalStore)
+    assert isinstance(run.store, Store) and isinstance(local.store, Store)  # every member of the protocol
+    assert run.address == uri and repr(run) == f"Run({uri!r})" and run.store.cache_dir == run.path
+    assert local.address == str(SAMPLE) and local.store.cache_dir is None
+    listed = run.trajectories()
+    assert set(listed["id"].to_pylist()) == set().union(*ids_of.values())
+    assert listed.equals(local.trajectories())
+    assert set(run.trajectories(step=5)["id"].to_pylist()) == ids_of[5]
+    assert sorted(run.step_partitions()) == sorted(local.step_partitions()) == sorted(map(str, ids_of))
+    assert _cached(cache, ".parquet") == [] and len(_cached(cache, ".index")) == len(files)
+
+    spans = run.spans(step=3, columns=["trajectory_id", "kind", "inputs"])
+    step3 = rows.filter(pc.equal(rows["step"], 3))
+    assert spans.num_rows == step3.num_rows and sorted(spans["inputs"].to_pylist(), key=str) == sorted(
+        step3["inputs"].to_pylist(), key=str
+    )
+    fetched = [str(f.relative_to(SAMPLE)) for f in files if "step=3/" in str(f)]
+    assert _cached(cache, ".parquet") == fetched  # payload columns: the step's shards, fetched
+
+    target = sorted(ids_of[6])[0]
+    traj = run.trajectory(target)
+    assert len(traj.spans) == sum(1 for t in rows["trajectory_id"].to_pylist() if t == target)
+    holder = [
+        str(f.relative_to(SAMPLE))
+        for f in files
+        if target in pq.read_table(f, columns=["trajectory_id"])["trajectory_id"].to_pylist()
+    ]
+    assert len(holder) == 1 and _cached(cache, ".parquet") == sorted(fetched + holder)
+
+    assert (
+        run.stored_bytes()
+        == local.stored_bytes()
+        == sum(p.stat().st_size for p in (SAMPLE / "spans").rglob("*") if p.is_file())
+    )
+    assert run.counters() == {**local.counters(), "upload_errors": 0, "pending_uploads": 0}
+    before, dropped = run.file_signature(), run.counters()["dropped"]
+    assert len(before) == sum(1 for p in SAMPLE.glob("[s_]*/**/*") if p.is_file())  # spans/, _workers/
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file(f"/{uri.removeprefix('memory://')}/_workers/w.json", b'{"dropped": 2}')
+    assert run.file_signature() != before and run.counters()["dropped"] == dropped + 2
+
+
+def test_a_trajectory_not_in_a_stored_run_is_named_with_the_run_not_its_cache(
+    stored_sample: tuple[str, Path],
+) -> None:
+    from rlreplay.errors import RunError
+
+    uri, cache = stored_sample
+    run = rlreplay.open_run(uri)
+    for ref in ("ab" * 16, "ffff"):  # a whole id, a prefix
+        with pytest.raises(RunError) as caught:
+            run.trajectory(ref)
+        assert uri in str(caught.value) and str(cache) not in str(caught.value)
+    import fsspec
+
+    fsspec.filesystem("memory").pipe_file(
+        f"/{uri.removeprefix('memory://')}/run.json", b'{"format_version": 99}'
+    )
+    with pytest.raises(RunError, match="format 99") as caught:
+        rlreplay.open_run(uri)
+    assert uri in str(caught.value) and str(cache) not in str(caught.value)
+
+
+def _files(run: Path) -> set[tuple[str, int, int]]:
+    """(path, size, mtime) of every file under spans/ and _workers/, each looked at now."""
+    out = set()
+    for top in ("spans", "_workers"):
+        for folder, _, names in os.walk(run / top):
+            for name in names:
+                st = os.stat(os.path.join(folder, name))
+                out.add((os.path.join(folder, name), st.st_size, st.st_mtime_ns))
+    return out
+
+
+def _age(run: Path, seconds: float) -> None:
+    """Every folder of the run as last changed ``seconds`` ago."""
+    old = time.time_ns() - int(seconds * 1e9)
+    for folder, _, _ in os.walk(run):
+        os.utime(folder, ns=(old, old))
+
+
+def test_a_folder_signature_reuses_settled_folders_and_sees_every_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlreplay.read import store
+
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run)
+    worker = next((run / "spans").glob("step=*/worker=*"))
+    live = worker / "_part-live.partial"
+    live.write_bytes(b"x" * 10)
+    _age(run, 3600)
+    first = rlreplay.open_run(run).file_signature()
+    assert len(first) == len(_files(run)) and set(first) == _files(run)
+
+    scanned: list[str] = []
+    scan = store.scan_folder
+    monkeypatch.setattr(
+        store, "scan_folder", lambda folder, mtime: scanned.append(folder) or scan(folder, mtime)
+    )
+    assert store.folder_signature(run) == first and scanned == []  # settled folders are not listed again
+
+    with open(live, "ab") as f:  # a live file grows under its name: its folder's mtime stays
+        f.write(b"y" * 5)
+    grown = store.folder_signature(run)
+    assert grown != first and set(grown) == _files(run) and scanned == []
+
+    (worker / "part-new.parquet").write_bytes(b"p")  # a new file changes its folder's mtime
+    added = store.folder_signature(run)
+    assert set(added) == _files(run) and scanned == [str(worker)]
+    # a second file within the same clock tick leaves the folder's mtime as it was: a folder
+    # changed lately is listed again all the same
+    tick = os.stat(worker).st_mtime_ns
+    (worker / "part-newer.parquet").write_bytes(b"q")
+    os.utime(worker, ns=(tick, tick))
+    assert set(store.folder_signature(run)) == _files(run)

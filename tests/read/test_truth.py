@@ -362,7 +362,9 @@ def test_documented_modules_are_reachable_after_import_rlreplay() -> None:
     code = (
         "import sys, rlreplay\n"
         "assert 'rlreplay.text.conversation' not in sys.modules\n"
-        "from rlreplay.text.adapters import turns\n"
+        "from rlreplay.text.conversation import turns\n"
+        "from rlreplay.text.adapters import turns as documented_before\n"
+        "assert documented_before is turns\n"
         "from rlreplay.text.token2text import Decoder\n"
         "print(turns.__name__, Decoder.__name__)\n"
         "assert not hasattr(rlreplay, 'no_such_module')\n"

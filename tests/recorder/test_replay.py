@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,10 @@ from replay_job import AGENT, GENERATE, run_job
 
 import rlreplay
 from rlreplay.cli.main import main
-from rlreplay.recorder.replay import ReplayDivergence
+from rlreplay.format.keys import TrajectoryKey
+from rlreplay.playback import ReplayConfig, ReplayError
+from rlreplay.read.selection import Selection
+from rlreplay.recorder.replay import Cassette, ReplayDivergence
 
 BASE = {"steps": 2, "samples": 3, "rollouts": 2, "seed": 0, "parser": "v1"}
 
@@ -31,7 +35,7 @@ def source(tmp_path_factory: pytest.TempPathFactory):
     return run_dir, result
 
 
-def replayed(new_run: Path, source_run: Path, config: dict, **kw) -> dict:
+def replayed(new_run: Path, source_run: Path | str, config: dict, **kw) -> dict:
     rlreplay.init(new_run, worker="agent_loop_worker_0")
     try:
         with rlreplay.replay(source_run, **kw):
@@ -213,3 +217,193 @@ def test_serve_llm_and_tool_keeps_a_changed_tool_from_diverging(
         assert bits(outputs) == bits(live[k][1])
         assert bits(out) == bits(live[k][0])
     assert {r["replay"] for r in ls_rows(capsys, tmp_path / "new").values()} == {"served"}
+
+
+def source_calls(run_dir: Path) -> dict[tuple, list]:
+    """Each trajectory's model-call spans (the source run's files), in call order."""
+    run = rlreplay.open_run(run_dir)
+    out = {}
+    for traj in run.load(run.trajectories()["id"].to_pylist()):
+        calls = sorted((s for s in traj.spans if s.name == GENERATE), key=lambda s: s.start_ns)
+        out[(traj.step, traj.sample_index, traj.rollout_n)] = (traj.id, calls)
+    return out
+
+
+def first_index(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_a_divergence_keeps_its_reason_on_the_span_the_root_and_the_listing(
+    source, tmp_path, monkeypatch, capsys
+) -> None:
+    """With --on-diverge live the call that diverged runs live, and why it diverged stays: on that
+    span, on the trajectory's root, in ``ls --json`` (``replay_reason``) and in ``show``."""
+    source_run, _ = source
+    engine(monkeypatch, tmp_path, down=False)
+    rlreplay.init(tmp_path / "new", worker="agent_loop_worker_0")
+    try:
+        with rlreplay.replay(source_run, serve=("llm",)) as cassette:
+            run_job({**BASE, "tool_seed": 1})  # another tool reply: the 2nd model call's prompt differs
+    finally:
+        rlreplay.close()
+    recorded, replayed = source_calls(source_run), source_calls(tmp_path / "new")
+    expected = {}
+    for k, (source_id, calls) in recorded.items():
+        if len(calls) < 2:
+            continue
+        new_calls = replayed[k][1]
+        at = first_index(calls[1].inputs["prompt_ids"], new_calls[1].inputs["prompt_ids"])
+        expected[k] = (source_id, calls[1].span_id, at)
+    assert expected, "the source run has trajectories with a second model call"
+    rows = ls_rows(capsys, tmp_path / "new")
+    assert {k for k, r in rows.items() if r["replay"] == "diverged"} == set(expected)
+    run = rlreplay.open_run(tmp_path / "new")
+    for k, row in rows.items():
+        if k not in expected:
+            assert (row["replay"], row["replay_reason"]) == ("served", None)
+            continue
+        source_id, span_id, at = expected[k]
+        reason = row["replay_reason"]
+        assert f"{GENERATE} call 2 " in reason and span_id in reason and f"prompt_ids[{at}]" in reason
+        assert cassette.divergences[source_id] == reason
+        traj = run.trajectory(row["id"])
+        assert (traj.attributes["replay"], traj.attributes["replay_reason"]) == ("diverged", reason)
+        marks = [s.attributes for s in replayed[k][1]]
+        assert marks[:2] == [{"replay": "served"}, {"replay": "diverged", "replay_reason": reason}]
+        assert all(m is None for m in marks[2:])  # later calls ran live, unmarked
+        assert main(["show", str(tmp_path / "new"), row["id"], "--no-text"]) == 0
+        assert f"replay=diverged of {source_id}: {reason}" in capsys.readouterr().out
+        assert main(["show", str(tmp_path / "new"), row["id"], "--json", "--no-text"]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert (shown["replay"], shown["replay_of"], shown["replay_reason"]) == (
+            "diverged",
+            source_id,
+            reason,
+        )
+    assert sorted(cassette.diverged) == sorted(v[0] for v in expected.values())
+
+
+def test_match_on_names_what_a_call_must_share_with_its_recording(
+    source, tmp_path, monkeypatch, capsys
+) -> None:
+    """Without ``inputs`` among the matchers, a model call whose prompt changed is still served."""
+    source_run, live = source
+    log = engine(monkeypatch, tmp_path, down=True)
+    result = replayed(
+        tmp_path / "new", source_run, {**BASE, "tool_seed": 1}, serve=("llm",), match_on=("position", "name")
+    )
+    assert engine_calls(log) == []
+    for k, (_out, outputs) in result.items():
+        assert bits(outputs) == bits(live[k][1])
+    assert {r["replay"] for r in ls_rows(capsys, tmp_path / "new").values()} == {"served"}
+    record = rlreplay.open_run(tmp_path / "new").manifest["replay"]
+    assert record["match_on"] == ["position", "name"]
+    with pytest.raises(ReplayError, match="unknown matcher 'prompt'"):
+        ReplayConfig.of(source_run, match_on="position,prompt")
+
+
+def test_a_cassette_serves_plain_calls_outside_the_recorder(source) -> None:
+    """What a proxy in front of a model server needs: (kind, name, inputs) in, the recorded output
+    out, bit for bit, or not served and why; per-call ids are not compared."""
+    source_run, _ = source
+    calls = source_calls(source_run)
+    k, (source_id, spans) = next((k, v) for k, v in calls.items() if len(v[1]) >= 2)
+    key = TrajectoryKey.of(*k, validate=False)
+    config = ReplayConfig.of(source_run, "llm")
+
+    cassette = config.cassette()
+    state = cassette.open(key)
+    first = {**spans[0].inputs, "request_id": "another-id"}
+    played = cassette.play(state, "llm", GENERATE, first)
+    assert played.served and bits(played.output) == bits(spans[0].output) and played.reason is None
+    changed = {**spans[1].inputs, "prompt_ids": [*spans[1].inputs["prompt_ids"], 7]}
+    played = cassette.play(state, "llm", GENERATE, changed)
+    at = len(spans[1].inputs["prompt_ids"])
+    assert not played.served and f"prompt_ids[{at}]" in played.reason and spans[1].span_id in played.reason
+    assert (state.status, cassette.divergences) == ("diverged", {source_id: played.reason})
+    assert cassette.play(state, "llm", GENERATE, spans[1].inputs) == cassette.play(state, "llm", "x", {})
+    assert not cassette.play(state, "llm", GENERATE, spans[1].inputs).served  # diverged: all live now
+    assert cassette.open(TrajectoryKey.of(99, 0, 0)).status == "live"
+
+    # without the position matcher, calls are served from the recorded op whose inputs they have
+    unordered = ReplayConfig.of(source_run, "llm", match_on=("name", "inputs")).cassette()
+    state = unordered.open(key)
+    for span in reversed(spans):
+        played = unordered.play(state, "llm", span.name, span.inputs)
+        assert played.served and bits(played.output) == bits(span.output)
+    assert not unordered.play(state, "llm", GENERATE, spans[0].inputs).served  # each op once
+
+    def broken(op, call):
+        raise KeyError("no such field")
+
+    strict = Cassette(("llm",), cassette.recording, match_on=(broken,))
+    played = strict.play(strict.open(key), "llm", GENERATE, spans[0].inputs)
+    assert not played.served and played.reason == "matcher 'broken' failed: KeyError: 'no such field'"
+
+    def unbuildable(name, kind, output):
+        raise ValueError("Image must be a list")
+
+    recording = replace(cassette.recording, rebuild=unbuildable)
+    bad = Cassette(("llm",), recording)
+    state = bad.open(key)
+    played = bad.play(state, "llm", GENERATE, spans[0].inputs)  # not raised into the caller
+    assert not played.served and bad.served == 0 and state.status == "diverged"
+    assert played.reason == (
+        f"{GENERATE} call 1: the recorded output of span {spans[0].span_id} cannot be rebuilt "
+        "(ValueError: Image must be a list)"
+    )
+
+    failing = Cassette(("llm",), cassette.recording, on_diverge="fail")
+    played = failing.play(failing.open(key), "llm", "Other.generate", spans[0].inputs)
+    assert isinstance(played.error, ReplayDivergence) and played.reason in str(played.error)
+    assert played.reason == f"llm call 1 is Other.generate, recorded {GENERATE}"
+
+
+def test_a_source_on_an_object_store_is_named_as_given(tmp_path, monkeypatch, capsys) -> None:
+    """A source given as a URI is read from the store, and the new run's manifest names the URI
+    (not the local cache it was read through)."""
+    monkeypatch.setenv("RLREPLAY_SPOOL", str(tmp_path / "spool"))
+    monkeypatch.setenv("RLREPLAY_CACHE", str(tmp_path / "cache"))
+    uri = f"memory://runs/{tmp_path.name}/src"
+    config = {**BASE, "steps": 1}
+    rlreplay.init(uri, worker="agent_loop_worker_0")
+    try:
+        live = run_job(config)
+    finally:
+        rlreplay.close()
+    log = engine(monkeypatch, tmp_path, down=True)
+    result = replayed(tmp_path / "new", uri, config, serve=("llm",))
+    assert engine_calls(log) == []
+    assert {k: bits(v[1]) for k, v in result.items()} == {k: bits(v[1]) for k, v in live.items()}
+    record = rlreplay.open_run(tmp_path / "new").manifest["replay"]
+    assert record["source"] == uri
+    assert ReplayConfig.from_manifest({"replay": record}) == ReplayConfig.of(uri, "llm")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ReplayConfig("/runs/a b/ü-run"),
+        ReplayConfig("s3://bucket/p/run?region=eu-west-1", ("llm", "tool"), on_diverge="fail"),
+        ReplayConfig(
+            "/r",
+            ("agent",),
+            Selection(step="0..3", sample_index="a,12", rollout_n="1", validate=True, where="reward > 0.5"),
+            "live",
+            ("name", "inputs"),
+        ),
+        ReplayConfig("/r", selection=Selection(experiment='e"x', status="ok", sort="-reward", limit=3)),
+    ],
+)
+def test_a_replay_config_travels_through_the_environment_and_the_manifest(config: ReplayConfig) -> None:
+    assert ReplayConfig.from_env(config.env()) == config
+    assert ReplayConfig.from_manifest(json.loads(json.dumps({"replay": config.record()}))) == config
+    assert ReplayConfig.from_env({}) is None and ReplayConfig.from_manifest({}) is None
+
+
+def test_a_replay_config_reads_an_older_manifest_record() -> None:
+    """Runs replayed before the record named its selection and matchers."""
+    old = {"replay": {"source": "/runs/src", "serve": ["llm", "tool"], "on_diverge": "fail"}}
+    assert ReplayConfig.from_manifest(old) == ReplayConfig("/runs/src", ("llm", "tool"), on_diverge="fail")
+    assert ReplayConfig.from_manifest({"replay": {"serve": ["llm"]}}) is None
+    assert ReplayConfig.from_manifest({"replay": {"source": "/r", "select": {"stepp": "1"}}}) is None

@@ -165,6 +165,27 @@ def test_serve_llm_gives_the_recorded_batch_without_a_model_server(source: Path,
         assert row["model_calls"] == recorded[key]["model_calls"]
 
 
+def test_serve_llm_and_tool_serves_every_tool_call_of_verl(source: Path, tmp_path: Path) -> None:
+    """A verl tool call's recorded inputs hold the agent state's timing ``metrics`` (fresh on every
+    run, a volatile key of the verl adapter): they are not compared, so every tool call is served."""
+    import rlreplay as api
+
+    proc = replay(source, tmp_path, "llm,tool")
+    check_equal_batches(source / "src.pt", tmp_path / "new.pt")
+    run = api.open_run(source / "src")
+    recorded = {(r["step"], r["sample_index"], r["rollout_n"]): r for r in listing(source / "src")}
+    tools = {k: sum(s.kind == "tool" for s in run.trajectory(r["id"]).spans) for k, r in recorded.items()}
+    assert sum(tools.values()) > 0  # the source run called tools
+    calls = sum(r["model_calls"] for r in recorded.values()) + sum(tools.values())
+    assert f"{calls} ops served; 0 trajectories diverged" in proc.stderr
+    new = api.open_run(tmp_path / "new")
+    for row in listing(tmp_path / "new"):
+        assert row["replay"] == "served"
+        served = [s for s in new.trajectory(row["id"]).spans if s.kind == "tool"]
+        assert len(served) == tools[row["step"], row["sample_index"], row["rollout_n"]]
+        assert all(s.attributes == {"replay": "served"} for s in served)
+
+
 def test_serve_agent_gives_the_recorded_batch(source: Path, tmp_path: Path) -> None:
     proc = replay(source, tmp_path, "agent")
     check_equal_batches(source / "src.pt", tmp_path / "new.pt")

@@ -189,6 +189,26 @@ def test_record_list_show_read_only_what_is_needed(s3: S3Server, tmp_path: Path)
     assert again.returncode == 2 and "never overwritten" in again.stderr
 
 
+def test_replay_serves_from_a_run_on_the_store(s3: S3Server, tmp_path: Path) -> None:
+    """``rlreplay replay s3://...``: every process of the job reads the source from the store (not
+    from the local cache the command looked at), and the new run's manifest names the URI."""
+    env = _env(s3, tmp_path)
+    uri = f"s3://{BUCKET}/exp/replayed"
+    job = [sys.executable, str(Path(__file__).parents[1] / "replay_job.py")]
+    config = json.dumps({"steps": 2, "samples": 2, "rollouts": 2, "seed": 0, "spawn": True})
+    proc = rlreplay(env, "record", "--framework", "generic", "--out", uri, "--", *job, config, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    calls = sum(r["model_calls"] for r in ls_json(env, uri, cwd=tmp_path))
+    assert calls > 0
+    down = {**env, "REPLAY_JOB_ENGINE_DOWN": "1"}  # a model call that is not served fails the job
+    args = ("replay", uri, "--framework", "generic", "--out", str(tmp_path / "new"), "--", *job, config)
+    proc = rlreplay(down, *args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{calls} ops served; 0 trajectories diverged" in proc.stderr
+    manifest = json.loads((tmp_path / "new" / "run.json").read_text())
+    assert manifest["replay"]["source"] == uri
+
+
 KILLED = textwrap.dedent(
     """
     import time

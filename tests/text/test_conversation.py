@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 import rlreplay
-from rlreplay.text.adapters import turns
-from rlreplay.text.conversation import Turn
+from rlreplay.text.conversation import Turn, turns
 
 PROMPT = [101, 102, 103, 104]
 # (role, ids) of the response, in order: the agent span's mask is built from these

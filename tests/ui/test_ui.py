@@ -24,7 +24,7 @@ import pytest
 from rlreplay.format import manifest
 from rlreplay.read.open import open_run
 from rlreplay.read.selection import listing as c2_listing
-from rlreplay.text.adapters import turns
+from rlreplay.text.conversation import turns
 from rlreplay.text.token2text import Decoder
 
 HERE = Path(__file__).parents[1]

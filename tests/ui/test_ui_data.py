@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -51,8 +50,8 @@ def test_a_page_looks_at_the_files_once(
     monkeypatch.setattr(data, "SLOW_LISTING_S", 1e9)
     view = RunView(open_run(run))
     looked: list[Path] = []
-    listed = data.file_signature
-    monkeypatch.setattr(data, "file_signature", lambda path: looked.append(path) or listed(path))
+    listed = view.run.file_signature
+    monkeypatch.setattr(view.run, "file_signature", lambda: looked.append(run) or listed())
     with data.one_look():
         first = view.listing()
         shutil.move(held, run / "spans" / "step=7")
@@ -131,19 +130,21 @@ def test_a_run_that_cannot_be_looked_at_is_shown_as_it_was(
     run, _ = growing_run
     view = RunView(open_run(run))
     first = view.listing()
-    real = data.file_signature
+    real = view.run.file_signature
 
     def unreachable(path: Path) -> object:
         raise RunError("s3://bucket/run: Could not connect to server")
 
-    monkeypatch.setattr(data, "file_signature", unreachable)
+    monkeypatch.setattr(view.run, "file_signature", lambda: unreachable(run))
     assert view.listing() is first
     assert view.listing() is first
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Could not connect to server" in err
+    never_read = open_run(run)
+    monkeypatch.setattr(never_read, "file_signature", lambda: unreachable(run))
     with pytest.raises(RunError, match="Could not connect"):
-        RunView(open_run(run)).listing()
-    monkeypatch.setattr(data, "file_signature", real)
+        RunView(never_read).listing()
+    monkeypatch.setattr(view.run, "file_signature", real)
     assert view.listing() is first
     counted = view.counters()
     assert counted == view.run.counters()
@@ -253,53 +254,3 @@ def test_a_selection_is_kept_until_the_listing_changes(
         pc.greater(view.listing().filter(pc.equal(view.listing()["step"], 7))["reward"], 0)
     ).as_py()
     assert grown.num_rows == first.num_rows + added
-
-
-def _files(run: Path) -> set[tuple[str, int, int]]:
-    """(path, size, mtime) of every file under spans/ and _workers/, each looked at now."""
-    out = set()
-    for top in ("spans", "_workers"):
-        for folder, _, names in os.walk(run / top):
-            for name in names:
-                st = os.stat(os.path.join(folder, name))
-                out.add((os.path.join(folder, name), st.st_size, st.st_mtime_ns))
-    return out
-
-
-def _age(run: Path, seconds: float) -> None:
-    """Every folder of the run as last changed ``seconds`` ago."""
-    old = time.time_ns() - int(seconds * 1e9)
-    for folder, _, _ in os.walk(run):
-        os.utime(folder, ns=(old, old))
-
-
-def test_file_signature_reuses_settled_folders_and_sees_every_change(
-    growing_run: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    run, _ = growing_run
-    worker = next((run / "spans").glob("step=*/worker=*"))
-    live = worker / "_part-live.partial"
-    live.write_bytes(b"x" * 10)
-    _age(run, 3600)
-    first = data.file_signature(run)
-    assert len(first) == len(_files(run)) and set(first) == _files(run)
-
-    scanned: list[str] = []
-    scan = data._scan
-    monkeypatch.setattr(data, "_scan", lambda folder, mtime: scanned.append(folder) or scan(folder, mtime))
-    assert data.file_signature(run) == first and scanned == []  # settled folders are not listed again
-
-    with open(live, "ab") as f:  # a live file grows under its name: its folder's mtime stays
-        f.write(b"y" * 5)
-    grown = data.file_signature(run)
-    assert grown != first and set(grown) == _files(run) and scanned == []
-
-    (worker / "part-new.parquet").write_bytes(b"p")  # a new file changes its folder's mtime
-    added = data.file_signature(run)
-    assert set(added) == _files(run) and scanned == [str(worker)]
-    # a second file within the same clock tick leaves the folder's mtime as it was: a folder
-    # changed lately is listed again all the same
-    tick = os.stat(worker).st_mtime_ns
-    (worker / "part-newer.parquet").write_bytes(b"q")
-    os.utime(worker, ns=(tick, tick))
-    assert set(data.file_signature(run)) == _files(run)

@@ -541,10 +541,10 @@ def test_compare_badges_on_trajectories_and_list_rows(ui_url, ui_runs: Path, tab
 
 def test_a_replay_wears_compare_badges_against_its_source(ui_url, ui_runs: Path, tab) -> None:
     """A run whose manifest names its source (as ``rlreplay replay`` writes it) is compared with it."""
-    from rlreplay.playback import mark_replay
+    from rlreplay.playback import ReplayConfig
 
     _record_pair(ui_runs, ("rpl-source", "rpl-replay"))
-    mark_replay(ui_runs / "rpl-replay", ui_runs / "rpl-source", "llm", "live")
+    ReplayConfig.of(ui_runs / "rpl-source", "llm").write_manifest(ui_runs / "rpl-replay")
     _, in_replay, _ = _statuses(ui_runs / "rpl-source", ui_runs / "rpl-replay")
     tab.goto(f"{ui_url}/r/rpl-replay/trajectories")
     shown = _row_badges(tab)
@@ -556,6 +556,41 @@ def test_a_replay_wears_compare_badges_against_its_source(ui_url, ui_runs: Path,
     tab.wait_for_selector(f"#pair-{changed}")
     assert "/r/rpl-replay/compare?with=rpl-source" in tab.url
     assert tab.errors == []
+
+
+def test_a_replayed_trajectory_page_says_why_it_diverged(ui_url, ui_runs: Path) -> None:
+    """A run made by ``rlreplay replay`` (another tool reply: some trajectories diverge): each
+    trajectory page shows its replay status, its source trajectory and why it diverged, as
+    ``ls --json`` lists them."""
+    import html
+    import json
+    import subprocess
+    import sys
+
+    base = {"steps": 1, "samples": 3, "rollouts": 2, "seed": 0, "parser": "v1"}
+    job = [sys.executable, str(Path(__file__).parents[1] / "replay_job.py")]
+    for args, config in (
+        (["record", "--out", str(ui_runs / "div-source")], base),
+        (
+            ["replay", str(ui_runs / "div-source"), "--out", str(ui_runs / "div-replay")],
+            {**base, "tool_seed": 1},
+        ),
+    ):
+        command = [sys.executable, "-m", "rlreplay", *args, "--framework", "generic", "--", *job]
+        subprocess.run([*command, json.dumps(config)], check=True, capture_output=True, timeout=180)
+    rows = cli_json("ls", str(ui_runs / "div-replay"))
+    assert {r["replay"] for r in rows} == {"served", "diverged"}
+    for row in rows:
+        page = _get(f"{ui_url}/r/div-replay/t/{row['id']}")
+        status = re.search(r'<td id="replay-status">([^<]*)</td>', page)
+        reason = re.search(r'<td colspan="2" id="replay-reason">([^<]*)</td>', page)
+        assert status and reason, row["id"]
+        assert status.group(1) == row["replay"]
+        assert html.unescape(reason.group(1)) == (row["replay_reason"] or "–")
+        assert f"<code>{row['replay_of']}</code>" in page
+    assert "replay-status" not in _get(
+        f"{ui_url}/r/div-source/t/{cli_json('ls', str(ui_runs / 'div-source'))[0]['id']}"
+    )
 
 
 def _exported(run: str, step: int, tmp_path: Path) -> list[dict]:

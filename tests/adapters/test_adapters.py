@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import rlreplay
+from rlreplay.adapters.registry import adapter_for_run, available, get_adapter, openai_messages
 from rlreplay.errors import RunError
-from rlreplay.text.adapters import (
-    FrameworkAdapter,
-    adapter_for_run,
-    available,
-    get_adapter,
-    openai_messages,
-    turns,
-)
+from rlreplay.hookspecs import FrameworkAdapter
+from rlreplay.text.conversation import turns
 
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3"
+#: What a recording process asks of its adapter, and which heavy modules that loaded.
+RECORDING_PROCESS = """
+import sys
+from rlreplay.adapters.registry import get_adapter
+verl = get_adapter("verl")
+print(verl.span_kind("LLMServerClient.generate"), verl.token_fields("llm")["inputs"][0])
+print(sorted(m for m in ("pyarrow", "numpy", "rlreplay.model") if m in sys.modules))
+"""
 
 
 def test_builtins_are_registered_as_entry_points() -> None:
@@ -37,6 +42,15 @@ def test_builtins_are_registered_as_entry_points() -> None:
     assert verl.span_kind("AgentLoopWorker.helper") == "op"
     assert "response_mask" in verl.token_fields("agent")["output"]
     assert "prompt_ids" in verl.token_fields("llm")["inputs"]
+
+
+def test_a_recording_process_loads_its_adapter_without_pyarrow() -> None:
+    """A recording process asks its adapter for span kinds and token fields as it decorates and
+    calls the framework's methods, before the recorder (and pyarrow) loads."""
+    out = subprocess.run(
+        [sys.executable, "-c", RECORDING_PROCESS], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert out.splitlines() == ["llm prompt_ids", "[]"]
 
 
 def test_unknown_framework_is_a_clear_error(tmp_path: Path) -> None:

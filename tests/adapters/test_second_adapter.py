@@ -1,4 +1,4 @@
-"""A second framework is one package: an adapter registered in the entry-point group ``rlreplay.recorders``.
+"""A second framework is one package: an adapter registered in the entry-point group ``rlreplay.adapters``.
 
 The test writes, into a temporary folder, a toy RL framework (``toyrl``: its own method names
 and field names, unaware of rlreplay) and a separate adapter package (``rlreplay_toyrl``) whose
@@ -52,7 +52,8 @@ ADAPTER = '''
 
 import functools
 
-from rlreplay.text.adapters import ConversationFields, GenericAdapter
+from rlreplay.adapters.generic import GenericAdapter
+from rlreplay.text.conversation import ConversationFields
 
 
 class ToyAdapter(GenericAdapter):
@@ -116,7 +117,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dist = root / "rlreplay_toyrl-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: rlreplay-toyrl\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[rlreplay.recorders]\ntoyrl = rlreplay_toyrl:ToyAdapter\n")
+    (dist / "entry_points.txt").write_text("[rlreplay.adapters]\ntoyrl = rlreplay_toyrl:ToyAdapter\n")
     (root / "job.py").write_text(textwrap.dedent(JOB))
     return root
 
@@ -172,9 +173,8 @@ def test_conversation_and_messages_come_from_the_adapter(site: Path, recorded: P
     code = textwrap.dedent(
         f"""
         import json, rlreplay
-        from rlreplay.text.adapters import adapter_for_run
-        from rlreplay.text.adapters import turns
-        from rlreplay.text.adapters import openai_messages
+        from rlreplay.adapters.registry import adapter_for_run, openai_messages
+        from rlreplay.text.conversation import turns
         run = rlreplay.open_run({str(recorded)!r})
         adapter = adapter_for_run(run)
         traj = run.trajectory(run.trajectories(step=1, sample_index=1, rollout_n=1)["id"][0].as_py())
