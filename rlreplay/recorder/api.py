@@ -28,6 +28,7 @@ from rlreplay.recorder.events import (
     OpenTrajectory,
     OpMeta,
     SpanEvent,
+    format_span_id,
     format_trajectory_id,
     payload_bytes,
 )
@@ -445,6 +446,11 @@ class trajectory:
     @property
     def id(self) -> str:
         return format_trajectory_id(self._traj.id)
+
+    @property
+    def root_span_id(self) -> str | None:
+        """The id of the trajectory's root span, or None when it is not recorded."""
+        return format_span_id(self._span_id) if self._span_id else None
 
 
 @functools.lru_cache(maxsize=256)
