@@ -25,13 +25,13 @@ from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_TOOL
 from rlreplay.model import key_value
 from rlreplay.read.filters import Filters
 from rlreplay.read.open import open_run
+from rlreplay.read.replays import replay_rows, served_count
 from rlreplay.read.run import Run
 from rlreplay.read.selection import Selection
 from rlreplay.recorder import api
 from rlreplay.recorder.replay import (
     DIVERGED,
     ON_DIVERGE,
-    SERVED,
     Cassette,
     RecordedOp,
     RecordedTrajectory,
@@ -211,31 +211,6 @@ def start_from_env() -> Cassette | None:
     )
     api.set_replay(served_from)
     return served_from
-
-
-def replay_rows(run: Run, filters: Filters | None = None) -> dict[str, dict[str, Any]]:
-    """``{trajectory id: {"replay": ..., "replay_of": ...}}`` from the root spans of a replayed run."""
-    spans = run.spans(filters, columns=["trajectory_id", "parent_id", "kind", "attributes"])
-    out: dict[str, dict[str, Any]] = {}
-    for row in spans.to_pylist():
-        if row["parent_id"] is not None or not row["attributes"] or row["kind"] == "signals":
-            continue
-        attrs = orjson.loads(row["attributes"])
-        if isinstance(attrs, dict) and "replay" in attrs:
-            out[row["trajectory_id"]] = {"replay": attrs["replay"], "replay_of": attrs.get("replay_of")}
-    return out
-
-
-def served_count(run: Run) -> int:
-    """How many spans of ``run`` were served from a recording."""
-    spans = run.spans(columns=["parent_id", "attributes"])
-    return sum(
-        1
-        for row in spans.to_pylist()
-        if row["parent_id"] is not None
-        and row["attributes"]
-        and orjson.loads(row["attributes"]).get("replay") == SERVED
-    )
 
 
 def replay_summary(new_run: Run, source: Run, select: Selection | dict[str, Any] | None) -> dict[str, Any]:

@@ -269,7 +269,7 @@ def test_ls_plain_output_lists_the_selection(
     rc, out, _ = cli(capsys, "ls", GSM8K, "--step", "6..7", "--sort", "reward desc", "--limit", "5")
     assert rc == 0
     lines = out.splitlines()
-    assert lines[0].split()[:3] == ["id", "step", "sample"]
+    assert lines[0].split()[:3] == ["id", "step", "sample_index"]
     wanted = _stable_desc([r for r in gsm8k if r["step"] in (6, 7)], "reward")[:5]
     assert [line.split()[0] for line in lines[1:6]] == [r["id"][:12] for r in wanted]
     assert lines[6] == f"5 trajectories (--limit) in {GSM8K}"
@@ -899,3 +899,68 @@ def test_upload_says_what_max_samples_chose(
     )
     assert rc == 0, err
     assert json.loads(out)["max_samples"] == line.removeprefix("--max-samples 2 chose ")
+
+
+# --- every filter before the sort and the limit ----------------------------------------------
+
+ARITH = ROOT / "sample_runs" / "verl-arith-smollm2"
+
+
+def test_finding_filters_before_the_sort_and_the_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    """``ls --finding CHECK --limit N`` is the first N of what the check flags (the limit once came
+    first and left nothing); a sort orders the flagged rows, then the limit cuts."""
+    rc, out, err = cli(capsys, "audit", ARITH, "--checks", "truncated", "--fail-on", "none", "--json")
+    assert rc == 0, err
+    flagged = {f["trajectory_id"] for f in json_lines(out)}
+    rc, out, _ = cli(capsys, "ls", ARITH, "--json")
+    listing = [r for r in json_lines(out) if r["id"] in flagged]
+    assert len(listing) == len(flagged) == 39  # the README's count
+    cases = [
+        (["--limit", "1"], listing[:1]),
+        (["--limit", "5"], listing[:5]),
+        (["--sort", "duration_s desc", "--limit", "3"], _stable_desc(listing, "duration_s")[:3]),
+        (["--where", "step >= 4", "--limit", "2"], [r for r in listing if r["step"] >= 4][:2]),
+    ]
+    for args, want in cases:
+        rc, out, err = cli(capsys, "ls", ARITH, "--finding", "truncated", *args, "--json")
+        assert rc == 0, err
+        assert [r["id"] for r in json_lines(out)] == [r["id"] for r in want], args
+
+
+#: Every command that selects trajectories, with the arguments it needs besides its selection.
+SELECTING = {
+    "ls": ["{run}"],
+    "stats": ["{run}"],
+    "audit": ["{run}"],
+    "export": ["{run}", "--out", "{tmp}/x.jsonl"],
+    "upload": ["{run}", "--dry-run"],
+    "compare": ["{run}", "{run}"],
+    "diff": ["{run}", "--group", "step=1,sample_index=1000"],
+    "replay": ["{run}", "--out", "{tmp}/replayed", "--", "true"],
+}
+#: Selection options that take one value: given twice, bad input (the key options add up instead).
+ONCE = [
+    ["--train", "--train"],
+    ["--validate", "--validate"],
+    ["--validate", "--train"],
+    ["--experiment", "a", "--experiment", "b"],
+    ["--status", "ok", "--status", "ok"],
+    ["--where", "reward > 0", "--where", "reward > 0"],
+    ["--sort", "reward", "--sort", "reward"],
+    ["--limit", "3", "--limit", "3"],
+]
+
+
+@pytest.mark.parametrize("command", list(SELECTING))
+def test_a_selection_option_given_twice_is_bad_input(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--train --train`` (or ``--validate --train``) once passed silently, the last one winning."""
+    args = [a.format(run=ARITH, tmp=tmp_path) for a in SELECTING[command]]
+    split = args.index("--") if "--" in args else len(args)
+    for twice in ONCE:
+        rc, out, err = cli(capsys, command, *args[:split], *twice, *args[split:])
+        assert rc == 2, (command, twice, out, err)
+        assert len(err.strip().splitlines()) == 1 and err.startswith("rlreplay: error: "), err
+        assert "twice" in err or "give one" in err, err
+    assert list(tmp_path.iterdir()) == []
