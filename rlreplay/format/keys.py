@@ -183,6 +183,7 @@ SELECT_KEYS = (
         "validate", BOOL, "Only validation (or only training) trajectories.", flags=("--validate", "--train")
     ),
     SelectKey("experiment", TEXT, "Only this experiment name."),
+    SelectKey("worker", TEXT, "Only trajectories this worker recorded (a Ray actor, or host-pid)."),
 )
 SELECT_BY_NAME = {k.name: k for k in SELECT_KEYS}
 

@@ -964,3 +964,67 @@ def test_a_selection_option_given_twice_is_bad_input(
         assert len(err.strip().splitlines()) == 1 and err.startswith("rlreplay: error: "), err
         assert "twice" in err or "give one" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+# --- --worker: a selection key like the others -------------------------------------------------
+
+
+def _roots_by_worker(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """Each worker's trajectories (their root spans' rows), read with pyarrow from the span files."""
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in span_rows(run_dir, ["trajectory_id", "parent_id", "kind", "worker", "step", "validate"]):
+        if row["parent_id"] is None and row["kind"] != "signals":
+            out[row["worker"]].append(row)
+    return out
+
+
+def test_worker_selects_in_every_selecting_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--worker NAME`` (and ``worker=NAME`` in a selector) keeps the trajectories that worker
+    recorded, in ls, stats, audit, export, upload, compare, diff --group, show and replay's
+    selection; counted against the root spans read straight from the span files."""
+    from rlreplay.playback import ENV_SELECT, env_vars, selected
+    from rlreplay.read.open import open_run
+    from rlreplay.read.selection import Selection
+
+    by_worker = _roots_by_worker(GSM8K)
+    assert len(by_worker) == 2 and all(by_worker.values())
+    for worker, roots in by_worker.items():
+        mine = {r["trajectory_id"] for r in roots}
+        rc, out, err = cli(capsys, "ls", GSM8K, "--worker", worker, "--json")
+        assert rc == 0, err
+        assert {r["id"] for r in json_lines(out)} == mine
+        rc, out, err = cli(capsys, "stats", GSM8K, "--worker", worker, "--json")
+        per_split: dict[tuple, int] = defaultdict(int)
+        for r in roots:
+            per_split[r["step"], r["validate"]] += 1
+        assert {(s["step"], s["validate"]): s["trajectories"] for s in json_lines(out)} == per_split
+        rc, out, err = cli(capsys, "audit", GSM8K, "--worker", worker, "--fail-on", "none")
+        assert rc == 0 and out.splitlines()[0] == f"audited {len(mine)} trajectories", err
+        target = tmp_path / f"{worker}.jsonl"
+        rc, out, err = cli(capsys, "export", GSM8K, "--worker", worker, "--out", target)
+        assert rc == 0, err
+        assert {json.loads(line)["id"] for line in target.read_text().splitlines()} == mine
+        rc, out, err = cli(capsys, "upload", GSM8K, "--worker", worker, "--dry-run")
+        assert rc == 0 and f"selected {len(mine)} trajectories" in out + err, err
+        rc, out, err = cli(capsys, "compare", GSM8K, GSM8K, "--worker", worker, "--json")
+        assert rc == 0 and {p["a"] for p in json_lines(out)} == mine, err
+        # replay's selection reaches each process of the job through the environment
+        chosen = json.loads(env_vars(str(GSM8K), "llm", "live", Selection(worker=worker))[ENV_SELECT])
+        assert set(selected(open_run(GSM8K), chosen)["id"].to_pylist()) == mine
+    # selectors: a key like the others
+    rows = json_lines(cli(capsys, "ls", GSM8K, "--step", "5", "--sample-index", "730", "--json")[1])
+    one = rows[0]
+    assert {r["id"] for r in rows} <= {r["trajectory_id"] for r in by_worker[one["worker"]]}  # one worker
+    selector = f"step=5,sample_index=730,rollout_n={one['rollout_n']},worker={one['worker']}"
+    rc, out, err = cli(capsys, "show", selector, "--run", GSM8K, "--json", "--no-text")
+    assert rc == 0 and json.loads(out)["id"] == one["id"], err
+    other = next(w for w in by_worker if w != one["worker"])
+    rc, out, err = cli(capsys, "show", selector.replace(one["worker"], other), "--run", GSM8K)
+    assert rc == 2 and f"no worker={other}" in err
+    group = ["diff", "-r", GSM8K, "--group", "step=5,sample_index=730", "--json", "--worker"]
+    rc, out, err = cli(capsys, *group, other)
+    assert rc == 2 and "leaves none" in err  # the group's rollouts all come from one worker
+    rc, out, err = cli(capsys, *group, one["worker"])
+    assert rc == 0 and {r["id"] for r in json.loads(out)["rollouts"]} == {r["id"] for r in rows}

@@ -387,3 +387,32 @@ def test_every_page_works_on_a_run_whose_keys_mix_ints_and_strings(tmp_path: Pat
         assert listed.text.count("<td>r-1</td>") == len(mine)
         a, b = (t for t, k in keys.items() if k[:2] == (1, "s-1"))
         assert client.get(f"/r/mixed/diff?a={a}&b={b}").status_code == 200
+
+
+def test_the_trajectory_list_selects_by_worker_and_shows_it() -> None:
+    """``?worker=NAME`` keeps what that worker recorded (its root spans, read with pyarrow), and
+    the worker column shows it."""
+    import re
+
+    import pyarrow.parquet as pq
+    from starlette.testclient import TestClient
+
+    from rlreplay.ui.app import create_app
+
+    by_worker: dict[str, set[str]] = {}
+    for f in SAMPLE.glob("spans/step=*/worker=*/*.parquet"):
+        for r in pq.read_table(f, columns=["trajectory_id", "parent_id", "kind", "worker"]).to_pylist():
+            if r["parent_id"] is None and r["kind"] != "signals":
+                by_worker.setdefault(r["worker"], set()).add(r["trajectory_id"])
+    assert len(by_worker) == 2
+    with TestClient(create_app(SAMPLE)) as client:
+        for worker, mine in by_worker.items():
+            page = client.get(
+                f"/r/{SAMPLE.name}/trajectories", params={"worker": worker, "col": "worker", "per": 500}
+            )
+            assert page.status_code == 200, page.text[-400:]
+            assert re.search(r'<span id="count">(\d+)</span>', page.text).group(1) == str(len(mine))
+            shown = set(re.findall(r'href="[^"]*/t/([0-9a-f]{32})\?', page.text))
+            assert shown == mine
+            assert page.text.count(f"<td>{worker}</td>") == len(mine)
+            assert f'name="worker" value="{worker}"' in page.text  # the form keeps it
