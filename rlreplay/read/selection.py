@@ -301,8 +301,10 @@ class _Selecting:
         return table
 
     def params(self) -> dict[str, str]:
-        """The selection keys that are set as URL parameters (a flag as ``true``/``false``)."""
-        return {name: _text(value) for name, value in self.chosen().items()}
+        """What is set, as URL parameters (a flag as ``true``/``false``)."""
+        out = {name: _text(value) for name, value in self.chosen().items()}
+        out.update((name, str(v)) for name in _URL_OPTIONS if (v := getattr(self, name)) is not None)
+        return out
 
     def __str__(self) -> str:
         """The keys as a selector (``step=5,sample_index=12,validate=false``), else the id prefix."""
@@ -355,9 +357,15 @@ class _Selecting:
             text = str(raw).strip()
             if text and key is not None and name not in values:
                 values[name] = key_text(key, text, name)
-            elif text and name in ("status", "where", "sort"):
-                values[name] = text
+            elif text and name in _URL_OPTIONS:
+                values[name] = text if name != "limit" else parse_int(text)
+                if values[name] is None:
+                    raise SelectionError(f"limit must be a whole number, not {text!r}")
         return cls(**values)
+
+
+#: The selection's options besides its keys that a URL carries.
+_URL_OPTIONS = ("status", "where", "sort", "limit")
 
 
 def _text(value: Any) -> str:

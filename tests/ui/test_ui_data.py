@@ -416,3 +416,29 @@ def test_the_trajectory_list_selects_by_worker_and_shows_it() -> None:
             assert shown == mine
             assert page.text.count(f"<td>{worker}</td>") == len(mine)
             assert f'name="worker" value="{worker}"' in page.text  # the form keeps it
+
+
+def test_a_list_link_carries_the_whole_query() -> None:
+    """Links of the list (sort headers, pages, prev/next) are its query again, whatever it holds."""
+    from urllib.parse import urlencode
+
+    from starlette.datastructures import QueryParams
+
+    q = data.ListQuery(
+        step="3..7,-1",
+        sample_index="s1-3,12",
+        rollout_n="0",
+        validate=False,
+        experiment="e",
+        worker="w0",
+        status="ok",
+        where="reward > 0",
+        sort="reward desc",
+        cols="reward,worker",
+        page=3,
+        per=25,
+    )
+    assert data.ListQuery.from_params(QueryParams(urlencode(q.params()))) == q
+    again = data.ListQuery.from_params(QueryParams(urlencode(q.params(sort="id", page=1))))
+    assert (again.sort, again.page, again.where, again.validate) == ("id", 1, "reward > 0", False)
+    assert data.ListQuery.from_params(QueryParams("split=val")).validate is True  # an older link
