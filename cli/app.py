@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 import typer
 
 from rlreplay.errors import CliError
+from rlreplay.format.keys import BOOL, KEY, SELECT_BY_NAME, SELECT_KEYS, SelectKey, parse_int
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -76,9 +76,6 @@ RunOption = Annotated[
         help="Run directory or URI (default: $RLREPLAY_DIR, else the newest under ./rlreplay-runs/).",
     ),
 ]
-ValidateOption = Annotated[
-    bool | None, typer.Option("--validate/--train", help="Only validation (or only training) trajectories.")
-]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output (JSON).")]
 TokenizerOption = Annotated[
     str | None,
@@ -95,44 +92,24 @@ RunArgument = Annotated[
 ]
 
 _KEYS_HELP = "(5, 3..7 inclusive, or a list such as 0..10,20,-1; given twice: both)"
-#: The key options: given more than once, their values add up (``--step 1 --step 2`` is ``--step 1,2``).
-_KEY_PARAMS = ("step", "sample_index", "rollout_n")
+
+
+def _key_option(key: SelectKey) -> Any:
+    """The CLI option of a selection key (``rlreplay.format.keys.SELECT_KEYS``): ``--step SPEC``
+    (given twice: both), ``--validate/--train``, ``--experiment NAME``."""
+    if key.kind == BOOL:
+        assert key.flags is not None
+        return Annotated[list[bool] | None, typer.Option("/".join(key.flags), help=key.help)]
+    if key.kind == KEY:
+        more = "; non-int values too" if key.strings else ""
+        return Annotated[
+            list[str] | None, typer.Option(key.option, metavar="SPEC", help=f"{key.help} {_KEYS_HELP}{more}.")
+        ]
+    return Annotated[list[str] | None, typer.Option(key.option, metavar="NAME", help=key.help)]
+
+
 _SELECTION_PARAMS: list[tuple[str, Any]] = [
-    (
-        "step",
-        Annotated[
-            list[str] | None, typer.Option("--step", metavar="SPEC", help=f"Only these steps {_KEYS_HELP}.")
-        ],
-    ),
-    (
-        "sample_index",
-        Annotated[
-            list[str] | None,
-            typer.Option(
-                "--sample-index",
-                metavar="SPEC",
-                help=f"Only these dataset samples {_KEYS_HELP}; non-int values too.",
-            ),
-        ],
-    ),
-    (
-        "rollout_n",
-        Annotated[
-            list[str] | None,
-            typer.Option(
-                "--rollout-n",
-                metavar="SPEC",
-                help=f"Only these rollouts of a sample {_KEYS_HELP}; non-int values too.",
-            ),
-        ],
-    ),
-    ("validate", ValidateOption),
-    (
-        "experiment",
-        Annotated[
-            list[str] | None, typer.Option("--experiment", metavar="NAME", help="Only this experiment name.")
-        ],
-    ),
+    *((key.name, _key_option(key)) for key in SELECT_KEYS),
     (
         "status",
         Annotated[
@@ -173,12 +150,19 @@ _SELECTION_PARAMS: list[tuple[str, Any]] = [
 def _one_value(name: str, values: Any) -> Any:
     """A selection option's value: key options add up; any other given twice is bad input."""
     if not isinstance(values, list):
-        return values  # --validate/--train, or a caller passing the value itself
+        return values  # a caller passing the value itself
     if not values:
         return None
-    if name in _KEY_PARAMS:
+    key = SELECT_BY_NAME.get(name)
+    if key is not None and key.kind == KEY:
         return ",".join(values)
     if len(values) > 1:
+        if key is not None and key.kind == BOOL:
+            assert key.flags is not None
+            given = [key.flags[0] if v else key.flags[1] for v in values]
+            if len(set(given)) > 1:
+                fail(f"{' and '.join(key.flags)} both given; give one")
+            fail(f"{given[0]} given twice; give it once")
         fail(f"--{name.replace('_', '-')} given twice ({' and '.join(map(repr, values))}); give it once")
     return values[0]
 
@@ -221,17 +205,16 @@ def whole_number(option: str, text: str | None, minimum: int | None = None) -> i
     """An option's integer, written with ASCII digits only (``５`` is not 5)."""
     if text is None:
         return None
-    value = text.strip()
-    if not re.fullmatch(r"-?[0-9]+", value):
+    number = parse_int(text)
+    if number is None:
         fail(f"{option}: {text!r} is not a whole number (digits 0-9)")
-    number = int(value)
     if minimum is not None and number < minimum:
         fail(f"{option} must be at least {minimum} (got {number})")
     return number
 
 
-#: The training signals shown beside the reward when a run has them: listing field, column name.
-SIGNAL_COLUMNS = (("advantage", "adv"), ("logprob_diff_max", "dlogp_max"), ("importance_ratio", "is_ratio"))
+#: The training signals shown beside the reward when a run has them (listing columns).
+SIGNAL_COLUMNS = ("advantage", "logprob_diff_max", "importance_ratio")
 
 
 def signal_cell(value: float | None) -> str:

@@ -140,9 +140,10 @@ def render(report: Any) -> str:
             steps[str(f.step)] = steps.get(str(f.step), 0) + 1
         lines += _columns([["step", *steps], ["findings", *map(str, steps.values())]], indent="  ")
         worst = sorted(found, key=lambda f: -f.score)[:EXAMPLES]
-        rows = [["id", "step", "sample", "rollout", "detail"]]
+        keys = ("step", "sample_index", "rollout_n")  # the listing's names
+        rows = [["id", *keys, "detail"]]
         for f in worst:
-            cells = [f.trajectory_id[:12] if f.trajectory_id else "-", f.step, f.sample_index, f.rollout_n]
+            cells = [f.trajectory_id[:12] if f.trajectory_id else "-", *(getattr(f, k) for k in keys)]
             rows.append(["-" if c is None else str(c) for c in cells] + [f.detail])
         lines += ["  worst:", *_columns(list(map(list, zip(*rows))), indent="  ")]
     return "\n".join(lines) + "\n"

@@ -42,11 +42,10 @@ RICH_ROWS = 200
 
 @dataclass(frozen=True)
 class LsColumn:
-    """One column of ``ls``: its header, alignment, the listing field it shows and how."""
+    """One column of ``ls``: the listing field it shows (its header), alignment, and how."""
 
     name: str
     right: bool
-    field: str
     cell: Callable[[Any], str]
     signal: bool = False  # shown only when the run has a value in it
 
@@ -57,29 +56,32 @@ def _text(value: Any) -> str:
 
 #: In order of priority: a narrow terminal keeps the first ones.
 LS_COLUMNS = (
-    LsColumn("id", False, "id", lambda v: v[:12]),
-    LsColumn("step", True, "step", _text),
-    LsColumn("sample", True, "sample_index", _text),
-    LsColumn("rollout", True, "rollout_n", _text),
-    LsColumn("split", False, "validate", lambda v: "val" if v else "train"),
-    LsColumn("reward", True, "reward", lambda v: "" if v is None else f"{v:g}"),
-    *(LsColumn(name, True, field, signal_cell, signal=True) for field, name in SIGNAL_COLUMNS),
-    LsColumn("status", False, "status", _text),
-    LsColumn("model_calls", True, "model_calls", _text),
-    LsColumn("tool_calls", True, "tool_calls", _text),
-    LsColumn("duration", True, "duration_s", lambda v: f"{v:.2f}s"),
-    LsColumn("spans", True, "num_spans", _text),
-    LsColumn("agent", False, "agent", _text),
-    LsColumn("worker", False, "worker", _text),
+    LsColumn("id", False, lambda v: v[:12]),
+    LsColumn("step", True, _text),
+    LsColumn("sample_index", True, _text),
+    LsColumn("rollout_n", True, _text),
+    LsColumn("validate", False, lambda v: "val" if v else "train"),
+    LsColumn("reward", True, lambda v: "" if v is None else f"{v:g}"),
+    *(LsColumn(name, True, signal_cell, signal=True) for name in SIGNAL_COLUMNS),
+    LsColumn("status", False, _text),
+    LsColumn("model_calls", True, _text),
+    LsColumn("tool_calls", True, _text),
+    LsColumn("duration_s", True, lambda v: f"{v:.2f}s"),
+    LsColumn("num_spans", True, _text),
+    LsColumn("agent", False, _text),
+    LsColumn("worker", False, _text),
 )
 _BY_NAME = {c.name: c for c in LS_COLUMNS}
 
 
 def ls_columns(text: str | None) -> list[LsColumn] | None:
-    """The columns ``--columns`` names (None: the default choice); bad names exit 2."""
+    """The columns ``--columns`` names (None: the default choice), by the listing's names or their
+    aliases (``adv``); bad names exit 2."""
+    from rlreplay.format.keys import column_name
+
     if text is None:
         return None
-    names = [n.strip() for n in text.split(",") if n.strip()]
+    names = [column_name(n.strip()) for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in _BY_NAME]
     if unknown or not names:
         fail(
@@ -95,13 +97,13 @@ def _listing_cells(table: Any, chosen: list[LsColumn] | None) -> tuple[list[list
 
     values = merged(table).to_pydict()
     if chosen is None:
-        chosen = [c for c in LS_COLUMNS if not c.signal or any(v is not None for v in values[c.field])]
+        chosen = [c for c in LS_COLUMNS if not c.signal or any(v is not None for v in values[c.name])]
     cells = []
     for column in chosen:
-        if column.field == "agent":
+        if column.name == "agent":
             cells.append([a or n or "" for a, n in zip(values["agent"], values["name"])])
         else:
-            cells.append([column.cell(v) for v in values[column.field]])
+            cells.append([column.cell(v) for v in values[column.name]])
     return cells, chosen
 
 
@@ -172,16 +174,15 @@ def ls_command(
     With --json, one JSON object per line."""
     chosen = ls_columns(columns)
     opened = open_run_arg(run, run_path)
-    table = selection.trajectories(opened)
-    if finding is not None:
-        table = _flagged(opened, table, finding)
+    flagged = None if finding is None else lambda table: _flagged(opened, table, finding)
+    table = selection.trajectories(opened, keep=flagged)
     report_warnings(opened)
     if as_json:
         from rlreplay.model import listing_json
 
         extra = None
         if opened.manifest.get("replay"):  # a replay's rows say what each trajectory was served from
-            from rlreplay.playback import COLUMNS, replay_rows
+            from rlreplay.read.replays import COLUMNS, replay_rows
 
             replayed = replay_rows(opened, selection.filters())
             served = [replayed.get(i, {}) for i in table["id"].to_pylist()]
@@ -293,9 +294,9 @@ def render_tree(traj: Any, text_lines: Any = None) -> Tree:
     when = datetime.fromtimestamp(traj.start_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
     split = "validate" if traj.validate else "train"
     reward = "" if traj.reward is None else f"  reward={traj.reward:g}"
-    for name, label in (("advantage", "advantage"), *SIGNAL_COLUMNS[1:]):
+    for name in SIGNAL_COLUMNS:
         value = traj.row.get(name)
-        reward += "" if value is None else f"  {label}={value:.4g}"
+        reward += "" if value is None else f"  {name}={value:.4g}"
     title = (
         f"[bold]{traj.id}[/bold]  step={traj.step} sample_index={traj.sample_index} "
         f"rollout_n={traj.rollout_n} {split}  experiment={escape(str(traj.experiment))} "

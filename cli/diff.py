@@ -21,6 +21,7 @@ from rlreplay.cli.app import (
     selection_options,
     signal_cell,
 )
+from rlreplay.format.keys import SELECT_KEYS
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -363,15 +364,13 @@ def render_group(group: Any, text: bool) -> list[RenderableType]:
     ]
     grid = Table(box=None, header_style="bold", pad_edge=False)
     signals = [
-        (field, name)
-        for field, name in SIGNAL_COLUMNS
-        if any(getattr(m.side, field) is not None for m in group.members)
+        name for name in SIGNAL_COLUMNS if any(getattr(m.side, name) is not None for m in group.members)
     ]
     for col, justify in [
-        ("rollout", "right"),
+        ("rollout_n", "right"),
         ("id", "left"),
         ("reward", "right"),
-        *((name, "right") for _, name in signals),
+        *((name, "right") for name in signals),
         ("model_calls", "right"),
         ("response_tokens", "right"),
         ("tool_errors", "right"),
@@ -394,7 +393,7 @@ def render_group(group: Any, text: bool) -> list[RenderableType]:
             _index(m.side.rollout_n),
             m.side.id[:12],
             _num(m.side.reward),
-            *(signal_cell(getattr(m.side, field)) for field, _ in signals),
+            *(signal_cell(getattr(m.side, name)) for name in signals),
             str(m.side.model_calls),
             f"{m.side.response_tokens:,}",
             str(m.side.tool_errors),
@@ -458,8 +457,8 @@ def diff_command(
         typer.Argument(
             metavar="RUN|A",
             help="The run directory (then A and B follow), or trajectory A: an id (or unique prefix), "
-            "or a selector: step=5,sample_index=12,rollout_n=0 (keys: step, sample_index, rollout_n, "
-            "validate, experiment).",
+            "or a selector: step=5,sample_index=12,rollout_n=0 "
+            f"(keys: {', '.join(k.name for k in SELECT_KEYS)}).",
         ),
     ],
     b: Annotated[

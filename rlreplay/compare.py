@@ -16,13 +16,14 @@ alignment).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from rlreplay.adapters.registry import adapter_for_run, get_adapter
 from rlreplay.diff.align import first_divergence
+from rlreplay.format.keys import FIELDS, KEY_STR
 from rlreplay.format.schema import KIND_SIGNALS
-from rlreplay.model import Span, Trajectory, key_value
+from rlreplay.model import Span, Trajectory, listing_rows
 from rlreplay.read.filters import Filters
 from rlreplay.read.run import Run
 from rlreplay.recorder.matchers import comparable, first_path
@@ -59,31 +60,19 @@ class Pair:
         return self.reward_b - self.reward_a
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "sample_index": self.sample_index,
-            "rollout_n": self.rollout_n,
-            "validate": self.validate,
-            "a": self.a,
-            "b": self.b,
-            "same": self.same,
-            "first_difference": self.first_difference,
-            "reward_a": self.reward_a,
-            "reward_b": self.reward_b,
-        }
+        return asdict(self)
+
+
+#: What pairs two trajectories: their keys but the experiment (a replay may run under another name).
+PAIR_KEYS = tuple(f for f in FIELDS if f != "experiment")
 
 
 def _rows(table: Any) -> list[dict[str, Any]]:
-    columns = ["id", "step", "sample_index", "rollout_n", "validate", "reward"]
-    rows = table.select([*columns, "step_str", "sample_index_str", "rollout_n_str"]).to_pylist()
-    for row in rows:
-        for key in ("step", "sample_index", "rollout_n"):
-            row[key] = key_value(row[key], row.pop(f"{key}_str"))
-    return rows
+    return listing_rows(table.select(["id", *PAIR_KEYS, *KEY_STR.values(), "reward"]))
 
 
 def _keys(row: dict[str, Any]) -> Keys:
-    return (row["step"], row["sample_index"], row["rollout_n"], row["validate"])
+    return tuple(row[k] for k in PAIR_KEYS)  # type: ignore[return-value]
 
 
 def pairs(table_a: Any, table_b: Any) -> list[tuple[Keys, dict[str, Any] | None, dict[str, Any] | None]]:

@@ -28,8 +28,9 @@ class QueryError(SelectionError):
     """A query DuckDB refused (syntax, unknown column, type): one line naming the problem."""
 
 
-class SelectorError(RunError):
-    """A selector or id that is malformed, or that does not pick exactly one trajectory."""
+class SelectorError(SelectionError):
+    """A ``show``/``diff`` selector or id that is malformed, or that does not pick exactly one
+    trajectory (a selection's error: the selector is a selection)."""
 
 
 class NotFound(RunError):

@@ -20,11 +20,11 @@ import pyarrow as pa
 
 from rlreplay.adapters.registry import adapter_for_run, openai_messages
 from rlreplay.format.index import merged
+from rlreplay.format.keys import KEYS
 from rlreplay.format.schema import KIND_AGENT
 from rlreplay.model import Trajectory
 from rlreplay.read.filters import Filters
 from rlreplay.read.run import Run
-from rlreplay.read.selection import KEYS
 
 FORMATS = ("jsonl", "parquet")
 RECORD_FIELDS = ("id", *KEYS, "validate", "experiment", "reward", "advantage")

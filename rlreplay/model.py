@@ -12,6 +12,8 @@ from rlreplay.format import arrays, json_lines, payload
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format import index as tindex
 from rlreplay.format.index import summarize
+from rlreplay.format.keys import FIELDS, TrajectoryKey
+from rlreplay.format.keys import stored_value as key_value  # the one value of a key (int, else _str)
 from rlreplay.format.schema import (
     KEY_STR,
     KEYS,
@@ -20,11 +22,6 @@ from rlreplay.format.schema import (
     SPAN_SCHEMA,
     TOKEN_COLUMNS,
 )
-
-
-def key_value(int_value: int | None, str_value: str | None) -> int | str | None:
-    """The one value of a key (step, sample_index, rollout_n) stored as an int and a string column."""
-    return int_value if int_value is not None else str_value
 
 
 @dataclass
@@ -61,6 +58,10 @@ class Span:
         return out
 
 
+#: The key's fields as trace attributes, by verl's names (``rollout_trace_attr``: ``experiment_name``).
+KEY_ATTRIBUTES = tuple("experiment_name" if f == "experiment" else f for f in FIELDS)
+
+
 @dataclass
 class Trajectory:
     id: str
@@ -73,6 +74,11 @@ class Trajectory:
     spans: list[Span]
     _meta: pa.Table | None = field(default=None, repr=False, compare=False)
     _row: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def key(self) -> TrajectoryKey:
+        """What names this trajectory across runs (its keys as recorded)."""
+        return TrajectoryKey(*(getattr(self, f) for f in FIELDS))
 
     @property
     def roots(self) -> list[Span]:
@@ -127,14 +133,8 @@ class Trajectory:
         attrs: dict[str, Any] = {}
         for root in self.roots:
             attrs.update(root.attributes or {})
-        attrs.update(
-            step=self.step,
-            sample_index=self.sample_index,
-            rollout_n=self.rollout_n,
-            validate=self.validate,
-            experiment_name=self.experiment,
-            worker=self.worker,
-        )
+        attrs.update(zip(KEY_ATTRIBUTES, (getattr(self, f) for f in FIELDS)))
+        attrs["worker"] = self.worker
         return attrs
 
     def by_kind(self, kind: str) -> list[Span]:

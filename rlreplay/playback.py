@@ -30,6 +30,7 @@ from rlreplay.format.keys import KEY_STR, KEYS, TrajectoryKey
 from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_TOOL
 from rlreplay.read.filters import Filters
 from rlreplay.read.open import open_run
+from rlreplay.read.replays import replay_rows, served_count
 from rlreplay.read.run import Run
 from rlreplay.read.selection import Selection
 from rlreplay.recorder import api
@@ -38,7 +39,6 @@ from rlreplay.recorder.replay import (
     DIVERGED,
     ON_DIVERGE,
     REASON_KEY,
-    SERVED,
     SOURCE_KEY,
     STATUS_KEY,
     Cassette,
@@ -56,7 +56,6 @@ ENV_SELECT = "RLREPLAY_REPLAY_SELECT"
 ENV_MATCH_ON = "RLREPLAY_REPLAY_MATCH_ON"
 #: The manifest's record of a replay (``run.json``), and the listing columns a replay adds.
 MANIFEST_KEY = "replay"
-COLUMNS = (STATUS_KEY, SOURCE_KEY, REASON_KEY)
 
 
 def _names(value: str | Iterable[str], option: str) -> tuple[str, ...]:
@@ -324,32 +323,6 @@ def start_from_env() -> Cassette | None:
     served_from = config.cassette(lazy=True)
     api.set_replay(served_from)
     return served_from
-
-
-def replay_rows(run: Run, filters: Filters | None = None) -> dict[str, dict[str, Any]]:
-    """``{trajectory id: {"replay": ..., "replay_of": ..., "replay_reason": ...}}`` from the root
-    spans of a replayed run (``replay_reason``: why it diverged, else None)."""
-    spans = run.spans(filters, columns=["trajectory_id", "parent_id", "kind", "attributes"])
-    out: dict[str, dict[str, Any]] = {}
-    for row in spans.to_pylist():
-        if row["parent_id"] is not None or not row["attributes"] or row["kind"] == "signals":
-            continue
-        attrs = orjson.loads(row["attributes"])
-        if isinstance(attrs, dict) and STATUS_KEY in attrs:
-            out[row["trajectory_id"]] = {k: attrs.get(k) for k in COLUMNS}
-    return out
-
-
-def served_count(run: Run) -> int:
-    """How many spans of ``run`` were served from a recording."""
-    spans = run.spans(columns=["parent_id", "attributes"])
-    return sum(
-        1
-        for row in spans.to_pylist()
-        if row["parent_id"] is not None
-        and row["attributes"]
-        and orjson.loads(row["attributes"]).get(STATUS_KEY) == SERVED
-    )
 
 
 def replay_summary(new_run: Run, config: ReplayConfig, source: Run | None = None) -> dict[str, Any]:

@@ -40,9 +40,9 @@ GUIDE_RUN = "verl-arith-smollm2"
 GUIDE_MAX_WORDS = 1500
 #: In the guide, what a command's output must show: the training signals.
 SIGNALS_SHOWN = {
-    "rlreplay ls": ("reward", "adv", "dlogp_max", "is_ratio"),
-    "rlreplay show": ("reward=", "advantage=", "dlogp_max=", "is_ratio="),
-    "--group": ("reward", "adv", "dlogp_max", "is_ratio"),
+    "rlreplay ls": ("reward", "advantage", "logprob_diff_max", "importance_ratio"),
+    "rlreplay show": ("reward=", "advantage=", "logprob_diff_max=", "importance_ratio="),
+    "--group": ("reward", "advantage", "logprob_diff_max", "importance_ratio"),
     "rlreplay stats": ("reward_mean", "advantage_std", "logprob_diff_p95", "importance_ratio_p5"),
 }
 

@@ -16,11 +16,12 @@ import contextlib
 import io
 import os
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_OP, KIND_PARSER, KIND_TOOL, KIND_TRAJECTORY
-from rlreplay.model import Span, Trajectory
+from rlreplay.model import KEY_ATTRIBUTES, Span, Trajectory
 from rlreplay.uploaders.base import (
     LEDGER_DIR,
     Prepared,
@@ -39,7 +40,7 @@ ENV_URI = "MLFLOW_TRACKING_URI"
 LOCAL_DB = "mlflow.db"
 MAX_LINKS = 100  # MLflow's limit of trace ids per link_traces_to_run call
 MAX_TAG_CHARS = 250  # SQL column limits on Postgres/MySQL
-TAG_KEYS = ("step", "sample_index", "rollout_n", "validate", "experiment_name", "worker")
+TAG_KEYS = (*KEY_ATTRIBUTES, "worker")
 REQUEST_TIMEOUT_S = 60.0  # default overall deadline of one request
 MAX_REQUEST_BYTES = 16 << 20  # per request, below common proxy limits for uploads
 
@@ -81,13 +82,7 @@ def _tag_value(value: Any) -> str:
 
 def _root_io(traj: Trajectory) -> tuple[dict[str, Any], dict[str, Any]]:
     """What the trace's request and response show: its coordinates, and reward, status, text."""
-    inputs = {
-        "step": traj.step,
-        "sample_index": traj.sample_index,
-        "rollout_n": traj.rollout_n,
-        "validate": traj.validate,
-        "experiment": traj.experiment,
-    }
+    inputs = asdict(traj.key)
     outputs: dict[str, Any] = {"status": traj.status, "reward": traj.reward}
     for agent in traj.by_kind(KIND_AGENT)[:1]:
         if isinstance(agent.output, dict):

@@ -23,6 +23,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -122,11 +123,7 @@ def span_attributes(traj: Trajectory, messages: list[dict[str, Any]]) -> Any:
     aligned = len(assistant_at) == len(llm_spans)
     keys = {
         "rlreplay.trajectory_id": traj.id,
-        "rlreplay.step": _key(traj.step),
-        "rlreplay.sample_index": _key(traj.sample_index),
-        "rlreplay.rollout_n": _key(traj.rollout_n),
-        "rlreplay.validate": traj.validate,
-        "rlreplay.experiment": traj.experiment,
+        **{f"rlreplay.{name}": _key(value) for name, value in asdict(traj.key).items()},
     }
     reward = traj.reward
     with_advantage = [s for s in traj.spans if getattr(s, "advantage", None) is not None]

@@ -23,6 +23,7 @@ import io
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -76,12 +77,7 @@ def span_trace(
         else ({} if span.inputs is None else {"value": span.inputs})
     )
     output = span.output
-    attributes = {
-        "step": traj.step,
-        "sample_index": traj.sample_index,
-        "rollout_n": traj.rollout_n,
-        "validate": traj.validate,
-    }
+    attributes = {k: v for k, v in asdict(traj.key).items() if k != "experiment"}
     metadata: dict[str, Any] = {
         "op": span.name,
         "backend": "trackio",

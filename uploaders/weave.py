@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from rlreplay.format.schema import STATUS_ERROR
-from rlreplay.model import Span, Trajectory
+from rlreplay.model import KEY_ATTRIBUTES, Span, Trajectory
 from rlreplay.uploaders.base import Prepared, RequestTimeout, SendResult, UploadError, within
 
 #: weave's own request limit ("32 MiB real limit - 1 MiB buffer", weave http_utils).
@@ -43,7 +43,7 @@ ROOT_OP_NAME = "rlreplay.trajectory"
 ID_NAMESPACE = uuid.UUID("6f0c1f1e-58a3-5d3c-9b7e-2f7a4c1d0e55")
 
 #: verl's trace attributes (verl/utils/rollout_trace.py, rollout_trace_attr).
-VERL_ATTRIBUTES = ("step", "sample_index", "rollout_n", "validate", "experiment_name")
+VERL_ATTRIBUTES = KEY_ATTRIBUTES
 #: Span kinds that are also weave op kinds (weave.trace.op_protocol.OpKind).
 WEAVE_KINDS = ("agent", "llm", "tool")
 

@@ -16,14 +16,13 @@ from rlreplay.audit.finding import (
     Check,
     Context,
     Finding,
+    finding_about,
 )
 from rlreplay.format.kinds import KIND_LLM, KIND_PARSER, KIND_TOOL
 
 
 def _finding(check: str, traj: Any, severity: str, detail: str, **kw: Any) -> Finding:
-    return Finding(
-        check, traj.id, traj.step, traj.sample_index, traj.rollout_n, traj.validate, severity, detail, **kw
-    )
+    return finding_about(check, traj.id, traj.key, severity, detail, **kw)
 
 
 def _calls(traj: Any, kind: str) -> list[Any]:

@@ -167,6 +167,7 @@ def _decoder(run: Any, tokenizer: str | None, report: Report, needing: list[Chec
 
 def finding_ids(report: Report, listing: Any) -> set[str]:
     """Ids of the listing's trajectories a finding points at (a group finding: its rollouts)."""
+    from rlreplay.format.keys import KEY_STR, KEYS
     from rlreplay.model import listing_rows
 
     ids = {f.trajectory_id for f in report.findings if f.trajectory_id}
@@ -176,20 +177,7 @@ def finding_ids(report: Report, listing: Any) -> set[str]:
         if f.trajectory_id is None and f.sample_index is not None
     }
     if groups:
-        for row in listing_rows(
-            listing.select(
-                [
-                    "id",
-                    "step",
-                    "step_str",
-                    "sample_index",
-                    "sample_index_str",
-                    "rollout_n",
-                    "rollout_n_str",
-                    "validate",
-                ]
-            )
-        ):
+        for row in listing_rows(listing.select(["id", *KEYS, *KEY_STR.values(), "validate"])):
             if not row["validate"] and (row["step"], row["sample_index"]) in groups:
                 ids.add(row["id"])
     return ids

@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from rlreplay.errors import SelectionError
+from rlreplay.format.keys import FIELDS, TrajectoryKey
 from rlreplay.hookspecs import (  # noqa: F401 - the audit code and check plug-ins import them from here
     ERROR,
     LEVEL_GROUP,
@@ -21,6 +23,14 @@ from rlreplay.hookspecs import (  # noqa: F401 - the audit code and check plug-i
     Context,
     Finding,
 )
+
+
+def finding_about(
+    check: str, trajectory_id: str | None, key: TrajectoryKey, severity: str, detail: str, **kw: Any
+) -> Finding:
+    """A finding about the trajectory (or group, or steps) that ``key`` names."""
+    keys = {f: getattr(key, f) for f in FIELDS if f != "experiment"}
+    return Finding(check, trajectory_id, **keys, severity=severity, detail=detail, **kw)
 
 
 def parse_thresholds(items: Iterable[str], known: dict[str, float]) -> dict[str, float]:

@@ -16,8 +16,10 @@ from rlreplay.audit.finding import (
     Check,
     Context,
     Finding,
+    finding_about,
 )
 from rlreplay.format import arrow_ops as ops
+from rlreplay.format.keys import KEY_STR, KEYS, TrajectoryKey
 from rlreplay.format.kinds import KIND_SIGNALS
 from rlreplay.model import listing_rows
 
@@ -87,13 +89,10 @@ def group_collapse(listing: Any, ctx: Context) -> Iterator[Finding]:
 
 
 def _collapsed(step: Any, sample: Any, n: int, reward: float) -> Finding:
-    return Finding(
+    return finding_about(
         "group_collapse",
         None,
-        step,
-        sample,
-        None,
-        False,
+        TrajectoryKey(step, sample),
         WARNING,
         f"all {n} rollouts got reward {reward:g} (zero advantage)",
         score=n,
@@ -115,7 +114,7 @@ def _group_collapse_rows(listing: Any, ctx: Context) -> Iterator[Finding]:
             yield _collapsed(step, sample, len(rewards), rewards[0])
 
 
-_KEY_COLUMNS = ("step", "step_str", "sample_index", "sample_index_str", "rollout_n", "rollout_n_str")
+_KEY_COLUMNS = (*KEYS, *KEY_STR.values())
 
 
 def mismatch(listing: Any, ctx: Context) -> Iterator[Finding]:
@@ -168,13 +167,10 @@ def mismatch(listing: Any, ctx: Context) -> Iterator[Finding]:
             parts.append(f"importance_ratio {ratio[i]:.4g} outside [{1 / ratio_max:.3g}, {ratio_max:.3g}]")
             score = max(score, float(log_ratio[i]))
         severity = ERROR if diff[i] > ctx["mismatch_max"] else WARNING
-        yield Finding(
+        yield finding_about(
             "mismatch",
             r["id"],
-            r["step"],
-            r["sample_index"],
-            r["rollout_n"],
-            r["validate"],
+            TrajectoryKey.from_row(r),
             severity,
             "; ".join(parts),
             position=position,
@@ -261,6 +257,13 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def _drift(check: str, points: list[Any], detail: str, score: float) -> Finding:
+    """A finding over training steps: about their range (``1..6``)."""
+    return finding_about(
+        check, None, TrajectoryKey(f"{points[0][0]}..{points[-1][0]}"), WARNING, detail, score=score
+    )
+
+
 def length_drift(listing: Any, ctx: Context) -> Iterator[Finding]:
     points = _step_means(listing, "response_tokens")
     ends = _halves(points, ctx)
@@ -270,17 +273,12 @@ def length_drift(listing: Any, ctx: Context) -> Iterator[Finding]:
     len0, len1 = _mean([p[1] for p in first]), _mean([p[1] for p in last])
     rew0, rew1 = _mean([p[2] for p in first]), _mean([p[2] for p in last])
     if len0 > 0 and (len1 - len0) / len0 >= ctx["length_rise"] and rew1 - rew0 <= ctx["reward_flat"]:
-        yield Finding(
+        detail = f"mean response tokens {len0:.1f} -> {len1:.1f} (+{(len1 - len0) / len0:.0%})"
+        yield _drift(
             "length_drift",
-            None,
-            f"{points[0][0]}..{points[-1][0]}",
-            None,
-            None,
-            False,
-            WARNING,
-            f"mean response tokens {len0:.1f} -> {len1:.1f} (+{(len1 - len0) / len0:.0%}) while mean reward "
-            f"{rew0:.3g} -> {rew1:.3g}",
-            score=(len1 - len0) / len0,
+            points,
+            f"{detail} while mean reward {rew0:.3g} -> {rew1:.3g}",
+            (len1 - len0) / len0,
         )
 
 
@@ -293,17 +291,8 @@ def reward_drift(listing: Any, ctx: Context) -> Iterator[Finding]:
     rew0, rew1 = _mean([p[2] for p in first]), _mean([p[2] for p in last])
     ok0, ok1 = _mean([p[3] for p in first]), _mean([p[3] for p in last])
     if rew1 - rew0 >= ctx["reward_rise"] and ok0 - ok1 >= ctx["success_drop"]:
-        yield Finding(
-            "reward_drift",
-            None,
-            f"{points[0][0]}..{points[-1][0]}",
-            None,
-            None,
-            False,
-            WARNING,
-            f"mean reward {rew0:.3g} -> {rew1:.3g} while tool success rate {ok0:.0%} -> {ok1:.0%}",
-            score=ok0 - ok1,
-        )
+        detail = f"mean reward {rew0:.3g} -> {rew1:.3g} while tool success rate {ok0:.0%} -> {ok1:.0%}"
+        yield _drift("reward_drift", points, detail, ok0 - ok1)
 
 
 GROUP_COLLAPSE = Check(

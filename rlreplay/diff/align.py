@@ -17,11 +17,12 @@ import bisect
 import difflib
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rlreplay.adapters.registry import adapter_for_run, get_adapter
-from rlreplay.diff.pick import SelectorError
+from rlreplay.errors import SelectorError
+from rlreplay.format.keys import key_order
 from rlreplay.format.schema import KIND_LLM, KIND_TOOL
 from rlreplay.model import Trajectory
 from rlreplay.read.filters import Filters
@@ -465,11 +466,7 @@ def _side(traj: Trajectory, conv: list[Turn], run: Run | None) -> Side:
     return Side(
         id=traj.id,
         run=str(run.path) if run is not None else None,
-        step=traj.step,
-        sample_index=traj.sample_index,
-        rollout_n=traj.rollout_n,
-        validate=traj.validate,
-        experiment=traj.experiment,
+        **asdict(traj.key),
         worker=traj.worker,
         reward=traj.reward,
         advantage=traj.row.get("advantage"),
@@ -623,9 +620,9 @@ class GroupDiff:
 PREVIEW_TOKENS = 16
 
 
-def _reward_rank(side: Side) -> tuple[float, int]:
+def _reward_rank(side: Side) -> tuple[float, Any]:
     reward = side.reward if side.reward is not None else float("-inf")
-    return (-reward, side.rollout_n if side.rollout_n is not None else 1 << 30)
+    return (-reward, key_order(side.rollout_n))
 
 
 def _window(conv: list[Turn], div: Divergence) -> list[int]:
@@ -643,9 +640,7 @@ def diff_group(
     with ``selection`` (``rlreplay.read.selection.Selection``), only the rollouts it keeps."""
     if traj.sample_index is None:
         raise SelectorError(f"trajectory {traj.id[:12]} has no sample_index: it belongs to no group")
-    filters = Filters(
-        step=traj.step, sample_index=traj.sample_index, validate=traj.validate, experiment=traj.experiment
-    )
+    filters = Filters(**traj.key.group().as_dict())
     group = run.trajectories(filters)
     ids = (selection.apply(group) if selection is not None else group)["id"].to_pylist()
     if not ids:

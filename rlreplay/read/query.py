@@ -15,9 +15,17 @@ import pyarrow as pa
 
 from rlreplay.errors import FormatError, QueryError
 from rlreplay.format.index import merged
+from rlreplay.format.keys import KEYS
 from rlreplay.format.schema import SPAN_SCHEMA, file_version
-from rlreplay.read.selection import KEYS, Selection
-from rlreplay.read.where import connect, duckdb_module, one_line, run_query, shared_connection
+from rlreplay.read.selection import Selection
+from rlreplay.read.where import (
+    connect,
+    duckdb_module,
+    one_line,
+    run_query,
+    shared_connection,
+    with_aliases,
+)
 
 #: The columns of :func:`stats`, in order.
 STATS_COLUMNS = (
@@ -91,9 +99,10 @@ def register_spans(con: Any, run: Any) -> None:
     con.sql(f"CREATE OR REPLACE TEMP VIEW spans AS SELECT * EXCLUDE ({drop}){replaced} FROM _spans")
 
 
-def register_trajectories(con: Any, table: pa.Table) -> None:
-    """View ``trajectories``: the listing's rows with merged key values (the ``ls --json`` keys)."""
-    con.register("trajectories", merged(table))
+def register_trajectories(con: Any, table: pa.Table, query: str = "") -> None:
+    """View ``trajectories``: the listing's rows with merged key values (the ``ls --json`` keys),
+    and the other names of its columns that ``query`` uses (``adv``, ...)."""
+    con.register("trajectories", with_aliases(merged(table), query, leave=("spans",)))
 
 
 def _mentions(text: str, name: str) -> bool:
@@ -112,7 +121,7 @@ def sql(run: Any, text: str, selection: Selection | None = None) -> pa.Table:
     if statements > 1:
         raise QueryError(f"sql: one statement at a time (got {statements}); run each on its own")
     if _mentions(text, "trajectories"):
-        register_trajectories(con, (selection or Selection()).trajectories(run))
+        register_trajectories(con, (selection or Selection()).trajectories(run), text)
     if _mentions(text, "spans"):
         register_spans(con, run)
     return run_query(con, text, "sql")

@@ -1,7 +1,9 @@
 """Choosing trajectories: the selection grammar every command shares, and per-step sampling.
 
-Works on the listing from ``Run.trajectories()``: one row per trajectory. Key filters take
-``5``, ``3..7`` (inclusive) or lists such as ``0..10,20,-1``; ``--where`` is an SQL boolean
+Works on the listing from ``Run.trajectories()``: one row per trajectory. A ``Selection`` is the
+one way to say which: made from CLI options, a ``show``/``diff`` selector or the UI's URL
+parameters, with a field per selection key (``rlreplay.format.keys.SELECT_KEYS``). Key filters
+take ``5``, ``3..7`` (inclusive) or lists such as ``0..10,20,-1``; ``--where`` is an SQL boolean
 over the listing's columns (DuckDB, imported only when used). The unit of sampling is a
 *group*, every rollout of one dataset sample at one step in one split (training or
 validation), so GRPO groups always stay whole.
@@ -11,17 +13,27 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from typing import Any
 
 import pyarrow as pa
 
-from rlreplay.errors import SelectionError
+from rlreplay.errors import SelectionError, SelectorError
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format.index import LISTING_FIELDS, LISTING_SCHEMA
-from rlreplay.format.schema import KEY_STR, KEYS
-from rlreplay.read.filters import Filters
+from rlreplay.format.keys import (
+    BOOL,
+    KEY,
+    KEY_STR,
+    SELECT_BY_NAME,
+    SELECT_KEYS,
+    SelectKey,
+    column_name,
+    parse_bool,
+    parse_int,
+)
+from rlreplay.read.filters import Filters, KeySpec, parse_keys, term
 from rlreplay.read.where import filter_where
 
 STATUSES = ("ok", "error", "incomplete")
@@ -161,104 +173,23 @@ def group_ids(selected: Iterable[Group]) -> list[str]:
 #: The trajectory listing's columns (contract C2), in order; ``*_str`` hold non-int key values.
 LISTING_COLUMNS = tuple(f.name for f in LISTING_FIELDS if f.name not in KEY_STR.values())
 
-_INT = re.compile(r"-?[0-9]+\Z")
 _SORT_ITEM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)(?:\s+(asc|desc))?\s*\Z", re.IGNORECASE)
-#: Key lists at most this long are pushed down to the file reader (row-group statistics).
-PUSHDOWN_VALUES = 4096
-_EXAMPLES = "examples: 5, 3..7, 0..10,20,-1"
-
-
-@dataclass(frozen=True)
-class KeySpec:
-    """A parsed key filter: single ints, inclusive int ranges, and (where allowed) other values."""
-
-    option: str
-    ints: tuple[int, ...] = ()
-    ranges: tuple[tuple[int, int], ...] = ()
-    strings: tuple[str, ...] = ()
-
-    def int_values(self, cap: int = PUSHDOWN_VALUES) -> list[int] | None:
-        """Every int the spec matches, when it matches only ints and at most ``cap`` of them."""
-        if self.strings or sum(hi - lo + 1 for lo, hi in self.ranges) + len(self.ints) > cap:
-            return None
-        values = set(self.ints)
-        for lo, hi in self.ranges:
-            values.update(range(lo, hi + 1))
-        return sorted(values)
-
-    def matches(self, value: Any) -> bool:
-        if isinstance(value, bool) or value is None:
-            return False
-        if isinstance(value, int):
-            return value in self.ints or any(lo <= value <= hi for lo, hi in self.ranges)
-        return str(value) in self.strings
-
-    def mask(self, ints: pa.ChunkedArray | pa.Array, strings: pa.ChunkedArray | pa.Array | None) -> Any:
-        """Boolean mask over a key's int column and its string column (nulls never match)."""
-        terms = []
-        if self.ints:
-            terms.append(ops.is_in(ints, pa.array(self.ints, type=pa.int64())))
-        for lo, hi in self.ranges:
-            terms.append(ops.and_(ops.greater_equal(ints, lo), ops.less_equal(ints, hi)))
-        if self.strings and strings is not None:
-            terms.append(ops.is_in(strings, pa.array(self.strings, type=pa.string())))
-        if not terms:
-            return pa.array([False] * len(ints), type=pa.bool_())
-        mask = terms[0]
-        for term in terms[1:]:
-            mask = ops.or_(mask, term)
-        return ops.fill_null(mask, False)
-
-
-def _non_ascii_digits(text: str) -> bool:
-    return any(not c.isascii() and (c.isdigit() or c.isnumeric()) for c in text)
-
-
-def parse_keys(option: str, text: str, allow_strings: bool = False) -> KeySpec:
-    """``"5"``, ``"3..7"``, ``"0..10,20,-1"``; with ``allow_strings`` other values (``"s1-3"``) too.
-
-    Only ASCII digits make numbers: ``５`` is refused, never read as 5.
-    """
-    raw = str(text).strip()
-    if not raw:
-        raise SelectionError(f"{option}: empty value ({_EXAMPLES})")
-    ints: list[int] = []
-    ranges: list[tuple[int, int]] = []
-    strings: list[str] = []
-    for part in (p.strip() for p in raw.split(",")):
-        if not part:
-            raise SelectionError(f"{option} {raw!r}: empty item between commas ({_EXAMPLES})")
-        if _non_ascii_digits(part):
-            raise SelectionError(f"{option} {raw!r}: {part!r} has non-ASCII digits (write numbers with 0-9)")
-        if ".." in part:
-            lo, _, hi = (s.strip() for s in part.partition(".."))
-            if not (_INT.match(lo) and _INT.match(hi)):
-                raise SelectionError(
-                    f"{option} {raw!r}: bad range {part!r} (a range is START..END with integers, {_EXAMPLES})"
-                )
-            if int(lo) > int(hi):
-                raise SelectionError(f"{option} {raw!r}: bad range {part!r} (start is after end)")
-            ranges.append((int(lo), int(hi)))
-        elif _INT.match(part):
-            ints.append(int(part))
-        elif allow_strings:
-            strings.append(part)
-        else:
-            raise SelectionError(f"{option} {raw!r}: {part!r} is not an integer ({_EXAMPLES})")
-    return KeySpec(option, tuple(ints), tuple(ranges), tuple(strings))
+_HEX = set("0123456789abcdef")
+_KEY_NAMES = ", ".join(k.name for k in SELECT_KEYS)
 
 
 def parse_sort(text: str, columns: Iterable[str] = LISTING_COLUMNS) -> list[tuple[str, str]]:
-    """``"reward desc, duration_s"`` as ``[("reward", "descending"), ("duration_s", "ascending")]``."""
+    """``"reward desc, duration_s"`` as ``[("reward", "descending"), ("duration_s", "ascending")]``;
+    a column may be named by an alias (``adv``)."""
     known = list(columns)
     out = []
     for part in str(text).split(","):
         match = _SORT_ITEM.match(part)
         if not match:
             raise SelectionError(f"--sort {text!r}: {part.strip()!r} is not COLUMN [asc|desc]")
-        column, order = match.group(1), (match.group(2) or "asc").lower()
+        column, order = column_name(match.group(1)), (match.group(2) or "asc").lower()
         if column not in known:
-            raise SelectionError(f"--sort: unknown column {column!r} (columns: {', '.join(known)})")
+            raise SelectionError(f"--sort: unknown column {match.group(1)!r} (columns: {', '.join(known)})")
         out.append((column, "descending" if order == "desc" else "ascending"))
     return out
 
@@ -268,50 +199,65 @@ def listing(run: Any, filters: Any = None) -> pa.Table:
     return run.trajectories(filters)
 
 
-@dataclass
-class Selection:
-    """Which trajectories a command works on (contract C4); key filters use :func:`parse_keys`."""
+def key_text(key: SelectKey, text: str, label: str) -> Any:
+    """A selection key's value from text (an option, a selector, a URL): checked, as ``Selection``
+    holds it (a flag as a bool); raises :class:`SelectionError` naming ``label``."""
+    if key.kind == BOOL:
+        value = parse_bool(text)
+        if value is None:
+            raise SelectionError(f"{label} must be true or false, not {text!r}")
+        return value
+    if key.kind == KEY:
+        parse_keys(label, text, allow_strings=key.strings)
+    return text
 
-    step: str | None = None
-    sample_index: str | None = None
-    rollout_n: str | None = None
-    validate: bool | None = None
-    experiment: str | None = None
-    status: str | None = None
-    where: str | None = None
-    sort: str | None = None
-    limit: int | None = None
+
+class _Selecting:
+    """What a ``Selection`` does (its key fields are made from ``SELECT_KEYS``, below)."""
+
+    def chosen(self) -> dict[str, Any]:
+        """The selection keys that are set, by name, as held (key filters as text)."""
+        return {k.name: v for k in SELECT_KEYS if (v := getattr(self, k.name)) is not None}
 
     def keys(self) -> dict[str, KeySpec]:
-        """The parsed key filters; raises :class:`SelectionError` on bad input."""
-        out = {}
-        for key in KEYS:
-            text = getattr(self, key)
-            if text is not None:
-                option = "--" + key.replace("_", "-")
-                out[key] = parse_keys(option, str(text), allow_strings=key != "step")
-        return out
+        """The parsed trajectory-key filters; raises :class:`SelectionError` on bad input."""
+        return {
+            k.name: parse_keys(k.option, str(getattr(self, k.name)), allow_strings=k.strings)
+            for k in SELECT_KEYS
+            if k.kind == KEY and getattr(self, k.name) is not None
+        }
 
     def check(self) -> None:
         """Raise :class:`SelectionError` for anything malformed that needs no run to tell."""
+        me: Any = self
         self.keys()
-        if self.status is not None and self.status not in STATUSES:
-            raise SelectionError(f"--status must be one of: {', '.join(STATUSES)} (got {self.status!r})")
-        if self.sort is not None:
-            parse_sort(self.sort)
-        if self.limit is not None and (isinstance(self.limit, bool) or self.limit < 1):
-            raise SelectionError(f"--limit must be at least 1 (got {self.limit!r})")
-        if self.where is not None and not self.where.strip():
+        if me.status is not None and me.status not in STATUSES:
+            raise SelectionError(f"--status must be one of: {', '.join(STATUSES)} (got {me.status!r})")
+        if me.sort is not None:
+            parse_sort(me.sort)
+        if me.limit is not None and (isinstance(me.limit, bool) or me.limit < 1):
+            raise SelectionError(f"--limit must be at least 1 (got {me.limit!r})")
+        if me.where is not None and not me.where.strip():
             raise SelectionError("--where: empty expression")
 
     def filters(self) -> Filters:
-        """What the file reader can apply itself: steps, split and experiment."""
+        """What the file reader can apply itself: the flags and names, and the keys that hold only
+        integers (the steps: their partitions) as lists of ints."""
         keys = self.keys()
-        step = keys["step"].int_values() if "step" in keys else None
-        return Filters(step=step, validate=self.validate, experiment=self.experiment)
+        pushed: dict[str, Any] = {}
+        for key in SELECT_KEYS:
+            value = getattr(self, key.name)
+            if value is None:
+                continue
+            if key.kind != KEY:
+                pushed[key.name] = value
+            elif not key.strings and (ints := keys[key.name].int_values()) is not None:
+                pushed[key.name] = ints
+        return Filters(**pushed)
 
-    def trajectories(self, run: Any) -> pa.Table:
-        """The run's listing (contract C2 columns), filtered, sorted and limited.
+    def trajectories(self, run: Any, keep: Callable[[pa.Table], pa.Table] | None = None) -> pa.Table:
+        """The run's listing (contract C2 columns), filtered, sorted and limited (``keep``: see
+        :meth:`apply`).
 
         A step filter reads only the matching ``spans/step=N/`` partitions (or the run index's
         row groups that hold them).
@@ -320,34 +266,136 @@ class Selection:
         filters = self.filters()
         steps = _partition_steps(run, self.keys().get("step"))
         if steps is None:
-            return self.apply(listing(run, filters))
+            return self.apply(listing(run, filters), keep)
         table = listing(run, replace(filters, step=steps)) if steps else LISTING_SCHEMA.empty_table()
-        return self.apply(table)
+        return self.apply(table, keep)
 
-    def apply(self, table: pa.Table) -> pa.Table:
-        """This selection over a listing already read."""
+    def apply(self, table: pa.Table, keep: Callable[[pa.Table], pa.Table] | None = None) -> pa.Table:
+        """This selection over a listing already read: the keys, status and id, then ``--where``,
+        then ``keep`` (a further filter, such as ``ls --finding``), then the sort and the limit."""
         self.check()
+        me: Any = self
+        keys = self.keys()
+        tests: list[tuple[str, Any]] = [
+            (name, keys.get(name, value)) for name, value in self.chosen().items()
+        ]
+        if me.status is not None:
+            tests.append(("status", me.status))
         mask = None
-        for key, spec in self.keys().items():
-            str_key = f"{key}_str"
-            term = spec.mask(table[key], table[str_key] if str_key in table.column_names else None)
-            mask = term if mask is None else ops.and_(mask, term)
-        for column, value in (("validate", self.validate), ("experiment", self.experiment)):
-            if value is not None:
-                term = ops.fill_null(ops.equal(table[column], value), False)
-                mask = term if mask is None else ops.and_(mask, term)
-        if self.status is not None:
-            term = ops.fill_null(ops.equal(table["status"], self.status), False)
-            mask = term if mask is None else ops.and_(mask, term)
+        for name, value in tests:
+            found = term(table, name, value)
+            mask = found if mask is None else ops.and_(mask, found)
+        if me.id is not None:
+            found = ops.starts_with(table["id"], me.id)
+            mask = found if mask is None else ops.and_(mask, found)
         if mask is not None:
             table = ops.filter(table, mask)
-        if self.where is not None:
-            table = filter_where(table, self.where)
-        if self.sort is not None:
-            table = sort_table(table, parse_sort(self.sort))
-        if self.limit is not None:
-            table = table.slice(0, self.limit)
+        if me.where is not None:
+            table = filter_where(table, me.where)
+        if keep is not None:
+            table = keep(table)
+        if me.sort is not None:
+            table = sort_table(table, parse_sort(me.sort))
+        if me.limit is not None:
+            table = table.slice(0, me.limit)
         return table
+
+    def params(self) -> dict[str, str]:
+        """What is set, as URL parameters (a flag as ``true``/``false``)."""
+        out = {name: _text(value) for name, value in self.chosen().items()}
+        out.update((name, str(v)) for name in _URL_OPTIONS if (v := getattr(self, name)) is not None)
+        return out
+
+    def __str__(self) -> str:
+        """The keys as a selector (``step=5,sample_index=12,validate=false``), else the id prefix."""
+        me: Any = self
+        return ",".join(f"{k}={_text(v)}" for k, v in self.chosen().items()) or (me.id or "")
+
+    @classmethod
+    def parse(cls, text: str) -> Any:
+        """A ``show``/``diff`` selector: an id prefix (``3fa2c1``) or ``key=value`` pairs
+        (``step=5,sample_index=12,rollout_n=0``; a key may be named by an alias)."""
+        raw = text.strip()
+        if not raw:
+            raise SelectorError("empty trajectory selector (give an id prefix or key=value pairs)")
+        if "=" not in raw:
+            if any(c not in _HEX for c in raw.lower()):
+                raise SelectorError(
+                    f"{raw!r} is neither a trajectory id (hex) nor a selector "
+                    f"(key=value pairs, keys: {_KEY_NAMES})"
+                )
+            return cls(id=raw.lower())
+        values: dict[str, Any] = {}
+        for part in (p.strip() for p in raw.split(",")):
+            if not part:
+                raise SelectorError(f"selector {raw!r}: empty item between commas")
+            name, sep, value = part.partition("=")
+            name, value = column_name(name.strip().lower().replace("-", "_")), value.strip()
+            if not sep or not name:
+                raise SelectorError(f"selector {raw!r}: {part!r} is not key=value")
+            key = SELECT_BY_NAME.get(name)
+            if key is None:
+                raise SelectorError(f"selector {raw!r}: unknown key {name!r} (keys: {_KEY_NAMES})")
+            if name in values:
+                raise SelectorError(f"selector {raw!r}: key {name!r} given twice")
+            if not value:
+                raise SelectorError(f"selector {raw!r}: no value for {name!r}")
+            try:
+                values[name] = key_text(key, value, f"selector {raw!r}: {name}")
+            except SelectionError as exc:
+                raise SelectorError(str(exc)) from None
+        return cls(**values)
+
+    @classmethod
+    def from_params(cls, params: Any) -> Any:
+        """A selection from URL parameters (the CLI's names; an alias such as ``split=train``
+        too); empty ones are not set."""
+        values: dict[str, Any] = {}
+        for name, raw in params.items():
+            name = column_name(name)
+            key = SELECT_BY_NAME.get(name)
+            text = str(raw).strip()
+            if text and key is not None and name not in values:
+                values[name] = key_text(key, text, name)
+            elif text and name in _URL_OPTIONS:
+                values[name] = text if name != "limit" else parse_int(text)
+                if values[name] is None:
+                    raise SelectionError(f"limit must be a whole number, not {text!r}")
+        return cls(**values)
+
+
+#: The selection's options besides its keys that a URL carries.
+_URL_OPTIONS = ("status", "where", "sort", "limit")
+
+
+def _text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+#: Which trajectories a command works on (contract C4): a field per selection key (key filters
+#: as text, parsed by :func:`parse_keys`; the flags as bools), then ``status``, ``where``,
+#: ``sort``, ``limit`` and ``id`` (an id prefix, from a selector).
+Selection = make_dataclass(
+    "Selection",
+    [
+        *(
+            (k.name, "bool | None" if k.kind == BOOL else "str | None", field(default=None))
+            for k in SELECT_KEYS
+        ),
+        ("status", "str | None", field(default=None)),
+        ("where", "str | None", field(default=None)),
+        ("sort", "str | None", field(default=None)),
+        ("limit", "int | None", field(default=None)),
+        ("id", "str | None", field(default=None)),
+    ],
+    bases=(_Selecting,),
+    namespace={"__module__": __name__},
+)
+Selection.__doc__ = (
+    "Which trajectories a command works on: "
+    + ", ".join(f.name for f in fields(Selection))
+    + " (every selection key, then the listing's own filters, order and limit)."
+)
 
 
 def _partition_steps(run: Any, spec: KeySpec | None) -> list[int] | None:
@@ -357,8 +405,9 @@ def _partition_steps(run: Any, spec: KeySpec | None) -> list[int] | None:
         return None
     steps = []
     for value in partitions():
-        if _INT.match(value) and spec.matches(int(value)):
-            steps.append(int(value))
+        number = parse_int(value)
+        if number is not None and spec.matches_int(number):
+            steps.append(number)
     return sorted(steps)
 
 

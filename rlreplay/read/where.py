@@ -5,6 +5,7 @@ DuckDB is imported when a query runs, never at import.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -13,6 +14,7 @@ import pyarrow as pa
 from rlreplay.errors import QueryError, install_hint
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format.index import merged
+from rlreplay.format.keys import ALIASES
 
 ROW_COLUMN = "_rlreplay_row"
 
@@ -60,11 +62,27 @@ def run_query(con: Any, text: str, what: str) -> pa.Table:
         raise QueryError(f"{what}: {one_line(exc)}") from None
 
 
+def with_aliases(table: pa.Table, text: str, leave: tuple[str, ...] = ()) -> pa.Table:
+    """``table`` with a column for each other name of one of its columns that ``text`` (SQL) names:
+    ``adv`` for ``advantage``, ``sample`` for ``sample_index``, ... (``leave``: names that stand for
+    something else in ``text``)."""
+    for alias, name in ALIASES.items():
+        if (
+            alias not in leave
+            and alias not in table.column_names
+            and name in table.column_names
+            and re.search(rf"\b{alias}\b", text, re.IGNORECASE)
+        ):
+            table = table.append_column(alias, table[name])
+    return table
+
+
 def filter_where(table: pa.Table, expr: str) -> pa.Table:
-    """Rows of a listing for which the SQL boolean ``expr`` holds, in their order."""
+    """Rows of a listing for which the SQL boolean ``expr`` holds, in their order (a column may be
+    named by an alias)."""
     duckdb = duckdb_module()
     con = shared_connection()
-    view = merged(table)
+    view = with_aliases(merged(table), expr)
     query = f"SELECT {ROW_COLUMN} FROM _listing AS trajectories WHERE ({expr}\n) ORDER BY {ROW_COLUMN}"
     try:
         statements = con.extract_statements(query)

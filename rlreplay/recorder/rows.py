@@ -9,7 +9,6 @@ the change is returned as a :class:`Problem` for the caller to count (``encode_e
 from __future__ import annotations
 
 import contextlib
-import operator
 import time
 import traceback
 from collections import OrderedDict
@@ -22,6 +21,7 @@ import pyarrow as pa
 from rlreplay.format import arrays as token_arrays
 from rlreplay.format import payload
 from rlreplay.format import redact as redaction
+from rlreplay.format.keys import key_value
 from rlreplay.format.schema import (
     KIND_AGENT,
     KIND_SIGNALS,
@@ -38,7 +38,6 @@ COLUMN_NAMES = tuple(SPAN_SCHEMA.names)
 _TOKEN_START = COLUMN_NAMES.index("token_ids")
 _TRAJECTORY_ID = COLUMN_NAMES.index("trajectory_id")
 _NUMPY_TYPES = {"int32": np.int32, "int8": np.int8, "float": np.float32}
-_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class Problem(NamedTuple):
@@ -186,33 +185,24 @@ class PrefixCache:
 
 
 def key_parts(value: Any) -> tuple[int | None, str | None, str | None]:
-    """(int value, string value, problem) for a key: ints (numpy ints too) stay ints, strings stay
-    strings; anything else is kept as its ``str()`` and described as a problem."""
-    if value is None:
-        return None, None, None
-    cls = type(value)
-    if cls is str:
-        safe = payload.safe_text(value)
+    """(int value, string value, problem) for a key, by ``format.keys.key_value``'s rule: ints
+    (numpy ints too) stay ints, strings stay strings; anything else is kept as its ``str()`` and
+    described as a problem."""
+    stored = key_value(value)
+    if stored is None or isinstance(stored, int):
+        return stored, None, None
+    safe = payload.safe_text(stored)
+    if type(value) is str:
         return None, safe, None if safe is value else "a key that is not valid Unicode"
-    if cls is not bool and hasattr(cls, "__index__"):
-        try:
-            number = operator.index(value)
-        except Exception:
-            number = None
-        if number is not None and _INT64_MIN <= number <= _INT64_MAX:
-            return number, None, None
     if isinstance(value, str):
-        return None, payload.safe_text(str.__str__(value)), None
-    try:
-        text = payload.safe_text(str(value))
-    except Exception:
-        text = f"<{cls.__name__}>"
-    return None, text, f"a key of type {cls.__name__} was stored as the string {text[:40]!r}"
+        return None, safe, None
+    return None, safe, f"a key of type {type(value).__name__} was stored as the string {safe[:40]!r}"
 
 
 def key_int(value: Any) -> int | None:
     """The integer a key value stands for (its partition), or None."""
-    return key_parts(value)[0]
+    stored = key_value(value)
+    return stored if isinstance(stored, int) else None
 
 
 def encode_row(

@@ -20,6 +20,10 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from rlreplay.errors import RunError
+from rlreplay.format.keys import SELECT_KEYS, key_order, parse_int
+from rlreplay.model import listing_rows
+from rlreplay.read.filters import Filters
+from rlreplay.read.selection import Selection
 from rlreplay.ui import charts, views
 from rlreplay.ui.data import (
     PAGE_SIZES,
@@ -77,6 +81,7 @@ def _env() -> jinja2.Environment:
     env.filters["plain"] = views.plain
     env.globals["qs"] = lambda params: urlencode(params)
     env.globals["step_href"] = step_href
+    env.globals["prompt_href"] = prompt_href
     return env
 
 
@@ -171,15 +176,15 @@ class UI:
             rows = [s for s in stats if s["validate"] == split]
             if not rows:
                 continue
-            split_name = "val" if split else "train"
             for r in rows:
                 r["findings"] = findings.get((r["step"], split), 0)
             sections.append(
                 {
                     "label": label,
-                    "split": split_name,
+                    "split": split_name(split),
+                    "validate": split,
                     "rows": rows,
-                    "charts": _trend_charts(view, rows, split_name),
+                    "charts": _trend_charts(view, rows, split),
                 }
             )
         counted = pc.value_counts(table["status"]).to_pylist()
@@ -216,8 +221,10 @@ class UI:
         wanted = [c for c in q.cols.split(",") if c in table.column_names] if q.cols else []
         columns = wanted or [c for c in present if c in DEFAULT_COLUMNS]
         step = _one_step(q)
-        step_page = self._step(view, table, step, q.split == "val") if step is not None else None
-        crumbs = [(f"step {step} ({q.split})", None)] if step_page else [("trajectories", None)]
+        step_page = self._step(view, table, step, bool(q.validate)) if step is not None else None
+        crumbs = (
+            [(f"step {step} ({split_name(q.validate)})", None)] if step_page else [("trajectories", None)]
+        )
         return self.page(
             "list.html",
             status=400 if error else 200,
@@ -230,6 +237,7 @@ class UI:
             error=error,
             page_sizes=PAGE_SIZES,
             all_columns=[c for c in table.column_names if not c.endswith("_str")],
+            select_keys=SELECT_KEYS,
             step_page=step_page,
             within=urlencode(q.params(page=1)),
             findings=_findings_per_trajectory(view.listing_findings()),
@@ -239,13 +247,9 @@ class UI:
 
     def _step(self, view: RunView, table: Any, step: int, validate: bool) -> dict[str, Any] | None:
         """What the step page shows above the list: its stats, distributions and groups."""
-        import pyarrow.compute as pc
-
-        mask = pc.and_(pc.equal(table["step"], step), pc.equal(table["validate"], validate))
-        rows = table.filter(pc.fill_null(mask, False))
+        rows = Filters(step=step, validate=validate).apply(table)
         if rows.num_rows == 0:
             return None
-        split = "val" if validate else "train"
         stats = next((r for r in view.stats() if r["step"] == step and r["validate"] == validate), {})
         hists = [
             charts.histogram(label, rows[col].to_pylist())
@@ -263,12 +267,13 @@ class UI:
         at = steps.index(step)
         return {
             "step": step,
-            "split": split,
+            "split": split_name(validate),
+            "validate": validate,
             "stats": stats,
             "hists": hists,
             "groups": _groups(view, rows, step, findings),
-            "prev": step_href(view, steps[at - 1], split) if at > 0 else None,
-            "next": step_href(view, steps[at + 1], split) if at + 1 < len(steps) else None,
+            "prev": step_href(view, steps[at - 1], validate) if at > 0 else None,
+            "next": step_href(view, steps[at + 1], validate) if at + 1 < len(steps) else None,
         }
 
     def trajectory(self, request: Request) -> Response:
@@ -283,16 +288,9 @@ class UI:
             add_text([traj], decoder)
         row = view.row(traj.id) or {}
         siblings = []
-        if traj.sample_index is not None:
-            table = view.listing()
-            import pyarrow.compute as pc
-
-            mask = pc.and_(
-                pc.equal(table["sample_index"], traj.sample_index),
-                pc.equal(pc.fill_null(table["validate"], False), bool(traj.validate)),
-            )
-            mask = pc.and_(mask, pc.equal(table["step"], traj.step)) if traj.step is not None else mask
-            siblings = [r for r in table.filter(pc.fill_null(mask, False)).to_pylist() if r["id"] != traj.id]
+        if traj.sample_index is not None:  # the other rollouts of its group
+            group = Filters(**traj.key.group().as_dict()).apply(view.listing())
+            siblings = [r for r in listing_rows(group) if r["id"] != traj.id]
         return self.page(
             "trajectory.html",
             view=view,
@@ -314,26 +312,18 @@ class UI:
 
     def prompt(self, request: Request) -> Response:
         """One prompt across training: its rollouts at every step, with reward, length and answer."""
-        import pyarrow.compute as pc
-
         from rlreplay.format.schema import KIND_SIGNALS
-        from rlreplay.read.filters import Filters
 
         view = self.view(request)
         q = ListQuery.from_params(request.query_params)
-        if not q.sample_index or q.split not in ("train", "val"):
-            raise RunError("the prompt page needs sample_index and split (train or val)")
-        validate = q.split == "val"
-        table = view.listing()
-        key = int(q.sample_index) if q.sample_index.lstrip("-").isdigit() else q.sample_index
-        mask = pc.and_(pc.equal(table["validate"], validate), _key_mask(table, "sample_index", key))
-        rows = table.filter(pc.fill_null(mask, False)).to_pylist()
+        if q.sample_index is None or q.validate is None:
+            raise RunError("the prompt page needs sample_index and validate (true or false)")
+        validate = q.validate
+        rows = listing_rows(Selection(sample_index=q.sample_index, validate=validate).apply(view.listing()))
         if not rows:
-            raise NotFound(f"no {q.split} trajectories of sample_index {q.sample_index}")
-        steps = sorted(
-            {r["step"] for r in rows},
-            key=lambda s: (not isinstance(s, int), str(s) if not isinstance(s, int) else s),
-        )
+            raise NotFound(f"no {split_name(validate)} trajectories of sample_index {q.sample_index}")
+        key = rows[0]["sample_index"]
+        steps = sorted({r["step"] for r in rows}, key=key_order)
         # a page of steps (the latest first): only their rollouts are read, for their answers
         per = q.per if "per" in request.query_params else PROMPT_STEPS_SHOWN
         pages = max(1, math.ceil(len(steps) / per))
@@ -351,7 +341,7 @@ class UI:
         loaded = {t.id: t for t in view.run.load(ids, wanted, skip_kinds=(KIND_SIGNALS,))}
         question = ""
         by_step: dict[Any, list[dict[str, Any]]] = {}
-        for r in sorted(shown, key=lambda r: r["rollout_n"] or 0):
+        for r in sorted(shown, key=lambda r: key_order(r["rollout_n"])):
             traj = loaded.get(r["id"])
             msgs = views.messages(traj, decoder, adapter) if traj is not None else []
             question = question or next((m.content for m in msgs if m.role == "user"), "")
@@ -381,7 +371,8 @@ class UI:
             "prompt.html",
             view=view,
             sample_index=key,
-            split=q.split,
+            split=split_name(validate),
+            validate=validate,
             question=question,
             steps=[(s, by_step[s]) for s in shown_steps],
             total_steps=len(steps),
@@ -389,7 +380,7 @@ class UI:
             older=prompt_page(page + 1) if page < pages else None,
             chart=chart,
             decoder_error=view.decoder_error,
-            crumbs=[(f"prompt {key} ({q.split})", None)],
+            crumbs=[(f"prompt {key} ({split_name(validate)})", None)],
         )
 
     def compare(self, request: Request) -> Response:
@@ -411,7 +402,7 @@ class UI:
                 crumbs=[("compare", None)],
             )
         b = self.runs.get(other)
-        shown = Shown(view.name, other, q.step, q.split)
+        shown = Shown(view.name, other, q.step, q.validate)
         pairs = self.comparisons.pairs(shown)
         self.comparisons.show(shown)
         order = {"changed": 0, "only_a": 1, "only_b": 2, "same": 3}
@@ -527,14 +518,20 @@ SERIES_NAMES = {
 }
 
 
-def step_href(view: RunView, step: Any, split: str) -> str:
+def split_name(validate: Any) -> str:
+    """How a page shows the split: ``val`` or ``train``."""
+    return "val" if validate else "train"
+
+
+def step_href(view: RunView, step: Any, validate: bool) -> str:
     """The step page: the listing of one step and split, with its distributions and groups."""
+    flag = "true" if validate else "false"
     if isinstance(step, int):  # what urlencode gives, without its cost for every point of a chart
-        return f"{view.base}/trajectories?step={step}&split={split}"
-    return f"{view.base}/trajectories?{urlencode({'step': step, 'split': split})}"
+        return f"{view.base}/trajectories?step={step}&validate={flag}"
+    return f"{view.base}/trajectories?{urlencode({'step': step, 'validate': flag})}"
 
 
-def _trend_charts(view: RunView, rows: list[dict[str, Any]], split: str) -> list[Any]:
+def _trend_charts(view: RunView, rows: list[dict[str, Any]], validate: bool) -> list[Any]:
     rows = [r for r in rows if isinstance(r["step"], int)]
     steps = [r["step"] for r in rows]
     out = []
@@ -550,7 +547,9 @@ def _trend_charts(view: RunView, rows: list[dict[str, Any]], split: str) -> list
             if band
             else None
         )
-        out.append(charts.trend_chart(title, steps, lines, bands, href=lambda st: step_href(view, st, split)))
+        out.append(
+            charts.trend_chart(title, steps, lines, bands, href=lambda st: step_href(view, st, validate))
+        )
     return out
 
 
@@ -562,21 +561,10 @@ PROMPT_STEPS_SHOWN = 10
 PROMPTS_SHOWN = 64
 
 
-def _key_mask(table: Any, key: str, value: Any) -> Any:
-    import pyarrow.compute as pc
-
-    if isinstance(value, int):
-        return pc.equal(table[key], value)
-    return (
-        pc.equal(table[f"{key}_str"], value)
-        if f"{key}_str" in table.column_names
-        else pc.equal(table[key], -1)
-    )
-
-
 def prompt_href(view: RunView, sample_index: Any, validate: bool) -> str:
-    split = "val" if validate else "train"
-    return f"{view.base}/prompt?{urlencode({'sample_index': sample_index, 'split': split})}"
+    """A prompt's page: its rollouts at every step."""
+    chosen = Selection(sample_index=str(sample_index), validate=validate)
+    return f"{view.base}/prompt?{urlencode(chosen.params())}"
 
 
 def _moves(view: RunView, traj: Any, within: str | None) -> dict[str, Any]:
@@ -584,7 +572,7 @@ def _moves(view: RunView, traj: Any, within: str | None) -> dict[str, Any]:
     from starlette.datastructures import QueryParams
 
     if within is None and traj.step is not None:
-        within = urlencode({"step": traj.step, "split": "val" if traj.validate else "train"})
+        within = urlencode({"step": traj.step, "validate": "true" if traj.validate else "false"})
     out: dict[str, Any] = {"prev": None, "next": None, "at": None, "of": 0}
     if within is None:
         return out
@@ -612,15 +600,13 @@ def _prompt_link(view: RunView, traj: Any) -> str | None:
 
 def _one_step(q: ListQuery) -> int | None:
     """The step a list query names alone (with its split): it is a step page."""
-    if q.split in ("train", "val") and q.step.lstrip("-").isdigit():
-        return int(q.step)
-    return None
+    return parse_int(q.step) if q.validate is not None and q.step is not None else None
 
 
 def _groups(view: RunView, rows: Any, step: int, findings: list[Any]) -> list[dict[str, Any]]:
     """The step's groups (rollouts of one prompt), by sample index."""
     by_sample: dict[Any, list[dict[str, Any]]] = {}
-    for r in rows.select(["id", "sample_index", "rollout_n", "reward", "advantage", "validate"]).to_pylist():
+    for r in listing_rows(rows):
         by_sample.setdefault(r["sample_index"], []).append(r)
     flagged: dict[Any, int] = {}
     for f in findings:
@@ -628,12 +614,12 @@ def _groups(view: RunView, rows: Any, step: int, findings: list[Any]) -> list[di
             flagged[f.sample_index] = flagged.get(f.sample_index, 0) + 1
     rewards = [r for r in rows["reward"].to_pylist() if r is not None]
     lo, hi = (min(rewards), max(rewards)) if rewards else (0.0, 1.0)
-    keys = sorted(by_sample, key=lambda k: (k is None, str(type(k)), k if k is not None else 0))
-    firsts = [min(by_sample[k], key=lambda r: r["rollout_n"] or 0)["id"] for k in keys[:PROMPTS_SHOWN]]
+    keys = sorted(by_sample, key=key_order)
+    firsts = [min(by_sample[k], key=lambda r: key_order(r["rollout_n"]))["id"] for k in keys[:PROMPTS_SHOWN]]
     prompts = view.prompts(firsts, step)
     out = []
     for k in keys:
-        members = sorted(by_sample[k], key=lambda r: r["rollout_n"] or 0)
+        members = sorted(by_sample[k], key=lambda r: key_order(r["rollout_n"]))
         rs = [m["reward"] for m in members]
         advs = [m["advantage"] for m in members if m["advantage"] is not None]
         known = [r for r in rs if r is not None]
@@ -670,12 +656,10 @@ def _findings_per_step(findings: list[Any]) -> dict[tuple[Any, bool], int]:
 
 
 def _traj_crumbs(view: RunView, traj: Any) -> list[tuple[str, str | None]]:
-    base = f"{view.base}/trajectories"
     crumbs: list[tuple[str, str | None]] = []
     if traj.step is not None:
-        split = "val" if traj.validate else "train"
         crumbs.append(
-            (f"step {traj.step} ({split})", f"{base}?{urlencode({'step': traj.step, 'split': split})}")
+            (f"step {traj.step} ({split_name(traj.validate)})", step_href(view, traj.step, traj.validate))
         )
     crumbs.append((traj.id[:12], None))
     return crumbs

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,9 +25,12 @@ import pyarrow.compute as pc
 
 from rlreplay.errors import NotFound, RunError
 from rlreplay.format import manifest
+from rlreplay.format.keys import parse_int
+from rlreplay.model import listing_rows
+from rlreplay.read.filters import Filters
 from rlreplay.read.open import open_run
 from rlreplay.read.run import Run
-from rlreplay.read.selection import listing
+from rlreplay.read.selection import Selection, listing
 from rlreplay.remote.location import as_uri
 
 SPANS_DIR = "spans"
@@ -249,10 +252,10 @@ class RunView:
             finally:
                 self._refreshing = False
 
-    def selected(self, q: ListQuery) -> pa.Table:
+    def selected(self, q: Selection) -> pa.Table:
         """:func:`select` over the listing, the latest few kept until the listing changes."""
         table = self.listing()
-        key = (q.step, q.sample_index, q.rollout_n, q.split, q.experiment, q.status, q.where, q.sort)
+        key = tuple(getattr(q, f.name) for f in fields(Selection))
         with self._lock:
             owner, kept = self._selections
             if owner is not table:
@@ -277,8 +280,6 @@ class RunView:
     def trajectory(self, ref: str) -> Any:
         """One trajectory by id or unique prefix; the cached listing tells its step, so only that
         step's files are read."""
-        from rlreplay.read.filters import Filters
-
         if not re.fullmatch(r"[0-9a-fA-F]{1,64}", ref or ""):
             raise NotFound(f"not a trajectory id: {ref!r}")
         ref = ref.lower()
@@ -334,7 +335,6 @@ class RunView:
     def prompts(self, ids: list[str], step: Any) -> dict[str, str]:
         """Each trajectory's first user message (its question, no chat template), by id."""
         from rlreplay.format.schema import KIND_AGENT, KIND_TRAJECTORY
-        from rlreplay.read.filters import Filters
         from rlreplay.ui.views import prompt_text, recorded_prompt
 
         missing = [i for i in ids if i not in self._prompts]
@@ -402,66 +402,54 @@ class RunView:
 
 
 @dataclass
-class ListQuery:
-    """The trajectory list's query string; every field is a plain string as typed."""
+class ListQuery(Selection):
+    """The trajectory list's query string: a selection by the CLI's names (``validate``; the
+    older ``split=train|val`` too), and how the list shows it."""
 
-    step: str = ""
-    sample_index: str = ""
-    rollout_n: str = ""
-    split: str = ""  # "", "train", "val"
-    experiment: str = ""
-    status: str = ""  # "", "ok", "error", "incomplete"
-    where: str = ""
-    sort: str = ""
     cols: str = ""  # the list's columns, comma-separated ("" for the default ones)
     page: int = 1
     per: int = DEFAULT_PAGE_SIZE
 
     @classmethod
     def from_params(cls, params: Any) -> ListQuery:
-        q = cls()
+        shown: dict[str, Any] = {}
         chosen = params.getlist("col") if hasattr(params, "getlist") else []
         if chosen:
-            q.cols = ",".join(chosen)
-        for f in fields(cls):
-            raw = params.get(f.name)
+            shown["cols"] = ",".join(chosen)
+        for name in ("page", "per"):
+            raw = params.get(name)
             if raw is None:
                 continue
-            if f.type in ("int", int):
-                try:
-                    setattr(q, f.name, max(1, int(raw)))
-                except ValueError:
-                    raise RunError(f"{f.name} must be a whole number, not {raw!r}") from None
-            else:
-                setattr(q, f.name, str(raw).strip())
+            number = parse_int(str(raw))
+            if number is None:
+                raise RunError(f"{name} must be a whole number, not {raw!r}")
+            shown[name] = max(1, number)
+        if params.get("cols") is not None:
+            shown["cols"] = str(params.get("cols")).strip()
+        selection = Selection.from_params(params)
+        q = cls(**{f.name: getattr(selection, f.name) for f in fields(Selection)}, **shown)
         q.per = min(q.per, PAGE_SIZES[-1])
         return q
 
-    def params(self, **override: Any) -> dict[str, str]:
-        """The non-default fields as query parameters (for links), with ``override`` applied."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values.update(override)
+    def selection(self) -> Selection:
+        """The selection alone (what the list shows, not how)."""
+        return Selection(**{f.name: getattr(self, f.name) for f in fields(Selection)})
+
+    def params(self, **override: Any) -> dict[str, str]:  # type: ignore[override]
+        """The query's parameters that are set (for links), with ``override`` applied."""
+        shown = {"cols": self.cols, "page": self.page, "per": self.per}
+        shown.update((k, v) for k, v in override.items() if k in shown)
+        chosen = replace(self.selection(), **{k: v for k, v in override.items() if k not in shown})
         defaults = ListQuery()
-        return {k: str(v) for k, v in values.items() if v not in ("", None) and v != getattr(defaults, k)}
+        return {
+            **Selection.params(chosen),
+            **{k: str(v) for k, v in shown.items() if v not in ("", None) and v != getattr(defaults, k)},
+        }
 
 
-def select(table: pa.Table, q: ListQuery) -> pa.Table:
+def select(table: pa.Table, q: Selection) -> pa.Table:
     """The rows of the listing ``q`` asks for, in its order (not paginated): ``ls``'s selection."""
-    from rlreplay.read.selection import Selection
-
-    if q.split not in ("", "train", "val"):
-        raise RunError(f"split is train or val, not {q.split!r}")
-    selection = Selection(
-        step=q.step or None,
-        sample_index=q.sample_index or None,
-        rollout_n=q.rollout_n or None,
-        validate=None if not q.split else q.split == "val",
-        experiment=q.experiment or None,
-        status=q.status or None,
-        where=q.where or None,
-        sort=q.sort or None,
-    )
-    return selection.apply(table)
+    return q.apply(table)
 
 
 @dataclass
@@ -476,7 +464,7 @@ class Page:
 def paginate(table: pa.Table, q: ListQuery) -> Page:
     pages = max(1, math.ceil(table.num_rows / q.per))
     page = min(q.page, pages)
-    rows = table.slice((page - 1) * q.per, q.per).to_pylist()
+    rows = listing_rows(table.slice((page - 1) * q.per, q.per))
     return Page(rows, table.num_rows, page, pages, q.per)
 
 

@@ -15,6 +15,7 @@ from urllib.parse import urlencode
 
 from rlreplay.errors import RunError
 from rlreplay.playback import ReplayConfig
+from rlreplay.read.selection import Selection
 from rlreplay.ui.data import RunSet, RunView
 
 
@@ -24,8 +25,11 @@ class Shown:
 
     a: str
     b: str
-    step: str = ""
-    split: str = ""
+    step: str | None = None
+    validate: bool | None = None
+
+    def selection(self) -> Selection:
+        return Selection(step=self.step, validate=self.validate)
 
 
 @dataclass
@@ -56,13 +60,8 @@ class Comparisons:
             cached = self._pairs.get(shown)
         if cached is not None and cached[0][0] is key[0] and cached[0][1] is key[1]:
             return cached[1]
-        selection = None
-        if shown.step or shown.split:
-            from rlreplay.read.selection import Selection
-
-            validate = None if not shown.split else shown.split == "val"
-            selection = Selection(step=shown.step or None, validate=validate)
-        found = list(compare_runs(a.run, b.run, selection))
+        selection = shown.selection()
+        found = list(compare_runs(a.run, b.run, selection if selection.chosen() else None))
         with self._lock:
             self._pairs[shown] = (key, found)
         return found
@@ -118,7 +117,7 @@ def _replay_source(view: RunView) -> Path | None:
 
 def compare_href(runs: RunSet, shown: Shown, anchor: str | None = None) -> str:
     """The compare page of ``shown``; ``anchor``: scrolled to the pair of this trajectory."""
-    params = {"with": shown.b, "step": shown.step, "split": shown.split}
+    params = {"with": shown.b, **shown.selection().params()}
     href = f"{runs.get(shown.a).base}/compare?{urlencode(params)}"
     return f"{href}#pair-{anchor}" if anchor else href
 

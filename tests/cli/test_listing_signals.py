@@ -18,7 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SIGNALS_RUN = ROOT / "sample_runs" / "verl-toolagent-smollm2"  # verl's driver recorded the signals
 PLAIN_RUN = ROOT / "sample_runs" / "gsm8k-grpo-qwen3"  # rewards only
+#: The signals' columns, by their short names (aliases wherever a column is named).
 SIGNAL_COLUMNS = {"adv": "advantage", "dlogp_max": "logprob_diff_max", "is_ratio": "importance_ratio"}
+KEY_HEADER = ["id", "step", "sample_index", "rollout_n", "validate", "reward"]
 
 
 def rlreplay(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -48,12 +50,12 @@ def test_ls_shows_advantage_mismatch_and_importance_ratio_when_the_run_has_them(
     proc = rlreplay("ls", str(SIGNALS_RUN), "--step", "1")
     assert proc.returncode == 0, proc.stderr
     header, body = table(proc.stdout)
-    assert header[:6] == ["id", "step", "sample", "rollout", "split", "reward"]
+    assert header[:6] == KEY_HEADER
     assert len(body) == len(rows)
     for cells in body:
         row = rows[cells[0]]
-        for name, field in SIGNAL_COLUMNS.items():
-            assert close_to(cells[header.index(name)], row[field]), (name, cells, row[field])
+        for field in SIGNAL_COLUMNS.values():
+            assert close_to(cells[header.index(field)], row[field]), (field, cells, row[field])
         assert float(cells[header.index("reward")]) == row["reward"]
 
 
@@ -61,7 +63,7 @@ def test_ls_leaves_out_signal_columns_a_run_does_not_have() -> None:
     assert all(r["advantage"] is None for r in json_rows(PLAIN_RUN, "--step", "1"))
     proc = rlreplay("ls", str(PLAIN_RUN), "--step", "1")
     header, _ = table(proc.stdout)
-    assert "reward" in header and not set(SIGNAL_COLUMNS) & set(header)
+    assert "reward" in header and not {*SIGNAL_COLUMNS, *SIGNAL_COLUMNS.values()} & set(header)
 
 
 def test_ls_columns_chooses_and_orders() -> None:
@@ -69,7 +71,7 @@ def test_ls_columns_chooses_and_orders() -> None:
     proc = rlreplay("ls", str(SIGNALS_RUN), "--step", "2", "--columns", "adv,step,id")
     assert proc.returncode == 0, proc.stderr
     header, body = table(proc.stdout)
-    assert header == ["adv", "step", "id"]
+    assert header == ["advantage", "step", "id"]  # an alias picks the column; the header is its name
     assert sorted(c[2] for c in body) == sorted(r["id"][:12] for r in rows)
 
 
@@ -108,7 +110,7 @@ def test_ls_fits_the_terminal_without_squeezing_keys(width: int) -> None:
     lines = [line for line in text.replace("\r", "").splitlines() if line.strip()]
     assert "…" not in out.decode()
     assert all(len(line) <= width for line in lines), [len(line) for line in lines]
-    assert lines[0].split()[:6] == ["id", "step", "sample", "rollout", "split", "reward"]
+    assert lines[0].split()[:6] == KEY_HEADER
     shown = {line.split()[0] for line in lines[1:-1]}
     assert shown == {r["id"][:12] for r in rows}
     assert len(lines[0].split()) < 16  # narrower than every column
@@ -119,13 +121,9 @@ def test_show_header_has_the_signals() -> None:
     proc = rlreplay("show", str(SIGNALS_RUN), row["id"], "--no-text")
     assert proc.returncode == 0, proc.stderr
     head = " ".join(proc.stdout.splitlines()[:3])
-    for label, field in (
-        ("advantage", "advantage"),
-        ("dlogp_max", "logprob_diff_max"),
-        ("is_ratio", "importance_ratio"),
-    ):
-        value = head.split(f"{label}=")[1].split()[0]
-        assert close_to(value, row[field]), (label, value, row[field])
+    for field in SIGNAL_COLUMNS.values():
+        value = head.split(f"{field}=")[1].split()[0]
+        assert close_to(value, row[field]), (field, value, row[field])
 
 
 def test_stats_has_advantage_mismatch_and_importance_ratio_per_step() -> None:
@@ -172,7 +170,7 @@ def _group_table(run: Path, selector: str) -> tuple[list[str], list[list[str]]]:
     proc = rlreplay("diff", "-r", str(run), "--group", selector, env={**os.environ, "COLUMNS": "300"})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rollout", "id"])
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rollout_n", "id"])
     return lines[start].split(), [line.split() for line in lines[start + 1 :] if line.strip()]
 
 
@@ -180,13 +178,13 @@ def test_diff_group_shows_the_signals_per_rollout() -> None:
     rows = {r["id"][:12]: r for r in json_rows(SIGNALS_RUN, "--step", "1", "--sample-index", "26")}
     assert len(rows) > 1 and all(r["advantage"] is not None for r in rows.values())
     header, body = _group_table(SIGNALS_RUN, "step=1,sample_index=26")
-    assert header[:6] == ["rollout", "id", "reward", "adv", "dlogp_max", "is_ratio"]
+    assert header[:6] == ["rollout_n", "id", "reward", *SIGNAL_COLUMNS.values()]
     assert sorted(cells[1] for cells in body) == sorted(rows)
     for cells in body:
         row = rows[cells[1]]
         assert float(cells[2]) == row["reward"]
-        for i, name in enumerate(("adv", "dlogp_max", "is_ratio"), start=3):
-            assert close_to(cells[i], row[SIGNAL_COLUMNS[name]]), (name, cells)
+        for i, field in enumerate(SIGNAL_COLUMNS.values(), start=3):
+            assert close_to(cells[i], row[field]), (field, cells)
     proc = rlreplay("diff", "-r", str(SIGNALS_RUN), "--group", "step=1,sample_index=26", "--json")
     rollouts = {r["id"][:12]: r for r in json.loads(proc.stdout)["rollouts"]}
     for short, row in rows.items():
@@ -196,4 +194,55 @@ def test_diff_group_shows_the_signals_per_rollout() -> None:
 
 def test_diff_group_leaves_out_signals_a_run_does_not_have() -> None:
     header, body = _group_table(PLAIN_RUN, "step=5,sample_index=730")
-    assert body and "reward" in header and not set(SIGNAL_COLUMNS) & set(header)
+    assert body and "reward" in header and not {*SIGNAL_COLUMNS, *SIGNAL_COLUMNS.values()} & set(header)
+
+
+def test_every_name_ls_shows_is_a_name_every_option_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    """The ls header, --columns, --where, --sort and --json speak of a column by one name (the
+    listing's); the short names (adv, sample, ...) are aliases wherever a column is named."""
+    from rlreplay.cli.main import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        rc = main(["ls", str(SIGNALS_RUN), "--step", "1", *args])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    rows = [json.loads(line) for line in run("--json")[1].splitlines()]
+    header, _ = table(run()[1])
+    assert {"advantage", "logprob_diff_max", "importance_ratio", "sample_index", "rollout_n"} <= set(header)
+    for name in header:
+        assert name in rows[0], name  # the --json key
+        for args in (["--sort", f"{name} desc"], ["--where", f"{name} IS NOT NULL"], ["--columns", name]):
+            rc, out, err = run(*args)
+            assert rc == 0 and err == "", (args, err)
+        assert table(run("--columns", name)[1])[0] == [name]
+    positive = [r["id"] for r in rows if r["advantage"] is not None and r["advantage"] > 0]
+    assert 0 < len(positive) < len(rows)
+    for alias, field in [*SIGNAL_COLUMNS.items(), ("sample", "sample_index"), ("rollout", "rollout_n")]:
+        rc, out, err = run("--where", f"{alias} >= 0", "--sort", f"{alias} desc", "--json")
+        assert rc == 0, err
+        got = [json.loads(line) for line in out.splitlines()]
+        kept = [r for r in rows if r[field] is not None and r[field] >= 0]
+        assert [r["id"] for r in got] == [r["id"] for r in sorted(kept, key=lambda r: -r[field])], alias
+        assert table(run("--columns", f"id,{alias}")[1])[0] == ["id", field]
+    rc, out, _ = run("--where", "adv > 0", "--json")
+    assert rc == 0 and [json.loads(line)["id"] for line in out.splitlines()] == positive
+
+
+def test_sql_takes_the_short_names_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """``sql`` names the listing's columns as ``ls --json`` does, and accepts their aliases; a
+    query that does not use an alias gets the listing's columns only."""
+    from rlreplay.cli.main import main
+
+    def sql(query: str) -> list[dict]:
+        assert main(["sql", query, "--run", str(SIGNALS_RUN), "--json"]) == 0
+        return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+    assert main(["ls", str(SIGNALS_RUN), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    got = sql("SELECT id, adv, dlogp_max, sample FROM trajectories WHERE is_ratio IS NOT NULL ORDER BY id")
+    want = sorted((r for r in rows if r["importance_ratio"] is not None), key=lambda r: r["id"])
+    assert [(g["id"], g["adv"], g["dlogp_max"], g["sample"]) for g in got] == [
+        (r["id"], r["advantage"], r["logprob_diff_max"], r["sample_index"]) for r in want
+    ]
+    assert list(sql("SELECT * FROM trajectories LIMIT 1")[0]) == list(rows[0])

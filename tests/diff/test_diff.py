@@ -339,8 +339,9 @@ def test_selector_across_two_runs(runs, capsys) -> None:
         (["step=1,sample_index=7,rollout_n=0", "rollout_n=1"], "add validate"),  # train and validation
         (["step=0,sample_index=99,rollout_n=0", "rollout_n=1"], "no sample_index=99"),
         (["step=5,sample_index=7,rollout_n=0", "rollout_n=1"], "no step=5"),
-        (["step=zero,sample_index=7", "rollout_n=1"], "no step=zero"),
-        (["step=٣,sample_index=7", "rollout_n=1"], "step must be an integer in ASCII digits"),
+        (["step=zero,sample_index=7", "rollout_n=1"], "step 'zero': 'zero' is not an integer"),
+        (["step=٣,sample_index=7", "rollout_n=1"], "step '٣': '٣' has non-ASCII digits"),
+        (["sample_index=7..x", "rollout_n=1"], "bad range '7..x'"),  # the grammar of --sample-index
         (["step=0,colour=red", "rollout_n=1"], "unknown key 'colour'"),
         (["step=0,,rollout_n=1", "rollout_n=1"], "empty item"),
         (["step=0,validate=maybe", "rollout_n=1"], "validate must be true or false"),
@@ -371,8 +372,8 @@ def test_bad_selector_as_a_subprocess_has_no_traceback(runs) -> None:
     )
     assert proc.returncode == 2
     assert (
-        proc.stderr.strip()
-        == "rlreplay: error: selector 'step=５': step must be an integer in ASCII digits, not '５'"
+        proc.stderr.strip() == "rlreplay: error: selector 'step=５': step '５': '５' has non-ASCII digits "
+        "(write numbers with 0-9)"
     )
 
 

@@ -269,7 +269,7 @@ def test_ls_plain_output_lists_the_selection(
     rc, out, _ = cli(capsys, "ls", GSM8K, "--step", "6..7", "--sort", "reward desc", "--limit", "5")
     assert rc == 0
     lines = out.splitlines()
-    assert lines[0].split()[:3] == ["id", "step", "sample"]
+    assert lines[0].split()[:3] == ["id", "step", "sample_index"]
     wanted = _stable_desc([r for r in gsm8k if r["step"] in (6, 7)], "reward")[:5]
     assert [line.split()[0] for line in lines[1:6]] == [r["id"][:12] for r in wanted]
     assert lines[6] == f"5 trajectories (--limit) in {GSM8K}"
@@ -899,3 +899,134 @@ def test_upload_says_what_max_samples_chose(
     )
     assert rc == 0, err
     assert json.loads(out)["max_samples"] == line.removeprefix("--max-samples 2 chose ")
+
+
+# --- every filter before the sort and the limit ----------------------------------------------
+
+ARITH = ROOT / "sample_runs" / "verl-arith-smollm2"
+
+
+def test_finding_filters_before_the_sort_and_the_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    """``ls --finding CHECK --limit N`` is the first N of what the check flags (the limit once came
+    first and left nothing); a sort orders the flagged rows, then the limit cuts."""
+    rc, out, err = cli(capsys, "audit", ARITH, "--checks", "truncated", "--fail-on", "none", "--json")
+    assert rc == 0, err
+    flagged = {f["trajectory_id"] for f in json_lines(out)}
+    rc, out, _ = cli(capsys, "ls", ARITH, "--json")
+    listing = [r for r in json_lines(out) if r["id"] in flagged]
+    assert len(listing) == len(flagged) == 39  # the README's count
+    cases = [
+        (["--limit", "1"], listing[:1]),
+        (["--limit", "5"], listing[:5]),
+        (["--sort", "duration_s desc", "--limit", "3"], _stable_desc(listing, "duration_s")[:3]),
+        (["--where", "step >= 4", "--limit", "2"], [r for r in listing if r["step"] >= 4][:2]),
+    ]
+    for args, want in cases:
+        rc, out, err = cli(capsys, "ls", ARITH, "--finding", "truncated", *args, "--json")
+        assert rc == 0, err
+        assert [r["id"] for r in json_lines(out)] == [r["id"] for r in want], args
+
+
+#: Every command that selects trajectories, with the arguments it needs besides its selection.
+SELECTING = {
+    "ls": ["{run}"],
+    "stats": ["{run}"],
+    "audit": ["{run}"],
+    "export": ["{run}", "--out", "{tmp}/x.jsonl"],
+    "upload": ["{run}", "--dry-run"],
+    "compare": ["{run}", "{run}"],
+    "diff": ["{run}", "--group", "step=1,sample_index=1000"],
+    "replay": ["{run}", "--out", "{tmp}/replayed", "--", "true"],
+}
+#: Selection options that take one value: given twice, bad input (the key options add up instead).
+ONCE = [
+    ["--train", "--train"],
+    ["--validate", "--validate"],
+    ["--validate", "--train"],
+    ["--experiment", "a", "--experiment", "b"],
+    ["--status", "ok", "--status", "ok"],
+    ["--where", "reward > 0", "--where", "reward > 0"],
+    ["--sort", "reward", "--sort", "reward"],
+    ["--limit", "3", "--limit", "3"],
+]
+
+
+@pytest.mark.parametrize("command", list(SELECTING))
+def test_a_selection_option_given_twice_is_bad_input(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--train --train`` (or ``--validate --train``) once passed silently, the last one winning."""
+    args = [a.format(run=ARITH, tmp=tmp_path) for a in SELECTING[command]]
+    split = args.index("--") if "--" in args else len(args)
+    for twice in ONCE:
+        rc, out, err = cli(capsys, command, *args[:split], *twice, *args[split:])
+        assert rc == 2, (command, twice, out, err)
+        assert len(err.strip().splitlines()) == 1 and err.startswith("rlreplay: error: "), err
+        assert "twice" in err or "give one" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- --worker: a selection key like the others -------------------------------------------------
+
+
+def _roots_by_worker(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """Each worker's trajectories (their root spans' rows), read with pyarrow from the span files."""
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in span_rows(run_dir, ["trajectory_id", "parent_id", "kind", "worker", "step", "validate"]):
+        if row["parent_id"] is None and row["kind"] != "signals":
+            out[row["worker"]].append(row)
+    return out
+
+
+def test_worker_selects_in_every_selecting_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--worker NAME`` (and ``worker=NAME`` in a selector) keeps the trajectories that worker
+    recorded, in ls, stats, audit, export, upload, compare, diff --group, show and replay's
+    selection; counted against the root spans read straight from the span files."""
+    from rlreplay.playback import ReplayConfig, selected
+    from rlreplay.read.open import open_run
+    from rlreplay.read.selection import Selection
+
+    by_worker = _roots_by_worker(GSM8K)
+    assert len(by_worker) == 2 and all(by_worker.values())
+    for worker, roots in by_worker.items():
+        mine = {r["trajectory_id"] for r in roots}
+        rc, out, err = cli(capsys, "ls", GSM8K, "--worker", worker, "--json")
+        assert rc == 0, err
+        assert {r["id"] for r in json_lines(out)} == mine
+        rc, out, err = cli(capsys, "stats", GSM8K, "--worker", worker, "--json")
+        per_split: dict[tuple, int] = defaultdict(int)
+        for r in roots:
+            per_split[r["step"], r["validate"]] += 1
+        assert {(s["step"], s["validate"]): s["trajectories"] for s in json_lines(out)} == per_split
+        rc, out, err = cli(capsys, "audit", GSM8K, "--worker", worker, "--fail-on", "none")
+        assert rc == 0 and out.splitlines()[0] == f"audited {len(mine)} trajectories", err
+        target = tmp_path / f"{worker}.jsonl"
+        rc, out, err = cli(capsys, "export", GSM8K, "--worker", worker, "--out", target)
+        assert rc == 0, err
+        assert {json.loads(line)["id"] for line in target.read_text().splitlines()} == mine
+        rc, out, err = cli(capsys, "upload", GSM8K, "--worker", worker, "--dry-run")
+        assert rc == 0 and f"selected {len(mine)} trajectories" in out + err, err
+        rc, out, err = cli(capsys, "compare", GSM8K, GSM8K, "--worker", worker, "--json")
+        assert rc == 0 and {p["a"] for p in json_lines(out)} == mine, err
+        # replay's selection reaches each process of the job through the environment
+        env = ReplayConfig.of(GSM8K, select=Selection(worker=worker)).env()
+        chosen = ReplayConfig.from_env(env)
+        assert chosen is not None
+        assert set(selected(open_run(GSM8K), chosen.selection)["id"].to_pylist()) == mine
+    # selectors: a key like the others
+    rows = json_lines(cli(capsys, "ls", GSM8K, "--step", "5", "--sample-index", "730", "--json")[1])
+    one = rows[0]
+    assert {r["id"] for r in rows} <= {r["trajectory_id"] for r in by_worker[one["worker"]]}  # one worker
+    selector = f"step=5,sample_index=730,rollout_n={one['rollout_n']},worker={one['worker']}"
+    rc, out, err = cli(capsys, "show", selector, "--run", GSM8K, "--json", "--no-text")
+    assert rc == 0 and json.loads(out)["id"] == one["id"], err
+    other = next(w for w in by_worker if w != one["worker"])
+    rc, out, err = cli(capsys, "show", selector.replace(one["worker"], other), "--run", GSM8K)
+    assert rc == 2 and f"no worker={other}" in err
+    group = ["diff", "-r", GSM8K, "--group", "step=5,sample_index=730", "--json", "--worker"]
+    rc, out, err = cli(capsys, *group, other)
+    assert rc == 2 and "leaves none" in err  # the group's rollouts all come from one worker
+    rc, out, err = cli(capsys, *group, one["worker"])
+    assert rc == 0 and {r["id"] for r in json.loads(out)["rollouts"]} == {r["id"] for r in rows}

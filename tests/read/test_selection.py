@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -137,3 +139,105 @@ def test_trajectories_without_sample_index_are_groups_of_one() -> None:
     assert sorted(len(g.ids) for g in chosen) == [1, 1, 1, 1]
     assert [g.step for g in chosen] == [0, 1, 1, 1]  # step order
     assert len(selection.select(table, max_samples=1)) == 2  # one per (step, split)
+
+
+# --- one grammar, whatever says which trajectories ------------------------------------------------
+
+_KEYS = ("step", "sample_index", "rollout_n")
+
+
+def _mixed_listing(rng: random.Random, n: int = 400) -> tuple[pa.Table, list[dict]]:
+    """A listing whose keys mix ints and strings (``"12"`` beside 12), as a run stores them: an int
+    column and a ``_str`` twin per key; and the rows as recorded (one value per key)."""
+    rows = []
+    for i in range(n):
+        rows.append(
+            {
+                "id": f"{i:032x}",
+                "step": rng.choice([0, 1, 2, 3, -1, None]),
+                "sample_index": rng.choice([0, 1, 2, 7, 12, "12", "s1-3", "a", None]),
+                "rollout_n": rng.choice([0, 1, 2, "2", "r", None]),
+                "validate": rng.random() < 0.3,
+                "experiment": rng.choice(["e1", "e2"]),
+                "status": "ok",
+            }
+        )
+    columns: dict[str, list] = {"id": [r["id"] for r in rows]}
+    for key in _KEYS:
+        columns[key] = [r[key] if isinstance(r[key], int) else None for r in rows]
+        columns[f"{key}_str"] = [r[key] if isinstance(r[key], str) else None for r in rows]
+    for name in ("validate", "experiment", "status"):
+        columns[name] = [r[name] for r in rows]
+    types = {**{k: pa.int64() for k in _KEYS}, **{f"{k}_str": pa.string() for k in _KEYS}}
+    return pa.table({k: pa.array(v, type=types.get(k)) for k, v in columns.items()}), rows
+
+
+def _items(rng: random.Random, strings: bool) -> list[tuple[str, Any]]:
+    """Items of a key filter as a person types them, with what each matches."""
+    out = []
+    for _ in range(rng.randint(1, 3)):
+        pick = rng.random()
+        if pick < 0.45:
+            n = rng.randint(-1, 13)
+            out.append((str(n), ("int", n)))
+        elif pick < 0.75:
+            lo = rng.randint(-2, 8)
+            hi = lo + rng.randint(0, 5)
+            out.append((f"{lo}..{hi}", ("range", lo, hi)))
+        elif strings:
+            text = rng.choice(["s1-3", "a", "r", "nope"])
+            out.append((text, ("text", text)))
+    return out
+
+
+def _matches(value: Any, items: list[tuple[str, Any]]) -> bool:
+    """The rule, written out: an int item names that int and the string of its digits, a range
+    the ints in it, other text the string as written; nothing matches a missing value."""
+    for text, item in items:
+        if item[0] == "int" and (value == item[1] if isinstance(value, int) else value == text):
+            return True
+        if item[0] == "range" and isinstance(value, int) and item[1] <= value <= item[2]:
+            return True
+        if item[0] == "text" and value == item[1]:
+            return True
+    return False
+
+
+def test_options_selectors_and_urls_select_the_same_in_a_run_whose_keys_mix_ints_and_strings() -> None:
+    """Seeded random selections over a listing of mixed keys: the Selection made from options,
+    from a ``show``/``diff`` selector and from URL parameters keeps exactly the rows the rule
+    written out here keeps (the UI once failed on such runs: int64 compared with a string)."""
+    from rlreplay.read.selection import Selection
+
+    rng = random.Random(37)
+    table, rows = _mixed_listing(rng)
+    for _ in range(300):
+        chosen: dict[str, Any] = {}
+        wanted: dict[str, list] = {}
+        for key in _KEYS:
+            if rng.random() < 0.5:
+                items = _items(rng, strings=key != "step")
+                if items:
+                    chosen[key], wanted[key] = ",".join(t for t, _ in items), items
+        validate = rng.choice([None, True, False])
+        experiment = rng.choice([None, "e1", "e2", "e3"])
+        expected = [
+            r["id"]
+            for r in rows
+            if all(_matches(r[k], wanted[k]) for k in wanted)
+            and (validate is None or r["validate"] == validate)
+            and (experiment is None or r["experiment"] == experiment)
+        ]
+        options = Selection(**chosen, validate=validate, experiment=experiment)
+        assert options.apply(table)["id"].to_pylist() == expected, (chosen, validate, experiment)
+        params = {**chosen, "experiment": experiment or ""}
+        if validate is not None:
+            params["split"] = "val" if validate else "train"  # an older link's name
+        assert Selection.from_params(params).apply(table)["id"].to_pylist() == expected
+        if all("," not in text for text in chosen.values()):  # a selector gives one item a key
+            pairs = [f"{k}={v}" for k, v in chosen.items()]
+            pairs += [f"validate={str(validate).lower()}"] if validate is not None else []
+            pairs += [f"exp={experiment}"] if experiment is not None else []
+            if pairs:
+                parsed = Selection.parse(",".join(pairs))
+                assert parsed.apply(table)["id"].to_pylist() == expected, pairs

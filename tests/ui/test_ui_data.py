@@ -254,3 +254,142 @@ def test_a_selection_is_kept_until_the_listing_changes(
         pc.greater(view.listing().filter(pc.equal(view.listing()["step"], 7))["reward"], 0)
     ).as_py()
     assert grown.num_rows == first.num_rows + added
+
+
+# ---- a run whose keys mix ints and strings -------------------------------------------------------
+
+
+def _record_mixed_run(run_dir: Path) -> None:
+    """Trajectories keyed by ints and by strings in one run: sample 0 (an int) and sample "s-1"
+    (a string) at steps 1 and 2, two rollouts each, one rollout numbered by a string."""
+    import rlreplay
+
+    rlreplay.init(run_dir, experiment="mixed", worker="w0")
+
+    @rlreplay.trace_op
+    def generate(prompt: str) -> str:
+        return prompt + " answer"
+
+    for step in (1, 2):
+        for sample in (0, "s-1"):
+            for rollout in (0, 1 if sample == 0 else "r-1"):
+                with rlreplay.trajectory(step=step, sample_index=sample, rollout_n=rollout):
+                    generate(f"question {sample}")
+    rlreplay.flush()
+    rlreplay.close()
+
+
+def _root_keys(run_dir: Path) -> dict[str, tuple]:
+    """(step, sample_index, rollout_n) of every trajectory, read with pyarrow from the span files."""
+    import pyarrow.parquet as pq
+
+    out: dict[str, tuple] = {}
+    for f in sorted(run_dir.glob("spans/step=*/worker=*/*.parquet")):
+        for r in pq.read_table(f).to_pylist():
+            if r["parent_id"] is None:
+                out[r["trajectory_id"]] = tuple(
+                    r[k] if r[k] is not None else r[f"{k}_str"] for k in ("step", "sample_index", "rollout_n")
+                )
+    return out
+
+
+def test_every_page_works_on_a_run_whose_keys_mix_ints_and_strings(tmp_path: Path) -> None:
+    """A string sample_index beside int ones (and a string rollout_n) is shown, listed, grouped and
+    selected on every page (it once answered 500: pyarrow cannot compare int64 with a string)."""
+    from urllib.parse import urlencode
+
+    from starlette.testclient import TestClient
+
+    from rlreplay.ui.app import create_app
+
+    run_dir = tmp_path / "mixed"
+    _record_mixed_run(run_dir)
+    keys = _root_keys(run_dir)
+    assert len(keys) == 8 and {k[1] for k in keys.values()} == {0, "s-1"}
+    with TestClient(create_app(run_dir), raise_server_exceptions=False) as client:
+        assert client.get("/r/mixed/").status_code == 200
+        for tid, (step, sample, _) in keys.items():
+            page = client.get(f"/r/mixed/t/{tid}")
+            assert page.status_code == 200, (sample, page.text[-400:])
+            siblings = [t for t, k in keys.items() if k[:2] == (step, sample) and t != tid]
+            assert siblings and all(f"b={t}" in page.text for t in siblings)
+            assert client.get(f"/r/mixed/group/{tid}").status_code == 200
+        for sample in (0, "s-1"):
+            mine = [t for t, k in keys.items() if k[1] == sample]
+            listed = client.get("/r/mixed/trajectories?" + urlencode({"sample_index": sample}))
+            assert listed.status_code == 200
+            assert all(t in listed.text for t in mine)
+            assert not any(t in listed.text for t in keys if t not in mine)
+            if isinstance(sample, str):  # shown as recorded
+                assert listed.text.count(f"<td>{sample}</td>") == len(mine)
+            for split in ({"split": "train"}, {"validate": "false"}):  # older links, and the CLI's name
+                prompt = client.get("/r/mixed/prompt?" + urlencode({"sample_index": sample, **split}))
+                assert prompt.status_code == 200, prompt.text[-400:]
+                assert all(t in prompt.text for t in mine)
+        for step in (1, 2):
+            page = client.get(f"/r/mixed/trajectories?step={step}&validate=false")
+            assert page.status_code == 200, page.text[-400:]
+            assert 'data-sample="0"' in page.text and 'data-sample="s-1"' in page.text  # two groups
+        for rollout in (1, "r-1"):
+            mine = [t for t, k in keys.items() if k[2] == rollout]
+            listed = client.get("/r/mixed/trajectories?" + urlencode({"rollout_n": rollout}))
+            assert listed.status_code == 200 and all(t in listed.text for t in mine)
+            assert not any(t in listed.text for t in keys if t not in mine)
+        assert listed.text.count("<td>r-1</td>") == len(mine)
+        a, b = (t for t, k in keys.items() if k[:2] == (1, "s-1"))
+        assert client.get(f"/r/mixed/diff?a={a}&b={b}").status_code == 200
+
+
+def test_the_trajectory_list_selects_by_worker_and_shows_it() -> None:
+    """``?worker=NAME`` keeps what that worker recorded (its root spans, read with pyarrow), and
+    the worker column shows it."""
+    import re
+
+    import pyarrow.parquet as pq
+    from starlette.testclient import TestClient
+
+    from rlreplay.ui.app import create_app
+
+    by_worker: dict[str, set[str]] = {}
+    for f in SAMPLE.glob("spans/step=*/worker=*/*.parquet"):
+        for r in pq.read_table(f, columns=["trajectory_id", "parent_id", "kind", "worker"]).to_pylist():
+            if r["parent_id"] is None and r["kind"] != "signals":
+                by_worker.setdefault(r["worker"], set()).add(r["trajectory_id"])
+    assert len(by_worker) == 2
+    with TestClient(create_app(SAMPLE)) as client:
+        for worker, mine in by_worker.items():
+            page = client.get(
+                f"/r/{SAMPLE.name}/trajectories", params={"worker": worker, "col": "worker", "per": 500}
+            )
+            assert page.status_code == 200, page.text[-400:]
+            assert re.search(r'<span id="count">(\d+)</span>', page.text).group(1) == str(len(mine))
+            shown = set(re.findall(r'href="[^"]*/t/([0-9a-f]{32})\?', page.text))
+            assert shown == mine
+            assert page.text.count(f"<td>{worker}</td>") == len(mine)
+            assert f'name="worker" value="{worker}"' in page.text  # the form keeps it
+
+
+def test_a_list_link_carries_the_whole_query() -> None:
+    """Links of the list (sort headers, pages, prev/next) are its query again, whatever it holds."""
+    from urllib.parse import urlencode
+
+    from starlette.datastructures import QueryParams
+
+    q = data.ListQuery(
+        step="3..7,-1",
+        sample_index="s1-3,12",
+        rollout_n="0",
+        validate=False,
+        experiment="e",
+        worker="w0",
+        status="ok",
+        where="reward > 0",
+        sort="reward desc",
+        cols="reward,worker",
+        page=3,
+        per=25,
+    )
+    assert data.ListQuery.from_params(QueryParams(urlencode(q.params()))) == q
+    again = data.ListQuery.from_params(QueryParams(urlencode(q.params(sort="id", page=1))))
+    assert (again.sort, again.page, again.where, again.validate) == ("id", 1, "reward > 0", False)
+    assert data.ListQuery.from_params(QueryParams("split=val")).validate is True  # an older link

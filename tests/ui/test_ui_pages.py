@@ -95,7 +95,7 @@ def test_overview_trends_hover_and_click_to_the_step(ui_url, ui_runs: Path, tab)
 
     chart.locator("a.point:has(rect[data-step='3'])").click()
     tab.wait_for_selector("#count")
-    assert "step=3" in tab.url and "split=train" in tab.url
+    assert "step=3" in tab.url and "validate=false" in tab.url  # the CLI's names
     assert tab.inner_text("#count") == str(len(rewards))
     assert tab.errors == []
 
