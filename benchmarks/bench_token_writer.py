@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -31,21 +32,23 @@ import rlreplay
 from rlreplay.recorder import writer
 
 
-def capture(run_dir: Path, calls: int) -> list[tuple]:
+def capture(run_dir: Path, calls: int) -> list[Any]:
     """The queue events of ``calls`` token spans (and their trajectories), none written."""
-    events: list[tuple] = []
-    submit, flush = writer.Recorder.submit, writer.Recorder.flush
+    events: list[Any] = []
+    submit, on_end, flush = writer.Recorder.submit, writer.Recorder.on_end, writer.Recorder.flush
     writer.Recorder.submit = lambda self, event: events.append(event)  # type: ignore[method-assign]
+    writer.Recorder.on_end = lambda self, span: events.append(span)  # type: ignore[method-assign]
     writer.Recorder.flush = lambda self, timeout=30.0: True  # type: ignore[method-assign]
     try:
         tracer = bench_recorder.RlreplayTracer(run_dir)
         bench_recorder.measure(tracer, bench_recorder.generate, bench_recorder.token_args, calls)
     finally:
-        writer.Recorder.submit, writer.Recorder.flush = submit, flush  # type: ignore[method-assign]
+        writer.Recorder.submit, writer.Recorder.on_end = submit, on_end  # type: ignore[method-assign]
+        writer.Recorder.flush = flush  # type: ignore[method-assign]
     return events
 
 
-def apply(events: list[tuple], run_dir: Path) -> tuple[int, int]:
+def apply(events: list[Any], run_dir: Path) -> tuple[int, int]:
     """CPU ns on this thread to write ``events`` into a new run, and to seal it."""
     rec = writer.Recorder(writer.RecorderConfig(run_dir=run_dir, worker="bench"))
     started = time.thread_time_ns()
@@ -55,8 +58,9 @@ def apply(events: list[tuple], run_dir: Path) -> tuple[int, int]:
             rec._end_cycle([], force=True)
     rec._end_cycle([], force=True)
     written = time.thread_time_ns()
-    rec._seal_finished_steps(all_steps=True)
-    rec._seal_queued()
+    rec._sink._closed = True  # no sealing thread from here on: the seals run on this thread, counted
+    rec._finish_steps(all_steps=True)
+    rec._sink.shutdown(60)
     return written - started, time.thread_time_ns() - written
 
 
@@ -72,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="rlreplay-bench-"))
     events = capture(tmp / "capture", args.calls)
-    spans = sum(1 for e in events if e[0] == writer.SPAN and e[4].kind == "llm")
+    spans = sum(1 for e in events if e.kind == writer.SPAN and e.meta.kind == "llm")
     tree = Path(rlreplay.__file__).resolve().parent.parent
     apply(events, tmp / "warm")  # first-time costs (imports, codecs) out of the figures
     if args.callgrind:

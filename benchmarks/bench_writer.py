@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from agent_workload import make_agent_loop
@@ -35,16 +36,15 @@ from agent_workload import make_agent_loop
 
 def make_events(
     trajectories: int, tokens: int, seed: int = 0, pool_file: str | None = None
-) -> tuple[list[tuple], int]:
-    """The queue events of ``trajectories`` agent loops, and the ids they record."""
+) -> tuple[list[Any], int]:
+    """The span events of ``trajectories`` agent loops, and the ids they record."""
     import rlreplay
     from rlreplay.recorder import api as recorder
-    from rlreplay.recorder import events as events_mod
     from rlreplay.recorder import writer
 
-    events: list[tuple] = []
+    events: list[Any] = []
     rec = writer.Recorder(writer.RecorderConfig(run_dir=Path(tempfile.mkdtemp())))
-    rec.submit = events.append  # type: ignore[method-assign]
+    rec.on_end = events.append  # type: ignore[method-assign]
     recorder._recorder, recorder._env_checked = rec, True
     rng = random.Random(seed)
     nprng = np.random.default_rng(seed)
@@ -66,21 +66,19 @@ def make_events(
 
     asyncio.run(main())
     recorder._recorder = None
-    events = [e for e in events if e[0] == events_mod.SPAN]
     return events, sum(_ids(e) for e in events)
 
 
-def _ids(event: tuple) -> int:
+def _ids(event: Any) -> int:
     """Recorded ids as ``num_tokens`` counts them: lists under keys ending in ``ids``."""
-    _args, kwargs, result = event[8], event[9], event[10]
+    kwargs, result = event.kwargs, event.result
     lists = [*kwargs.items(), *(result.items() if type(result) is dict else ())]
     return sum(len(v) for k, v in lists if k.endswith("ids") and type(v) is list)
 
 
-def write_all(events: list[tuple], out: Path, batch_rows: int, idle_s: float = 0.0) -> dict[str, float]:
+def write_all(events: list[Any], out: Path, batch_rows: int, idle_s: float = 0.0) -> dict[str, float]:
     """What the writer thread does with ``events``; CPU seconds per phase. ``idle_s``: the thread
     sleeps that long before each span (not timed), as the writer in a paced rollout wakes to a few."""
-    from rlreplay.recorder import events as events_mod
     from rlreplay.recorder import rows, writer
     from rlreplay.shards.live import PartialWriter
 
@@ -91,21 +89,22 @@ def write_all(events: list[tuple], out: Path, batch_rows: int, idle_s: float = 0
     clock = time.process_time
     encode = batch = write = 0.0
 
-    def problem(key: str, message: str) -> None:
-        raise AssertionError(message)
+    def check(problems: list) -> None:
+        if problems:
+            raise AssertionError(problems[0].message)
 
     for event in events:
         if idle_s:
             time.sleep(idle_s)
         t0 = clock()
-        row, nbytes = rows.encode_row(
-            event, config, "w", problem, events_mod.format_trajectory_id, events_mod.format_span_id, prefixes
-        )
+        row, nbytes, problems = rows.encode_row(event, config, "w", prefixes)
+        check(problems)
         buf.append(row, nbytes)
         t1 = clock()
         encode += t1 - t0
         if buf.rows >= batch_rows:
-            b = buf.take_batch(problem)
+            b, problems = buf.take_batch()
+            check(problems)
             t2 = clock()
             writer.write(b)
             t3 = clock()
@@ -113,7 +112,8 @@ def write_all(events: list[tuple], out: Path, batch_rows: int, idle_s: float = 0
             write += t3 - t2
     if buf.rows:
         t1 = clock()
-        b = buf.take_batch(problem)
+        b, problems = buf.take_batch()
+        check(problems)
         t2 = clock()
         writer.write(b)
         batch += t2 - t1

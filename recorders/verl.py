@@ -327,13 +327,6 @@ EXTRA_FIELD = "rlreplay_trajectory"
 AGENT_LOOP_MODULE = "verl.experimental.agent_loop.agent_loop"
 
 
-def _root_span_id(traj: Any) -> str | None:
-    from rlreplay.recorder.events import format_span_id
-
-    number = getattr(traj, "_span_id", 0)
-    return format_span_id(number) if number else None
-
-
 def current_trajectory_key() -> dict[str, Any] | None:
     return _TRAJECTORY_KEY.get()
 
@@ -492,7 +485,7 @@ def _make_trace_attr(original_attr: Callable[..., Any], config_cls: Any) -> Call
                 if record and get_recorder() is not None:
                     key = {
                         "trajectory_id": traj.id,
-                        "root_span_id": _root_span_id(traj),
+                        "root_span_id": traj.root_span_id,
                         "step": step,
                         "sample_index": sample_index,
                         "rollout_n": rollout_n,

@@ -86,7 +86,7 @@ def rewrite_run(src: Path, dst: Path) -> RewriteResult:
         buf = rows.StepBuffer()
         for row in out_rows:
             buf.append(tuple(row[c] for c in SPAN_SCHEMA.names), 0)
-        batch = buf.take_batch()
+        batch, _ = buf.take_batch()  # rows read back from a shard: nothing for Arrow to refuse
         final = dst / (path.relative_to(src) if is_sealed else sealed_path_for(path).relative_to(src))
         final.parent.mkdir(parents=True, exist_ok=True)
         extra = {}

@@ -23,12 +23,14 @@ from rlreplay.recorder import events
 from rlreplay.recorder.events import (
     OPEN,
     OPEN_BYTES,
+    Control,
     F,
     OpenTrajectory,
     OpMeta,
+    SpanEvent,
+    format_span_id,
     format_trajectory_id,
     payload_bytes,
-    span_event,
 )
 from rlreplay.recorder.rows import key_int
 from rlreplay.recorder.workers import ENV_WORKER
@@ -121,7 +123,7 @@ def init(
         _env_checked = True
     _install_exit_hooks()
     warm_up()
-    _recorder._start()
+    _recorder.start()
     return _recorder
 
 
@@ -182,8 +184,7 @@ def _install_exit_hooks() -> None:
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     rec = _recorder
-    if rec is not None and not rec._closed and rec._lock_held_here():  # mid-encode: close once let go
-        rec._term_pending = True
+    if rec is not None and rec.defer_sigterm():  # mid-encode on this thread: closes once it lets go
         return
     close()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -275,19 +276,19 @@ def trace_op(
             except BaseException as exc:
                 end = time_ns()
                 current.reset(token)
-                rec.submit(span_event(traj, span_id, parent, mark, start, end, exc, sargs, skw, None, 256))
+                rec.on_end(SpanEvent(traj, span_id, parent, mark, start, end, exc, sargs, skw, None, 256))
                 raise
             end = time_ns()
             current.reset(token)
             if served:
-                rec.submit(span_event(traj, span_id, parent, mark, start, end, None, sargs, skw, result, 256))
+                rec.on_end(SpanEvent(traj, span_id, parent, mark, start, end, None, sargs, skw, result, 256))
                 return result
             try:
                 out = snapshot(result)
             except Exception:  # a dict changed by another thread meanwhile
                 out = result
-            rec.submit(
-                span_event(
+            rec.on_end(
+                SpanEvent(
                     traj,
                     span_id,
                     parent,
@@ -339,19 +340,19 @@ def trace_op(
         except BaseException as exc:
             end = time_ns()
             current.reset(token)
-            rec.submit(span_event(traj, span_id, parent, mark, start, end, exc, sargs, skw, None, 256))
+            rec.on_end(SpanEvent(traj, span_id, parent, mark, start, end, exc, sargs, skw, None, 256))
             raise
         end = time_ns()
         current.reset(token)
         if served:
-            rec.submit(span_event(traj, span_id, parent, mark, start, end, None, sargs, skw, result, 256))
+            rec.on_end(SpanEvent(traj, span_id, parent, mark, start, end, None, sargs, skw, result, 256))
             return result
         try:
             out = snapshot(result)
         except Exception:  # a dict changed by another thread meanwhile
             out = result
-        rec.submit(
-            span_event(
+        rec.on_end(
+            SpanEvent(
                 traj, span_id, parent, mark, start, end, None, sargs, skw, out, payload_bytes(sargs, skw, out)
             )
         )
@@ -414,7 +415,7 @@ class trajectory:
                 TrajectoryKey.of(step, sample_index, rollout_n, self._traj.validate)
             )
         self._span_id = next(events.span_ids)
-        rec.submit((OPEN, self._traj, OPEN_BYTES))
+        rec.submit(Control(OPEN, self._traj, OPEN_BYTES))
         self._token = _CURRENT.set((self._traj, self._span_id))
         self._start = time.time_ns()
         return self
@@ -428,13 +429,13 @@ class trajectory:
             self._rec = None
             if self._traj.replay is not None:
                 self._traj.attributes = {**(self._traj.attributes or {}), **self._traj.replay.attributes()}
-            rec.submit(
-                span_event(
+            rec.on_end(
+                SpanEvent(
                     self._traj, self._span_id, None, self._meta, self._start, end, exc, (), {}, None, 256
                 )
             )
             if self._write_at_end:
-                rec._wake.set()  # write the finished trajectory now: Ray kills actors without atexit
+                rec.wake()  # write the finished trajectory now: Ray kills actors without atexit
 
     async def __aenter__(self) -> trajectory:
         return self.__enter__()
@@ -445,6 +446,11 @@ class trajectory:
     @property
     def id(self) -> str:
         return format_trajectory_id(self._traj.id)
+
+    @property
+    def root_span_id(self) -> str | None:
+        """The id of the trajectory's root span, or None when it is not recorded."""
+        return format_span_id(self._span_id) if self._span_id else None
 
 
 @functools.lru_cache(maxsize=256)

@@ -7,7 +7,7 @@ import itertools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from rlreplay.format.schema import KIND_OP
 
@@ -158,20 +158,21 @@ def _fast_bind(plan: tuple, args: tuple, kwargs: dict) -> dict[str, Any] | None:
     return inputs
 
 
-# Queue events; the last item of every event is its estimated size in bytes.
-SPAN = 0  # (SPAN, traj, span_id, parent_id, meta, start, end, exc, args, kwargs, result, nbytes)
-OPEN = 1  # (OPEN, traj, nbytes): an explicit trajectory started
-FLUSH = 2  # (FLUSH, threading.Event, nbytes)
-CLOSE = 3  # (CLOSE, traj, nbytes): the root span of a trajectory was dropped (queue full)
+# ---- queue events -------------------------------------------------------------------------------
+
+# What crosses from the calling threads to the writer, by kind. Each event has a ``kind`` and
+# ``nbytes``, its estimated size (what it keeps alive while queued).
+SPAN = 0  # a finished call (SpanEvent)
+OPEN = 1  # an explicit trajectory started (Control: subject = the OpenTrajectory)
+FLUSH = 2  # write and fsync what came before (Control: subject = a threading.Event to set, or None)
+CLOSE = 3  # the root span of a trajectory was dropped (queue full) (Control: subject = the OpenTrajectory)
 OPEN_BYTES = 64
-
-
-# ---- the public tracing API -----------------------------------------------------------------------
 
 
 # What a queued span keeps alive per item of a list it holds: the copy's 8-byte pointer and the item
 # itself (an int id is a 28-byte object in a 32-byte slot; the caller may have dropped its own list).
 _ITEM_BYTES = 40
+_NO_FIELDS = frozenset((int, float, str, bool, bytes, tuple))  # results without a __dict__ to look into
 
 
 def payload_bytes(args: tuple, kwargs: dict, result: Any) -> int:
@@ -181,47 +182,56 @@ def payload_bytes(args: tuple, kwargs: dict, result: Any) -> int:
     for value in args:
         if type(value) is list:
             size += len(value) * _ITEM_BYTES
-    for value in kwargs.values():
-        if type(value) is list:
-            size += len(value) * _ITEM_BYTES
-    if type(result) is list:
+    if kwargs:
+        for value in kwargs.values():
+            if type(value) is list:
+                size += len(value) * _ITEM_BYTES
+    cls = type(result)
+    if cls is list:
         size += len(result) * _ITEM_BYTES
-    elif result is not None:
-        if type(result) is dict:
-            fields = result
-        else:
-            try:
-                fields = getattr(result, "__dict__", None)
-            except Exception:
-                fields = None
-        if type(fields) is dict and len(fields) < 64:
-            for value in list(fields.values()):
-                if type(value) is list:
-                    size += len(value) * _ITEM_BYTES
+        return size
+    if cls is dict:
+        fields = result
+    elif result is None or cls in _NO_FIELDS:
+        return size
+    else:
+        try:
+            fields = getattr(result, "__dict__", None)
+        except Exception:
+            fields = None
+    if type(fields) is dict and len(fields) < 64:
+        for value in list(fields.values()):  # a copy: another thread may change an object's fields
+            if type(value) is list:
+                size += len(value) * _ITEM_BYTES
     return size
 
 
-SpanEvent = (
-    tuple  # (SPAN, traj, span_id, parent_id, meta, start_ns, end_ns, exc, args, kwargs, result, nbytes)
-)
+@dataclass(slots=True)
+class Control:
+    """A queue event that is not a span: its kind (OPEN, FLUSH, CLOSE) and what it is about."""
+
+    kind: int
+    subject: Any
+    nbytes: int = 0
 
 
-def span_event(
-    traj: Any,
-    span_id: int,
-    parent_id: int | str | None,
-    meta: OpMeta,
-    start_ns: int,
-    end_ns: int,
-    exc: BaseException | None,
-    args: tuple,
-    kwargs: dict[str, Any],
-    result: Any,
-    nbytes: int,
-) -> SpanEvent:
-    """A finished call, as the writer takes it: the one place a span event is built.
+@dataclass(slots=True)
+class SpanEvent:
+    """A finished call, as the writer takes it: the one declaration of a span event's fields.
 
-    A plain tuple, not a class: it is made on the calling thread for every traced call, and a
-    tuple costs a tenth of a named tuple there. ``rows.encode_row`` unpacks it in this order.
+    Made on the calling thread for every traced call, so it is a slotted class without checks (a
+    named tuple costs about twice as much to make); the writer turns it into a row (``rows.encode_row``).
     """
-    return (SPAN, traj, span_id, parent_id, meta, start_ns, end_ns, exc, args, kwargs, result, nbytes)
+
+    traj: Any  # the OpenTrajectory (or a signals span's view of a recorded one)
+    span_id: int | str  # a process counter (formatted by format_span_id) or a recorded id
+    parent_id: int | str | None  # None: the trajectory's root span
+    meta: OpMeta
+    start_ns: int
+    end_ns: int
+    exc: BaseException | None
+    args: tuple
+    kwargs: dict[str, Any]
+    result: Any
+    nbytes: int  # what the queued event keeps alive (payload_bytes)
+    kind: ClassVar[int] = SPAN

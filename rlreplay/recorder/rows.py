@@ -1,17 +1,19 @@
-"""Span rows: turning a finished call (a queue event) into a row of the span schema, and batching rows.
+"""Span rows: turning a finished call (a span event) into a row of the span schema, and rows into batches.
 
-Everything here runs on the recorder's writer thread (or on a caller spilling a full queue) and
-never raises: a value that cannot be kept as given is made safe and reported through ``problem``
-(the recorder counts it in ``encode_errors``), costing only that value.
+This is the recorder's encoding, apart from its batching policy (``writer``) and from where batches
+go (``shards.sink``). It runs on the recorder's writer thread (or on a caller spilling a full queue)
+and never raises: a value that cannot be kept as given is made safe, costing only that value, and
+the change is returned as a :class:`Problem` for the caller to count (``encode_errors``) and warn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -30,12 +32,22 @@ from rlreplay.format.schema import (
     STATUS_OK,
     TOKEN_COLUMNS,
 )
+from rlreplay.recorder.events import SpanEvent, format_span_id, format_trajectory_id
 
 COLUMN_NAMES = tuple(SPAN_SCHEMA.names)
 _TOKEN_START = COLUMN_NAMES.index("token_ids")
+_TRAJECTORY_ID = COLUMN_NAMES.index("trajectory_id")
 _NUMPY_TYPES = {"int32": np.int32, "int8": np.int8, "float": np.float32}
 
-Problem = Callable[[str, str], None]  # (key, message): count one value that was changed, warn once per key
+
+class Problem(NamedTuple):
+    """Something encoding changed or could not do; warned once per ``key``."""
+
+    key: str
+    message: str
+    counted: bool = True  # a value not kept as given (counted in encode_errors); False: a warning only
+
+
 _PROMPT_KEYS = ("prompt_ids",)
 _RESPONSE_KEYS = ("response_ids", "token_ids", "output_ids")
 
@@ -44,30 +56,15 @@ _SCALARS = pa.struct(list(SPAN_SCHEMA)[:_TOKEN_START])  # every column but the t
 
 
 class StepBuffer:
-    """Rows of one step waiting to be written, and the step's live file."""
+    """Encoded rows of one step waiting to be written as a batch."""
 
-    __slots__ = (
-        "first_at",
-        "nbytes",
-        "open",
-        "root_ended",
-        "rows",
-        "spilled",
-        "spilled_in_file",
-        "table",
-        "writer",
-    )
+    __slots__ = ("first_at", "nbytes", "rows", "table")
 
     def __init__(self) -> None:
         self.table: list[tuple] = []
         self.rows = 0
-        self.spilled = 0  # rows in ``table`` a calling thread encoded (queue full, policy=spill)
-        self.spilled_in_file = 0  # such rows written to ``writer``
         self.nbytes = 0
-        self.first_at = 0.0
-        self.root_ended = False
-        self.open = 0
-        self.writer: Any = None  # the step's PartialWriter, owned by the recorder
+        self.first_at = 0.0  # when the first row of the coming batch was added (monotonic)
 
     def append(self, row: tuple, nbytes: int) -> None:
         if not self.rows:
@@ -76,29 +73,34 @@ class StepBuffer:
         self.rows += 1
         self.nbytes += nbytes
 
-    def take_batch(self, problem: Problem | None = None) -> pa.RecordBatch:
+    def take_batch(self) -> tuple[pa.RecordBatch, list[Problem]]:
         """The buffered rows as a batch, and the buffer emptied. Never raises: a value Arrow
-        refuses is made safe (or null) alone and reported through ``problem``."""
+        refuses is made safe (or null) alone, and returned as a problem."""
         table, self.table = self.table, []
         self.rows = self.nbytes = 0
-        self.root_ended = False
+        problems: list[Problem] = []
         tokens = [_list_column([row[i] for row in table], f.type) for i, f in _TOKEN_FIELDS]
         try:  # one conversion for all scalar columns: a call per column costs ~6 us, whatever its size
             scalars = pa.array([row[:_TOKEN_START] for row in table], type=_SCALARS)
         except Exception:
             columns = zip(*table) if table else ([] for _ in COLUMN_NAMES)
-            arrays = [_column(list(values), f, problem) for values, f in zip(columns, _SCALARS)]
-            return pa.RecordBatch.from_arrays([*arrays, *tokens], schema=SPAN_SCHEMA)
+            arrays = [_column(list(values), f, problems) for values, f in zip(columns, _SCALARS)]
+            return pa.RecordBatch.from_arrays([*arrays, *tokens], schema=SPAN_SCHEMA), problems
         batch = pa.RecordBatch.from_struct_array(scalars)  # no Python object per column
         for (_, field), column in zip(_TOKEN_FIELDS, tokens):
             batch = batch.append_column(field, column)
-        return batch.replace_schema_metadata(SPAN_SCHEMA.metadata)
+        return batch.replace_schema_metadata(SPAN_SCHEMA.metadata), problems
+
+
+def trajectory_ids(table: list[tuple]) -> set[str]:
+    """The trajectories that rows belong to."""
+    return {row[_TRAJECTORY_ID] for row in table}
 
 
 _TOKEN_FIELDS = [(i, f) for i, f in enumerate(SPAN_SCHEMA) if i >= _TOKEN_START]
 
 
-def _column(values: list, field: pa.Field, problem: Problem | None) -> pa.Array:
+def _column(values: list, field: pa.Field, problems: list[Problem]) -> pa.Array:
     if field.name in TOKEN_COLUMNS:
         return _list_column(values, field.type)
     try:
@@ -117,8 +119,12 @@ def _column(values: list, field: pa.Field, problem: Problem | None) -> pa.Array:
         if safe is None and not field.nullable:
             safe = "" if pa.types.is_string(field.type) or pa.types.is_large_string(field.type) else 0
         fixed.append(safe)
-        if problem is not None:
-            problem("column", f"a value of column {field.name} could not be stored ({type(value).__name__})")
+        problems.append(
+            Problem(
+                "encode:column",
+                f"a value of column {field.name} could not be stored ({type(value).__name__})",
+            )
+        )
     return pa.array(fixed, type=field.type)
 
 
@@ -200,29 +206,42 @@ def key_int(value: Any) -> int | None:
 
 
 def encode_row(
-    event: tuple,
-    config: Any,
-    worker: str,
-    problem: Problem,
-    trajectory_id: Callable[[int], str],
-    span_id_of: Callable[[int], str],
-    prefixes: PrefixCache | None = None,
-    warn: Problem | None = None,
-) -> tuple[tuple, int]:
-    """The span's row, in SPAN_SCHEMA column order, and its approximate encoded size.
+    event: SpanEvent, config: Any, worker: str, prefixes: PrefixCache | None = None
+) -> tuple[tuple | None, int, list[Problem]]:
+    """The span's row, in SPAN_SCHEMA column order, its approximate encoded size, and the problems met.
 
-    ``config`` carries ``experiment`` and ``max_field_bytes``; ``trajectory_id``/``span_id_of``
-    format the process-local counters as ids (a string id is used as it is); ``prefixes`` (the
-    writer thread's) lets id lists share prefixes with the trajectory's earlier spans; a failing
-    user reducer is reported through ``warn`` (default ``problem``): its span keeps a marker.
+    ``config`` carries ``experiment`` and ``max_field_bytes``; ``prefixes`` (the writer thread's)
+    lets id lists share prefixes with the trajectory's earlier spans. A failing user reducer leaves
+    a marker in its span and a warning (a problem not counted). Never raises: a span that cannot be
+    encoded at all has no row (None) and a problem, and its trajectory shares nothing older.
     """
-    warn = warn or problem
-    _, traj, span_id, parent_id, meta, start, end, exc, args, kwargs, result, _nbytes = event
+    problems: list[Problem] = []
+    try:
+        row, nbytes = _encode_row(event, config, worker, prefixes, problems)
+    except Exception as exc:
+        problems.append(Problem("encode", f"could not encode a span: {type(exc).__name__}: {exc}"))
+        if prefixes is not None:
+            with contextlib.suppress(Exception):
+                prefixes.drop(trajectory_id(event.traj.id))
+        return None, 0, problems
+    return row, nbytes, problems
+
+
+def trajectory_id(traj_id: int | str) -> str:
+    """A trajectory's id as stored: a process counter formatted, a recorded id as it is."""
+    return traj_id if type(traj_id) is str else format_trajectory_id(traj_id)
+
+
+def _encode_row(
+    event: SpanEvent, config: Any, worker: str, prefixes: PrefixCache | None, problems: list[Problem]
+) -> tuple[tuple, int]:
+    traj, span_id, parent_id, meta, exc = event.traj, event.span_id, event.parent_id, event.meta, event.exc
+    args, kwargs, result = event.args, event.kwargs, event.result
     cap = config.max_field_bytes
     issues: list[str] = []
-    tid = traj.id if type(traj.id) is str else trajectory_id(traj.id)
-    sid = span_id if type(span_id) is str else span_id_of(span_id)
-    pid = None if parent_id is None else parent_id if type(parent_id) is str else span_id_of(parent_id)
+    tid = trajectory_id(traj.id)
+    sid = span_id if type(span_id) is str else format_span_id(span_id)
+    pid = None if parent_id is None else parent_id if type(parent_id) is str else format_span_id(parent_id)
     signals: dict[str, Any] = {}
     kinds: dict[int, Any] = {}  # number lists to_jsonable kept, for Arrays
     inputs_data: Any = None
@@ -230,9 +249,9 @@ def encode_row(
     if meta.kind == KIND_SIGNALS:
         signals = kwargs
     elif meta.kind != KIND_TRAJECTORY:
-        inputs_obj = _bound(meta, args, kwargs, problem)
+        inputs_obj = _bound(meta, args, kwargs, problems)
         if meta.reduce_inputs is not None:
-            inputs_obj = _reduce(meta, "reduce_inputs", meta.reduce_inputs, inputs_obj, warn)
+            inputs_obj = _reduce(meta, "reduce_inputs", meta.reduce_inputs, inputs_obj, problems)
         inputs_data, num_tokens = payload.to_payload(inputs_obj, issues, kinds)
     reward = None
     if exc is not None:
@@ -241,14 +260,14 @@ def encode_row(
     else:
         out = result
         if meta.reduce_output is not None:
-            out = _reduce(meta, "reduce_output", meta.reduce_output, result, warn)
+            out = _reduce(meta, "reduce_output", meta.reduce_output, result, problems)
         output_data = None
         if out is not None:
             output_data, output_tokens = payload.to_payload(out, issues, kinds)
             num_tokens += output_tokens
         error = None
         if meta.reward is not None:
-            reward = as_reward(_reduce(meta, "reward", meta.reward, result, warn))
+            reward = as_reward(_reduce(meta, "reward", meta.reward, result, problems))
         elif isinstance(output_data, dict):
             reward = as_reward(output_data.get("reward_score", output_data.get("reward")))
     if signals:
@@ -290,15 +309,15 @@ def encode_row(
     if experiment is not None:
         experiment = _text(experiment, issues)
     for issue in issues:
-        problem("value", f"a value could not be recorded as given: {issue}")
+        problems.append(Problem("encode:value", f"a value could not be recorded as given: {issue}"))
     row = (
         tid,
         sid,
         pid,
         _text(meta.name, issues),
         meta.kind,
-        start,
-        end,
+        event.start_ns,
+        event.end_ns,
         STATUS_OK if exc is None else STATUS_ERROR,
         error,
         worker,
@@ -335,11 +354,13 @@ def _float(value: Any) -> float | None:
     return as_reward(value)
 
 
-def _bound(meta: Any, args: tuple, kwargs: dict, problem: Problem) -> Any:
+def _bound(meta: Any, args: tuple, kwargs: dict, problems: list[Problem]) -> Any:
     try:
         inputs = meta.bind(args, kwargs)
     except Exception as exc:
-        problem("bind", f"could not bind the arguments of {meta.name}: {type(exc).__name__}")
+        problems.append(
+            Problem("encode:bind", f"could not bind the arguments of {meta.name}: {type(exc).__name__}")
+        )
         inputs = {"args": list(args), **kwargs}
     return inputs
 
@@ -372,13 +393,13 @@ def _length(data: dict, keys: tuple[str, ...]) -> int | None:
     return None
 
 
-def _reduce(meta: Any, what: str, fn: Callable[[Any], Any], value: Any, warn: Problem) -> Any:
+def _reduce(meta: Any, what: str, fn: Callable[[Any], Any], value: Any, problems: list[Problem]) -> Any:
     """A user-supplied reducer's result; if it raises, an error marker (the span is kept)."""
     try:
         return fn(value)
     except Exception as exc:
         message = payload.safe_text(f"{what} of {meta.name} raised {type(exc).__name__}: {exc}")
-        warn(f"reduce:{meta.name}:{what}", message)
+        problems.append(Problem(f"reduce:{meta.name}:{what}", message, counted=False))
         return None if what == "reward" else {"__type__": "error", "error": message[:2000]}
 
 

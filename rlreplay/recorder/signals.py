@@ -97,8 +97,8 @@ def record_signals(
         now = time.time_ns()
         nbytes = events.payload_bytes((), {}, output)
         span_id = next(events.span_ids)
-        rec.submit(
-            events.span_event(
+        rec.on_end(
+            events.SpanEvent(
                 traj, span_id, root_span_id, _meta, now, now, None, (), values, snapshot(output), nbytes
             )
         )

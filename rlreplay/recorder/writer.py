@@ -1,4 +1,11 @@
-"""The writer thread: queued span events become rows, live files, sealed shards."""
+"""The recorder's batching policy: the span queue, the writer thread, batches by age and size, flushes.
+
+Split as OpenTelemetry's batch span processor and exporter: the calling threads only queue events
+(``Recorder.submit``); the writer thread turns span events into rows (``rows.encode_row``), keeps
+each step's rows until a batch is due, and hands batches to its sink (``shards.sink.ShardSink``:
+live files, sealing), which answers what it did. Counters of what did not reach disk, flush
+acknowledgements and warnings are kept here.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 
@@ -22,20 +28,18 @@ from rlreplay.recorder.events import (
     FLUSH,
     OPEN,
     SPAN,
+    Control,
     OpenTrajectory,
     OpMeta,
-    format_span_id,
-    format_trajectory_id,
-    span_event,
+    SpanEvent,
 )
-from rlreplay.recorder.rows import PrefixCache, encode_row
-from rlreplay.recorder.rows import StepBuffer as _StepBuffer
+from rlreplay.recorder.rows import PrefixCache, Problem, StepBuffer, encode_row, trajectory_id, trajectory_ids
 from rlreplay.recorder.workers import resolve_worker_name
 from rlreplay.remote import publish
-from rlreplay.shards.layout import partition_dir, safe_name
+from rlreplay.shards.layout import safe_name
 from rlreplay.shards.lease import Lease
-from rlreplay.shards.live import PartialWriter, live_options
-from rlreplay.shards.seal import seal
+from rlreplay.shards.live import live_options
+from rlreplay.shards.sink import GoneFile, ShardSink
 
 log = logging.getLogger("rlreplay")
 ENV_POLICY = "RLREPLAY_POLICY"
@@ -72,8 +76,22 @@ _WORK_SLICE_S = 0.001
 _YIELD_S = 0.0001
 
 
+class _Step:
+    """A step as the policy sees it: its rows waiting for a batch, its open trajectories."""
+
+    __slots__ = ("buffer", "last_write", "open", "root_ended", "spilled", "spilled_in_file")
+
+    def __init__(self) -> None:
+        self.buffer = StepBuffer()
+        self.open = 0  # explicit trajectories begun and not ended
+        self.root_ended = False  # a trajectory ended since the last batch: write it now
+        self.spilled = 0  # rows in ``buffer`` a calling thread encoded (queue full, policy=spill)
+        self.spilled_in_file = 0  # such rows in the step's live file
+        self.last_write: float | None = None  # when a batch of it was last written (monotonic)
+
+
 class Recorder:
-    """One per process: owns the queue, the writer thread and the open step files."""
+    """One per process: owns the queue, the writer thread, the steps' rows and the sink."""
 
     def __init__(
         self,
@@ -92,20 +110,14 @@ class Recorder:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
-        # the step buffers, their live files and the prefix cache: the writer thread's, and a calling
-        # thread's while it encodes a span itself (queue full, policy=spill)
+        # the steps, the prefix cache and the sink: the writer thread's, and a calling thread's while
+        # it encodes a span itself (queue full, policy=spill)
         self._lock = threading.RLock()
-        self._term_pending = False  # SIGTERM came while this thread held the lock (see _on_sigterm)
-        self._steps: dict[int | None, _StepBuffer] = {}
-        self._last_write: dict[int | None, float] = {}
-        self._seal_queue: deque[PartialWriter] = deque()
-        self._seal_wake = threading.Event()
-        self._sealer: threading.Thread | None = None
-        self._sealing = 0  # files queued for the sealer and not yet sealed
-        self._sealed_cond = threading.Condition()
+        self._term_pending = False  # SIGTERM came while this thread held the lock (see defer_sigterm)
+        self._steps: dict[int | None, _Step] = {}
         self._prefixes = PrefixCache()
         self._max_step: int | None = None
-        self._orphans: list[PartialWriter] = []  # writers given up after an error; sealed at close
+        self._sink = ShardSink(config.run_dir, config, self._worker, self._warn_once, self._on_sealed)
         self._last_fsync = time.monotonic()
         self._last_counters = 0.0
         self._counters_dirty = False
@@ -121,26 +133,39 @@ class Recorder:
 
     # ---- calling thread -------------------------------------------------------------------
 
-    def submit(self, event: tuple) -> None:
-        """Queue an event; never blocks on I/O unless the queue is full and the policy is spill."""
+    def on_end(self, span: SpanEvent) -> None:
+        """A span ended: queue it. All that recording a span costs the calling thread, unless the
+        queue is full and the policy is spill; never blocks on I/O otherwise, never raises."""
         try:
             if self._closed:
-                if event[0] == SPAN:
-                    self.count_loss("lost", 1, "closed", "a span ended after rlreplay.close(); not recorded")
+                self.count_loss("lost", 1, "closed", "a span ended after rlreplay.close(); not recorded")
                 return
-            if event[0] == SPAN and self._enqueued - self._written > self.config.max_queue_bytes:
-                self._overflow(event)
+            if self._enqueued - self._written > self.config.max_queue_bytes:
+                self._overflow(span)
                 return
-            self._enqueued += event[-1]
-            self._queue.append(event)
+            self._enqueued += span.nbytes
+            self._queue.append(span)
         except Exception as exc:
             self.count_loss("lost", 1, "submit", f"could not queue a span ({type(exc).__name__}: {exc})")
             return
         if self._thread is None:
-            self._start()
+            self.start()
 
-    def _overflow(self, event: tuple) -> None:
-        traj = event[1]
+    def submit(self, event: SpanEvent | Control) -> None:
+        """Queue an event (a span goes to ``on_end``)."""
+        if event.kind == SPAN:
+            self.on_end(event)
+        elif not self._closed:
+            self._enqueued += event.nbytes
+            self._queue.append(event)
+            if self._thread is None:
+                self.start()
+
+    def wake(self) -> None:
+        """Have the writer take what is queued now, not at its next cycle."""
+        self._wake.set()
+
+    def _overflow(self, event: SpanEvent) -> None:
         if self.config.policy == POLICY_DROP:
             self.count_loss("dropped", 1, "dropped", "queue full: dropping spans (policy=drop)")
         else:
@@ -152,12 +177,12 @@ class Recorder:
                 return
             except Exception as exc:
                 self.count_loss("lost", 1, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
-        if event[3] is None:  # keep the step's open count right; the writer forgets the trajectory
-            self._queue.append((CLOSE, traj, 0))
+        if event.parent_id is None:  # keep the step's open count right; the writer forgets the trajectory
+            self._queue.append(Control(CLOSE, event.traj))
             if self._thread is None:
-                self._start()
+                self.start()
 
-    def _spill(self, event: tuple) -> None:
+    def _spill(self, event: SpanEvent) -> None:
         """Queue full: take the writer's place for the oldest queued events until this span fits, then
         queue it (or, with nothing left queued, encode it here). Spans are encoded in the order they
         ended, whichever thread encodes them, so they share what the writer would have shared."""
@@ -171,7 +196,7 @@ class Recorder:
                     except IndexError:
                         break
                 if queue:
-                    self._enqueued += event[-1]
+                    self._enqueued += event.nbytes
                     queue.append(event)
                 else:
                     self._ingest(event, spilled=True)
@@ -181,26 +206,17 @@ class Recorder:
             if self._term_pending:
                 self.on_deferred_term()
 
-    def _lock_held_here(self) -> bool:
+    def defer_sigterm(self) -> bool:
+        """True when this thread is encoding spans itself (it holds the writer's lock): the SIGTERM
+        being handled is then acted on once it lets go (``on_deferred_term``), not here."""
         is_owned = getattr(self._lock, "_is_owned", None)
-        return bool(is_owned and is_owned())
+        if self._closed or not (is_owned and is_owned()):
+            return False
+        self._term_pending = True
+        return True
 
-    def _write_rows(self, step: int | None, buf: _StepBuffer) -> int | None:
-        """Append a buffer's rows to its live file: how many, or None (counted as lost) on failure."""
-        rows, table = buf.rows, buf.table
-        try:
-            batch = buf.take_batch(self._encode_problem)
-            if buf.writer is None:
-                buf.writer = PartialWriter(self._partition(step))
-            buf.writer.write(batch)
-        except Exception as exc:
-            self.count_loss("lost", rows, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
-            for tid in {row[0] for row in table}:  # later spans must not share values that are lost
-                self._prefixes.drop(tid)
-            return None
-        return rows
-
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the writer thread (the first queued event does, too)."""
         with self._start_lock:
             if self._thread is None and not self._closed:
                 thread = threading.Thread(target=self._run, name="rlreplay-writer", daemon=True)
@@ -223,11 +239,6 @@ class Recorder:
         if self.worker is None:
             self.worker = safe_name(resolve_worker_name())
         return self.worker
-
-    def _partition(self, step: int | None) -> Path:
-        """This worker's folder for ``step``; refused if it resolves outside the run (a symlink)."""
-        folder = partition_dir(self.config.run_dir, step, self._worker())
-        return manifest.safe_run_path(self.config.run_dir, folder.relative_to(self.config.run_dir))
 
     def _run(self) -> None:
         warm_up()
@@ -259,239 +270,163 @@ class Recorder:
                 slice_end = clock() + _WORK_SLICE_S
         self._end_cycle(flushes, force)
 
-    def _take(self, event: tuple, flushes: list[threading.Event | None], spilled: bool = False) -> int:
+    def _take(
+        self, event: SpanEvent | Control, flushes: list[threading.Event | None], spilled: bool = False
+    ) -> int:
         """Apply one queued event (the lock is held); its kind."""
-        self._written += event[-1]
-        kind = event[0]
+        self._written += event.nbytes
+        kind = event.kind
         if kind == SPAN:
             self._ingest(event, spilled)
         elif kind == OPEN:
-            self._buffer(event[1].step).open += 1
+            self._step(event.subject.step).open += 1
         elif kind == CLOSE:
-            traj = event[1]
-            buf = self._buffer(traj.step)
+            traj = event.subject
+            step = self._step(traj.step)
             if traj.explicit:
-                buf.open -= 1
-            buf.root_ended = True
-            self._prefixes.drop(traj.id if type(traj.id) is str else format_trajectory_id(traj.id))
+                step.open -= 1
+            step.root_ended = True
+            self._prefixes.drop(trajectory_id(traj.id))
         else:
-            flushes.append(event[1])
+            flushes.append(event.subject)
             self._urgent = False
         return kind
 
     def _end_cycle(self, flushes: list[threading.Event | None], force: bool) -> None:
-        """Write the buffers that are due (all with ``force`` or a flush), fsync, seal finished steps,
+        """Write the batches that are due (all with ``force`` or a flush), fsync, seal finished steps,
         then wake whoever waits on ``flushes``."""
         now = time.monotonic()
         force = force or bool(flushes)
+        config = self.config
         with self._lock:
-            for step, buf in list(self._steps.items()):
+            for step_key, step in list(self._steps.items()):
+                buf = step.buffer
                 if buf.rows and (
                     force
-                    or buf.root_ended
-                    or now - buf.first_at >= self.config.max_batch_age_s
-                    or buf.nbytes >= self.config.max_batch_bytes
+                    or step.root_ended
+                    or now - buf.first_at >= config.max_batch_age_s
+                    or buf.nbytes >= config.max_batch_bytes
                 ):
-                    self._write(step, buf)
-            if force or now - self._last_fsync >= self.config.fsync_interval_s:
-                self._fsync_all()
-            self._seal_finished_steps()
+                    self._write(step_key, step)
+            if force or now - self._last_fsync >= config.fsync_interval_s:
+                self._fsync()
+            self._finish_steps()
         if (self._counters_dirty and now - self._last_counters >= 1.0) or now - self._last_counters > 10:
             self._save_counters()
         for done in flushes:
             if done is not None:
                 done.set()
 
-    def _buffer(self, step: int | None) -> _StepBuffer:
-        buf = self._steps.get(step)
-        if buf is None:
-            buf = self._steps[step] = _StepBuffer()
-            if step is not None and (self._max_step is None or step > self._max_step):
-                self._max_step = step
-        return buf
+    def _step(self, step_key: int | None) -> _Step:
+        step = self._steps.get(step_key)
+        if step is None:
+            step = self._steps[step_key] = _Step()
+            if step_key is not None and (self._max_step is None or step_key > self._max_step):
+                self._max_step = step_key
+        return step
 
-    def _ingest(self, event: tuple, spilled: bool = False) -> None:
-        """Encode a span into its step's buffer (the lock is held); ``spilled``: on a calling thread."""
-        traj = event[1]
-        buf = self._buffer(traj.step)
-        try:
-            row, nbytes = self._encode_row(event)
-        except Exception as exc:
-            self.count_loss(
-                "encode_errors", 1, "encode", f"could not encode a span: {type(exc).__name__}: {exc}"
-            )
-            self._prefixes.drop(traj.id if type(traj.id) is str else format_trajectory_id(traj.id))
-        else:
-            buf.append(row, nbytes)
+    def _ingest(self, event: SpanEvent, spilled: bool = False) -> None:
+        """Encode a span into its step's rows (the lock is held: the prefix cache is shared by the
+        threads that encode); ``spilled``: on a calling thread."""
+        traj = event.traj
+        step = self._step(traj.step)
+        row, nbytes, problems = encode_row(event, self.config, self._worker(), self._prefixes)
+        if problems:
+            self._report(problems)
+        if row is not None:
+            step.buffer.append(row, nbytes)
             if spilled:
-                buf.spilled += 1
+                step.spilled += 1
                 self.counters["spilled"] += 1
                 self._counters_dirty = True
-        if event[3] is None:
-            buf.root_ended = True
+        if event.parent_id is None:
+            step.root_ended = True
             if traj.explicit:
-                buf.open -= 1
-        elif buf.nbytes >= self.config.max_batch_bytes:
-            self._write(traj.step, buf)
+                step.open -= 1
+        elif step.buffer.nbytes >= self.config.max_batch_bytes:
+            self._write(traj.step, step)
 
-    def _encode_row(self, event: tuple) -> tuple[tuple, int]:
-        """A span's row (the lock is held: the prefix cache is shared by the threads that encode)."""
-        return encode_row(
-            event,
-            self.config,
-            self._worker(),
-            self._encode_problem,
-            format_trajectory_id,
-            format_span_id,
-            self._prefixes,
-            self._warn_once,
-        )
+    def _report(self, problems: list[Problem]) -> None:
+        """Count the values encoding changed (``encode_errors``) and warn once per kind."""
+        for problem in problems:
+            if problem.counted:
+                self.count_loss("encode_errors", 1, problem.key, problem.message)
+            else:
+                self._warn_once(problem.key, problem.message)
 
-    def _encode_problem(self, key: str, message: str) -> None:
-        self.count_loss("encode_errors", 1, f"encode:{key}", message)
-
-    def _write(self, step: int | None, buf: _StepBuffer) -> None:
-        """Write a buffer's rows (the lock is held): counted as spans (those a calling thread encoded
-        were counted as spilled), or as lost."""
-        spilled, buf.spilled = buf.spilled, 0
-        rows = self._write_rows(step, buf)
-        if rows is None:
-            self.counters["spilled"] -= spilled
-            self._give_up(buf)
+    def _write(self, step_key: int | None, step: _Step) -> None:
+        """Hand a step's rows to the sink as a batch (the lock is held): counted as spans (those a
+        calling thread encoded were counted as spilled), or as lost."""
+        spilled, step.spilled = step.spilled, 0
+        step.root_ended = False
+        buf = step.buffer
+        rows, table = buf.rows, buf.table
+        try:
+            batch, problems = buf.take_batch()
+        except Exception as exc:
+            self._sink.abandon(step_key)
+            self._lost_batch(step, rows, table, spilled, exc)
+            return
+        if problems:
+            self._report(problems)
+        result = self._sink.export(step_key, batch)
+        if result.error is not None:
+            self._lost_batch(step, rows, table, spilled, result.error)
             return
         self.counters["spans"] += rows - spilled
-        buf.spilled_in_file += spilled
-        self._last_write[step] = time.monotonic()
-        if self._rotate_due(buf.writer):
-            self._to_sealer(buf.writer)
-            buf.writer = None
-            buf.spilled_in_file = 0
+        step.spilled_in_file = 0 if result.rotated else step.spilled_in_file + spilled
+        step.last_write = time.monotonic()
 
-    def _rotate_due(self, writer: PartialWriter) -> bool:
-        return (
-            writer.nbytes >= self.config.max_partial_bytes
-            or time.monotonic() - writer.opened_at >= self.config.max_partial_age_s
-        )
+    def _lost_batch(
+        self, step: _Step, rows: int, table: list[tuple], spilled: int, exc: BaseException
+    ) -> None:
+        self.counters["spilled"] -= spilled
+        step.spilled_in_file = 0  # the sink gave up the step's file
+        self.count_loss("lost", rows, "lost", f"could not write spans ({type(exc).__name__}: {exc})")
+        for tid in trajectory_ids(table):  # later spans must not share values that are lost
+            self._prefixes.drop(tid)
 
-    def _give_up(self, buf: _StepBuffer) -> None:
-        """Stop appending to a file after an error (its tail may be torn); try to seal it at close,
-        or remove it now when no batch of it was written."""
-        if buf.writer is not None:
-            with contextlib.suppress(Exception):
-                buf.writer.close()
-            if buf.writer.rows:
-                self._orphans.append(buf.writer)
-            else:
-                with contextlib.suppress(OSError):
-                    buf.writer.path.unlink()
-            buf.writer = None
-            buf.spilled_in_file = 0
+    def _fsync(self) -> None:
+        self._last_fsync = time.monotonic()
+        for gone in self._sink.fsync():
+            self._file_gone(gone)
 
-    def _gone(self, buf: _StepBuffer) -> bool:
-        """True, and its rows counted lost, if a buffer's live file was removed under us (run dir
-        deleted)."""
-        writer = buf.writer
-        try:
-            os.stat(writer.path)
-            return False
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-        except OSError:
-            return False
-        self.counters["spans"] -= writer.rows - buf.spilled_in_file
-        self.counters["spilled"] -= buf.spilled_in_file
-        buf.spilled_in_file = 0
+    def _file_gone(self, gone: GoneFile) -> None:
+        """A step's live file was removed under us (run dir deleted): its rows are counted lost."""
+        step = self._steps.get(gone.step)
+        spilled = 0
+        if step is not None:
+            spilled, step.spilled_in_file = step.spilled_in_file, 0
+        self.counters["spans"] -= gone.rows - spilled
+        self.counters["spilled"] -= spilled
         self.count_loss(
-            "lost", writer.rows, "gone", f"{writer.path} was removed while recording: its spans are lost"
+            "lost", gone.rows, "gone", f"{gone.path} was removed while recording: its spans are lost"
         )
         self._prefixes.clear()  # which trajectories had spans in it is not known: share nothing older
-        with contextlib.suppress(Exception):
-            writer.close()
-        return True
 
-    def _fsync_all(self) -> None:
-        self._last_fsync = time.monotonic()
-        for buf in self._steps.values():
-            if buf.writer is not None:
-                if self._gone(buf):
-                    buf.writer = None
-                    continue
-                try:
-                    buf.writer.fsync()
-                except OSError as exc:
-                    self._warn_once("fsync", f"fsync failed: {exc}")
-
-    def _seal_finished_steps(self, all_steps: bool = False) -> None:
-        """Hand finished steps' files to the sealing thread: a step is finished when none of its
+    def _finish_steps(self, all_steps: bool = False) -> None:
+        """Hand finished steps' files to the sink for sealing: a step is finished when none of its
         trajectories is open and nothing is waiting, and a newer step began or it was idle a while."""
         now = time.monotonic()
-        for step, buf in list(self._steps.items()):
-            newer_exists = step is not None and self._max_step is not None and step < self._max_step
-            idle = now - self._last_write.get(step, now) >= self.config.seal_idle_s
-            if all_steps or ((newer_exists or idle) and buf.open <= 0 and not buf.rows):
-                if buf.rows:
-                    self._write(step, buf)
-                self._seal_buffer(buf)
-                del self._steps[step]
-                self._last_write.pop(step, None)
+        for step_key, step in list(self._steps.items()):
+            newer_exists = step_key is not None and self._max_step is not None and step_key < self._max_step
+            idle = step.last_write is not None and now - step.last_write >= self.config.seal_idle_s
+            if all_steps or ((newer_exists or idle) and step.open <= 0 and not step.buffer.rows):
+                if step.buffer.rows:
+                    self._write(step_key, step)
+                gone = self._sink.finish(step_key)
+                if gone is not None:
+                    self._file_gone(gone)
+                del self._steps[step_key]
         if all_steps:
-            orphans, self._orphans = self._orphans, []
-            for writer in orphans:
-                self._to_sealer(writer)
+            for gone in self._sink.finish_all():
+                self._file_gone(gone)
 
-    def _seal_buffer(self, buf: _StepBuffer) -> None:
-        if buf.writer is not None:
-            if not self._gone(buf):
-                self._to_sealer(buf.writer)
-            buf.writer = None
-            buf.spilled_in_file = 0
-
-    def _to_sealer(self, writer: PartialWriter) -> None:
-        """Close a live file and queue it for the sealing thread (the writer never waits for a seal)."""
-        try:
-            writer.close()
-        except Exception as exc:
-            self._warn_once("seal", f"could not close {writer.path.name} ({exc}); it stays recoverable")
-            return
-        with self._sealed_cond:
-            self._sealing += 1
-        self._seal_queue.append(writer)
-        if self._sealer is None and not self._closed:
-            thread = threading.Thread(target=self._seal_loop, name="rlreplay-sealer", daemon=True)
-            try:
-                thread.start()
-                self._sealer = thread
-            except RuntimeError:
-                pass  # at interpreter shutdown: close() seals what is queued
-        self._seal_wake.set()
-
-    def _seal_loop(self) -> None:
-        while True:
-            self._seal_wake.wait(1.0)
-            self._seal_wake.clear()
-            self._seal_queued()
-            if self._closed and self._thread_done():
-                self._seal_queued()
-                return
-
-    def _thread_done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
-
-    def _seal_queued(self) -> None:
-        queue = self._seal_queue
-        while queue:
-            writer = queue.popleft()
-            try:
-                if writer.path.exists():
-                    seal(writer.path)
-            except Exception as exc:
-                self._warn_once("seal", f"could not seal {writer.path.name} ({exc}); it stays recoverable")
-            _release_memory()
-            with self._sealed_cond:
-                self._sealing -= 1
-                self._sealed_cond.notify_all()
-            self._save_counters()
-            publish.shard_sealed(self.config.run_dir)  # a URI run's publisher uploads it now
+    def _on_sealed(self) -> None:
+        """A file was sealed (on the sealing thread): the counters on disk follow, and a URI run's
+        publisher uploads it now."""
+        self._save_counters()
+        publish.shard_sealed(self.config.run_dir)
 
     def _save_counters(self) -> None:
         self._last_counters = time.monotonic()
@@ -514,8 +449,7 @@ class Recorder:
         deadline = time.monotonic() + timeout
         done = self.wait_written(timeout)
         if done and self._thread is not None and self._thread.is_alive():
-            with self._sealed_cond:
-                done = self._sealed_cond.wait_for(lambda: self._sealing <= 0, deadline - time.monotonic())
+            done = self._sink.force_flush(deadline - time.monotonic())
         losses = self._losses()
         whole = losses == self._acknowledged_losses
         if done:
@@ -532,7 +466,7 @@ class Recorder:
             return True
         done = threading.Event()
         self._urgent = True
-        self._queue.append((FLUSH, done, 0))
+        self._queue.append(Control(FLUSH, done))
         self._wake.set()
         return done.wait(timeout)
 
@@ -540,7 +474,7 @@ class Recorder:
         """Have the writer write and fsync everything queued so far, at once, without waiting for it."""
         if self._thread is not None and not self._closed:
             self._urgent = True
-            self._queue.append((FLUSH, None, 0))
+            self._queue.append(Control(FLUSH, None))
             self._wake.set()
 
     def close(self, timeout: float = 60.0) -> None:
@@ -555,15 +489,10 @@ class Recorder:
                 thread.join(timeout)
             if thread is None or not thread.is_alive():
                 self._cycle(force=True)
-                self._seal_finished_steps(all_steps=True)
-            sealer = self._sealer
-            if sealer is not None and sealer.is_alive():
-                self._seal_wake.set()
-                sealer.join(timeout)
-            if sealer is None or not sealer.is_alive():
-                self._seal_queued()
+                self._finish_steps(all_steps=True)
+            self._sink.shutdown(timeout)
             self._save_counters()
-            self._report()
+            self._report_losses()
         except Exception as exc:
             log.warning("rlreplay: close failed: %s", exc)
         finally:
@@ -573,7 +502,7 @@ class Recorder:
                 with contextlib.suppress(OSError):
                     self._lease.release()
 
-    def _report(self) -> None:
+    def _report_losses(self) -> None:
         missing = {
             k: self.counters[k] for k in ("dropped", "spilled", "lost", "encode_errors") if self.counters[k]
         }
@@ -583,25 +512,6 @@ class Recorder:
 
 
 _warmed_up = False
-_malloc_trim: Any = None
-
-
-def _release_memory() -> None:
-    """Give freed memory back to the system: Arrow's pool, and the C heap's free pages (numpy arrays
-    of the threads that encoded spans live in glibc arenas, which keep what they once held)."""
-    global _malloc_trim
-    with contextlib.suppress(Exception):
-        pa.default_memory_pool().release_unused()
-    if _malloc_trim is None:
-        try:
-            import ctypes
-
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):  # not glibc
-            _malloc_trim = False
-    if _malloc_trim:
-        with contextlib.suppress(Exception):
-            _malloc_trim(0)
 
 
 def warm_up() -> None:
@@ -618,11 +528,10 @@ def warm_up() -> None:
         traj = OpenTrajectory.__new__(OpenTrajectory)
         traj.id, traj.step, traj.sample_index, traj.rollout_n = 0, 0, 0, 0
         traj.validate, traj.experiment, traj.attributes, traj.explicit = False, "x", {"a": 1}, False
-        event = span_event(traj, 1, None, meta, 0, 1, None, ([1, 2],), {"k": "v"}, {"token_ids": [3]}, 0)
-        config = RecorderConfig(run_dir=Path("."))
-        row, nbytes = encode_row(event, config, "w", lambda *_: None, format_trajectory_id, format_span_id)
-        buf = _StepBuffer()
+        event = SpanEvent(traj, 1, None, meta, 0, 1, None, ([1, 2],), {"k": "v"}, {"token_ids": [3]}, 0)
+        row, nbytes, _ = encode_row(event, RecorderConfig(run_dir=Path(".")), "w")
+        buf = StepBuffer()
         buf.append(row, nbytes)
-        batch = buf.take_batch()
+        batch, _ = buf.take_batch()
         with pa.ipc.new_stream(pa.BufferOutputStream(), batch.schema, options=live_options()) as writer:
             writer.write_batch(batch)

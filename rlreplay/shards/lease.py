@@ -21,7 +21,8 @@ ENV_HOST = "RLREPLAY_HOST"
 ENV_LEASE_TTL = "RLREPLAY_LEASE_TTL_S"
 DEFAULT_LEASE_TTL_S = 60.0
 _PARTIAL_PID = re.compile(r"^_part-[0-9a-f]+-(\d+)-")
-open_writers: weakref.WeakSet[Any] = weakref.WeakSet()  # files holding a lock: released in forked children
+#: Files holding a lock (leases, live files): each is disowned in a forked child (``disown``).
+open_writers: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def host_name() -> str:
@@ -75,6 +76,11 @@ class Lease:
                 with contextlib.suppress(OSError):
                     os.utime(self.path)
 
+    def disown(self, devnull: int) -> None:
+        """In a forked child: point this (the parent's) lease at ``devnull``; the parent keeps it."""
+        if not self._file.closed:
+            os.dup2(devnull, self._file.fileno())
+
     def release(self) -> None:
         self._stop.set()
         if not self._file.closed:
@@ -123,11 +129,7 @@ def _release_inherited_writers() -> None:
     """In a forked child: drop the parent's open partials (and their locks) without writing to them."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     for writer in list(open_writers):
-        if not writer._file.closed:
-            os.dup2(devnull, writer._file.fileno())
-            raw = getattr(writer, "_raw", None)
-            if raw is not None and not raw.closed:
-                os.dup2(devnull, raw.fileno())
+        writer.disown(devnull)
     os.close(devnull)
     open_writers.clear()
 

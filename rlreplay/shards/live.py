@@ -70,6 +70,14 @@ class PartialWriter:
             os.fsync(self._file.fileno())
             self._dirty = False
 
+    def disown(self, devnull: int) -> None:
+        """In a forked child: point this (the parent's) writer at ``devnull`` without writing to the
+        file: closing it would flush the parent's buffered bytes into the parent's file."""
+        if not self._file.closed:
+            os.dup2(devnull, self._file.fileno())
+            if not self._raw.closed:
+                os.dup2(devnull, self._raw.fileno())
+
     def close(self) -> None:
         if self._file.closed:
             return

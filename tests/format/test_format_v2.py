@@ -271,14 +271,16 @@ def test_take_batch_never_loses_the_batch() -> None:
     bad = list(good)
     bad[3] = 12345  # not a string
     bad[10] = "x\udcff"
-    problems: list[str] = []
     for row in (good, tuple(bad), good):
         buf.append(row, 0)
-    batch = buf.take_batch(lambda key, message: problems.append(message))
+    batch, problems = buf.take_batch()
     assert batch.num_rows == 3 and buf.rows == 0
     assert batch.column("name").to_pylist() == ["op", "", "op"]
     assert batch.column("experiment").to_pylist() == ["e", "x\\udcff", "e"]
-    assert len(problems) == 2
+    # each value Arrow refused comes back as one counted problem, naming its column
+    assert [(p.key, p.counted) for p in problems] == [("encode:column", True)] * 2
+    assert ["column name" in p.message for p in problems] == [True, False]
+    assert ["column experiment" in p.message for p in problems] == [False, True]
 
 
 DIGEST_FIELDS = (

@@ -33,7 +33,7 @@ WRITE = textwrap.dedent(
             row[-3] = rng.integers(0, 151_000, 2000).astype(np.int32)
             row[-1] = rng.normal(size=2000).astype(np.float32)
             buf.append(tuple(row), 0)
-        writer.write(buf.take_batch())
+        writer.write(buf.take_batch()[0])
     writer.close()
     print(json.dumps({"path": str(writer.path), "nbytes": writer.nbytes, "rows": writer.rows}))
     """

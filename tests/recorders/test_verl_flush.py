@@ -77,13 +77,13 @@ WORKER = textwrap.dedent(
 
     from rlreplay import recorder
 
-    from rlreplay.recorder import writer
+    from rlreplay.shards import sink
 
-    write = writer.Recorder._write
+    export = sink.ShardSink.export
     def slow_disk(self, *args, **kwargs):  # a slow shared filesystem: each write takes 0.3 s
         time.sleep(0.3)
-        return write(self, *args, **kwargs)
-    writer.Recorder._write = slow_disk
+        return export(self, *args, **kwargs)
+    sink.ShardSink.export = slow_disk
 
     workdir = sys.argv[1]
     model_dir = verl_parts.make_model_dir(os.path.join(workdir, "model"))
