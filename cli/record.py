@@ -45,6 +45,21 @@ def default_out(command: list[str], experiment: str | None) -> Path:
     return path
 
 
+def keep_tokenizer(tokenizer: str | None, run_dir: Path) -> tuple[list[str], str | None]:
+    """Copy the tokenizer's files (tokenizer.json, its config and chat template, special tokens)
+    into the run, so that it decodes and renders prompts on any machine: (names copied, why none
+    were). Never raises: a tokenizer that is not on this machine leaves the recording as it is."""
+    from rlreplay.errors import TokenizerUnavailable
+    from rlreplay.text.token2text import snapshot_tokenizer
+
+    if not tokenizer:
+        return [], "no tokenizer named (--tokenizer DIR keeps its files with the run)"
+    try:
+        return snapshot_tokenizer(tokenizer, run_dir), None
+    except (TokenizerUnavailable, OSError) as exc:
+        return [], str(exc)
+
+
 @app.command(
     "record",
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
@@ -136,14 +151,17 @@ def record_run(
             raise PermissionError(13, "Permission denied")
     except OSError as exc:
         fail(f"--out {run_dir}: cannot create the run there ({exc.strerror or exc})")
+    tokenizer = tokenizer or guessed_tokenizer
+    kept, _ = keep_tokenizer(tokenizer, run_dir)  # before the job: the files it renders prompts with
     manifest.write_json_atomic(
         run_dir / manifest.MANIFEST,
         manifest.new_manifest(
             experiment,
             command,
-            tokenizer=tokenizer or guessed_tokenizer,
+            tokenizer=tokenizer,
             status="running",
             framework=framework.strip().lower(),
+            **({"tokenizer_snapshot": kept} if kept else {}),
             **(replay.manifest() if replay is not None else {}),
         ),
     )
@@ -154,9 +172,14 @@ def record_run(
     code = run_forwarding_signals(command, env)
 
     recovered = recover(run_dir, wait_s=grace)
+    if not kept:  # the job may have fetched it (a hub model into the local cache)
+        kept, problem = keep_tokenizer(tokenizer, run_dir)
+        if problem:
+            print(f"rlreplay: the run keeps no copy of the tokenizer: {problem}", file=sys.stderr)
     summary = run_summary(open_run(run_dir))
     manifest.update_manifest(
         run_dir,
+        **({"tokenizer_snapshot": kept} if kept else {}),
         ended_at=time.time(),
         exit_code=code,
         status="finished" if code == 0 else "failed",
