@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import first_prompt_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 VERL_RUNS = ["verl-arith-smollm2", "verl-toolagent-smollm2"]
@@ -67,15 +68,7 @@ def test_the_run_renders_its_exported_records_to_the_recorded_prompts(fresh: Pat
     tok = AutoTokenizer.from_pretrained(fresh)
     same, other = 0, []
     for rec in records:
-        first = next(i for i, m in enumerate(rec["messages"]) if m["role"] == "assistant")
-        rendered = tok.apply_chat_template(
-            rec["messages"][:first],
-            tools=json.loads(rec["tools"]),
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-        if list(rendered) == rec["prompt_ids"]:
+        if first_prompt_ids(tok, rec) == rec["prompt_ids"]:
             same += 1
         else:
             other.append(rec["id"])

