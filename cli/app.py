@@ -213,6 +213,26 @@ def whole_number(option: str, text: str | None, minimum: int | None = None) -> i
     return number
 
 
+def fit_columns(widths: list[int], width: int) -> int:
+    """How many of the first columns (``widths`` in order of priority, two spaces apart) fit a line
+    of ``width`` characters; the first always does."""
+    used = kept = 0
+    for need in widths:
+        need += 2 if kept else 0
+        if kept and used + need > width:
+            break
+        used += need
+        kept += 1
+    return kept
+
+
+def terminal_width() -> int | None:
+    """The terminal's width when stdout is one, else None (a pipe or file gets whole lines)."""
+    import shutil
+
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+
+
 #: The training signals shown beside the reward when a run has them (listing columns).
 SIGNAL_COLUMNS = ("advantage", "logprob_diff_max", "importance_ratio")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,10 +21,12 @@ from rlreplay.cli.app import (
     app,
     console,
     fail,
+    fit_columns,
     open_run_arg,
     report_warnings,
     selection_options,
     signal_cell,
+    terminal_width,
 )
 
 if TYPE_CHECKING:
@@ -111,13 +112,7 @@ def _fit(
     cells: list[list[str]], columns: list[LsColumn], width: int
 ) -> tuple[list[list[str]], list[LsColumn]]:
     """The first columns whose widths (two spaces apart) fit ``width`` characters."""
-    used, kept = 0, 0
-    for name, col in zip((c.name for c in columns), cells):
-        need = max([len(name), *map(len, col)]) + (2 if kept else 0)
-        if kept and used + need > width:
-            break
-        used += need
-        kept += 1
+    kept = fit_columns([max([len(c.name), *map(len, col)]) for c, col in zip(columns, cells)], width)
     return cells[:kept], columns[:kept]
 
 
@@ -196,8 +191,9 @@ def ls_command(
         sys.stderr.write(f"no trajectories selected in {opened.address}\n")
         return
     cells, names = _listing_cells(table, chosen)
-    if columns is None and sys.stdout.isatty():
-        cells, names = _fit(cells, names, shutil.get_terminal_size().columns)
+    width = terminal_width()
+    if columns is None and width is not None:
+        cells, names = _fit(cells, names, width)
     if sys.stdout.isatty() and shown <= RICH_ROWS:
         out = console()
         out.print(_rich_listing(cells, names))

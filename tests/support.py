@@ -1,4 +1,5 @@
-"""Helpers the tests share: the Qwen3 tokenizer, a free port, the CLI (also without a module), run shape."""
+"""Helpers the tests share: the Qwen3 tokenizer, a free port, the CLI (also without a module or on a
+terminal of a given width), run shape."""
 
 from __future__ import annotations
 
@@ -29,6 +30,41 @@ def rlreplay_cli(
         env={**os.environ, **(env or {})},
         timeout=timeout,
     )
+
+
+def on_terminal(*args: str, columns: int, env: dict[str, str] | None = None) -> str:
+    """What ``rlreplay ARGS`` prints on a terminal ``columns`` wide (a real pseudo-terminal whose window
+    size says so; no ``COLUMNS`` in the environment), without colour codes or carriage returns."""
+    import fcntl
+    import pty
+    import re
+    import struct
+    import termios
+
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    child_env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    child_env.update({"NO_COLOR": "1", **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlreplay", *args],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        env=child_env,
+    )
+    os.close(secondary)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(primary)
+    assert proc.wait(timeout=120) == 0, out.decode(errors="replace")
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode()).replace("\r", "")
 
 
 def run_without(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
