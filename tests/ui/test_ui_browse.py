@@ -1,0 +1,55 @@
+"""What the trajectory and findings pages show, in real Chromium at 1,280 px: an answer cut by its
+length limit is marked in the chat, and the findings page fits the window with its text whole.
+Expected values come from the span files (each model call's ``stop_reason``) and ``ls --json``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ui_support import SHOWCASE, cli_json
+
+WIDTH = 1280  # the tab fixture's window
+
+
+def _length_stops(run_dir: Path) -> dict[str, list[bool]]:
+    """Per trajectory: for each model call in call order, whether its recorded stop reason is length."""
+    from rlreplay.read.open import open_run
+
+    run = open_run(run_dir)
+    out = {}
+    for traj in run.load(run.trajectories()["id"].to_pylist()):
+        calls = sorted((s for s in traj.spans if s.kind == "llm"), key=lambda s: s.start_ns)
+        out[traj.id] = [s.output.get("stop_reason") == "length" for s in calls]
+    return out
+
+
+def test_chat_marks_an_answer_cut_by_its_length_limit(ui_url, ui_runs: Path, tab) -> None:
+    stops = _length_stops(ui_runs / SHOWCASE.name)
+    truncated = [t for t, calls in stops.items() if any(calls)]
+    clean = next(t for t, calls in stops.items() if calls and not any(calls))
+    assert truncated
+    for traj_id in (truncated[0], clean):
+        tab.goto(f"{ui_url}/r/{SHOWCASE.name}/t/{traj_id}")
+        tab.wait_for_selector("#chat")
+        bubbles = tab.locator("#chat .bubble.assistant").all()
+        assert [b.locator(".stopped").count() == 1 for b in bubbles] == stops[traj_id], traj_id
+        for bubble, cut in zip(bubbles, stops[traj_id]):
+            if cut:
+                assert "length" in bubble.locator(".role").inner_text()
+    assert tab.errors == []
+
+
+def test_findings_page_fits_1280_px_with_its_text_whole(ui_url, tab) -> None:
+    tab.goto(f"{ui_url}/r/{SHOWCASE.name}/findings")
+    tab.wait_for_selector("#finding-counts")
+    assert tab.evaluate("document.documentElement.scrollWidth") <= WIDTH
+    # every cell's text is inside the window and none is cut (a cell as wide as its text)
+    cells = tab.locator("#finding-counts td, #finding-list td").evaluate_all(
+        "cs => cs.map(c => [c.getBoundingClientRect().right, c.scrollWidth - c.clientWidth])"
+    )
+    assert cells and all(right <= WIDTH and hidden <= 0 for right, hidden in cells), cells[:5]
+    flags = tab.locator("#finding-counts td:nth-child(3)").all_inner_texts()
+    assert any(len(text) > 100 for text in flags)  # the long descriptions are there, whole
+    shown = {r["id"] for r in cli_json("ls", str(SHOWCASE))}
+    links = tab.locator("#finding-list a").evaluate_all("as => as.map(a => a.href.split('/t/')[1])")
+    assert set(links) <= shown
