@@ -293,6 +293,21 @@ def open_run_arg(run: Path | None, positional: Path | None = None):
     return open_run(chosen)
 
 
+def flagged(opened: Any, table: Any, names: str) -> Any:
+    """The rows of ``table`` that the audit checks ``names`` flag (``--finding``); a check that cannot
+    run says why on stderr."""
+    import pyarrow as pa
+
+    from rlreplay.audit import engine
+    from rlreplay.format import arrow_ops as ops
+
+    report = engine.audit(opened, table, engine.choose(names, engine.available()))
+    for name, why in report.skipped.items():
+        print(f"rlreplay: note: {name} skipped: {why}", file=sys.stderr)
+    ids = pa.array(sorted(engine.finding_ids(report, table)), type=pa.string())
+    return ops.filter(table, ops.is_in(table["id"], ids))
+
+
 def report_warnings(run) -> None:
     for message in run.warnings:
         print(f"rlreplay: warning: {message}", file=sys.stderr)

@@ -22,6 +22,7 @@ from rlreplay.cli.app import (
     console,
     fail,
     fit_columns,
+    flagged,
     open_run_arg,
     report_warnings,
     selection_options,
@@ -169,8 +170,8 @@ def ls_command(
     With --json, one JSON object per line."""
     chosen = ls_columns(columns)
     opened = open_run_arg(run, run_path)
-    flagged = None if finding is None else lambda table: _flagged(opened, table, finding)
-    table = selection.trajectories(opened, keep=flagged)
+    keep = None if finding is None else lambda table: flagged(opened, table, finding)
+    table = selection.trajectories(opened, keep=keep)
     report_warnings(opened)
     if as_json:
         from rlreplay.model import listing_json
@@ -207,20 +208,6 @@ def ls_command(
         console().print(
             "recording losses: " + ", ".join(f"{k}={v}" for k, v in losses.items()), style="yellow"
         )
-
-
-def _flagged(opened: Any, table: Any, names: str) -> Any:
-    """The rows of ``table`` that the audit checks ``names`` flag."""
-    import pyarrow as pa
-
-    from rlreplay.audit import engine
-    from rlreplay.format import arrow_ops as ops
-
-    report = engine.audit(opened, table, engine.choose(names, engine.available()))
-    for name, why in report.skipped.items():
-        print(f"rlreplay: note: {name} skipped: {why}", file=sys.stderr)
-    ids = pa.array(sorted(engine.finding_ids(report, table)), type=pa.string())
-    return ops.filter(table, ops.is_in(table["id"], ids))
 
 
 def _cell(value: Any) -> str:
