@@ -134,6 +134,18 @@ _SELECTION_PARAMS: list[tuple[str, Any]] = [
         ],
     ),
     (
+        "grep",
+        Annotated[
+            list[str] | None,
+            typer.Option(
+                "--grep",
+                metavar="PATTERN",
+                help="Only trajectories whose decoded response or tool output matches this regular "
+                'expression (RE2; a plain word matches itself; "(?i)" ignores case), e.g. "Traceback".',
+            ),
+        ],
+    ),
+    (
         "sort",
         Annotated[
             list[str] | None,

@@ -162,16 +162,22 @@ def ls_command(
             help="Only trajectories these audit checks flag (rlreplay audit --help), e.g. truncated.",
         ),
     ] = None,
+    tokenizer: TokenizerOption = None,
     *,
     selection: Any,
 ) -> None:
     """List trajectories, one row each.
 
-    With --json, one JSON object per line."""
+    With --json, one JSON object per line; --grep searches their decoded text."""
     chosen = ls_columns(columns)
     opened = open_run_arg(run, run_path)
     keep = None if finding is None else lambda table: flagged(opened, table, finding)
-    table = selection.trajectories(opened, keep=keep)
+    texts = None
+    if selection.grep is not None:
+        from rlreplay.read.search import TextSearch
+
+        texts = TextSearch.for_run(opened, tokenizer)
+    table = selection.trajectories(opened, keep=keep, texts=texts)
     report_warnings(opened)
     if as_json:
         from rlreplay.model import listing_json

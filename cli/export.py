@@ -104,7 +104,12 @@ def export_command(
         fail("export writes decoded text and no tokenizer is known for this run; pass --tokenizer PATH")
     decoder = Decoder.load(name)
     keep = None if finding is None else lambda table: flagged(opened, table, finding)
-    listing = selection.trajectories(opened, keep=keep)
+    texts = None
+    if selection.grep is not None:
+        from rlreplay.read.search import TextSearch
+
+        texts = TextSearch(opened, decoder)
+    listing = selection.trajectories(opened, keep=keep, texts=texts)
     if samples is not None:
         groups = choosing.sample_groups(listing, samples, seed_value or 0)
         chosen = choosing.group_ids(groups)

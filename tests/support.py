@@ -67,6 +67,41 @@ def on_terminal(*args: str, columns: int, env: dict[str, str] | None = None) -> 
     return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode()).replace("\r", "")
 
 
+def searched_texts(run_dir: Path, tokenizer: Path) -> dict[str, tuple[list[str], str]]:
+    """What text search must search, worked out here: per trajectory, its agent loop's response ids
+    split where the mask changes (model turns, tool turns) and its tool calls' output texts, decoded
+    with the ``tokenizers`` library itself (special tokens left out); and its decoded prompt."""
+    from tokenizers import Tokenizer
+
+    from rlreplay.read.open import open_run
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    run = open_run(run_dir)
+    out = {}
+    for traj in run.load(run.trajectories()["id"].to_pylist()):
+        agent = next(s.output for s in traj.spans if s.kind == "agent")
+        ids, mask = agent["response_ids"], agent["response_mask"]
+        runs, start = [], 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or bool(mask[i]) != bool(mask[start]):
+                runs.append(ids[start:i])
+                start = i
+        texts = tok.decode_batch(runs, skip_special_tokens=True) if runs else []
+        tools = sorted((s for s in traj.spans if s.kind == "tool"), key=lambda s: s.start_ns)
+        texts += [s.output[0]["text"] for s in tools if s.output and s.output[0].get("text")]
+        out[traj.id] = (texts, tok.decode(agent["prompt_ids"], skip_special_tokens=True))
+    return out
+
+
+def grep_truth(texts: dict[str, tuple[list[str], str]], pattern: str) -> set[str]:
+    """The trajectories of ``searched_texts`` with a piece ``pattern`` matches (Python's ``re``,
+    ``^``/``$`` at each line)."""
+    import re
+
+    rx = re.compile(pattern, re.M)
+    return {tid for tid, (pieces, _) in texts.items() if any(rx.search(t) for t in pieces)}
+
+
 def run_without(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """``rlreplay ARGS`` in a child process where ``module`` cannot be imported (``sys.modules[name] =
     None``, as Python documents), so the real import machinery answers."""

@@ -5,6 +5,7 @@ Expected values come from the span files (each model call's ``stop_reason``) and
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlencode
 
 from ui_support import SHOWCASE, cli_json
 
@@ -53,3 +54,33 @@ def test_findings_page_fits_1280_px_with_its_text_whole(ui_url, tab) -> None:
     shown = {r["id"] for r in cli_json("ls", str(SHOWCASE))}
     links = tab.locator("#finding-list a").evaluate_all("as => as.map(a => a.href.split('/t/')[1])")
     assert set(links) <= shown
+
+
+def test_search_box_lists_the_trajectories_whose_text_matches(ui_url, ui_runs: Path, tab) -> None:
+    from support import grep_truth, searched_texts
+
+    run = ui_runs / SHOWCASE.name
+    texts = searched_texts(run, run / "tokenizer.json")
+    pattern = next(
+        p for p in (r"#### 1\d$", r"#### \d+$", "tool_call") if 0 < len(grep_truth(texts, p)) < len(texts)
+    )
+    expected = grep_truth(texts, pattern)
+    tab.goto(f"{ui_url}/r/{SHOWCASE.name}/trajectories?per=500")
+    tab.fill("#search", pattern)
+    with tab.expect_navigation():
+        tab.click("#filters button[type=submit]")
+    tab.wait_for_selector("#count")
+    assert tab.inner_text("#count") == str(len(expected))
+    shown = tab.locator("#listing a.traj-link").evaluate_all(
+        "as => as.map(a => a.href.split('/t/')[1].split('?')[0])"
+    )
+    assert set(shown) == expected
+    assert tab.input_value("#search") == pattern  # the box keeps what was searched
+    # with another filter of the form, and a bad pattern said in one line
+    query = urlencode({"per": 500, "validate": "false", "grep": pattern})
+    tab.goto(f"{ui_url}/r/{SHOWCASE.name}/trajectories?{query}")
+    train = {r["id"] for r in cli_json("ls", str(run), "--train")}
+    assert tab.inner_text("#count") == str(len(expected & train))
+    tab.goto(f"{ui_url}/r/{SHOWCASE.name}/trajectories?grep=%5Ba")
+    assert "--grep" in tab.inner_text("#error")
+    assert tab.errors == []
