@@ -77,6 +77,14 @@ RunOption = Annotated[
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output (JSON).")]
+FindingOption = Annotated[
+    str | None,
+    typer.Option(
+        "--finding",
+        metavar="CHECKS",
+        help="Only trajectories these audit checks flag (rlreplay audit --help), e.g. truncated.",
+    ),
+]
 TokenizerOption = Annotated[
     str | None,
     typer.Option(

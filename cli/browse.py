@@ -14,6 +14,7 @@ import typer
 
 from rlreplay.cli.app import (
     SIGNAL_COLUMNS,
+    FindingOption,
     JsonOption,
     RunArgument,
     RunOption,
@@ -154,14 +155,7 @@ def ls_command(
             f"signals first). Columns: {', '.join(c.name for c in LS_COLUMNS)}.",
         ),
     ] = None,
-    finding: Annotated[
-        str | None,
-        typer.Option(
-            "--finding",
-            metavar="CHECKS",
-            help="Only trajectories these audit checks flag (rlreplay audit --help), e.g. truncated.",
-        ),
-    ] = None,
+    finding: FindingOption = None,
     tokenizer: TokenizerOption = None,
     *,
     selection: Any,

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from rlreplay.cli.app import (
+    FindingOption,
     ForceOption,
     RunArgument,
     RunOption,
@@ -60,14 +61,7 @@ def export_command(
             "trainer's, when recorded with record --token-signals).",
         ),
     ] = False,
-    finding: Annotated[
-        str | None,
-        typer.Option(
-            "--finding",
-            metavar="CHECKS",
-            help="Only trajectories these audit checks flag (rlreplay audit --help), e.g. truncated.",
-        ),
-    ] = None,
+    finding: FindingOption = None,
     old_ids: Annotated[bool, typer.Option("--ids", hidden=True)] = False,
     force: ForceOption = False,
     *,

@@ -93,6 +93,18 @@ def searched_texts(run_dir: Path, tokenizer: Path) -> dict[str, tuple[list[str],
     return out
 
 
+def length_stops(run_dir: Path) -> dict[str, list[bool]]:
+    """Per trajectory: for each model call in call order, whether its recorded stop reason is length."""
+    from rlreplay.read.open import open_run
+
+    run = open_run(run_dir)
+    out = {}
+    for traj in run.load(run.trajectories()["id"].to_pylist()):
+        calls = sorted((s for s in traj.spans if s.kind == "llm"), key=lambda s: s.start_ns)
+        out[traj.id] = [s.output.get("stop_reason") == "length" for s in calls]
+    return out
+
+
 def grep_truth(texts: dict[str, tuple[list[str], str]], pattern: str) -> set[str]:
     """The trajectories of ``searched_texts`` with a piece ``pattern`` matches (Python's ``re``,
     ``^``/``$`` at each line)."""

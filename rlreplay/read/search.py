@@ -41,12 +41,10 @@ TEXT_SCHEMA = pa.schema([("id", pa.string()), ("text", pa.large_string())])
 
 def check_pattern(pattern: str) -> None:
     """Raise :class:`SelectionError` when ``pattern`` is not an RE2 regular expression."""
-    import pyarrow.compute as pc
-
     if not pattern:
         raise SelectionError("--grep: empty pattern")
     try:
-        pc.match_substring_regex(pa.array([""], pa.large_string()), FLAGS + pattern)
+        ops.match_substring_regex(pa.array([""], pa.large_string()), FLAGS + pattern)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
         why = " ".join(str(exc).split()).removeprefix("Invalid: ")
         raise SelectionError(f"--grep {pattern!r} is not a regular expression (RE2 syntax): {why}") from None
@@ -54,14 +52,10 @@ def check_pattern(pattern: str) -> None:
 
 def matching(table: pa.Table, pattern: str, texts: TextSearch) -> pa.Table:
     """The rows of a listing whose searched text matches ``pattern``, in their order."""
-    import pyarrow.compute as pc
-
     check_pattern(pattern)
     if not table.num_rows:
         return table
-    found = texts.texts(table)
-    column = pa.array([found.get(i, "") for i in table["id"].to_pylist()], pa.large_string())
-    return ops.filter(table, pc.match_substring_regex(column, FLAGS + pattern))
+    return ops.filter(table, ops.match_substring_regex(texts.column(table), FLAGS + pattern))
 
 
 def _cache_root() -> Path:
@@ -78,25 +72,28 @@ def _stamp(path: str) -> list[int]:
 
 
 class TextSearch:
-    """The searched texts of one run's trajectories, decoded with ``decoder`` on demand and kept
-    (in this object, and per step in the user's cache)."""
+    """The searched texts of one run's trajectories, decoded on demand and kept (in this object, and
+    per step in the user's cache). ``decoder``: a decoder, or the tokenizer name ``Decoder.load``
+    takes (loaded only when something is to be decoded)."""
 
     def __init__(self, run: Any, decoder: Any, adapter: Any = None, cache: bool = True) -> None:
-        from rlreplay.adapters.registry import adapter_for_run
+        from rlreplay.text.token2text import tokenizer_source
 
         self.run = run
-        self.decoder = decoder
-        self.adapter = adapter or adapter_for_run(run)
+        self._decoder = decoder
+        if isinstance(decoder, str):
+            self.source = tokenizer_source(decoder)
+        else:
+            self.source = str(getattr(decoder, "source", getattr(decoder, "name", "")))
+        self._adapter = adapter
         self.cache = cache
-        self._texts: dict[str, str] = {}
-        self._members: dict[Any, set[str]] = {}  # step -> the ids whose texts are kept
-        self._keys: dict[Any, tuple[Any, ...]] = {}  # step -> what its kept texts were made from
+        self._steps: dict[Any, tuple[tuple[Any, ...], pa.Table]] = {}  # step -> (made from, id/text)
 
     @classmethod
     def for_run(cls, run: Any, tokenizer: str | None = None) -> TextSearch:
         """The search of ``run`` with its tokenizer (or ``tokenizer``); raises a one-line error when
-        none is known or it cannot be loaded here."""
-        from rlreplay.text.token2text import Decoder, resolve_tokenizer
+        none is known or it is not on this machine."""
+        from rlreplay.text.token2text import resolve_tokenizer
 
         name = resolve_tokenizer(run, tokenizer)
         if name is None:
@@ -104,31 +101,52 @@ class TextSearch:
                 "--grep searches decoded text and no tokenizer is known for this run; "
                 "pass --tokenizer /path/to/dir-with-tokenizer.json"
             )
-        return cls(run, Decoder.load(name))
+        return cls(run, name)
 
-    def texts(self, listing: pa.Table) -> dict[str, str]:
-        """The searched text of every trajectory of ``listing`` (its rows' ids), by id."""
-        out: dict[str, str] = {}
-        for step, ids in by_step(listing).items():
-            key = self._step_key(step)
-            if key is None or self._keys.get(step) != key:  # new files: what was kept is stale
-                for i in self._members.pop(step, set()):
-                    self._texts.pop(i, None)
-                self._keys.pop(step, None)
-                if key is not None:
-                    self._keys[step] = key
-                    self._remember(step, self._cached(step, key))
-            missing = [i for i in ids if i not in self._texts]
-            if missing:
-                self._remember(step, self._decode(step, missing))
-                if key is not None:
-                    self._save(step, key)
-            out.update((i, self._texts[i]) for i in ids)
-        return out
+    @property
+    def adapter(self) -> Any:
+        """The run's framework adapter (looked up when first needed: decoding, not reading kept texts)."""
+        if self._adapter is None:
+            from rlreplay.adapters.registry import adapter_for_run
 
-    def _remember(self, step: Any, texts: dict[str, str]) -> None:
-        self._texts.update(texts)
-        self._members.setdefault(step, set()).update(texts)
+            self._adapter = adapter_for_run(self.run)
+        return self._adapter
+
+    @property
+    def decoder(self) -> Any:
+        if isinstance(self._decoder, str):
+            from rlreplay.text.token2text import Decoder
+
+            self._decoder = Decoder.load(self._decoder)
+        return self._decoder
+
+    def column(self, listing: pa.Table) -> pa.Array:
+        """The searched text of each row of ``listing``, in its order."""
+        parts = [self._step_texts(step, ids) for step, ids in by_step(listing).items()]
+        known = pa.concat_tables(parts) if parts else TEXT_SCHEMA.empty_table()
+        return ops.fill_null(ops.take(known["text"], ops.index_in(listing["id"], known["id"])), "")
+
+    def _step_texts(self, step: Any, ids: Sequence[str]) -> pa.Table:
+        """The texts (``id``, ``text``) of at least ``ids``, all of one step: those kept when they
+        were made from the step's files as they are, the others decoded now (and kept)."""
+        key = self._step_key(step)
+        kept = self._steps.get(step)
+        if key is None:
+            table = TEXT_SCHEMA.empty_table()
+        elif kept is not None and kept[0] == key:
+            table = kept[1]
+        else:
+            table = self._cached(step, key)
+        wanted = pa.array(list(ids), pa.string())
+        missing = ops.filter(wanted, ops.invert(ops.is_in(wanted, table["id"]))).to_pylist()
+        if missing:
+            new = self._decode(step, missing)
+            table = pa.concat_tables([table, pa.table(new, schema=TEXT_SCHEMA)])
+            if key is not None:
+                self._save(step, key, table)
+        if key is not None:
+            self._steps[step] = (key, table)
+        return table
 
     # ---- the cache ----------------------------------------------------------------------------
 
@@ -142,33 +160,31 @@ class TextSearch:
         shards = tuple(
             (str(Path(p).relative_to(self.run.path)), *self.run.store.stamp(p)) for p in sorted(sealed)
         )
-        source = str(getattr(self.decoder, "source", getattr(self.decoder, "name", "")))
-        return (TEXT_VERSION, self.adapter.name, source, *_stamp(source), shards)
+        from rlreplay.adapters.registry import MANIFEST_KEY
+
+        framework = (getattr(self.run, "manifest", None) or {}).get(MANIFEST_KEY) or "generic"
+        return (TEXT_VERSION, str(framework), self.source, *_stamp(self.source), shards)
 
     def _file(self, step: int, key: tuple[Any, ...]) -> Path:
         run_key = hashlib.sha256(str(self.run.address).encode()).hexdigest()[:24]
         made_from = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
         return _cache_root() / run_key / f"step={step}" / f"{made_from}.parquet"
 
-    def _cached(self, step: int, key: tuple[Any, ...]) -> dict[str, str]:
+    def _cached(self, step: int, key: tuple[Any, ...]) -> pa.Table:
         """The step's kept texts (none when there are none or they cannot be read)."""
         import pyarrow.parquet as pq
 
         try:
-            table = pq.read_table(self._file(step, key), schema=TEXT_SCHEMA)
+            return pq.read_table(self._file(step, key), schema=TEXT_SCHEMA)
         except (OSError, pa.ArrowException):
-            return {}
-        return dict(zip(table["id"].to_pylist(), table["text"].to_pylist()))
+            return TEXT_SCHEMA.empty_table()
 
-    def _save(self, step: int, key: tuple[Any, ...]) -> None:
-        """Keep the step's texts known so far, replacing its older file; a cache that cannot be
-        written is passed over."""
+    def _save(self, step: int, key: tuple[Any, ...], table: pa.Table) -> None:
+        """Keep the step's texts, replacing its older file; a cache that cannot be written is
+        passed over."""
         import pyarrow.parquet as pq
 
         path = self._file(step, key)
-        ids = sorted(self._members.get(step, ()))
-        texts = [self._texts[i] for i in ids]
-        table = pa.table({"id": pa.array(ids, pa.string()), "text": pa.array(texts, pa.large_string())})
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -182,8 +198,8 @@ class TextSearch:
 
     # ---- decoding -----------------------------------------------------------------------------
 
-    def _decode(self, step: Any, ids: Sequence[str]) -> dict[str, str]:
-        """The searched texts of ``ids`` (all of one step), decoded in one batch."""
+    def _decode(self, step: Any, ids: Sequence[str]) -> dict[str, list[str]]:
+        """The searched texts of ``ids`` (all of one step), decoded in one batch, as columns."""
         parts: list[list[int]] = []
         owners: list[str] = []
         tools: dict[str, list[str]] = {}
@@ -196,7 +212,7 @@ class TextSearch:
         lines: dict[str, list[str]] = {i: [] for i in ids}
         for owner, text in zip(owners, decoded):
             lines[owner].append(text)
-        return {i: "\n".join([*lines[i], *tools.get(i, [])]) for i in ids}
+        return {"id": list(ids), "text": ["\n".join([*lines[i], *tools.get(i, [])]) for i in ids]}
 
     def _pieces(self, traj: Any) -> list[Any]:
         """The token ids searched: the turns after the prompt, else the agent's whole response."""

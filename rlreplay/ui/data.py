@@ -403,7 +403,7 @@ class RunView:
         if decoder is None:
             raise RunError(f"search needs the run's tokenizer: {self.decoder_error or 'none loads'}")
         with self._lock:
-            if self._texts is None or self._texts.decoder is not decoder:
+            if self._texts is None or self._texts.source != getattr(decoder, "source", None):
                 self._texts = TextSearch(self.run, decoder, self.adapter())
             return self._texts
 

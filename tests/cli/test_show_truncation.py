@@ -8,21 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support import length_stops
+
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "sample_runs" / "verl-arith-smollm2"  # recorded with verl's length stop on
 MARK = "stopped on its length limit"
-
-
-def _calls() -> dict[str, list[bool]]:
-    """Per trajectory: for each model call in call order, whether it stopped on length."""
-    from rlreplay.read.open import open_run
-
-    run = open_run(RUN)
-    out = {}
-    for traj in run.load(run.trajectories()["id"].to_pylist()):
-        calls = sorted((s for s in traj.spans if s.kind == "llm"), key=lambda s: s.start_ns)
-        out[traj.id] = [s.output.get("stop_reason") == "length" for s in calls]
-    return out
 
 
 def _show(traj_id: str, *args: str) -> str:
@@ -38,7 +28,7 @@ def _show(traj_id: str, *args: str) -> str:
 
 
 def test_show_marks_the_turn_and_the_call_that_stopped_on_length() -> None:
-    calls = _calls()
+    calls = length_stops(RUN)
     truncated = [t for t, stops in calls.items() if any(stops)]
     clean = [t for t, stops in calls.items() if stops and not any(stops)]
     assert truncated and clean

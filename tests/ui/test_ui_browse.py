@@ -7,25 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlencode
 
+from support import length_stops
 from ui_support import SHOWCASE, cli_json
 
 WIDTH = 1280  # the tab fixture's window
 
 
-def _length_stops(run_dir: Path) -> dict[str, list[bool]]:
-    """Per trajectory: for each model call in call order, whether its recorded stop reason is length."""
-    from rlreplay.read.open import open_run
-
-    run = open_run(run_dir)
-    out = {}
-    for traj in run.load(run.trajectories()["id"].to_pylist()):
-        calls = sorted((s for s in traj.spans if s.kind == "llm"), key=lambda s: s.start_ns)
-        out[traj.id] = [s.output.get("stop_reason") == "length" for s in calls]
-    return out
-
-
 def test_chat_marks_an_answer_cut_by_its_length_limit(ui_url, ui_runs: Path, tab) -> None:
-    stops = _length_stops(ui_runs / SHOWCASE.name)
+    stops = length_stops(ui_runs / SHOWCASE.name)
     truncated = [t for t, calls in stops.items() if any(calls)]
     clean = next(t for t, calls in stops.items() if calls and not any(calls))
     assert truncated
