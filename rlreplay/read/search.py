@@ -19,19 +19,22 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
+from rlreplay.adapters.registry import MANIFEST_KEY
 from rlreplay.errors import SelectionError
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format.kinds import KIND_AGENT, KIND_LLM, KIND_TOOL
 from rlreplay.read.scan import by_step, step_calls
 
-#: The span kinds that hold what is searched: the conversation's (agent, model calls) and tools'.
-SEARCHED_KINDS = (KIND_AGENT, KIND_LLM, KIND_TOOL)
+#: The span kinds that hold what is searched: model calls (the turns after the prompt) and tools; the
+#: agent span only for a trajectory without model calls (its whole response).
+SEARCHED_KINDS = (KIND_LLM, KIND_TOOL)
+AGENT_KINDS = (KIND_AGENT, KIND_TOOL)
 #: Flags every pattern is matched with: ``^`` and ``$`` at each line's start and end.
 FLAGS = "(?m)"
 #: Changes when what a cached text holds changes (older files are then not used).
@@ -160,8 +163,6 @@ class TextSearch:
         shards = tuple(
             (str(Path(p).relative_to(self.run.path)), *self.run.store.stamp(p)) for p in sorted(sealed)
         )
-        from rlreplay.adapters.registry import MANIFEST_KEY
-
         framework = (getattr(self.run, "manifest", None) or {}).get(MANIFEST_KEY) or "generic"
         return (TEXT_VERSION, str(framework), self.source, *_stamp(self.source), shards)
 
@@ -203,7 +204,12 @@ class TextSearch:
         parts: list[list[int]] = []
         owners: list[str] = []
         tools: dict[str, list[str]] = {}
-        for traj in self._read(step, ids):
+        read = self._read(step, ids, SEARCHED_KINDS)
+        without_calls = [t.id for t in read if not t.by_kind(KIND_LLM)]
+        if without_calls:  # no model calls recorded: the agent span's response instead
+            again = {t.id: t for t in self._read(step, without_calls, AGENT_KINDS)}
+            read = [again.get(t.id, t) for t in read]
+        for traj in read:
             for piece in self._pieces(traj):
                 parts.append(list(piece))
                 owners.append(traj.id)
@@ -215,7 +221,8 @@ class TextSearch:
         return {"id": list(ids), "text": ["\n".join([*lines[i], *tools.get(i, [])]) for i in ids]}
 
     def _pieces(self, traj: Any) -> list[Any]:
-        """The token ids searched: the turns after the prompt, else the agent's whole response."""
+        """The token ids searched: the turns after the prompt (from the model calls), else the
+        agent's whole response."""
         from rlreplay.text.conversation import ConversationFields, conversation_span, first_field
 
         found = [t.token_ids for t in self.adapter.turns(traj) if t.role != "prompt" and len(t.token_ids)]
@@ -234,12 +241,12 @@ class TextSearch:
         found = (text_of(s.output) for s in sorted(traj.by_kind(KIND_TOOL), key=lambda s: s.start_ns))
         return [t for t in found if t]
 
-    def _read(self, step: Any, ids: Sequence[str]) -> Iterable[Any]:
-        """The trajectories ``ids`` of ``step`` with their spans of the searched kinds."""
+    def _read(self, step: Any, ids: Sequence[str], kinds: Sequence[str]) -> list[Any]:
+        """The trajectories ``ids`` of ``step`` with their spans of ``kinds``."""
         if type(step) is not int:
-            return self.run.load(list(ids), kinds=SEARCHED_KINDS)
+            return self.run.load(list(ids), kinds=kinds)
         warn = lambda message: self.run.warn(f"step {step}: {message}")  # noqa: E731
-        calls = step_calls(self.run, step, ids, SEARCHED_KINDS, warn)
+        calls = step_calls(self.run, step, ids, kinds, warn)
         out = []
         for k in range(len(ids)):
             traj = calls.trajectory(k)

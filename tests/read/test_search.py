@@ -123,3 +123,44 @@ def test_a_run_without_a_tokenizer_says_so(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err
     assert "tokenizer" in err and len(err.strip().splitlines()) == 1
     assert main(["ls", str(run), "--grep", "error", "--tokenizer", str(RUN / "tokenizer.json")]) == 0
+
+
+def test_a_run_of_agent_spans_alone_is_searched_in_their_responses(tmp_path: Path, capsys) -> None:
+    """A loop traced with the generic API that records no model calls: its agent span's response
+    ids are the text searched (encoded here from known text)."""
+    import asyncio
+
+    from tokenizers import Tokenizer
+
+    import rlreplay
+
+    tok_dir = qwen_tokenizer_dir()
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    answers = ["The answer is 42.", "I could not parse that: error in line 3", "Nothing to see here"]
+
+    @rlreplay.trace_op(name="Loop.run", kind="agent")
+    async def run_loop(i: int) -> dict:
+        response = tok.encode(answers[i], add_special_tokens=False).ids
+        prompt = tok.encode("error in line 7? answer in line 3", add_special_tokens=False).ids
+        return {"prompt_ids": prompt, "response_ids": response, "response_mask": [1] * len(response)}
+
+    async def go() -> None:
+        for i in range(len(answers)):
+            async with rlreplay.trajectory(step=0, sample_index=i, rollout_n=0, name="loop"):
+                await run_loop(i)
+
+    run = tmp_path / "run"
+    rlreplay.init(run, worker="w0")
+    try:
+        asyncio.run(go())
+    finally:
+        rlreplay.close()
+    capsys.readouterr()
+    assert main(["ls", str(run), "--json"]) == 0
+    sample = {
+        json.loads(line)["id"]: json.loads(line)["sample_index"]
+        for line in capsys.readouterr().out.splitlines()
+    }
+    for pattern, expected in ((r"error in line \d", {1}), ("(?i)the ANSWER", {0}), ("line 7", set())):
+        found = ls_ids(capsys, str(run), "--grep", pattern, "--tokenizer", str(tok_dir))
+        assert {sample[i] for i in found} == expected, pattern
