@@ -160,14 +160,13 @@ class TextSearch:
         sealed, live = self.run.span_files(step)
         if live:
             return None
-        shards = tuple(
-            (str(Path(p).relative_to(self.run.path)), *self.run.store.stamp(p)) for p in sorted(sealed)
-        )
+        shards = tuple((os.path.relpath(p, self.run.path), *self.run.store.stamp(p)) for p in sorted(sealed))
         framework = (getattr(self.run, "manifest", None) or {}).get(MANIFEST_KEY) or "generic"
         return (TEXT_VERSION, str(framework), self.source, *_stamp(self.source), shards)
 
     def _file(self, step: int, key: tuple[Any, ...]) -> Path:
-        run_key = hashlib.sha256(str(self.run.address).encode()).hexdigest()[:24]
+        where = self.run.address if self.run.store.uri else str(Path(self.run.path).resolve())
+        run_key = hashlib.sha256(where.encode()).hexdigest()[:24]
         made_from = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
         return _cache_root() / run_key / f"step={step}" / f"{made_from}.parquet"
 

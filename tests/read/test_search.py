@@ -164,3 +164,32 @@ def test_a_run_of_agent_spans_alone_is_searched_in_their_responses(tmp_path: Pat
     for pattern, expected in ((r"error in line \d", {1}), ("(?i)the ANSWER", {0}), ("line 7", set())):
         found = ls_ids(capsys, str(run), "--grep", pattern, "--tokenizer", str(tok_dir))
         assert {sample[i] for i in found} == expected, pattern
+
+
+def test_a_run_on_an_object_store_is_searched_as_its_folder(truth, tmp_path: Path, monkeypatch) -> None:
+    """The run copied onto fsspec's in-memory filesystem (read as an object store is): the same rows."""
+    import fsspec
+
+    from rlreplay.read.open import open_run
+    from rlreplay.read.selection import Selection
+
+    monkeypatch.setenv("RLREPLAY_CACHE", str(tmp_path / "read-cache"))
+    fs = fsspec.filesystem("memory")
+    root = f"/stores/{tmp_path.name}"
+    for path in sorted(RUN.rglob("*")):
+        if path.is_file():
+            fs.pipe_file(f"{root}/{path.relative_to(RUN).as_posix()}", path.read_bytes())
+    try:
+        from rlreplay.read.search import TextSearch
+
+        uri = f"memory://{root.lstrip('/')}"
+        tokenizer = str(RUN / "tokenizer.json")  # the run's, which the read cache does not fetch
+        run = open_run(uri)
+        selection = Selection(grep="error", step="1..2")
+        got = selection.trajectories(run, texts=TextSearch.for_run(run, tokenizer))
+        listed = {r["id"] for r in Selection(step="1..2").trajectories(run).to_pylist()}
+        assert set(got["id"].to_pylist()) == grep_truth(truth, "error") & listed
+        again = open_run(uri)  # from the kept texts
+        assert selection.trajectories(again, texts=TextSearch.for_run(again, tokenizer)).equals(got)
+    finally:
+        fs.rm(root, recursive=True)
