@@ -254,7 +254,17 @@ class Proxy:
     ) -> web.StreamResponse:
         start = time.time_ns()
         status = reason = None
-        if traj.replay is not None and self.replay is not None:
+        if traj.replay is not None and traj.replay.source is None and self.replay is not None:
+            if self.replay.cassette.on_diverge == "fail":
+                what = (
+                    f"no trajectory {traj.key}"
+                    if traj.explicit
+                    else "no trajectory that starts with this call"
+                )
+                return error_response(
+                    409, f"rlreplay proxy: the recording holds {what}", "rlreplay_divergence"
+                )
+        elif traj.replay is not None and self.replay is not None:
             played = self.replay.play(traj.replay, name, body)
             if played.served:
                 record = played.output
