@@ -269,12 +269,12 @@ class Proxy:
             if played.served:
                 record = played.output
                 prompt_ids = self.replay.recorded_prompt_ids(traj.key, traj.replay)
-                response = await self._serve(request, record, traj)
+                # joined before the answer ends: the client's next call may come at once
                 self.trajectories.record(
                     traj, name, _inputs(body, prompt_ids), record, start, time.time_ns(), SERVED
                 )
                 self.trajectories.continues(traj, route, body, record)
-                return response
+                return await self._serve(request, record, traj)
             if played.reason is not None:
                 status, reason = DIVERGED, played.reason
             if played.error is not None:
@@ -372,7 +372,6 @@ class Proxy:
                         await out.write(written)
             if added and buffer:
                 await out.write(buffer)
-            await out.write_eof()
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
             error = exc  # the upstream or the client went away: what came is recorded
         found = answer.generated()
@@ -382,8 +381,10 @@ class Proxy:
         self.trajectories.record(
             traj, name, _inputs(body, found.prompt_ids), record, start, time.time_ns(), status, reason
         )
-        if error is None:
+        if error is None:  # joined before the stream ends: the client's next call may come at once
             self.trajectories.continues(traj, route, body, record)
+            with contextlib.suppress(OSError, ConnectionError):
+                await out.write_eof()
         return out
 
     @staticmethod
