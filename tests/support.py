@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def qwen_tokenizer_dir() -> Path:
@@ -112,6 +113,19 @@ def grep_truth(texts: dict[str, tuple[list[str], str]], pattern: str) -> set[str
 
     rx = re.compile(pattern, re.M)
     return {tid for tid, (pieces, _) in texts.items() if any(rx.search(t) for t in pieces)}
+
+
+def memory_store_copy(run_dir: Path, name: str) -> tuple[str, Any]:
+    """``run_dir`` copied onto fsspec's in-memory filesystem (reached through pyarrow.fs, as an object
+    store is): its URI, and a function that removes it."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    root = f"/stores/{name}"
+    for path in sorted(run_dir.rglob("*")):
+        if path.is_file():
+            fs.pipe_file(f"{root}/{path.relative_to(run_dir).as_posix()}", path.read_bytes())
+    return f"memory://{root.lstrip('/')}", lambda: fs.rm(root, recursive=True)
 
 
 def run_without(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from support import grep_truth, qwen_tokenizer_dir, searched_texts
+from support import grep_truth, memory_store_copy, qwen_tokenizer_dir, searched_texts
 
 from rlreplay.cli.main import main
 
@@ -168,21 +168,13 @@ def test_a_run_of_agent_spans_alone_is_searched_in_their_responses(tmp_path: Pat
 
 def test_a_run_on_an_object_store_is_searched_as_its_folder(truth, tmp_path: Path, monkeypatch) -> None:
     """The run copied onto fsspec's in-memory filesystem (read as an object store is): the same rows."""
-    import fsspec
-
     from rlreplay.read.open import open_run
+    from rlreplay.read.search import TextSearch
     from rlreplay.read.selection import Selection
 
     monkeypatch.setenv("RLREPLAY_CACHE", str(tmp_path / "read-cache"))
-    fs = fsspec.filesystem("memory")
-    root = f"/stores/{tmp_path.name}"
-    for path in sorted(RUN.rglob("*")):
-        if path.is_file():
-            fs.pipe_file(f"{root}/{path.relative_to(RUN).as_posix()}", path.read_bytes())
+    uri, remove = memory_store_copy(RUN, tmp_path.name)
     try:
-        from rlreplay.read.search import TextSearch
-
-        uri = f"memory://{root.lstrip('/')}"
         tokenizer = str(RUN / "tokenizer.json")  # the run's, which the read cache does not fetch
         run = open_run(uri)
         selection = Selection(grep="error", step="1..2")
@@ -192,4 +184,4 @@ def test_a_run_on_an_object_store_is_searched_as_its_folder(truth, tmp_path: Pat
         again = open_run(uri)  # from the kept texts
         assert selection.trajectories(again, texts=TextSearch.for_run(again, tokenizer)).equals(got)
     finally:
-        fs.rm(root, recursive=True)
+        remove()
