@@ -83,8 +83,9 @@ def replay_command(
         typer.Option(
             "--on-diverge",
             metavar="WHAT",
-            help="When a served call's inputs differ from the recording: live (run it and the rest "
-            "of its trajectory live) or fail (the call raises).",
+            help="When a call cannot be served from the recording (other inputs, an output not kept as "
+            "the op returned it, a source that cannot be read): live (run it and the rest of its "
+            "trajectory live) or fail (the call raises, and the command exits 1).",
         ),
     ] = "live",
     match_on: Annotated[
@@ -111,7 +112,9 @@ def replay_command(
     """Run CMD against a recording.
 
     CMD runs exactly as record runs it, with the model calls (or tools, or whole agent loops) of
-    the selected trajectories of SOURCE_RUN served from the recording instead of run.
+    the selected trajectories of SOURCE_RUN served from the recording instead of run: each
+    served value is what the op returned, bit for bit, or the call is not served and the
+    trajectory's replay_reason says why.
     """
     from rlreplay.cli.record import record_run
     from rlreplay.errors import RlreplayError

@@ -9,7 +9,8 @@ Config (a dict, or JSON as the one argument): ``steps``, ``samples``, ``rollouts
 ``parser`` (``"v1"`` or ``"v2"``), ``changes`` (``"step:sample:rollout:call"`` -> another seed for
 that model call), ``extra`` and ``skip`` (lists of ``[step, sample, rollout]``), ``tool_seed``,
 ``tool_shape`` (more keys of every tool reply, e.g. a ``__type__``),
-``spawn`` (each step in its own process), ``remove`` (a run directory or URI deleted before the
+``spawn`` (each step in its own process), ``exit_zero`` (exit 0 even when a trajectory
+raised), ``remove`` (a run directory or URI deleted before the
 first trajectory: a replay's source going away while the replay runs).
 """
 
@@ -190,7 +191,7 @@ def _main(config: dict[str, Any]) -> None:
     result = run_job(config)
     errors = [k for k, v in result.items() if isinstance(v, Exception)]
     print(f"{len(result)} trajectories, {len(errors)} errors", file=sys.stderr)
-    if errors:
+    if errors and not config.get("exit_zero"):
         sys.exit(1)
 
 

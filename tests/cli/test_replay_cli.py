@@ -280,3 +280,16 @@ def test_the_summary_names_the_source_as_given_and_a_few_ids(tmp_path: Path) -> 
     shown = line.split("8 source trajectories never asked for (", 1)[1].rstrip(")")
     ids = shown.split(", ... ")[0].split(", ")
     assert len(ids) == 5 and set(ids) <= set(never) and shown.endswith(", ... 3 more")
+
+
+@pytest.mark.parametrize(("on_diverge", "code"), [("live", 0), ("fail", 1)])
+def test_under_fail_a_divergence_is_the_exit_code_even_when_the_job_swallows_it(
+    tmp_path: Path, on_diverge: str, code: int
+) -> None:
+    source = recorded(tmp_path, PLAIN)
+    config = {**PLAIN, "tool_seed": 1, "exit_zero": True}  # another tool reply: 2nd model calls differ
+    args = ("replay", str(source), "--on-diverge", on_diverge, "--out", str(tmp_path / "new"))
+    proc = cli(tmp_path, *args, "--", *job(config))
+    assert proc.returncode == code, proc.stderr
+    diverged = [r for r in ls_rows(tmp_path / "new").values() if r["replay"] == "diverged"]
+    assert diverged and f"{len(diverged)} trajectories diverged" in summary_lines(proc.stderr)[0]
