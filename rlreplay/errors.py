@@ -72,6 +72,10 @@ class ReplayDivergence(RlreplayError):
     could not be read."""
 
 
+class ProxyError(RlreplayError):
+    """A proxy that cannot start or a request it cannot take: bad upstream URL, port in use, bad keys."""
+
+
 class UploadError(RlreplayError):
     """A failure that stops the whole upload (bad credentials, unknown project): one clear line."""
 
