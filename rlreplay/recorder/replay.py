@@ -211,8 +211,10 @@ class Cassette:
         return [t.id for k, t in self.trajectories.items() if k not in self.asked]
 
     def play(self, state: TrajectoryReplay, kind: str, name: str, inputs: Any) -> Played:
-        """Serve a call of ``state``'s trajectory from the recording; ``inputs`` as the recording's
-        JSON form has them (``rlreplay.format.payload.to_payload(value)[0]``)."""
+        """Serve a call of ``state``'s trajectory from the recording. ``inputs``: the call's
+        arguments as values (a dict of them); they are matched in the form the recording keeps
+        them (``rlreplay.format.payload.to_payload``: redacted, markers, an op's ``__type__`` dicts
+        wrapped)."""
         if state.unsaid:  # its source could not be read: said by its first served call
             state.unsaid = False
             return self._diverged(state, state.reason or "")
@@ -221,7 +223,7 @@ class Cassette:
         k = state.calls.get(kind, 0)
         state.calls[kind] = k + 1
         recording = self.recording
-        call = Call(kind, name, comparable(inputs, recording.volatile_keys), k)
+        call = Call(kind, name, comparable(payload.to_payload(inputs)[0], recording.volatile_keys), k)
         recorded = state.source.ops.get(kind, [])
         if self._by_position:  # only the op at the call's position can match
             candidates = recorded[k : k + 1]
@@ -283,7 +285,7 @@ class Cassette:
         bound = meta.bind(args, kwargs)
         if meta.reduce_inputs is not None:  # as the recording kept them
             bound = meta.reduce_inputs(bound)
-        played = self.play(state, meta.kind, meta.name, payload.to_payload(bound)[0])
+        played = self.play(state, meta.kind, meta.name, bound)
         if played.served:
             return played, self._served_mark(meta)
         if played.reason is not None:
