@@ -12,7 +12,7 @@ recorded op serves a call, the trajectory has *diverged*, for the reason given: 
 (``divergences``). A source that cannot be read (in full) serves nothing it cannot vouch for: the
 trajectories it may hold diverge at their first served call, and ``problems`` says why.
 
-A :class:`Cassette` takes plain calls (kind, name, inputs as JSON values: :meth:`Cassette.play`), so
+A :class:`Cassette` takes plain calls (kind, name, the call's arguments: :meth:`Cassette.play`), so
 that anything answering calls from a recording uses it; the recorder's wrapper binds a call's
 arguments first (:meth:`Cassette.serve`). The recorder's hot path pays one check of a module
 global when no replay is on.
