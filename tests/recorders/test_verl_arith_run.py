@@ -144,13 +144,14 @@ def test_agent_loop_outputs_are_recorded_as_run_returned_them_and_served_so() ->
     run = rlreplay.open_run(RUN)
     rows = run.trajectories().to_pylist()
     trajs = run.load([r["id"] for r in rows])
-    outputs = [s.output for t in trajs for s in t.spans if s.kind == "agent"]
-    assert len(outputs) == len(rows)
-    assert all(not added & set(o["extra_fields"]) and o["reward_score"] is None for o in outputs)
+    spans = [s for t in trajs for s in t.spans if s.kind == "agent"]
+    assert len(spans) == len(rows)
+    assert all(not added & set(s.output["extra_fields"]) and s.output["reward_score"] is None for s in spans)
     assert all(r["reward"] is not None for r in rows)  # from verl's reward loop, joined by the driver
     adapter = VerlAdapter()
-    for output in outputs:
-        served = adapter.rebuild_output("agent_loop", "agent", output)
+    for span in spans:
+        output = span.output
+        served = adapter.rebuild_output("agent_loop", "agent", output, span.output_type)
         assert isinstance(served, AgentLoopOutput)
         assert served.reward_score is None and served.extra_fields == output["extra_fields"]
         assert served.response_ids == output["response_ids"] and served.prompt_ids == output["prompt_ids"]
@@ -175,7 +176,7 @@ def test_an_output_recorded_after_post_processing_is_served_without_it() -> None
             "reward_extra_info": {"acc": 1.0},
         },
     }
-    served = VerlAdapter().rebuild_output("agent_loop", "agent", late)
+    served = VerlAdapter().rebuild_output("agent_loop", "agent", late, None)  # no type record then
     assert served.reward_score is None and served.extra_fields == returned["extra_fields"]
     assert EXTRA_FIELD in late["extra_fields"]  # the recorded value itself is left as it was
 
@@ -193,5 +194,6 @@ def test_a_reward_the_agent_loop_returned_itself_is_served() -> None:
         "reward_score": 0.5,
         "extra_fields": {"reward_extra_info": {"acc": 1.0}},
     }
-    served = VerlAdapter().rebuild_output("agent_loop", "agent", output)
+    recorded_as = {"": "verl.experimental.agent_loop.agent_loop.AgentLoopOutput"}
+    served = VerlAdapter().rebuild_output("agent_loop", "agent", output, recorded_as)
     assert served.reward_score == 0.5 and served.extra_fields == {"reward_extra_info": {"acc": 1.0}}
