@@ -148,6 +148,8 @@ def test_agent_loop_outputs_are_recorded_as_run_returned_them_and_served_so() ->
     assert len(spans) == len(rows)
     assert all(not added & set(s.output["extra_fields"]) and s.output["reward_score"] is None for s in spans)
     assert all(r["reward"] is not None for r in rows)  # from verl's reward loop, joined by the driver
+    types = {(s.output_type or {}).get("", "").rsplit(".", 1)[-1] for s in spans}
+    assert types == {"AgentLoopOutput"}  # each output recorded with the type it had
     adapter = VerlAdapter()
     for span in spans:
         output = span.output
