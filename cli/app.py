@@ -273,6 +273,14 @@ def open_run_arg(run: Path | None, positional: Path | None = None):
     return open_run(chosen)
 
 
+#: warnings this process has printed (a command that reports again prints only what is new)
+_reported: set[str] = set()
+
+
 def report_warnings(run) -> None:
-    for message in run.warnings:
-        print(f"rlreplay: warning: {message}", file=sys.stderr)
+    """A reading command's warnings not printed yet, and the line saying the run could not be read
+    in full."""
+    for message in run.notes():
+        if message not in _reported:
+            _reported.add(message)
+            print(f"rlreplay: warning: {message}", file=sys.stderr)

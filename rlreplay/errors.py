@@ -49,6 +49,12 @@ class FormatError(RlreplayError):
     """A file that rlreplay cannot read: foreign, corrupt, or from a newer format."""
 
 
+class DamagedFileError(FormatError, ValueError):
+    """A file whose bytes no longer match the checksums written with it: refused, never read as
+    other values (``rlreplay recover`` sets it aside, keeping what still matches). A ValueError
+    too, as the errors of the file readers it stands beside."""
+
+
 class UnsafePathError(FormatError):
     """A path inside a run that resolves outside it (a symlink): rlreplay never writes or deletes there."""
 

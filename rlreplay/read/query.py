@@ -13,10 +13,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from rlreplay.errors import FormatError, QueryError
+from rlreplay.errors import QueryError
 from rlreplay.format.index import merged
 from rlreplay.format.keys import KEYS
-from rlreplay.format.schema import SPAN_SCHEMA, file_version
+from rlreplay.format.schema import SPAN_SCHEMA
 from rlreplay.read.selection import Selection
 from rlreplay.read.where import (
     connect,
@@ -58,16 +58,9 @@ def _spans_table(run: Any) -> Any:
     """The run's span rows as an Arrow dataset: sealed files scanned lazily (format 1 files get
     the format 2 columns as nulls), live files read."""
     import pyarrow.dataset as ds
-    import pyarrow.parquet as pq
 
     sealed, partials = run.span_files(fetch=True)  # a run on an object store: into its cache first
-    good = []
-    for path in sealed:
-        try:
-            file_version(pq.read_schema(path), "file")
-            good.append(str(path))
-        except (pa.ArrowException, OSError, FormatError) as exc:
-            run.warn(f"skipped unreadable file {path.relative_to(run.path)}: {one_line(exc)}")
+    good = [str(path) for path in run.whole_shards(sealed)]  # checksums verified first
     parts = [ds.dataset(good, schema=SPAN_SCHEMA, format="parquet")] if good else []
     live = [t for t in (run.file_rows(path) for path in partials) if t is not None]
     if live:
