@@ -220,9 +220,12 @@ def _flagged(opened: Any, table: Any, names: str) -> Any:
     from rlreplay.audit import engine
     from rlreplay.format import arrow_ops as ops
 
-    report = engine.audit(opened, table, engine.choose(names, engine.available()))
+    broken: dict[str, str] = {}
+    report = engine.audit(opened, table, engine.choose(names, engine.available(broken), broken))
     for name, why in report.skipped.items():
         print(f"rlreplay: note: {name} skipped: {why}", file=sys.stderr)
+    for name, why in report.failed.items():
+        fail(f"--finding: check {name} failed: {why}")
     ids = pa.array(sorted(engine.finding_ids(report, table)), type=pa.string())
     return ops.filter(table, ops.is_in(table["id"], ids))
 
