@@ -16,6 +16,10 @@ class CliError(RlreplayError):
     """Bad input on the command line (an option's value, a missing argument)."""
 
 
+class CommandNotStarted(CliError):
+    """The command given to ``record`` could not be started (not found, not executable)."""
+
+
 class RunError(RlreplayError):
     """Bad input when reading a run: a missing run, an unknown or ambiguous id, a bad filter."""
 
