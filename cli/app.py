@@ -6,6 +6,7 @@ import functools
 import inspect
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
@@ -273,14 +274,15 @@ def open_run_arg(run: Path | None, positional: Path | None = None):
     return open_run(chosen)
 
 
-#: warnings this process has printed (a command that reports again prints only what is new)
-_reported: set[str] = set()
+#: the warnings printed of each run (a command that reports again prints only what is new)
+_reported: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 
 
 def report_warnings(run) -> None:
     """A reading command's warnings not printed yet, and the line saying the run could not be read
     in full."""
+    printed = _reported.setdefault(run, set())
     for message in run.notes():
-        if message not in _reported:
-            _reported.add(message)
+        if message not in printed:
+            printed.add(message)
             print(f"rlreplay: warning: {message}", file=sys.stderr)

@@ -36,44 +36,39 @@ def _rows(
     rng = rng or np.random.default_rng(first)
     rows = []
     for t in range(first, first + count):
-        tid = f"{t:032x}"
         ids = rng.integers(0, 150_000, ids_per_span).tolist()
+        same = {
+            "trajectory_id": f"{t:032x}",
+            "worker": "w0",
+            "experiment": "integrity",
+            "validate": t % 4 == 0,
+            "step": STEP,
+            "sample_index": t // 2,
+            "rollout_n": t % 2,
+        }
+        root = {"span_id": f"{t:08x}00000000", "name": "agent_loop", "kind": "trajectory"}
         rows.append(
             {
-                "trajectory_id": tid,
-                "span_id": f"{t:08x}00000000",
-                "name": "agent_loop",
-                "kind": "trajectory",
+                **same,
+                **root,
                 "start_ns": 1_000 * t,
                 "end_ns": 1_000 * t + 900,
                 "status": "error" if t % 3 == 2 else "ok",
                 "error": "ValueError: boom" if t % 3 == 2 else None,
-                "worker": "w0",
-                "experiment": "integrity",
-                "validate": t % 4 == 0,
-                "step": STEP,
-                "sample_index": t // 2,
-                "rollout_n": t % 2,
                 "reward": None if t % 3 == 1 else t / 10,
                 "attributes": json.dumps({"who": f"t{t}"}),
             }
         )
         rows.append(
             {
-                "trajectory_id": tid,
+                **same,
                 "span_id": f"{t:08x}00000001",
-                "parent_id": f"{t:08x}00000000",
+                "parent_id": root["span_id"],
                 "name": "generate",
                 "kind": "llm",
                 "start_ns": 1_000 * t + 100,
                 "end_ns": 1_000 * t + 800,
                 "status": "ok",
-                "worker": "w0",
-                "experiment": "integrity",
-                "validate": t % 4 == 0,
-                "step": STEP,
-                "sample_index": t // 2,
-                "rollout_n": t % 2,
                 "num_tokens": ids_per_span,
                 "inputs": json.dumps({"prompt": f"question {t}"}),
                 "output": json.dumps({"token_ids": {"__type__": "tokens", "dtype": "int32", "n": len(ids)}}),
