@@ -647,6 +647,9 @@ class Soak:
                     w.killed = True
                     self.replace(slot)
             time.sleep(0.5)
+        if self.store is None and not self.args.no_flips and not self.flipped:
+            with contextlib.suppress(Exception):  # a short soak whose deck never reached a flip
+                self.fault_flip()
         (self.state / STOP_FILE).touch()
         self.phase("stopping")
         self.stop.set()
