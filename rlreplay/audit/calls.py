@@ -336,7 +336,8 @@ TOOL_ERROR = Check(
     "tool_error",
     OVER_TRAJECTORIES,
     LEVEL_TRAJECTORY,
-    "a tool call that raised, or returned an error (text beginning with error/exception/traceback)",
+    "a tool call that raised, or whose result says it failed (an error, ok or success false, or a "
+    "response text beginning with error/exception/traceback): the listing's tool_errors, counted alike",
     tool_error,
     span_kinds=(KIND_TOOL,),
 )

@@ -19,12 +19,13 @@ import numpy as np
 import pyarrow as pa
 
 from rlreplay.format import arrays as token_arrays
-from rlreplay.format import payload
+from rlreplay.format import payload, tool_errors
 from rlreplay.format import redact as redaction
 from rlreplay.format.keys import key_value
 from rlreplay.format.schema import (
     KIND_AGENT,
     KIND_SIGNALS,
+    KIND_TOOL,
     KIND_TRAJECTORY,
     SIGNAL_COLUMNS,
     SPAN_SCHEMA,
@@ -265,7 +266,8 @@ def _encode_row(
         if out is not None:
             output_data, output_tokens = payload.to_payload(out, issues, kinds)
             num_tokens += output_tokens
-        error = None
+        # a tool call that returned a failure: why, as every reader counts it (its status stays ok)
+        error = tool_errors.returned_error(output_data) if meta.kind == KIND_TOOL else None
         if meta.reward is not None:
             reward = as_reward(_reduce(meta, "reward", meta.reward, result, problems))
         elif isinstance(output_data, dict):
