@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from rlreplay.cli.app import fail
+from rlreplay.cli.app import MAX_SECONDS, fail
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DEFAULT_FRAMEWORK = "verl"
@@ -27,7 +27,11 @@ FrameworkOption = Annotated[
 GraceOption = Annotated[
     float,
     typer.Option(
-        "--grace", min=0, metavar="SECONDS", help="Seconds to wait for worker processes to seal their files."
+        "--grace",
+        min=0,
+        max=MAX_SECONDS,
+        metavar="SECONDS",
+        help="Seconds to wait for worker processes to seal their files.",
     ),
 ]
 

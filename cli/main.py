@@ -11,6 +11,9 @@ import typer
 
 from rlreplay.cli.app import EXIT_BAD_INPUT, CliError, app
 
+#: The exit code of a command stopped by Ctrl-C (128 + SIGINT).
+EXIT_INTERRUPTED = 130
+
 #: Each command and the module that registers it: a command imports only its own module.
 COMMANDS = {
     "ls": "browse",
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("rlreplay: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         return 0
     except Exception as exc:
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             return int(getattr(exc, "exit_code", 0) or 0)
         if kind == "Abort":
             print("rlreplay: aborted", file=sys.stderr)
-            return 130
+            return EXIT_INTERRUPTED
         if kind == "NoArgsIsHelpError":
             print(exc.format_message(), file=sys.stderr)  # type: ignore[attr-defined]
             return EXIT_BAD_INPUT
@@ -93,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlreplay: error: {message}", file=sys.stderr)
             return EXIT_BAD_INPUT
         raise
+    given = args if argv is None else argv
+    if result == EXIT_INTERRUPTED and given and given[0] not in ("record", "replay"):
+        print("rlreplay: interrupted", file=sys.stderr)  # typer turns Ctrl-C into this code, silently
     return result if isinstance(result, int) else 0
 
 
