@@ -301,5 +301,7 @@ def open_run_arg(run: Path | None, positional: Path | None = None):
 
 
 def report_warnings(run) -> None:
+    from rlreplay.format.redact import redact_value
+
     for message in run.warnings:
-        print(f"rlreplay: warning: {message}", file=sys.stderr)
+        print(f"rlreplay: warning: {redact_value(message)}", file=sys.stderr)

@@ -56,6 +56,13 @@ def _bad_input() -> tuple[type[BaseException], ...]:
     return (CliError, *(getattr(sys.modules[m], n) for m, n in names if m in sys.modules))
 
 
+def _error(message: str) -> None:
+    """The one line of a bad input, its secrets hidden (an option's value may hold one)."""
+    from rlreplay.format.redact import redact_value
+
+    print(f"rlreplay: error: {redact_value(message)}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:]
     reading = ("ls", "audit", "show", "diff", "compare", "info", "stats", "sql", "export")
@@ -70,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = command.main(args=argv, prog_name="rlreplay", standalone_mode=False)
     except CliError as exc:
-        print(f"rlreplay: error: {exc}", file=sys.stderr)
+        _error(str(exc))
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("rlreplay: interrupted", file=sys.stderr)
@@ -79,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except Exception as exc:
         if isinstance(exc, _bad_input()):
-            print(f"rlreplay: error: {exc}", file=sys.stderr)
+            _error(str(exc))
             return EXIT_BAD_INPUT
         # typer vendors click in recent releases: match click's exceptions by their interface
         kind = type(exc).__name__
@@ -93,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_BAD_INPUT
         if hasattr(exc, "format_message"):
             message = " ".join(exc.format_message().split())
-            print(f"rlreplay: error: {message}", file=sys.stderr)
+            _error(message)
             return EXIT_BAD_INPUT
         raise
     given = args if argv is None else argv

@@ -107,6 +107,11 @@ def _plain_numbers(value: list | tuple) -> type | None:
     return cls if cls is int or (cls is float and math.isfinite(total)) else None
 
 
+#: Mapping keys found holding no secret (by the rules that need no environment variable).
+_CLEAN_KEYS: set[str] = set()
+_CLEAN_KEYS_MAX = 4096
+
+
 class _Simplifier:
     """Walks containers once, making everything orjson can take; number lists pass through whole.
 
@@ -128,6 +133,7 @@ class _Simplifier:
         self.issues = issues if issues is not None else []
         self.kinds = kinds
         self.redact = redact
+        self.env = redaction.environment_secrets() if redact else []  # looked up once per walk
         self.token_ids = 0
         self.in_items = 0  # how many lists (or sets) the walk is inside: ids count outside any
 
@@ -162,7 +168,7 @@ class _Simplifier:
         cls = type(value)
         if cls is str:
             text = value if not self.strict else self._text(value)
-            return redaction.redact_text(text) if self.redact else text
+            return redaction.redact_text(text, self.env) if self.redact and len(text) > 5 else text
         if cls is bool or value is None:
             return value
         if cls is int:
@@ -209,6 +215,11 @@ class _Simplifier:
             key = k if _plain_key(k) else "None" if k is None else _safe_repr(k)
             if self.strict and type(key) is str:
                 key = self._text(key)
+            if self.redact and type(key) is str and (self.env or key not in _CLEAN_KEYS):
+                hidden = redaction.redact_text(key, self.env)
+                if hidden is key and not self.env and len(_CLEAN_KEYS) < _CLEAN_KEYS_MAX:
+                    _CLEAN_KEYS.add(key)  # keys recur in every span: each is looked at once
+                key = hidden
             counted = self.token_ids
             new = self(v, depth + 1)
             if self.redact:

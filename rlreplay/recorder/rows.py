@@ -295,9 +295,9 @@ def _encode_row(
             prefixes.added(tid, before, index.nbytes)
     attributes = None
     if traj.attributes and (parent_id is None or meta.kind == KIND_SIGNALS):
-        attributes = payload.dumps(payload.to_jsonable(traj.attributes, issues=issues), None, issues)
+        attributes = payload.dumps(payload.to_payload(traj.attributes, issues)[0], None, issues)
     elif meta.attributes:
-        attributes = payload.dumps(payload.to_jsonable(meta.attributes, issues=issues), None, issues)
+        attributes = payload.dumps(payload.to_payload(meta.attributes, issues)[0], None, issues)
 
     keys = getattr(traj, "keys", None) or (traj.step, traj.sample_index, traj.rollout_n)
     ints, strs = [], []
