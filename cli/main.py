@@ -24,6 +24,7 @@ COMMANDS = {
     "compare": "compare",
     "diff": "diff",
     "export": "export",
+    "proxy": "proxy",
     "record": "record",
     "replay": "replay",
     "sql": "sql",

@@ -29,6 +29,7 @@ LAYERS = [
         "rlreplay.diff",
         "rlreplay.export",
         "rlreplay.playback",
+        "rlreplay.proxy",
         "rlreplay.rewrite",
         "rlreplay.ui",
     ),

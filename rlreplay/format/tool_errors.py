@@ -8,13 +8,16 @@ begins with ``error``, ``exception`` or ``traceback``. The recorder writes the r
 span's ``error`` column as the call ends (its status stays ``ok``: the call returned); readers
 judge the output of tool spans recorded before that, by this same rule.
 
-Imports nothing heavy: recording processes use it.
+Reads the JSON form of outputs (``rlreplay.format.payload``: an op's own dict with a ``__type__``
+key is unwrapped first). Imports nothing heavy: recording processes use it.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+from rlreplay.format.payload import MARKER, unwrapped
 
 #: A response text that says the call failed.
 ERROR_TEXT = re.compile(r"\s*(error|exception|traceback)\b", re.I)
@@ -27,9 +30,9 @@ _OK_KEYS = ("ok", "success")
 def output_text(output: Any) -> str | None:
     """The text a tool call returned: a string, the ``text`` (or ``content``) of a response
     mapping, or of the first item of a returned tuple (verl's ``ToolResponse``)."""
-    value = output
+    value = unwrapped(output)
     if isinstance(value, (list, tuple)) and value:
-        value = value[0]
+        value = unwrapped(value[0])
     if isinstance(value, dict):
         value = value.get("text", value.get("content"))
     return value if isinstance(value, str) else None
@@ -37,10 +40,11 @@ def output_text(output: Any) -> str | None:
 
 def _parts(output: Any) -> list[dict]:
     """The mappings a tool's result is made of: itself, or the items of a returned tuple."""
+    output = unwrapped(output)
     if isinstance(output, dict):
         return [output]
     if isinstance(output, (list, tuple)) and len(output) <= 8:
-        return [part for part in output if isinstance(part, dict)]
+        return [part for part in map(unwrapped, output) if isinstance(part, dict)]
     return []
 
 
@@ -51,7 +55,8 @@ def _short(text: str) -> str:
 
 def returned_error(output: Any) -> str | None:
     """Why a tool call's returned value says it failed (see the module docstring), or None."""
-    if isinstance(output, dict) and output.get("__type__") is not None:
+    output = unwrapped(output)  # the op's own dict that has a ``__type__`` key
+    if isinstance(output, dict) and output.get(MARKER) is not None:
         return None  # a payload marker (a value recorded in its place), not the tool's result
     text = output_text(output)
     for part in _parts(output):

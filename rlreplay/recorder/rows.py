@@ -255,6 +255,7 @@ def _encode_row(
             inputs_obj = _reduce(meta, "reduce_inputs", meta.reduce_inputs, inputs_obj, problems)
         inputs_data, num_tokens = payload.to_payload(inputs_obj, issues, kinds)
     reward = None
+    output_type: dict[str, str] | None = None  # what the JSON form does not say (replay reads it)
     if exc is not None:
         output_data: Any = _redacted(exception_data(exc))
         error = payload.safe_text(f"{output_data['type']}: {output_data['message']}")
@@ -264,8 +265,11 @@ def _encode_row(
             out = _reduce(meta, "reduce_output", meta.reduce_output, result, problems)
         output_data = None
         if out is not None:
-            output_data, output_tokens = payload.to_payload(out, issues, kinds)
+            output_type = {} if meta.kind not in (KIND_TRAJECTORY, KIND_SIGNALS) else None
+            output_data, output_tokens = payload.to_payload(out, issues, kinds, output_type)
             num_tokens += output_tokens
+            if output_type is not None and meta.reduce_output is not None:
+                output_type = {"": payload.REDUCED}
         # a tool call that returned a failure: why, as every reader counts it (its status stays ok)
         error = tool_errors.returned_error(output_data) if meta.kind == KIND_TOOL else None
         if meta.reward is not None:
@@ -294,10 +298,15 @@ def _encode_row(
             index.add(sid, arrays)
             prefixes.added(tid, before, index.nbytes)
     attributes = None
-    if traj.attributes and (parent_id is None or meta.kind == KIND_SIGNALS):
-        attributes = payload.dumps(payload.to_payload(traj.attributes, issues)[0], None, issues)
-    elif meta.attributes:
-        attributes = payload.dumps(payload.to_payload(meta.attributes, issues)[0], None, issues)
+    rooted = traj.attributes and (parent_id is None or meta.kind == KIND_SIGNALS)
+    given = traj.attributes if rooted else meta.attributes
+    if given:
+        attrs = payload.to_payload(given, issues)[0]  # secrets hidden, as in inputs and outputs
+        if output_type and isinstance(attrs, dict):
+            attrs[payload.OUTPUT_TYPE] = output_type
+        attributes = payload.dumps(attrs, None, issues)
+    elif output_type:
+        attributes = payload.dumps({payload.OUTPUT_TYPE: output_type}, None, issues)
 
     keys = getattr(traj, "keys", None) or (traj.step, traj.sample_index, traj.rollout_n)
     ints, strs = [], []
@@ -402,7 +411,7 @@ def _reduce(meta: Any, what: str, fn: Callable[[Any], Any], value: Any, problems
     except Exception as exc:
         message = payload.safe_text(f"{what} of {meta.name} raised {type(exc).__name__}: {exc}")
         problems.append(Problem(f"reduce:{meta.name}:{what}", message, counted=False))
-        return None if what == "reward" else {"__type__": "error", "error": message[:2000]}
+        return None if what == "reward" else payload.Marker(__type__="error", error=message[:2000])
 
 
 def exception_data(exc: BaseException) -> dict[str, str]:
