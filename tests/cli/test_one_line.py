@@ -25,9 +25,13 @@ VALUES = {
     "VALUE": [HUGE, "1e400", "nan"],
     "SIZE": [HUGE, "1e400"],
     "PORT": [HUGE, f"-{HUGE}"],
+    "<int>": [HUGE, f"-{HUGE}"],
+    "<float>": [HUGE, "1e400", "nan"],
 }
 #: Commands that start a job or a server: run as a process (with a deadline), not in this one.
-AS_PROCESS = {"record", "replay", "ui"}
+AS_PROCESS = {"record", "replay", "ui", "proxy"}
+#: Commands that serve until stopped: still running after a while means the value was taken.
+SERVERS = {"ui", "proxy"}
 
 
 def numeric_options() -> list[tuple[str, str, str]]:
@@ -75,6 +79,7 @@ def base(command: str, runs: dict[str, Path], tmp: Path) -> list[str]:
         "record": ["record", "--out", str(tmp / "recorded"), "--", *py],
         "ui": ["ui", a, "--port", "0"],
         "sql": ["sql", a, "SELECT count(*) FROM trajectories"],
+        "proxy": ["proxy", "--upstream", "http://127.0.0.1:9", "--port", "0", "--out", str(tmp / "proxied")],
     }[command]
 
 
@@ -99,12 +104,12 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str], tmp: Path) -> t
         cwd=tmp,
     )
     try:
-        _, err = proc.communicate(timeout=10 if argv[0] == "ui" else 120)
+        _, err = proc.communicate(timeout=10 if argv[0] in SERVERS else 120)
         return proc.returncode, err
     except subprocess.TimeoutExpired:  # the value was taken: the server runs
         proc.terminate()
         out, err = proc.communicate(timeout=30)
-        assert argv[0] == "ui" and "rlreplay ui: http://" in out, out + err
+        assert argv[0] in SERVERS and "http://" in out + err, out + err
         return 0, err
 
 
