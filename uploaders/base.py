@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import orjson
 
 from rlreplay.errors import RequestTimeout, RunError, UploadError  # noqa: F401 - backends import it from here
+from rlreplay.format.redact import redact_value
 
 LEDGER_DIR = "_uploads"
 
@@ -211,7 +212,8 @@ class Ledger:
             return
         if not self.path.exists():  # the first success: the ledger begins with its target
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            lines.insert(0, orjson.dumps({"target": self.target, "created_at": now}) + b"\n")
+            shown = redact_value(self.target)  # a server's address may hold a password
+            lines.insert(0, orjson.dumps({"target": shown, "created_at": now}) + b"\n")
         with open(self.path, "ab") as f:
             f.write(b"".join(lines))
             f.flush()
