@@ -9,8 +9,14 @@ from typing import Annotated, Any
 import typer
 
 from rlreplay.cli.app import app, fail
+from rlreplay.cli.launch import (
+    DEFAULT_MATCH_ON,
+    DEFAULT_ON_DIVERGE,
+    MatchOnOption,
+    OnDivergeOption,
+    OutOption,
+)
 from rlreplay.errors import install_hint
-from rlreplay.recorder.matchers import DEFAULT_MATCH_ON
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -42,15 +48,7 @@ def proxy_command(
             help="The inference server (vLLM, SGLang, any OpenAI-compatible one), e.g. http://127.0.0.1:8000.",
         ),
     ] = None,
-    out: Annotated[
-        str | None,
-        typer.Option(
-            "--out",
-            "-o",
-            metavar="RUN",
-            help="Run to record into: a directory or s3://... (default: ./rlreplay-runs/<time>-proxy).",
-        ),
-    ] = None,
+    out: OutOption = None,
     port: Annotated[int, typer.Option("--port", "-p", help="Port to listen on (0: any free one).")] = 8100,
     host: Annotated[
         str, typer.Option("--host", help="Address to listen on (loopback unless told otherwise).")
@@ -59,24 +57,8 @@ def proxy_command(
         str | None,
         typer.Option("--replay", metavar="RUN", help="Answer calls from this recorded proxy run."),
     ] = None,
-    on_diverge: Annotated[
-        str,
-        typer.Option(
-            "--on-diverge",
-            metavar="WHAT",
-            help="A call the recording does not hold (replay): live (the upstream answers it and the "
-            "rest of its trajectory) or fail (HTTP 409 with the reason).",
-        ),
-    ] = "live",
-    match_on: Annotated[
-        str,
-        typer.Option(
-            "--match-on",
-            metavar="MATCHERS",
-            help="What a call must share with its recorded one to be served (replay): position, name, "
-            "inputs.",
-        ),
-    ] = ",".join(DEFAULT_MATCH_ON),
+    on_diverge: OnDivergeOption = DEFAULT_ON_DIVERGE,
+    match_on: MatchOnOption = DEFAULT_MATCH_ON,
     experiment: Annotated[
         str | None, typer.Option("--experiment", "-e", help="Experiment name of the recorded run.")
     ] = None,

@@ -9,8 +9,16 @@ from typing import Annotated, Any
 import typer
 
 from rlreplay.cli.app import TokenizerOption, app, fail, selection_options
-from rlreplay.cli.launch import DEFAULT_FRAMEWORK, FrameworkOption, GraceOption
-from rlreplay.recorder.matchers import DEFAULT_MATCH_ON
+from rlreplay.cli.launch import (
+    DEFAULT_FRAMEWORK,
+    DEFAULT_MATCH_ON,
+    DEFAULT_ON_DIVERGE,
+    FrameworkOption,
+    GraceOption,
+    MatchOnOption,
+    OnDivergeOption,
+    OutOption,
+)
 
 
 @dataclass
@@ -57,30 +65,9 @@ def replay_command(
             "--serve", metavar="KINDS", help="What is served from the recording: llm, llm,tool or agent."
         ),
     ] = "llm",
-    on_diverge: Annotated[
-        str,
-        typer.Option(
-            "--on-diverge",
-            metavar="WHAT",
-            help="When a served call's inputs differ from the recording: live (run it and the rest "
-            "of its trajectory live) or fail (the call raises).",
-        ),
-    ] = "live",
-    match_on: Annotated[
-        str,
-        typer.Option(
-            "--match-on",
-            metavar="MATCHERS",
-            help="What a call must share with its recorded op to be served: position (the k-th call "
-            "of its kind), name, inputs (per-call ids aside).",
-        ),
-    ] = ",".join(DEFAULT_MATCH_ON),
-    out: Annotated[
-        str | None,
-        typer.Option(
-            "--out", "-o", metavar="RUN", help="New run directory (default: ./rlreplay-runs/<time>-<name>)."
-        ),
-    ] = None,
+    on_diverge: OnDivergeOption = DEFAULT_ON_DIVERGE,
+    match_on: MatchOnOption = DEFAULT_MATCH_ON,
+    out: OutOption = None,
     tokenizer: TokenizerOption = None,
     framework: FrameworkOption = DEFAULT_FRAMEWORK,
     grace: GraceOption = 15.0,
