@@ -15,16 +15,28 @@ from rlreplay.cli.app import fail
 from rlreplay.recorder.matchers import DEFAULT_MATCH_ON as MATCHERS_BY_DEFAULT
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-DEFAULT_FRAMEWORK = "verl"
+#: ``--framework auto``: the run names ``verl`` when the job traced through verl's rollout tracing
+#: (``rlreplay.recorders.verl`` writes it), else ``generic``.
+AUTO_FRAMEWORK = "auto"
+DEFAULT_FRAMEWORK = AUTO_FRAMEWORK
 
 FrameworkOption = Annotated[
     str,
     typer.Option(
         "--framework",
         metavar="NAME",
-        help="Framework adapter (entry-point group rlreplay.adapters): verl, generic, ...",
+        help="Framework adapter (entry-point group rlreplay.adapters): verl, generic, ...; "
+        "auto (default): verl when the job traces through verl, else generic.",
     ),
 ]
+
+
+def argv_framework(framework: str) -> str:
+    """The adapter that reads the command line: verl's Hydra overrides under ``auto``."""
+    name = framework.strip().lower()
+    return "verl" if name == AUTO_FRAMEWORK else name
+
+
 GraceOption = Annotated[
     float,
     typer.Option(
@@ -47,9 +59,10 @@ OnDivergeOption = Annotated[
     typer.Option(
         "--on-diverge",
         metavar="WHAT",
-        help="A call that differs from the recording: live (it and the rest of its trajectory run "
-        "live; through the proxy, the upstream answers) or fail (the call fails; through the proxy, "
-        "HTTP 409 with the reason).",
+        help="When a call cannot be served from the recording (other inputs, an output not kept as "
+        "the op returned it, a source that cannot be read): live (it and the rest of its trajectory "
+        "run live; through the proxy, the upstream answers) or fail (the call raises, and replay "
+        "exits 1; through the proxy, HTTP 409 with the reason).",
     ),
 ]
 MatchOnOption = Annotated[
