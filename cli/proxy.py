@@ -62,6 +62,15 @@ def proxy_command(
     experiment: Annotated[
         str | None, typer.Option("--experiment", "-e", help="Experiment name of the recorded run.")
     ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            "--tokenizer",
+            metavar="PATH",
+            help="The served model's tokenizer (a local directory or a hub name), named in the run so "
+            "that show, audit and the UI read its token ids as text.",
+        ),
+    ] = None,
     idle_close: Annotated[
         float,
         typer.Option(
@@ -92,7 +101,9 @@ def proxy_command(
         fail(f"--port {port}: not a port number (0 to 65535)")
     if idle_close <= 0:
         fail(f"--idle-close {idle_close}: give a number of seconds above 0")
-    return run_proxy(upstream, out, port, host, replay, on_diverge, match_on, experiment, idle_close)
+    return run_proxy(
+        upstream, out, port, host, replay, on_diverge, match_on, experiment, idle_close, tokenizer
+    )
 
 
 def run_proxy(
@@ -105,6 +116,7 @@ def run_proxy(
     match_on: str,
     experiment: str | None,
     idle_close: float,
+    tokenizer: str | None = None,
 ) -> int:
     import asyncio
 
@@ -134,6 +146,8 @@ def run_proxy(
             fail(str(exc))
     command = ["rlreplay", "proxy", *sys.argv[2:]] if sys.argv[1:2] == ["proxy"] else ["rlreplay", "proxy"]
     extra: dict[str, Any] = {"framework": "proxy", "proxy": {"upstream": location.redact(upstream or "")}}
+    if tokenizer is not None:  # the model's tokenizer, for reading the recorded ids as text
+        extra["tokenizer"] = tokenizer
     if config is not None:
         extra["replay"] = config.record()
     uri = location.as_uri(out)

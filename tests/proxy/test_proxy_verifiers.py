@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from support import rlreplay_cli
 
@@ -121,7 +122,9 @@ def streamed_text(stream: list[Any]) -> str:
 def test_vf_eval_recorded_through_the_proxy_replays_with_the_server_gone(
     model_server: str, start_proxy: Any, tmp_path: Path
 ) -> None:
-    recording = start_proxy("--upstream", model_server, "--out", "recorded")
+    # the served model's tokenizer (vLLM's model card names its folder): show and audit read ids as text
+    tokenizer = httpx.get(f"{model_server}/v1/models").json()["data"][0]["root"]
+    recording = start_proxy("--upstream", model_server, "--out", "recorded", "--tokenizer", tokenizer)
     episodes = vf_eval(recording.url, tmp_path, "vf-recorded")
     assert recording.stop() == 0, recording.stderr
     assert len(episodes) == TASKS
@@ -148,6 +151,16 @@ def test_vf_eval_recorded_through_the_proxy_replays_with_the_server_gone(
     assert sorted(span_finish) == finish_reasons
     stored = b"".join(p.read_bytes() for p in (tmp_path / "recorded").rglob("*") if p.is_file())
     assert KEY.encode() not in stored
+
+    # the run reads like any other: the audit finds each answer cut by its length limit
+    audited = rlreplay_cli("audit", "recorded", cwd=tmp_path)
+    cut = finish_reasons.count("length")
+    assert audited.returncode == (1 if cut else 0), audited.stderr
+    assert f"audited {2 * TASKS} trajectories" in audited.stdout
+    lines = {line.split()[0]: line.split()[1:] for line in audited.stdout.splitlines()[1:12] if line.strip()}
+    assert lines["truncated"][0] == str(cut) and lines["garbled"][1:] == ["findings"]
+    shown = rlreplay_cli("show", "recorded", run.trajectories()["id"][0].as_py(), cwd=tmp_path)
+    assert shown.returncode == 0 and "no tokenizer" not in shown.stdout + shown.stderr
 
     # the same eval against the recording alone: no --upstream, the server cannot be reached
     replay = start_proxy("--replay", "recorded", "--out", "replayed", "--on-diverge", "fail")
