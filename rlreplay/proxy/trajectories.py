@@ -420,7 +420,8 @@ class Trajectories:
     # -- signals --------------------------------------------------------------------------------------
 
     def signals(self, data: dict[str, Any]) -> str:
-        """Record rewards/advantages posted for a trajectory (by ``trajectory_id`` or by its keys);
+        """Record rewards/advantages (and an ``output``, such as the trainer's per-token
+        ``old_log_probs``) posted for a trajectory (by ``trajectory_id`` or by its keys);
         closes it first when it is open. Returns its id; raises ProxyError when none matches."""
         names = {k: data[k] for k in _KEY_NAMES if k in data}
         trajectory_id = data.get("trajectory_id")
@@ -444,6 +445,8 @@ class Trajectories:
         key = key or TrajectoryKey()
         values = {k: data.get(k) for k in ("reward", "advantage") if data.get(k) is not None}
         attributes = data.get("attributes") if isinstance(data.get("attributes"), dict) else None
+        # e.g. the trainer's per-token log-probs: {"old_log_probs": [...]}, one per response token
+        output = data.get("output") if isinstance(data.get("output"), dict) else None
         ok = record_signals(
             str(trajectory_id),
             step=key.step,
@@ -451,6 +454,7 @@ class Trajectories:
             rollout_n=key.rollout_n,
             validate=key.validate,
             attributes=attributes,
+            output=output,
             root_span_id=root,
             **values,
         )
