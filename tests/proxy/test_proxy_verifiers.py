@@ -12,16 +12,18 @@ so nothing is downloaded.
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from support import rlreplay_cli
+from support import free_port, rlreplay_cli
 
 from rlreplay.read.open import open_run
 from rlreplay.read.replays import replay_rows
@@ -119,6 +121,31 @@ def streamed_text(stream: list[Any]) -> str:
     return "".join(parts)
 
 
+def ui_page(run: Path, trajectory_id: str) -> str:
+    """The web UI's page of one trajectory of ``run`` (``rlreplay ui`` as its own process), as text."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlreplay", "ui", str(run), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                home = httpx.get(f"http://127.0.0.1:{port}/", follow_redirects=True, timeout=30)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "rlreplay ui did not start"
+                time.sleep(0.3)
+        page = httpx.get(f"{home.url}t/{trajectory_id}", timeout=60)
+        assert page.status_code == 200, page.text[-2000:]
+        return html.unescape(page.text)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def test_vf_eval_recorded_through_the_proxy_replays_with_the_server_gone(
     model_server: str, start_proxy: Any, tmp_path: Path
 ) -> None:
@@ -131,7 +158,7 @@ def test_vf_eval_recorded_through_the_proxy_replays_with_the_server_gone(
 
     # one trajectory per agent's conversation, its calls in order, as verifiers saw them
     run = open_run(tmp_path / "recorded")
-    recorded = []
+    recorded = {}
     calls = 0
     finish_reasons = sorted(c["finish_reason"] for e in episodes for t in e["traces"] for c in t["calls"])
     span_finish = []
@@ -145,8 +172,8 @@ def test_vf_eval_recorded_through_the_proxy_replays_with_the_server_gone(
             span_finish.append(span.output["finish_reason"])
         last = spans[-1]
         messages = [(m["role"], m["content"]) for m in last.inputs["messages"]]
-        recorded.append((*messages, ("assistant", streamed_text(last.output["stream"]))))
-    assert sorted(recorded) == conversations(episodes)
+        recorded[traj.id] = (*messages, ("assistant", streamed_text(last.output["stream"])))
+    assert sorted(recorded.values()) == conversations(episodes)
     assert calls == sum(len(t["calls"]) for e in episodes for t in e["traces"]) == 4 * TASKS
     assert sorted(span_finish) == finish_reasons
     stored = b"".join(p.read_bytes() for p in (tmp_path / "recorded").rglob("*") if p.is_file())
@@ -159,8 +186,13 @@ def test_vf_eval_recorded_through_the_proxy_replays_with_the_server_gone(
     assert f"audited {2 * TASKS} trajectories" in audited.stdout
     lines = {line.split()[0]: line.split()[1:] for line in audited.stdout.splitlines()[1:12] if line.strip()}
     assert lines["truncated"][0] == str(cut) and lines["garbled"][1:] == ["findings"]
-    shown = rlreplay_cli("show", "recorded", run.trajectories()["id"][0].as_py(), cwd=tmp_path)
+    first = run.trajectories()["id"][0].as_py()
+    shown = rlreplay_cli("show", "recorded", first, cwd=tmp_path)
     assert shown.returncode == 0 and "no tokenizer" not in shown.stdout + shown.stderr
+    # the UI shows it as text: the trajectory's last answer, as verifiers saw it
+    said = recorded[first][-1][1].strip()
+    page = ui_page(tmp_path / "recorded", first)
+    assert said and said in page and "no tokenizer" not in page
 
     # the same eval against the recording alone: no --upstream, the server cannot be reached
     replay = start_proxy("--replay", "recorded", "--out", "replayed", "--on-diverge", "fail")
