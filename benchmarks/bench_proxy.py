@@ -4,10 +4,16 @@ forwarder (forwarding alone, the HTTP parsing floor).
 
 The upstream is a fast stand-in (it measures the proxy, not a model): an aiohttp server answering
 ``/v1/chat/completions`` as vLLM does, with a 1,000-token prompt and a 200-token answer, and token
-ids and log-probs when asked. Each party runs in its own process; CPU is read from
-``/proc/PID/stat`` over the measured requests. Needs the ``proxy`` extra; Linux.
+ids and float32 log-probs when asked. Each party runs in its own process; CPU is read from
+``/proc/PID/stat`` over the measured requests, and printed as a ratio to the forwarder's. Needs the
+``proxy`` extra; Linux.
+
+With ``--callgrind`` (valgrind installed) the forwarder and the proxy each run under callgrind instead,
+and the instructions per call are counted (independent of the machine's load), the proxy's split into
+its event loop (HTTP, JSON, handing spans to the recorder) and the recorder's threads.
 
     .venv/bin/python benchmarks/bench_proxy.py [--requests 2000] [--streams 1,256]
+    .venv/bin/python benchmarks/bench_proxy.py --callgrind [--requests 300]
 """
 
 from __future__ import annotations
