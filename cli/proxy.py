@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from rlreplay.cli.app import app, fail
+from rlreplay.cli.app import TokenizerOption, app, fail
 from rlreplay.cli.launch import (
     DEFAULT_MATCH_ON,
     DEFAULT_ON_DIVERGE,
@@ -49,9 +49,9 @@ def proxy_command(
         ),
     ] = None,
     out: OutOption = None,
-    port: Annotated[int, typer.Option("--port", "-p", help="Port to listen on (0: any free one).")] = 8100,
+    port: Annotated[int, typer.Option("--port", metavar="PORT", help="Port (0: any free port).")] = 8100,
     host: Annotated[
-        str, typer.Option("--host", help="Address to listen on (loopback unless told otherwise).")
+        str, typer.Option("--host", metavar="HOST", help="Address to listen on (default: this machine only).")
     ] = "127.0.0.1",
     replay: Annotated[
         str | None,
@@ -60,17 +60,10 @@ def proxy_command(
     on_diverge: OnDivergeOption = DEFAULT_ON_DIVERGE,
     match_on: MatchOnOption = DEFAULT_MATCH_ON,
     experiment: Annotated[
-        str | None, typer.Option("--experiment", "-e", help="Experiment name of the recorded run.")
-    ] = None,
-    tokenizer: Annotated[
         str | None,
-        typer.Option(
-            "--tokenizer",
-            metavar="PATH",
-            help="The served model's tokenizer (a local directory or a hub name), named in the run so "
-            "that show, audit and the UI read its token ids as text.",
-        ),
+        typer.Option("--experiment", "-e", metavar="NAME", help="Experiment name of the recorded run."),
     ] = None,
+    tokenizer: TokenizerOption = None,
     idle_close: Annotated[
         float,
         typer.Option(
@@ -80,7 +73,9 @@ def proxy_command(
         ),
     ] = 300.0,
 ) -> int:
-    """Record every generation that passes through, as trajectories of a run.
+    """Record (or replay) model calls at the inference server.
+
+    Every generation that passes through becomes an llm span of a trajectory of a run.
 
     Forwards OpenAI-compatible /v1/chat/completions and /v1/completions (streaming too) and SGLang's
     /generate to --upstream, recording prompt and response token ids, log-probs, finish reason,
