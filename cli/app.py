@@ -6,6 +6,7 @@ import functools
 import inspect
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
@@ -348,15 +349,27 @@ def flagged(opened: Any, table: Any, names: str) -> Any:
     from rlreplay.audit import engine
     from rlreplay.format import arrow_ops as ops
 
-    report = engine.audit(opened, table, engine.choose(names, engine.available()))
+    broken: dict[str, str] = {}
+    report = engine.audit(opened, table, engine.choose(names, engine.available(broken), broken))
     for name, why in report.skipped.items():
         print(f"rlreplay: note: {name} skipped: {why}", file=sys.stderr)
+    for name, why in report.failed.items():
+        fail(f"--finding: check {name} failed: {why}")
     ids = pa.array(sorted(engine.finding_ids(report, table)), type=pa.string())
     return ops.filter(table, ops.is_in(table["id"], ids))
 
 
+#: the warnings printed of each run (a command that reports again prints only what is new)
+_reported: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
 def report_warnings(run) -> None:
+    """A reading command's warnings not printed yet (secrets redacted), and the line saying the run
+    could not be read in full."""
     from rlreplay.format.redact import redact_value
 
-    for message in run.warnings:
-        print(f"rlreplay: warning: {redact_value(message)}", file=sys.stderr)
+    printed = _reported.setdefault(run, set())
+    for message in run.notes():
+        if message not in printed:
+            printed.add(message)
+            print(f"rlreplay: warning: {redact_value(message)}", file=sys.stderr)

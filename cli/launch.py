@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -11,7 +12,8 @@ from typing import Annotated
 
 import typer
 
-from rlreplay.cli.app import MAX_SECONDS, fail
+from rlreplay.cli.app import MAX_SECONDS
+from rlreplay.errors import CommandNotStarted
 from rlreplay.recorder.matchers import DEFAULT_MATCH_ON as MATCHERS_BY_DEFAULT
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -102,14 +104,28 @@ def child_env(
     return env
 
 
+def check_command(command: list[str]) -> None:
+    """Refuse (``CommandNotStarted``, before anything is written) a command that cannot start: its
+    program is not found on PATH, or is not an executable file."""
+    program = command[0]
+    if shutil.which(program) is not None:
+        return
+    if os.sep in program and os.path.exists(program):
+        raise CommandNotStarted(f"command not executable: {program}")
+    raise CommandNotStarted(f"command not found: {program}")
+
+
 def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
-    """Run the command in its own process group; forward INT/TERM/HUP to that group."""
+    """Run the command in its own process group; forward INT/TERM/HUP to that group. A command that
+    cannot be started raises ``CommandNotStarted``."""
     try:
         proc = subprocess.Popen(command, env=env, preexec_fn=os.setpgrp)
     except FileNotFoundError:
-        fail(f"command not found: {command[0]}")
+        raise CommandNotStarted(f"command not found: {command[0]}") from None
     except PermissionError:
-        fail(f"command not executable: {command[0]}")
+        raise CommandNotStarted(f"command not executable: {command[0]}") from None
+    except OSError as exc:  # not a program this system can run (no interpreter line, ...)
+        raise CommandNotStarted(f"command cannot be started: {command[0]} ({exc.strerror or exc})") from None
 
     def forward(signum: int, frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):

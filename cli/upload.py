@@ -357,6 +357,7 @@ def upload_command(
     finally:
         if bar is not None:
             bar.stop()
+    report_warnings(opened)  # what reading the trajectories met (a damaged file: with counts)
     if check_server and dry_run:
         try:
             found = uploader.existing([i for g in groups[: summary.groups] for i in g.ids])

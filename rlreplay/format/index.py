@@ -415,19 +415,19 @@ def listing(index: pa.Table) -> pa.Table:
 def read(path: Path, shard_bytes: int) -> pa.Table | None:
     """A sealed shard's index file, or None when it is missing, unreadable, or not of this shard
     as it is now (``shard_bytes``): then the caller rebuilds it from the shard."""
-    import pyarrow.parquet as pq
+    from rlreplay.format.checksums import CheckedParquet
 
     try:
-        pf = pq.ParquetFile(path, page_checksum_verification=True)
-        schema = pf.schema_arrow  # checked before any row is read
-        metadata = schema.metadata or {}
-        version = metadata.get(INDEX_KEY)
-        if version not in (INDEX_VERSION, *_TOOL_FREE_VERSIONS) or schema.names != INDEX_SCHEMA.names:
-            return None
-        if metadata.get(SHARD_BYTES_KEY) != str(shard_bytes).encode():
-            return None
-        # threads cost more than they save on a small file
-        table = ops.cast_table(pf.read(use_threads=False), INDEX_SCHEMA)
+        with CheckedParquet(path) as pf:  # its checksums verified (a damaged one is rebuilt)
+            schema = pf.schema_arrow  # checked before any row is read
+            metadata = schema.metadata or {}
+            version = metadata.get(INDEX_KEY)
+            if version not in (INDEX_VERSION, *_TOOL_FREE_VERSIONS) or schema.names != INDEX_SCHEMA.names:
+                return None
+            if metadata.get(SHARD_BYTES_KEY) != str(shard_bytes).encode():
+                return None
+            # threads cost more than they save on a small file
+            table = ops.cast_table(pf.read(use_threads=False), INDEX_SCHEMA)
         if version != INDEX_VERSION and (ops.sum(table["tool_calls"]).as_py() or 0):
             return None  # its tool_errors counted raised calls only: rebuilt from the shard
         return table
@@ -439,21 +439,18 @@ def write(index: pa.Table, path: Path, shard_bytes: int) -> None:
     """Write the index of a shard of ``shard_bytes`` bytes durably (temp name, fsync, rename)."""
     import os
 
-    import pyarrow.parquet as pq
+    from rlreplay.format import checksums
 
     tmp = path.with_name("_" + path.name + ".tmp")
     metadata = {**INDEX_SCHEMA.metadata, SHARD_BYTES_KEY: str(shard_bytes).encode()}
-    with open(tmp, "wb") as f:
-        pq.write_table(
-            index.replace_schema_metadata(metadata),
-            f,
-            compression="zstd",
-            use_dictionary=False,
-            write_statistics=False,
-            write_page_checksum=True,
-        )
-        f.flush()
-        os.fsync(f.fileno())
+    checksums.write_table(
+        index.replace_schema_metadata(metadata),
+        tmp,
+        durable=True,
+        compression="zstd",
+        use_dictionary=False,
+        write_statistics=False,
+    )
     os.rename(tmp, path)
 
 

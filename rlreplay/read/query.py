@@ -13,10 +13,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from rlreplay.errors import FormatError, QueryError
+from rlreplay.errors import QueryError
 from rlreplay.format.index import merged
 from rlreplay.format.keys import KEYS
-from rlreplay.format.schema import SPAN_SCHEMA, file_version
+from rlreplay.format.schema import SPAN_SCHEMA
 from rlreplay.read.selection import Selection
 from rlreplay.read.where import (
     connect,
@@ -58,17 +58,10 @@ def _spans_table(run: Any) -> Any:
     """The run's span rows as an Arrow dataset: sealed files scanned lazily (format 1 files get
     the format 2 columns as nulls), live files read."""
     import pyarrow.dataset as ds
-    import pyarrow.parquet as pq
 
     sealed, partials = run.span_files(fetch=True)  # a run on an object store: into its cache first
-    good = []
-    for path in sealed:
-        try:
-            file_version(pq.read_schema(path), "file")
-            good.append(str(path))
-        except (pa.ArrowException, OSError, FormatError) as exc:
-            run.warn(f"skipped unreadable file {path.relative_to(run.path)}: {one_line(exc)}")
-    # pages whose checksum does not match (a shard written with checksums) are refused, not read
+    good = [str(path) for path in run.whole_shards(sealed)]  # checksums verified first
+    # and pages whose own checksum does not match are refused as they are read
     checked = ds.ParquetFileFormat(
         default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True)
     )

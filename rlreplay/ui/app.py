@@ -200,7 +200,7 @@ class UI:
             total=table.num_rows,
             status_counts=status_counts,
             sections=sections,
-            warnings=list(view.run.warnings),
+            warnings=view.run.notes(),
             crumbs=[],
         )
 
