@@ -21,6 +21,7 @@ COMMANDS = {
     "compare": "compare",
     "diff": "diff",
     "export": "export",
+    "mismatch": "mismatch",
     "record": "record",
     "replay": "replay",
     "sql": "sql",
@@ -55,7 +56,7 @@ def _bad_input() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:]
-    reading = ("ls", "audit", "show", "diff", "compare", "info", "stats", "sql", "export")
+    reading = ("ls", "audit", "show", "diff", "compare", "info", "stats", "sql", "export", "mismatch")
     if argv is None and args and args[0] in reading and not {"--help", "-h"} & set(args):
         # no linear algebra here: one OpenBLAS thread (as numpy loads, OpenBLAS starts one per core,
         # and they spin for a while, taking the CPU this command runs on)
