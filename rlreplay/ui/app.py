@@ -300,7 +300,7 @@ class UI:
             spans=views.timeline(traj, decoder),
             tools=views.tool_calls(traj),
             timings=views.timings(traj),
-            tokens=views.tokens(traj, decoder),
+            tokens=views.tokens(traj, decoder, getattr(view.adapter(), "fields", None)),
             siblings=siblings,
             findings=findings,
             compared=self.comparisons.badges(view).get(traj.id),

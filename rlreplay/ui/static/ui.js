@@ -60,7 +60,8 @@
     const tr = values.trainer ? values.trainer[k] : null;
     const en = values.entropy ? values.entropy[k] : null;
     if (lp !== null) t += " · logprob " + num(lp);
-    if (tr !== null && lp !== null) t += " · trainer " + num(tr) + " (|Δ| " + num(Math.abs(tr - lp)) + ")";
+    if (tr !== null && data.mask[k] !== "1") t += " · trainer " + num(tr) + " · not counted in |Δ| (not the model's token)";
+    else if (tr !== null && lp !== null) t += " · trainer " + num(tr) + " (|Δ| " + num(Math.abs(tr - lp)) + ")";
     if (en !== null) t += " · entropy " + num(en);
     return t;
   }
