@@ -78,7 +78,14 @@ def mismatch_command(
     opened = open_run_arg(run, run_path)
     listing = selection.trajectories(opened)
     decoder = _decoder(opened, tokenizer, wanted=by == "token" or not as_json)
-    report = compute(opened, listing, by=by, top=WORST if shown is None else (shown or None), decoder=decoder)
+    report = compute(
+        opened,
+        listing,
+        by=by,
+        top=WORST if shown is None else (shown or None),
+        decoder=decoder,
+        token_ids=not as_json,  # --json prints no token (but with --by token)
+    )
     report_warnings(opened)
     if as_json:
         _write_json(report)

@@ -27,6 +27,7 @@ token-level buckets (position, probability, ...) add up the same sums per bucket
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,66 +126,117 @@ TOKEN_SUMS = (
 SUMS = (*TOKEN_SUMS, "sum_trainer", "sum_rollout")
 
 
-def terms(trainer: Any, rollout: Any) -> dict[str, Any]:
-    """The per-token terms of counted tokens (float64 arrays of their trainer and rollout log-probs)."""
+def terms(trainer: Any, rollout: Any) -> Iterator[tuple[str, Any]]:
+    """``(name, per-token values)`` of each summed term in ``TOKEN_SUMS`` for counted tokens
+    (float64 arrays of their trainer and rollout log-probs), one at a time: a step of tokens holds
+    a few arrays, not all of them. ``sum_abs`` comes second, its values are each token's |Δ|."""
     log_ratio = trainer - rollout
+    yield "sum_log_ratio", log_ratio
     gap = np.abs(log_ratio)
-    with np.errstate(over="ignore", invalid="ignore"):
+    yield "sum_abs", gap
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         rho = np.exp(np.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND))
+        exp_lr = rho  # exp(log ρ), unclamped: the same but beyond the clamp
+        far = gap > SAFETY_BOUND
+        if far.any():
+            exp_lr = rho.copy()
+            exp_lr[far] = np.exp(log_ratio[far])
+        yield "sum_k3", exp_lr - log_ratio - 1.0
+        yield "sum_exp_abs", np.where(log_ratio >= 0, exp_lr, 1.0 / exp_lr)
+        del exp_lr, far
+        yield "sum_rho2", rho * rho
+        yield "n_tis_high", rho > TIS_CAP
+        yield "n_icepop_out", (rho < ICEPOP[0]) | (rho > ICEPOP[1])
         weight = np.minimum(rho, TIS_CAP)
-        return {
-            "log_ratio": log_ratio,
-            "abs": gap,
-            "k3": np.exp(log_ratio) - log_ratio - 1.0,
-            "rho2": rho * rho,
-            "exp_abs": np.exp(gap),
-            "tis_high": rho > TIS_CAP,
-            "icepop_out": (rho < ICEPOP[0]) | (rho > ICEPOP[1]),
-            "w": weight,
-            "w2": weight * weight,
-        }
+        yield "sum_w", weight
+        yield "sum_w2", weight * weight
 
 
-_SUMMED = {
-    "sum_log_ratio": "log_ratio",
-    "sum_abs": "abs",
-    "sum_k3": "k3",
-    "sum_rho2": "rho2",
-    "sum_exp_abs": "exp_abs",
-    "n_tis_high": "tis_high",
-    "n_icepop_out": "icepop_out",
-    "sum_w": "w",
-    "sum_w2": "w2",
-}
+class Segments:
+    """Groups of consecutive counted tokens (a response's): ``counts`` tokens each, in order."""
+
+    def __init__(self, counts: Any) -> None:
+        self.size = len(counts)
+        self.nonempty = counts > 0
+        self.starts = (np.cumsum(counts) - counts)[self.nonempty]
+        self.counts = counts
+
+    def add(self, values: Any) -> Any:
+        out = np.zeros(self.size)
+        if len(self.starts):
+            out[self.nonempty] = np.add.reduceat(values, self.starts, dtype=np.float64)
+        return out
+
+    def max(self, values: Any) -> Any:
+        out = np.full(self.size, np.nan)
+        if len(self.starts):
+            out[self.nonempty] = np.maximum.reduceat(values, self.starts)
+        return out
 
 
-def grouped_sums(key: Any, size: int, t: dict[str, Any]) -> dict[str, Any]:
-    """``TOKEN_SUMS`` per group: ``key`` (int, 0 to size − 1) is each counted token's group."""
-    out = {"tokens": np.bincount(key, minlength=size).astype(np.float64)}
-    for name, term in _SUMMED.items():
-        out[name] = np.bincount(key, weights=t[term], minlength=size)
-    out["max_abs"] = group_max(key, size, t["abs"])
-    return out
+class Buckets:
+    """``TOKEN_SUMS`` per token bucket (an int key ≥ 0), added up over steps."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, Any] | None = None
+
+    def add(self, key: Any, name: str, values: Any) -> None:
+        size = int(key.max()) + 1 if len(key) else 0
+        sums = self.sums = self.sums if self.sums is not None else {}
+        old = sums.get(name)
+        if old is None or len(old) < size:
+            fill = np.nan if name == "max_abs" else 0.0
+            grown = np.full(max(size, len(old) if old is not None else 0), fill)
+            if old is not None:
+                grown[: len(old)] = old
+            sums[name] = old = grown
+        if name == "max_abs":
+            np.fmax.at(old, key, values)
+        elif name == "tokens":
+            old[:size] += np.bincount(key, minlength=size)
+        else:
+            old[:size] += np.bincount(key, weights=values, minlength=size)
+
+    def size(self) -> int:
+        return 0 if self.sums is None else max(len(v) for v in self.sums.values())
+
+    def padded(self) -> dict[str, Any]:
+        """The sums, every array as long as the longest."""
+        n = self.size()
+        out = {}
+        for name in TOKEN_SUMS:
+            values = self.sums.get(name, np.zeros(0)) if self.sums else np.zeros(0)
+            fill = np.nan if name == "max_abs" else 0.0
+            out[name] = np.concatenate([values, np.full(n - len(values), fill)])
+        return out
 
 
-def group_max(key: Any, size: int, values: Any) -> Any:
-    """Per group, the largest of ``values`` (NaN for a group without one)."""
-    out = np.full(size, -np.inf)
-    np.maximum.at(out, key, values)
-    out[np.isneginf(out)] = np.nan
-    return out
-
-
-def sequence_sums(batch: Any, counted: Any = None, t: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``SUMS`` per response of a ``rlreplay.mismatch.tokens.Batch``, over its counted tokens
-    (``counted`` and their ``terms`` when already at hand)."""
+def sequence_sums(
+    batch: Any, counted: Any = None, each: Callable[[str, Any], None] | None = None
+) -> dict[str, Any]:
+    """``SUMS`` per response of a ``rlreplay.mismatch.tokens.Batch``, over its counted tokens;
+    ``each(name, values)`` (when given) sees every per-token term as it goes by (``tokens``:
+    the trainer's log-probs, ``max_abs``: each |Δ|)."""
     counted = batch.counted if counted is None else counted
-    seq = batch.sequence[counted]
-    size = len(batch.rows)
-    trainer, rollout = batch.trainer[counted], batch.rollout[counted]
-    out = grouped_sums(seq, size, terms(trainer, rollout) if t is None else t)
-    out["sum_trainer"] = np.bincount(seq, weights=trainer, minlength=size)
-    out["sum_rollout"] = np.bincount(seq, weights=rollout, minlength=size)
+    running = np.r_[0, np.cumsum(counted, dtype=np.int64)]
+    counts = running[batch.offsets[1:]] - running[batch.offsets[:-1]]
+    del running
+    segments = Segments(counts)
+    trainer = batch.trainer[counted].astype(np.float64, copy=False)
+    rollout = batch.rollout[counted].astype(np.float64, copy=False)
+    out = {"tokens": counts.astype(np.float64)}
+    if each is not None:
+        each("tokens", trainer)
+    out["sum_trainer"] = segments.add(trainer)
+    out["sum_rollout"] = segments.add(rollout)
+    for name, values in terms(trainer, rollout):
+        out[name] = segments.add(values)
+        if name == "sum_abs":
+            out["max_abs"] = segments.max(values)
+            if each is not None:
+                each("max_abs", values)
+        if each is not None:
+            each(name, values)
     return out
 
 
@@ -279,13 +331,15 @@ def take(sums: dict[str, Any], rows: Any) -> dict[str, Any]:
     return {name: values[rows] for name, values in sums.items()}
 
 
-def verdict(token_mult_prob_error: float | None) -> str | None:
+def verdict(
+    token_mult_prob_error: float | None, investigate: float = INVESTIGATE, broken: float = BROKEN
+) -> str | None:
     """healthy / investigate / broken, by ``VERDICT_RULE`` (None without tokens)."""
     if token_mult_prob_error is None:
         return None
-    if token_mult_prob_error > BROKEN:
+    if token_mult_prob_error > broken:
         return "broken"
-    if token_mult_prob_error > INVESTIGATE:
+    if token_mult_prob_error > investigate:
         return "investigate"
     return "healthy"
 

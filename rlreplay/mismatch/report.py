@@ -9,7 +9,6 @@ step's tokens, a few sums per response and per bucket, and the worst tokens seen
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,10 +16,12 @@ from typing import Any
 import numpy as np
 
 from rlreplay.errors import RunError, SelectionError
+from rlreplay.format import arrow_ops as ops
 from rlreplay.format.keys import key_order
 from rlreplay.mismatch import BY
 from rlreplay.mismatch import metrics as m
 from rlreplay.mismatch.tokens import HOW_TO_RECORD, Batch, Counts, read_batches
+from rlreplay.model import listing_rows
 
 #: Worst responses and tokens a report keeps.
 WORST = 20
@@ -47,6 +48,8 @@ class Report:
     worst_rollouts: list[dict[str, Any]]
     worst_tokens: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
+    #: per row of the listing the report was made for: its response's largest |Δ| (NaN: none)
+    largest_gaps: Any = None
 
     def verdicts(self) -> dict[tuple[Any, bool], str | None]:
         return {(r["step"], r["validate"]): r["verdict"] for r in self.steps}
@@ -59,10 +62,15 @@ def compute(
     top: int | None = WORST,
     decoder: Any = None,
     fields: Any = None,
+    token_ids: bool = True,
+    investigate: float = m.INVESTIGATE,
+    broken: float = m.BROKEN,
 ) -> Report:
     """The report over the trajectories of ``listing`` (rows of ``run.trajectories()``): per step
     and split, and by ``by`` (``metrics.BY``); ``top`` bucket rows for ``token`` and ``rollout``
-    (None: all); ``decoder`` decodes the tokens of ``by="token"`` and the worst tokens.
+    (None: all); ``decoder`` decodes the tokens of ``by="token"`` and the worst tokens; without
+    ``token_ids`` the ids are not read (the worst tokens' are -1; ``by="token"`` reads them);
+    ``investigate`` and ``broken``: the verdicts' thresholds on token_mult_prob_error.
 
     Raises ``RunError`` when no selected trajectory has both the rollout's and the trainer's
     per-token log-probs (the message says how to record them)."""
@@ -73,9 +81,11 @@ def compute(
 
         fields = getattr(adapter_for_run(run), "fields", None)
     counts = Counts()
-    acc = _Accumulator(by)
-    for batch in read_batches(run, listing, fields, counts):
+    acc = _Accumulator(by, listing, (investigate, broken))
+    for batch in read_batches(run, listing, fields, counts, ids=token_ids or by == "token"):
         acc.add(batch)
+        del batch
+        ops.release_unused()  # what the step's read freed: memory stays one step's
     if not counts.compared:
         raise RunError(_nothing_to_compare(run, counts))
     steps = acc.step_rows()
@@ -84,7 +94,37 @@ def compute(
     notes = _notes(counts)
     buckets = None if by == "step" else acc.bucket_rows(top, decoder, notes)
     worst_tokens = acc.worst_token_rows(decoder)
-    return Report(by, counts, steps, trend, buckets, acc.worst_rollout_rows(), worst_tokens, notes)
+    largest = np.full(listing.num_rows, np.nan)
+    largest[acc.all_rows()] = acc.sums()["max_abs"]
+    return Report(by, counts, steps, trend, buckets, acc.worst_rollout_rows(), worst_tokens, notes, largest)
+
+
+#: Training trajectories looked at to tell whether a run keeps the trainer's per-token log-probs.
+SAMPLED = 8
+
+
+def has_trainer_logprobs(run: Any, listing: Any, fields: Any = None) -> bool:
+    """Whether the run keeps the trainer's per-token log-probs (a run-wide setting: ``record
+    --token-signals``), told by a few training trajectories of the listing's first step that
+    has them: their signals spans alone are read."""
+    import pyarrow as pa
+
+    from rlreplay.format.kinds import KIND_SIGNALS
+    from rlreplay.mismatch.tokens import by_step, trainer_values
+    from rlreplay.read.filters import Filters
+
+    train = ops.invert(ops.fill_null(listing["validate"], False))
+    if "advantage" in listing.column_names:  # a signals span was merged into these
+        signed = ops.or_(ops.is_valid(listing["advantage"]), ops.is_valid(listing["logprob_diff_max"]))
+        if ops.sum(ops.and_(train, signed)).as_py():
+            train = ops.and_(train, signed)
+    chosen = ops.filter(listing, train)
+    for step, rows in by_step(chosen).items():
+        ids = ops.take(chosen["id"], pa.array(rows[:SAMPLED], pa.int64())).to_pylist()
+        filters = Filters(step=step) if type(step) is int else None
+        loaded = run.load(ids, filters, kinds=(KIND_SIGNALS,))
+        return any(trainer_values(s.output) is not None for t in loaded for s in t.spans)
+    return False
 
 
 def _nothing_to_compare(run: Any, counts: Counts) -> str:
@@ -124,67 +164,58 @@ def _notes(counts: Counts) -> list[str]:
 
 
 class _Accumulator:
-    """What the report keeps while the steps go by."""
+    """What the report keeps while the steps go by: per response its listing row number and sums,
+    per token bucket its sums, the worst tokens; per step and split its numbers."""
 
-    def __init__(self, by: str) -> None:
+    def __init__(self, by: str, listing: Any, limits: tuple[float, float]) -> None:
         self.by = by
-        self.rows: list[dict[str, Any]] = []  # per response: its listing row
+        self.listing = listing
+        self.limits = limits
+        self.rows: list[Any] = []  # per batch: its responses' listing row numbers
         self.parts: list[dict[str, Any]] = []  # per batch: per-response sums
         self.versions: list[Any] = []
         self.step_metrics: list[dict[str, Any]] = []
-        self.tokens: dict[str, Any] | None = None  # per token bucket: TOKEN_SUMS
-        self.token_counts: dict[int, int] = {}  # by="token": how often each id was sampled
+        self.buckets = m.Buckets()  # per token bucket: TOKEN_SUMS
         self.worst: list[tuple[float, int, dict[str, Any]]] = []  # a min-heap of the largest |Δ|
         self.seen = 0
+        self.count = 0
 
     def add(self, batch: Batch) -> None:
         counted = batch.counted
-        t = m.terms(batch.trainer[counted], batch.rollout[counted])
-        sums = m.sequence_sums(batch, counted, t)
-        base = len(self.rows)
-        self.rows.extend(batch.rows)
+        key = self.token_key(batch, counted) if self.by in m.TOKEN_KEYS else None
+        keep = None if key is None or (key >= 0).all() else key >= 0
+        if keep is not None:
+            key = key[keep]
+        gaps: list[Any] = []
+
+        def each(name: str, values: Any) -> None:
+            if name == "max_abs":
+                gaps.append(values)
+            if key is not None:
+                self.buckets.add(key, name, values if keep is None else values[keep])
+
+        sums = m.sequence_sums(batch, counted, each)
+        gap = gaps[0]
+        base = self.count
+        self.count += len(batch.rows)
+        self.rows.append(batch.rows)
         self.parts.append(sums)
         self.versions.append(batch.version)
-        validate = np.array([bool(r["validate"]) for r in batch.rows], dtype=bool)
-        token_split = np.repeat(validate, np.diff(batch.offsets))[counted]
-        step = batch.rows[0]["step"]
+        step = self.listing_row(int(batch.rows[0]))["step"]
         for split in (False, True):
-            chosen = np.flatnonzero(validate == split)
+            chosen = np.flatnonzero(batch.validate == split)
             if not len(chosen):
                 continue
             part = m.take(sums, chosen)
-            row = {"step": step, "validate": split}
-            row.update(m.summarize(m.totals_of(part), part, t["abs"][token_split == split]))
-            row["verdict"] = m.verdict(row["token_mult_prob_error"])
-            self.step_metrics.append(row)
-        if self.by in m.TOKEN_KEYS:
-            self.add_tokens(batch, counted, t)
-        self.add_worst(batch, counted, t, base)
-
-    def add_tokens(self, batch: Batch, counted: Any, t: dict[str, Any]) -> None:
-        key = self.token_key(batch, counted)
-        if key is None:
-            return
-        keep = key >= 0
-        if not keep.all():
-            key = key[keep]
-            t = {k: v[keep] for k, v in t.items()}
-        size = int(key.max()) + 1 if len(key) else 0
-        if self.tokens is not None:
-            size = max(size, len(self.tokens["tokens"]))
-        sums = m.grouped_sums(key, size, t)
-        if self.tokens is None:
-            self.tokens = sums
-            return
-        for name, values in sums.items():
-            old = self.tokens[name]
-            if len(old) < size:
-                fill = np.nan if name == "max_abs" else 0.0
-                old = np.concatenate([old, np.full(size - len(old), fill)])
-            if name == "max_abs":
-                self.tokens[name] = np.fmax(old, values)
+            if len(chosen) == len(batch.validate):  # the usual case: one split a step, no copy
+                gaps_of_split = gap
             else:
-                self.tokens[name] = old + values
+                gaps_of_split = gap[np.repeat(batch.validate == split, np.diff(batch.offsets))[counted]]
+            row = {"step": step, "validate": split}
+            row.update(m.summarize(m.totals_of(part), part, gaps_of_split))
+            row["verdict"] = m.verdict(row["token_mult_prob_error"], *self.limits)
+            self.step_metrics.append(row)
+        self.add_worst(batch, counted, gap, base)
 
     def token_key(self, batch: Batch, counted: Any) -> Any:
         """Each counted token's bucket (an int ≥ 0; -1: none), or None when the run has no data."""
@@ -204,25 +235,25 @@ class _Accumulator:
             return np.where(known, m.entropy_bucket(np.where(known, entropy, 0.0)), -1)
         raise AssertionError(self.by)
 
-    def add_worst(self, batch: Batch, counted: Any, t: dict[str, Any], base: int) -> None:
-        gaps = t["abs"]
+    def add_worst(self, batch: Batch, counted: Any, gaps: Any, base: int) -> None:
+        """Keep the largest |Δ| seen so far (``gaps``: of the batch's counted tokens)."""
         if not len(gaps):
             return
         k = min(WORST, len(gaps))
         floor = self.worst[0][0] if len(self.worst) >= WORST else -np.inf
         top = np.argpartition(-gaps, k - 1)[:k]
         where = np.flatnonzero(counted)
-        seq, pos = batch.sequence, batch.position
         for i in top[np.argsort(-gaps[top], kind="stable")]:
             gap = float(gaps[i])
             if gap <= floor:
                 break
             at = int(where[i])
+            seq = int(np.searchsorted(batch.offsets, at, side="right")) - 1
             self.seen += 1
             item = {
-                "response": base + int(seq[at]),
-                "position": int(pos[at]),
-                "token_id": int(batch.ids[at]),
+                "response": base + seq,
+                "position": at - int(batch.offsets[seq]),
+                "token_id": int(batch.ids[at]) if batch.ids is not None else -1,
                 "rollout": float(batch.rollout[at]),
                 "trainer": float(batch.trainer[at]),
                 "logprob_diff": gap,
@@ -239,31 +270,48 @@ class _Accumulator:
     def sums(self) -> dict[str, Any]:
         return {name: np.concatenate([p[name] for p in self.parts]) for name in m.SUMS}
 
+    def all_rows(self) -> Any:
+        return np.concatenate(self.rows)
+
     def step_rows(self) -> list[dict[str, Any]]:
         return sorted(self.step_metrics, key=lambda r: (key_order(r["step"]), r["validate"]))
 
-    def row_of(self, i: int) -> dict[str, Any]:
-        return {k: self.rows[i][k] for k in ROW_KEYS}
+    def listing_row(self, row: int) -> dict[str, Any]:
+        """Listing row ``row`` (a number), as ``ROW_KEYS``."""
+        import pyarrow as pa
 
-    def worst_rollout_rows(self) -> list[dict[str, Any]]:
-        sums = self.sums()
-        largest = np.nan_to_num(sums["max_abs"], nan=-1.0)
-        order = np.argsort(-largest, kind="stable")[:WORST]
+        names = [c for c in self.listing.column_names if c.split("_str")[0] in ROW_KEYS]
+        found = listing_rows(ops.take(self.listing.select(names), pa.array([row], pa.int64())))[0]
+        return {k: found.get(k) for k in ROW_KEYS}
+
+    def response_rows(self, responses: Any, sums: dict[str, Any]) -> list[dict[str, Any]]:
+        """Responses (numbers in the report's order) as rows: who they are and their numbers."""
+        rows = self.all_rows()
         out = []
-        for i in order:
-            if largest[i] < 0:
-                break
-            row = self.row_of(int(i))
+        for i in responses:
+            row = self.listing_row(int(rows[i]))
             row.update(m.summarize(m.totals_of(sums, [i]), m.take(sums, [i])))
             out.append(row)
         return out
 
+    def worst_rollout_rows(self) -> list[dict[str, Any]]:
+        return self.response_rows(self.largest(self.sums(), WORST), self.sums())
+
+    @staticmethod
+    def largest(sums: dict[str, Any], top: int | None) -> Any:
+        """The responses with a counted token, the largest |Δ| first (``top`` of them)."""
+        largest = sums["max_abs"]
+        order = np.argsort(-np.nan_to_num(largest, nan=-1.0), kind="stable")
+        order = order[: np.count_nonzero(~np.isnan(largest))]
+        return order[:top] if top else order
+
     def worst_token_rows(self, decoder: Any) -> list[dict[str, Any]]:
         items = [item for _, _, item in sorted(self.worst, key=lambda e: (-e[0], -e[1]))]
         texts = _texts(decoder, [item["token_id"] for item in items])
+        rows = self.all_rows()
         out = []
         for item, text in zip(items, texts):
-            row = self.row_of(item["response"])
+            row = self.listing_row(int(rows[item["response"]]))
             row.update({k: v for k, v in item.items() if k != "response"}, text=text)
             out.append(row)
         return out
@@ -272,54 +320,57 @@ class _Accumulator:
         if self.by in m.TOKEN_KEYS:
             return self.token_bucket_rows(top, decoder, notes)
         sums = self.sums()
-        keys, skipped = self.sequence_keys(sums)
+        if self.by == "rollout":
+            return [
+                {"by": "rollout", "bucket": row["id"], **row}
+                for row in self.response_rows(self.largest(sums, top), sums)
+            ]
+        keys, labels, skipped = self.sequence_keys()
         if skipped:
             notes.append(skipped)
-        groups: dict[Any, list[int]] = {}
-        for i, key in enumerate(keys):
-            if key is not None:
-                groups.setdefault(key, []).append(i)
+        order = np.argsort(keys, kind="stable")
+        order = order[keys[order] >= 0]
+        cuts = np.searchsorted(keys[order], np.arange(len(labels) + 1))
         out = []
-        for key, members in groups.items():
-            rows = np.asarray(members)
-            part = m.take(sums, rows)
-            row: dict[str, Any] = {"by": self.by, "bucket": key}
-            if self.by == "rollout":
-                row.update(self.row_of(members[0]))
-            row.update(m.summarize(m.totals_of(part), part))
-            out.append(row)
-        if self.by == "rollout":
-            out.sort(key=lambda r: -(r["logprob_diff_max"] if r["logprob_diff_max"] is not None else -1.0))
-            return out[:top] if top else out
+        for k, label in enumerate(labels):
+            members = order[cuts[k] : cuts[k + 1]]
+            if not len(members):
+                continue
+            part = m.take(sums, members)
+            out.append({"by": self.by, "bucket": label, **m.summarize(m.totals_of(part), part)})
         return sorted(out, key=lambda r: key_order(r["bucket"]))
 
-    def sequence_keys(self, sums: dict[str, Any]) -> tuple[list[Any], str | None]:
-        """Each response's bucket (None: no data), and a note on those without one."""
+    def sequence_keys(self) -> tuple[Any, list[Any], str | None]:
+        """Each response's bucket (an int; -1: no data) and the buckets' labels, and a note on
+        the responses without one."""
+        import pyarrow as pa
+
+        rows = pa.array(self.all_rows(), pa.int64())
         if self.by == "worker":
-            return [r["worker"] for r in self.rows], None
-        if self.by == "rollout":
-            return [r["id"] for r in self.rows], None
+            coded = ops.dictionary_encode(ops.take(self.listing["worker"], rows)).combine_chunks()
+            keys = ops.fill_null(coded.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+            return keys, coded.dictionary.to_pylist(), None
         versions = np.concatenate(self.versions) if self.versions else np.zeros(0)
-        what = (
-            "weights version (verl: the agent output's extra_fields.max_global_steps)"
-            if self.by == "version"
-            else "weights version and an integer step (staleness = step − 1 − version, verl's "
-            "trajectory_staleness)"
-        )
-        keys: list[Any] = []
-        for row, version in zip(self.rows, versions):
-            if math.isnan(version):
-                keys.append(None)
-            elif self.by == "version":
-                keys.append(int(version))
-            else:
-                keys.append(row["step"] - 1 - int(version) if isinstance(row["step"], int) else None)
-        missing = sum(k is None for k in keys)
+        known = ~np.isnan(versions)
+        values = np.where(known, versions, 0).astype(np.int64)
+        what = "weights version (verl: the agent output's extra_fields.max_global_steps)"
+        if self.by == "staleness":
+            steps = ops.take(self.listing["step"], rows)
+            known &= ops.is_valid(steps).to_numpy(zero_copy_only=False)
+            values = ops.fill_null(steps, 0).to_numpy(zero_copy_only=False) - 1 - values
+            what = (
+                "weights version and an integer step (staleness = step − 1 − version, verl's "
+                "trajectory_staleness)"
+            )
+        labels, inverse = np.unique(values[known], return_inverse=True)
+        keys = np.full(len(values), -1, dtype=np.int64)
+        keys[known] = inverse
+        missing = int(np.count_nonzero(~known))
         note = f"{missing} of {len(keys)} responses recorded no {what}: left out" if missing else None
-        return keys, note
+        return keys, [int(v) for v in labels], note
 
     def token_bucket_rows(self, top: int | None, decoder: Any, notes: list[str]) -> list[dict[str, Any]]:
-        sums = self.tokens
+        sums = self.buckets.padded() if self.buckets.size() else None
         if sums is None or not int(sums["tokens"].sum()):
             if self.by == "entropy":
                 notes.append("no per-token entropy was recorded in these responses: nothing to bucket by")

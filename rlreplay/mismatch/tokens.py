@@ -25,7 +25,6 @@ from rlreplay.format import arrow_ops as ops
 from rlreplay.format.arrays import DTYPE_COLUMNS, Restorer
 from rlreplay.format.kinds import KIND_AGENT, KIND_LLM, KIND_SIGNALS
 from rlreplay.format.payload import TOKENS, decode_safe
-from rlreplay.model import listing_rows
 from rlreplay.read.filters import Filters
 from rlreplay.text.conversation import ConversationFields
 
@@ -66,44 +65,85 @@ class Response:
         return len(self.rollout)
 
 
-def _floats(values: Any, n: int) -> Any:
-    """``values`` (a list or an array) as float64 of length ``n``: cut, or padded with NaN; None
-    when they are not numbers."""
-    try:
-        array = np.asarray(values, dtype=np.float64)  # None becomes NaN
-    except (TypeError, ValueError):
+def _numbers(values: Any, n: int, fill: float = np.nan) -> Any:
+    """``values`` (a list, or a numpy array kept in its dtype) as a numeric array of length ``n``:
+    cut, or padded with ``fill``; None when they are not numbers (None in a list: NaN)."""
+    if isinstance(values, np.ndarray):
+        array = values
+    else:
+        try:
+            array = np.asarray(values, dtype=np.float64)
+        except (TypeError, ValueError):
+            return None
+    if array.ndim != 1 or array.dtype.kind not in "biuf":
         return None
-    if array.ndim != 1:
-        return None
-    if len(array) >= n:
+    if len(array) == n:
+        return array
+    if len(array) > n:
         return array[:n]
-    return np.concatenate([array, np.full(n - len(array), np.nan)])
+    return np.concatenate([array.astype(np.float64), np.full(n - len(array), fill)])
 
 
-def response(ids: Any, mask: Any, rollout: Any, trainer: Any, entropy: Any = None) -> Response | None:
-    """A response from what was recorded (lists or numpy arrays): its length is the ids' (else
-    the rollout log-probs'); the trainer's log-probs are cut or padded (NaN) to it; no mask means
-    every token is the model's. None without rollout log-probs."""
+@dataclass
+class Part:
+    """One response's arrays as recorded (numpy in their own dtypes, or None: no ids, no mask =
+    every token the model's, no trainer or entropy), all of length ``n``."""
+
+    n: int
+    ids: Any
+    mask: Any
+    rollout: Any
+    trainer: Any
+    entropy: Any
+
+
+def part(ids: Any, mask: Any, rollout: Any, trainer: Any, entropy: Any = None) -> Part | None:
+    """The rules of what a response is: its length is the ids' (else the rollout log-probs');
+    the rollout's, trainer's and entropy values are cut or padded (NaN) to it; the mask is cut or
+    padded (0); None without rollout log-probs."""
     if rollout is None:
         return None
     n = len(ids) if ids is not None else len(rollout)
-    roll = _floats(rollout, n)
+    roll = _numbers(rollout, n)
     if roll is None:
         return None
-    train = _floats(trainer, n) if trainer is not None else None
-    if train is None:
-        train = np.full(n, np.nan)
-    token_ids = np.full(n, -1, dtype=np.int64)
+    token_ids = None
     if ids is not None:
         with contextlib.suppress(TypeError, ValueError, OverflowError):
-            token_ids = np.asarray(ids, dtype=np.int64)[:n]
-    if mask is None:
-        model = np.ones(n, dtype=bool)
-    else:
-        marks = _floats(mask, n)
-        model = np.zeros(n, dtype=bool) if marks is None else np.nan_to_num(marks, nan=0.0) != 0
-    ent = _floats(entropy, n) if entropy is not None else None
-    return Response(token_ids, roll, train, model, ent)
+            token_ids = np.asarray(ids, dtype=np.int64) if not isinstance(ids, np.ndarray) else ids
+    marks = _numbers(mask, n, 0.0) if mask is not None else None
+    if mask is not None and marks is None:
+        marks = np.zeros(n, dtype=np.int8)  # a mask that is no list of numbers: nothing counts
+    return Part(
+        n,
+        token_ids,
+        marks,
+        roll,
+        _numbers(trainer, n) if trainer is not None else None,
+        _numbers(entropy, n) if entropy is not None else None,
+    )
+
+
+def _model(marks: Any) -> Any:
+    """A mask's values as bool: True for a model token (NaN: not)."""
+    if marks.dtype.kind == "f":
+        return (marks != 0) & ~np.isnan(marks)
+    return marks != 0
+
+
+def response(ids: Any, mask: Any, rollout: Any, trainer: Any, entropy: Any = None) -> Response | None:
+    """A response from what was recorded (lists or numpy arrays), by :func:`part`'s rules."""
+    found = part(ids, mask, rollout, trainer, entropy)
+    if found is None:
+        return None
+    n = found.n
+    return Response(
+        found.ids.astype(np.int64) if found.ids is not None else np.full(n, -1, dtype=np.int64),
+        found.rollout.astype(np.float64),
+        found.trainer.astype(np.float64) if found.trainer is not None else np.full(n, np.nan),
+        _model(found.mask) if found.mask is not None else np.ones(n, dtype=bool),
+        found.entropy.astype(np.float64) if found.entropy is not None else None,
+    )
 
 
 def _first(source: Any, names: Sequence[str]) -> Any:
@@ -161,11 +201,13 @@ def of_trajectory(traj: Any, fields: ConversationFields | None = None) -> Respon
 @dataclass
 class Batch:
     """Responses of one step (or of a set of trajectories) as flat token arrays: response ``i``
-    holds tokens ``offsets[i]`` to ``offsets[i + 1]``. ``rows`` are their listing rows (id, keys,
-    validate, worker); ``version`` the weights version each was generated with (NaN: not
-    recorded)."""
+    holds tokens ``offsets[i]`` to ``offsets[i + 1]``. ``rows`` are their row numbers in the
+    listing they were read for (int64), ``validate`` their split; ``ids`` the token ids (int64;
+    None when not read); ``rollout`` and ``trainer`` float32 or float64 as recorded (NaN: none);
+    ``mask`` bool; ``version`` the weights version each was generated with (NaN: not recorded)."""
 
-    rows: list[dict[str, Any]]
+    rows: Any
+    validate: Any
     offsets: Any
     ids: Any
     rollout: Any
@@ -201,29 +243,41 @@ class Batch:
         return total - np.repeat(np.r_[0, total][self.offsets[:-1]], lengths)
 
     @classmethod
-    def of(cls, rows: list[dict[str, Any]], responses: list[Response], versions: list[Any]) -> Batch:
-        lengths = [len(r) for r in responses]
-        offsets = np.r_[0, np.cumsum(lengths, dtype=np.int64)].astype(np.int64)
+    def of(cls, rows: Any, validate: Any, parts: list[Part], versions: list[Any]) -> Batch:
+        """The batch of ``parts`` (one per row), their arrays concatenated once."""
+        lengths = np.array([p.n for p in parts], dtype=np.int64)
+        offsets = np.r_[0, np.cumsum(lengths)].astype(np.int64)
 
-        def flat(name: str, dtype: Any) -> Any:
-            parts = [getattr(r, name) for r in responses]
-            return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+        def flat(name: str, missing: Any) -> Any:
+            arrays = [getattr(p, name) for p in parts]
+            if not arrays:
+                return np.zeros(0, dtype=np.float64)
+            return np.concatenate([a if a is not None else missing(p.n) for a, p in zip(arrays, parts)])
 
         entropy = None
-        if any(r.entropy is not None for r in responses):
-            entropy = np.concatenate(
-                [r.entropy if r.entropy is not None else np.full(len(r), np.nan) for r in responses]
-            )
+        if any(p.entropy is not None for p in parts):
+            entropy = flat("entropy", lambda n: np.full(n, np.nan)).astype(np.float64, copy=False)
+        marks = flat("mask", lambda n: np.ones(n, dtype=np.int8))
+        ids = None
+        if any(p.ids is not None for p in parts):
+            ids = flat("ids", lambda n: np.full(n, -1, dtype=np.int64)).astype(np.int64, copy=False)
         return cls(
-            rows,
+            np.asarray(rows, dtype=np.int64),
+            np.asarray(validate, dtype=bool),
             offsets,
-            flat("ids", np.int64),
-            flat("rollout", np.float64),
-            flat("trainer", np.float64),
-            flat("mask", bool),
+            ids,
+            _floating(flat("rollout", lambda n: np.full(n, np.nan, dtype=np.float32))),
+            _floating(flat("trainer", lambda n: np.full(n, np.nan, dtype=np.float32))),
+            _model(marks) if len(marks) else np.zeros(0, dtype=bool),
             entropy,
             np.array([np.nan if v is None else float(v) for v in versions], dtype=np.float64),
         )
+
+
+def _floating(values: Any) -> Any:
+    """Log-probs as float32 when every one was recorded as float32 (exact), else float64: the
+    numbers convert what they count to float64."""
+    return values if values.dtype in (np.float32, np.float64) else values.astype(np.float64)
 
 
 @dataclass
@@ -255,160 +309,210 @@ _KINDS = (KIND_AGENT, KIND_LLM, KIND_SIGNALS)
 _TYPED = ("token_ids", "token_masks", "token_logprobs")
 
 
-def by_step(listing: pa.Table) -> dict[Any, list[dict[str, Any]]]:
-    """The listing's rows by step, in listing order (a step recorded as a string: its string)."""
-    out: dict[Any, list[dict[str, Any]]] = {}
-    names = ["id", "step", "step_str", "sample_index", "sample_index_str", "rollout_n", "rollout_n_str"]
-    for row in listing_rows(listing.select([*names, "validate", "worker"])):
-        out.setdefault(row["step"], []).append(row)
+def by_step(listing: pa.Table) -> dict[Any, Any]:
+    """The listing's row numbers (int64) by step, in listing order; a step recorded as a string
+    goes by its string, a trajectory without a step by None."""
+    known = ops.is_valid(listing["step"]).to_numpy(zero_copy_only=False)
+    steps = ops.fill_null(listing["step"], 0).to_numpy(zero_copy_only=False)
+    out: dict[Any, Any] = {}
+    rows = np.flatnonzero(known)
+    if len(rows):
+        values, first, inverse = np.unique(steps[rows], return_index=True, return_inverse=True)
+        order = np.argsort(inverse, kind="stable")
+        cuts = np.searchsorted(inverse[order], np.arange(len(values) + 1))
+        for k in np.argsort(first, kind="stable"):  # steps in the order the listing has them
+            out[int(values[k])] = rows[order[cuts[k] : cuts[k + 1]]]
+    others = np.flatnonzero(~known)
+    if len(others):
+        texts = ops.take(listing["step_str"], pa.array(others, pa.int64())).to_pylist()
+        grouped: dict[Any, list[int]] = {}
+        for row, text in zip(others.tolist(), texts):
+            grouped.setdefault(text, []).append(row)
+        out.update((text, np.asarray(found, dtype=np.int64)) for text, found in grouped.items())
     return out
 
 
 def read_batches(
-    run: Any, listing: pa.Table, fields: ConversationFields | None = None, counts: Counts | None = None
+    run: Any,
+    listing: pa.Table,
+    fields: ConversationFields | None = None,
+    counts: Counts | None = None,
+    ids: bool = True,
 ) -> Iterator[Batch]:
     """The listing's responses that have both sides, a step at a time (one pass over each step's
-    files; memory: one step). ``counts`` (when given) is told what was left out and why."""
+    files; memory: one step). ``counts`` (when given) is told what was left out and why;
+    without ``ids`` the token ids are not read (None)."""
     fields = fields or ConversationFields()
     counts = counts if counts is not None else Counts()
+    columns = [c for c in COLUMNS if ids or c != "token_ids"]
+    validate = ops.fill_null(listing["validate"], False).to_numpy(zero_copy_only=False)
     for step, rows in by_step(listing).items():
         counts.selected += len(rows)
-        filters = Filters(step=step) if type(step) is int else Filters(trajectory_id=[r["id"] for r in rows])
-        table = run.spans(filters, columns=COLUMNS)
-        batch = _StepRows(table, rows, fields).batch(counts)
+        traj_ids = ops.take(listing["id"], pa.array(rows, pa.int64()))
+        filters = Filters(step=step) if type(step) is int else Filters(trajectory_id=traj_ids.to_pylist())
+        table = run.spans(filters, columns=columns)
+        batch = _StepRows(table, traj_ids, rows, validate[rows], fields).batch(counts)
+        del table
         if batch is not None:
             yield batch
 
 
-class _StepRows:
-    """One step's span rows of the chosen kinds, grouped by trajectory in listing order."""
+_AGENT, _LLM, _SIGNALS = 0, 1, 2
 
-    def __init__(self, table: pa.Table, rows: list[dict[str, Any]], fields: ConversationFields) -> None:
+
+class _StepRows:
+    """One step's span rows of the kinds that hold the two sides, grouped by trajectory in listing
+    order: nothing of the table is copied but the payloads of the agent and signals rows."""
+
+    def __init__(
+        self, table: pa.Table, ids: pa.Array, rows: Any, validate: Any, fields: ConversationFields
+    ) -> None:
         self.rows = rows
+        self.validate = validate
         self.fields = fields
-        ids = pa.array([r["id"] for r in rows], pa.string())
-        position = ops.index_in(table["trajectory_id"], ids)
-        keep = ops.and_(ops.is_valid(position), ops.is_in(table["kind"], pa.array(_KINDS, pa.string())))
-        table = ops.filter(table.append_column("_at", position), keep)
-        order = ops.sort_indices(
-            table, [("_at", "ascending"), ("start_ns", "ascending"), ("end_ns", "descending")]
-        )
-        self.table = table = ops.take(table, order).combine_chunks()
-        at = table["_at"].to_numpy()
-        self.starts = np.searchsorted(at, np.arange(len(rows) + 1))
-        self.kinds = table["kind"].to_pylist()
-        self.span_ids = table["span_id"].to_pylist()
-        self.end_ns = table["end_ns"].to_numpy()
-        self.outputs = table["output"]
-        self.inputs = table["inputs"]
+        self.table = table
+        at = ops.fill_null(ops.index_in(table["trajectory_id"], ids), -1).to_numpy(zero_copy_only=False)
+        kind = np.full(table.num_rows, -1, dtype=np.int8)
+        for code, name in ((_AGENT, KIND_AGENT), (_LLM, KIND_LLM), (_SIGNALS, KIND_SIGNALS)):
+            kind[ops.fill_null(ops.equal(table["kind"], name), False).to_numpy(zero_copy_only=False)] = code
+        chosen = np.flatnonzero((at >= 0) & (kind >= 0))
+        start = table["start_ns"].to_numpy(zero_copy_only=False)[chosen]
+        self.order = order = chosen[np.lexsort((start, at[chosen]))]  # by trajectory, then start
+        self.starts = np.searchsorted(at[order], np.arange(len(rows) + 1))
+        self.kinds = kind[order].tolist()
+        self.end_ns = table["end_ns"].to_numpy(zero_copy_only=False)[order]
+        payload_rows = order[kind[order] != _LLM]  # the llm rows' only when a stretch refers to them
+        texts = ops.take(table["output"], pa.array(payload_rows, pa.int64())).to_pylist()
+        self.outputs: dict[int, Any] = dict(zip(payload_rows.tolist(), texts))
         self.typed = {}
         for name in _TYPED:
-            column = table[name]
-            chunk = column.chunk(0) if column.num_chunks else pa.array([], column.type)
-            self.typed[name] = (chunk.offsets.to_numpy(), chunk.values.to_numpy(zero_copy_only=False))
+            if name in table.column_names:
+                chunk = table[name].combine_chunks()
+                self.typed[name] = (chunk.offsets.to_numpy(), chunk.values.to_numpy(zero_copy_only=False))
 
-    def columns(self, j: int) -> dict[str, Any]:
-        """Row ``j``'s typed token values."""
-        return {name: values[offsets[j] : offsets[j + 1]] for name, (offsets, values) in self.typed.items()}
+    def columns(self, row: int) -> dict[str, Any]:
+        """Table row ``row``'s typed token values."""
+        return {
+            name: values[offsets[row] : offsets[row + 1]] for name, (offsets, values) in self.typed.items()
+        }
 
     def batch(self, counts: Counts) -> Batch | None:
-        kept_rows, responses, versions = [], [], []
-        for i, row in enumerate(self.rows):
-            found = self.response(range(self.starts[i], self.starts[i + 1]), counts)
+        kept, parts, versions = [], [], []
+        for i in range(len(self.rows)):
+            found = self.response(int(self.starts[i]), int(self.starts[i + 1]), counts)
             if found is None:
                 counts.no_rollout += 1
                 continue
-            resp, version = found
-            if not np.isfinite(resp.trainer).any():
+            got, version = found
+            if got.trainer is None or not np.isfinite(got.trainer).any():
                 counts.no_trainer += 1
-                counts.no_trainer_validation += bool(row["validate"])
+                counts.no_trainer_validation += bool(self.validate[i])
                 continue
             counts.compared += 1
-            kept_rows.append(row)
-            responses.append(resp)
+            kept.append(i)
+            parts.append(got)
             versions.append(version)
-        return Batch.of(kept_rows, responses, versions) if kept_rows else None
+        if not kept:
+            return None
+        return Batch.of(self.rows[kept], self.validate[kept], parts, versions)
 
-    def response(self, group: range, counts: Counts) -> tuple[Response, int | None] | None:
-        """The trajectory's response from its rows ``group`` (its agent span, its latest signals
-        span), with its weights version."""
-        decoded: dict[int, tuple[Any, Any]] = {}
-        streams: dict[tuple[str, str], Any] = {}
-        by_span = {self.span_ids[j]: j for j in group}
+    def output(self, row: int, counts: Counts) -> Any:
+        text = self.outputs.get(row)
+        if text is None and row not in self.outputs:
+            text = self.table["output"][row].as_py()
+        value, why = decode_safe(text)
+        if why:
+            counts.issues.append(f"span {self.table['span_id'][row].as_py()}: {why}")
+        return value
 
-        def payloads(j: int, inputs: bool = True) -> tuple[Any, Any]:
-            if j not in decoded or (inputs and decoded[j][0] is None):
-                out, why = decode_safe(self.outputs[j].as_py())
-                inp = None
-                if inputs:
-                    inp, why_in = decode_safe(self.inputs[j].as_py())
-                    why = why or why_in
-                if why:
-                    counts.issues.append(f"span {self.span_ids[j]}: {why}")
-                decoded[j] = (inp, out)
-            return decoded[j]
-
-        def resolve(span_id: str, dtype: str) -> Any:
-            j, key = by_span.get(span_id), (span_id, dtype)
-            if j is None or key in streams:
-                return streams.get(key)
-            streams[key] = None  # a reference circle resolves to nothing
-            inputs, output = payloads(j)
-            streams[key] = restorer.span_stream(inputs, output, self.columns(j), dtype)
-            return streams[key]
-
-        restorer = Restorer(resolve)
-        agent = None
-        trainer_at = None
-        for j in group:
-            kind = self.kinds[j]
-            if kind == KIND_AGENT and agent is None:
-                _, output = payloads(j, inputs=False)
+    def response(self, lo: int, hi: int, counts: Counts) -> tuple[Part, int | None] | None:
+        """The trajectory's response from its rows ``order[lo:hi]`` (its first agent span holding
+        rollout log-probs, its latest signals span holding trainer log-probs), with its weights
+        version."""
+        agent = trainer = None
+        latest = -1
+        for k in range(lo, hi):
+            kind = self.kinds[k]
+            if kind == _AGENT and agent is None:
+                output = self.output(int(self.order[k]), counts)
                 if _first(output, self.fields.log_probs) is not None:
-                    agent = (j, output)
-            elif kind == KIND_SIGNALS and (
-                trainer_at is None or self.end_ns[j] >= self.end_ns[trainer_at[0]]
-            ):
-                _, output = payloads(j, inputs=False)
-                values = trainer_values(output)
+                    agent = (int(self.order[k]), output)
+            elif kind == _SIGNALS and self.end_ns[k] >= latest:
+                values = trainer_values(self.output(int(self.order[k]), counts))
                 if values is not None:
-                    trainer_at = (j, values)
+                    trainer, latest = (int(self.order[k]), values), self.end_ns[k]
         if agent is None:
             return None
-        j, output = agent
-        cols = self.columns(j)
-        values = {
-            name: self.array(_first(output, names), cols, restorer)
-            for name, names in (
-                ("ids", self.fields.response),
-                ("mask", self.fields.mask),
-                ("rollout", self.fields.log_probs),
-                ("entropy", ENTROPY_KEYS),
-            )
-        }
-        trainer = self.array(trainer_at[1], self.columns(trainer_at[0]), restorer) if trainer_at else None
-        counts.issues.extend(restorer.issues)
-        restorer.resolve = None  # no reference circle: the step's rows go once it is done with
-        found = response(values["ids"], values["mask"], values["rollout"], trainer, values["entropy"])
+        row, output = agent
+        context = _Stretches(self, range(lo, hi), counts)
+        found = part(
+            context.array(_first(output, self.fields.response), row),
+            context.array(_first(output, self.fields.mask), row),
+            context.array(_first(output, self.fields.log_probs), row),
+            context.array(trainer[1], trainer[0]) if trainer is not None else None,
+            context.array(_first(output, ENTROPY_KEYS), row),
+        )
+        context.done()
         return (found, version_of(output)) if found is not None else None
 
-    @staticmethod
-    def array(value: Any, cols: dict[str, Any], restorer: Restorer) -> Any:
-        """A recorded number list as numpy: JSON numbers, or a token-array placeholder (resolved
-        where it shares stretches with other spans); None when it is neither."""
+
+class _Stretches:
+    """A trajectory's number lists as numpy: JSON lists as they are, token-array placeholders
+    sliced from their row's typed column, or (those sharing stretches with other spans) restored
+    through ``rlreplay.format.arrays.Restorer``, the other spans' payloads read when needed."""
+
+    def __init__(self, step: _StepRows, group: range, counts: Counts) -> None:
+        self.step = step
+        self.group = group
+        self.counts = counts
+        self.restorer: Restorer | None = None
+
+    def array(self, value: Any, row: int) -> Any:
         if isinstance(value, list):
             return value
         if not (isinstance(value, dict) and value.get("__type__") == TOKENS):
             return None
-        dtype = value.get("t")
-        if "s" in value:  # a shared stream's array: resolved through the restorer
-            found = restorer.stream(value, cols, dtype)
+        if value.get("r"):  # shares stretches with other spans
+            found = self.restore().stream(value, self.step.columns(row), value.get("t"))
             return found[0][1] if found else None
-        column = cols.get(DTYPE_COLUMNS.get(dtype, ""))
+        column = DTYPE_COLUMNS.get(value.get("t"), "")
+        if column not in self.step.typed:  # a column not read (token ids, when not asked for)
+            return None
+        offsets, values = self.step.typed[column]
         try:
             start, n = int(value["o"]), int(value["n"])
         except (KeyError, TypeError, ValueError):
             return None
-        if column is None or start < 0 or start + n > len(column):
+        if start < 0 or start + n > offsets[row + 1] - offsets[row]:
+            self.counts.issues.append(f"unreadable token array ({value.get('t')} out of range)")
             return None
-        return column[start : start + n]
+        first = offsets[row] + start
+        return values[first : first + n]
+
+    def restore(self) -> Restorer:
+        if self.restorer is not None:
+            return self.restorer
+        step = self.step
+        rows = [int(step.order[k]) for k in self.group]
+        by_span = dict(zip(ops.take(step.table["span_id"], pa.array(rows, pa.int64())).to_pylist(), rows))
+        streams: dict[tuple[str, str], Any] = {}
+
+        def resolve(span_id: str, dtype: str) -> Any:
+            row, key = by_span.get(span_id), (span_id, dtype)
+            if row is None or key in streams:
+                return streams.get(key)
+            streams[key] = None  # a reference circle resolves to nothing
+            inputs, why = decode_safe(step.table["inputs"][row].as_py())
+            if why:
+                self.counts.issues.append(f"span {span_id}: {why}")
+            output = step.output(row, self.counts)
+            streams[key] = restorer.span_stream(inputs, output, step.columns(row), dtype)
+            return streams[key]
+
+        self.restorer = restorer = Restorer(resolve)
+        return restorer
+
+    def done(self) -> None:
+        if self.restorer is not None:
+            self.counts.issues.extend(self.restorer.issues)
+            self.restorer.resolve = None  # no reference circle: the step's rows go once it is done with

@@ -13,7 +13,7 @@ from mismatch_truth import padded
 from test_mismatch_verl import VERL_NAMES, close, verl_metrics
 
 from rlreplay.mismatch import metrics as m
-from rlreplay.mismatch.tokens import Batch, response
+from rlreplay.mismatch.tokens import Batch, part
 
 LOGPROB = st.floats(-30.0, 0.0, allow_nan=False)
 GAP = st.one_of(st.floats(-0.05, 0.05), st.floats(-40.0, 40.0))
@@ -35,8 +35,9 @@ def responses(draw: st.DrawFn) -> list[dict]:
 
 def summary(batch: list[dict]) -> dict:
     made = Batch.of(
-        [{"validate": False} for _ in batch],
-        [response(r["ids"], r["mask"], r["rollout"], r["trainer"]) for r in batch],
+        np.arange(len(batch)),
+        np.zeros(len(batch), dtype=bool),
+        [part(r["ids"], r["mask"], r["rollout"], r["trainer"]) for r in batch],
         [None] * len(batch),
     )
     sums = m.sequence_sums(made)
