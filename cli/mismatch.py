@@ -210,18 +210,28 @@ def table(header: list[str], rows: list[list[str]], indent: str = "") -> list[st
     return [line(header), *(line(r) for r in rows)]
 
 
+def prose(*texts: str) -> list[str]:
+    """Sentences as lines of at most ``WRAP`` characters."""
+    import textwrap
+
+    return [line for text in texts for line in textwrap.wrap(text, WRAP, subsequent_indent="  ")]
+
+
+WRAP = 100
+
+
 def render(report: Any, shown: int) -> str:
     from rlreplay.mismatch import metrics as m
 
     c = report.counts
     tokens = sum(r["tokens"] for r in report.steps)
-    lines = [
+    lines = prose(
         f"trainer vs rollout log-probs of {tokens} model tokens in {c.compared} of {c.selected} selected "
         "trajectories (response_mask 1: tool and observation tokens never count)",
         *(f"note: {n}" for n in report.notes),
-    ]
+    )
     if report.buckets is not None:
-        lines += ["", *_buckets(report), "", NAMES, m.BOUNDS_RULE]
+        lines += ["", *_buckets(report), "", *prose(NAMES, m.BOUNDS_RULE)]
         return "\n".join(lines) + "\n"
     for title, columns in STEP_TABLES:
         rows = [
@@ -239,13 +249,13 @@ def render(report: Any, shown: int) -> str:
             f"{title}:",
             *table(["step", "split", "seqs", "tokens", *(h for h, _ in columns)], rows),
         ]
-    lines += ["", NAMES, m.BOUNDS_RULE, m.VERDICT_RULE]
+    lines += ["", *prose(NAMES, m.BOUNDS_RULE, m.VERDICT_RULE)]
     trend = report.trend
     if trend is not None:
         spark = sparkline(trend.values)
         lines += [
             "",
-            f"trend of {trend.metric} over {len(trend.steps)} training steps: {spark}  {trend.text}",
+            *prose(f"trend of {trend.metric} over {len(trend.steps)} training steps: {spark}  {trend.text}"),
         ]
     lines += ["", "worst responses (largest |Δ|):"]
     rows = [
