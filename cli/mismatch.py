@@ -70,13 +70,13 @@ def mismatch_command(
     *,
     selection: Any,
 ) -> None:
-    from rlreplay.mismatch.report import WORST, compute
+    from rlreplay.mismatch.report import LISTING_COLUMNS, WORST, compute
 
     if by not in BY_KEYS:
         fail(f"--by {by!r}: one of {', '.join(BY_KEYS)}")
     shown = whole_number("--top", top, minimum=0)
     opened = open_run_arg(run, run_path)
-    listing = selection.trajectories(opened)
+    listing = selection.trajectories(opened).select(LISTING_COLUMNS)  # the rest goes now
     decoder = _decoder(opened, tokenizer, wanted=by == "token" or not as_json)
     report = compute(
         opened,

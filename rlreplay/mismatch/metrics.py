@@ -44,7 +44,6 @@ ICEPOP = (0.5, 5.0)
 INVESTIGATE = 1.05
 #: ... above this (the mean token's probability off by more than the TIS cap): broken
 BROKEN = TIS_CAP
-HEALTHY_DIFF_MEAN = 0.01  # a healthy |Δ| mean (vime #64), for the reader's scale
 VERDICT_RULE = (
     f"verdict on token_mult_prob_error (mean exp|Δ|): healthy ≤ {INVESTIGATE:g} "
     f"(NeMo-RL's threshold to investigate) < investigate ≤ {BROKEN:g} (the TIS cap: verl's "
@@ -86,28 +85,6 @@ GAP_METRICS = (
     "eff_sample_size",
 )
 METRICS = ("sequences", "tokens", *VERL_METRICS, *GAP_METRICS)
-#: Numbers only whole responses have (a bucket of tokens has none of them).
-SEQUENCE_METRICS = frozenset(
-    {
-        "sequences",
-        "training_ppl",
-        "training_log_ppl",
-        "rollout_ppl",
-        "rollout_log_ppl",
-        "log_ppl_diff",
-        "log_ppl_abs_diff",
-        "log_ppl_diff_max",
-        "log_ppl_diff_min",
-        "ppl_ratio",
-        "chi2_seq",
-        "seq_logprob_diff_max_p50",
-        "seq_logprob_diff_max_p90",
-        "seq_logprob_diff_max_p99",
-        "tis_seq_frac_high",
-        "icepop_seq_frac_out",
-    }
-)
-
 #: Per-token terms summed per response and per token bucket (``max_abs`` is a maximum).
 TOKEN_SUMS = (
     "tokens",
@@ -211,32 +188,51 @@ class Buckets:
         return out
 
 
+#: Counted tokens taken at a time (whole responses): a step's per-token terms never all at once.
+CHUNK_TOKENS = 1 << 18
+
+
 def sequence_sums(
-    batch: Any, counted: Any = None, each: Callable[[str, Any], None] | None = None
+    batch: Any,
+    counted: Any = None,
+    each: Callable[[str, Any, slice], None] | None = None,
+    chunk: int = CHUNK_TOKENS,
 ) -> dict[str, Any]:
-    """``SUMS`` per response of a ``rlreplay.mismatch.tokens.Batch``, over its counted tokens;
-    ``each(name, values)`` (when given) sees every per-token term as it goes by (``tokens``:
-    the trainer's log-probs, ``max_abs``: each |Δ|)."""
+    """``SUMS`` per response of a ``rlreplay.mismatch.tokens.Batch``, over its counted tokens,
+    reduced a chunk of whole responses (about ``chunk`` tokens) at a time; ``each(name, values,
+    at)`` (when given) sees every per-token term as it goes by, ``at`` the slice of the batch's
+    counted tokens they are (``tokens``: the trainer's log-probs, ``max_abs``: each |Δ|)."""
     counted = batch.counted if counted is None else counted
     running = np.r_[0, np.cumsum(counted, dtype=np.int64)]
     counts = running[batch.offsets[1:]] - running[batch.offsets[:-1]]
     del running
-    segments = Segments(counts)
-    trainer = batch.trainer[counted].astype(np.float64, copy=False)
-    rollout = batch.rollout[counted].astype(np.float64, copy=False)
-    out = {"tokens": counts.astype(np.float64)}
-    if each is not None:
-        each("tokens", trainer)
-    out["sum_trainer"] = segments.add(trainer)
-    out["sum_rollout"] = segments.add(rollout)
-    for name, values in terms(trainer, rollout):
-        out[name] = segments.add(values)
-        if name == "sum_abs":
-            out["max_abs"] = segments.max(values)
-            if each is not None:
-                each("max_abs", values)
+    out = {name: np.zeros(len(counts)) for name in SUMS}
+    out["max_abs"][:] = np.nan
+    out["tokens"] = counts.astype(np.float64)
+    done = np.r_[0, np.cumsum(counts)]  # counted tokens before each response
+    first = 0
+    while first < len(counts):
+        last = int(np.searchsorted(done, done[first] + chunk, side="right")) - 1
+        last = min(max(last, first + 1), len(counts))
+        lo, hi = int(batch.offsets[first]), int(batch.offsets[last])
+        chosen = counted[lo:hi]
+        at = slice(int(done[first]), int(done[last]))
+        segments = Segments(counts[first:last])
+        trainer = batch.trainer[lo:hi][chosen].astype(np.float64, copy=False)
+        rollout = batch.rollout[lo:hi][chosen].astype(np.float64, copy=False)
         if each is not None:
-            each(name, values)
+            each("tokens", trainer, at)
+        out["sum_trainer"][first:last] = segments.add(trainer)
+        out["sum_rollout"][first:last] = segments.add(rollout)
+        for name, values in terms(trainer, rollout):
+            out[name][first:last] = segments.add(values)
+            if name == "sum_abs":
+                out["max_abs"][first:last] = segments.max(values)
+                if each is not None:
+                    each("max_abs", values, at)
+            if each is not None:
+                each(name, values, at)
+        first = last
     return out
 
 

@@ -29,6 +29,8 @@ WORST = 20
 TREND_METRIC = "logprob_diff_mean"
 #: What a response is known by in a report's rows.
 ROW_KEYS = ("id", "step", "sample_index", "rollout_n", "validate", "worker")
+#: The listing columns a report reads (a caller may hand it only these).
+LISTING_COLUMNS = [*ROW_KEYS, "step_str", "sample_index_str", "rollout_n_str"]
 
 
 @dataclass
@@ -172,7 +174,7 @@ class _Accumulator:
         self.listing = listing
         self.limits = limits
         self.rows: list[Any] = []  # per batch: its responses' listing row numbers
-        self.parts: list[dict[str, Any]] = []  # per batch: per-response sums
+        self.parts: Any = []  # per batch: per-response sums (then, all of them: ``sums``)
         self.versions: list[Any] = []
         self.step_metrics: list[dict[str, Any]] = []
         self.buckets = m.Buckets()  # per token bucket: TOKEN_SUMS
@@ -183,19 +185,20 @@ class _Accumulator:
     def add(self, batch: Batch) -> None:
         counted = batch.counted
         key = self.token_key(batch, counted) if self.by in m.TOKEN_KEYS else None
-        keep = None if key is None or (key >= 0).all() else key >= 0
-        if keep is not None:
-            key = key[keep]
+        keep = None if key is None or (key >= 0).all() else key >= 0  # per counted token
         gaps: list[Any] = []
 
-        def each(name: str, values: Any) -> None:
+        def each(name: str, values: Any, at: slice) -> None:
             if name == "max_abs":
                 gaps.append(values)
             if key is not None:
-                self.buckets.add(key, name, values if keep is None else values[keep])
+                if keep is None:
+                    self.buckets.add(key[at], name, values)
+                else:
+                    self.buckets.add(key[at][keep[at]], name, values[keep[at]])
 
         sums = m.sequence_sums(batch, counted, each)
-        gap = gaps[0]
+        gap = np.concatenate(gaps) if len(gaps) != 1 else gaps[0]
         base = self.count
         self.count += len(batch.rows)
         self.rows.append(batch.rows)
@@ -268,7 +271,10 @@ class _Accumulator:
     # ---- results ------------------------------------------------------------------------------
 
     def sums(self) -> dict[str, Any]:
-        return {name: np.concatenate([p[name] for p in self.parts]) for name in m.SUMS}
+        """Every response's sums, in the report's order (made once, when the steps are done)."""
+        if self.parts and not isinstance(self.parts, dict):
+            self.parts = {name: np.concatenate([p[name] for p in self.parts]) for name in m.SUMS}
+        return self.parts if self.parts else {name: np.zeros(0) for name in m.SUMS}
 
     def all_rows(self) -> Any:
         return np.concatenate(self.rows)
@@ -295,7 +301,8 @@ class _Accumulator:
         return out
 
     def worst_rollout_rows(self) -> list[dict[str, Any]]:
-        return self.response_rows(self.largest(self.sums(), WORST), self.sums())
+        sums = self.sums()
+        return self.response_rows(self.largest(sums, WORST), sums)
 
     @staticmethod
     def largest(sums: dict[str, Any], top: int | None) -> Any:
