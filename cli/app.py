@@ -77,6 +77,14 @@ RunOption = Annotated[
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output (JSON).")]
+FindingOption = Annotated[
+    str | None,
+    typer.Option(
+        "--finding",
+        metavar="CHECKS",
+        help="Only trajectories these audit checks flag (rlreplay audit --help), e.g. truncated.",
+    ),
+]
 TokenizerOption = Annotated[
     str | None,
     typer.Option(
@@ -130,6 +138,18 @@ _SELECTION_PARAMS: list[tuple[str, Any]] = [
                 metavar="EXPR",
                 help="SQL boolean over the listing columns (the ls --json keys), "
                 'e.g. "reward > 0 and model_calls >= 3".',
+            ),
+        ],
+    ),
+    (
+        "grep",
+        Annotated[
+            list[str] | None,
+            typer.Option(
+                "--grep",
+                metavar="PATTERN",
+                help="Only trajectories whose decoded response or tool output matches this regular "
+                'expression (RE2; a plain word matches itself; "(?i)" ignores case), e.g. "Traceback".',
             ),
         ],
     ),
@@ -238,6 +258,26 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+def fit_columns(widths: list[int], width: int) -> int:
+    """How many of the first columns (``widths`` in order of priority, two spaces apart) fit a line
+    of ``width`` characters; the first always does."""
+    used = kept = 0
+    for need in widths:
+        need += 2 if kept else 0
+        if kept and used + need > width:
+            break
+        used += need
+        kept += 1
+    return kept
+
+
+def terminal_width() -> int | None:
+    """The terminal's width when stdout is one, else None (a pipe or file gets whole lines)."""
+    import shutil
+
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+
+
 #: The training signals shown beside the reward when a run has them (listing columns).
 SIGNAL_COLUMNS = ("advantage", "logprob_diff_max", "importance_ratio")
 
@@ -296,6 +336,21 @@ def open_run_arg(run: Path | None, positional: Path | None = None):
         fail(f"two runs given: {positional} and --run {run}")
     chosen = positional if positional is not None else run
     return open_run(chosen)
+
+
+def flagged(opened: Any, table: Any, names: str) -> Any:
+    """The rows of ``table`` that the audit checks ``names`` flag (``--finding``); a check that cannot
+    run says why on stderr."""
+    import pyarrow as pa
+
+    from rlreplay.audit import engine
+    from rlreplay.format import arrow_ops as ops
+
+    report = engine.audit(opened, table, engine.choose(names, engine.available()))
+    for name, why in report.skipped.items():
+        print(f"rlreplay: note: {name} skipped: {why}", file=sys.stderr)
+    ids = pa.array(sorted(engine.finding_ids(report, table)), type=pa.string())
+    return ops.filter(table, ops.is_in(table["id"], ids))
 
 
 def report_warnings(run) -> None:

@@ -17,17 +17,12 @@ def _keys(pair: Any) -> str:
     return f"step={pair.step} sample_index={pair.sample_index} rollout_n={pair.rollout_n}{split}"
 
 
-def _where(diff: dict[str, Any] | None) -> str:
-    if diff is None:
+def _values(diff: dict[str, Any] | None) -> str:
+    """Both values where the pair first differs, a line each under the pair (none: that side has none)."""
+    if diff is None or (diff.get("a") is None and diff.get("b") is None):
         return ""
-    at = f"span {diff['span']} {diff['name']}: {diff['field']}"
-    if diff.get("path"):
-        at += f" at {diff['path']}"
-    if diff.get("ended"):
-        at += f" (run {diff['ended'].upper()} has no span there)"
-    if diff.get("turn") is not None:
-        at += f"; tokens first differ in turn {diff['turn']}"
-    return at
+    shown = {side: diff.get(side) for side in ("a", "b")}
+    return "".join(f"    {side.upper()}: {'(none)' if v is None else v}\n" for side, v in shown.items())
 
 
 def _reward(pair: Any) -> str:
@@ -46,10 +41,10 @@ def compare_command(
 ) -> None:
     """Compare two runs trajectory by trajectory.
 
-    Pairs trajectories by (step, sample_index, rollout_n, validate): same or changed (and where
-    they first differ), and those present in one run only.
+    Pairs trajectories by (step, sample_index, rollout_n, validate): same or changed (where they
+    first differ, and both values there), and those present in one run only.
     """
-    from rlreplay.compare import compare_runs, summary
+    from rlreplay.compare import compare_runs, summary, where
 
     opened_a, opened_b = open_run_arg(None, run_a), open_run_arg(None, run_b)
     result = list(compare_runs(opened_a, opened_b, selection))
@@ -73,5 +68,7 @@ def compare_command(
         ids = f"{(pair.a or '-')[:12]} {(pair.b or '-')[:12]}"
         line = f"{pair.status:<8} {_keys(pair)} {ids}{_reward(pair)}"
         if pair.status == "changed":
-            line += f"  {_where(pair.first_difference)}"
+            line += f"  {where(pair.first_difference)}"
         write(line + "\n")
+        if pair.status == "changed":
+            write(_values(pair.first_difference))

@@ -22,6 +22,7 @@ COMMANDS = {
     "diff": "diff",
     "export": "export",
     "mismatch": "mismatch",
+    "proxy": "proxy",
     "record": "record",
     "replay": "replay",
     "sql": "sql",

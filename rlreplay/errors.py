@@ -65,6 +65,10 @@ class ReplayDivergence(RlreplayError):
     """A served op was called with other inputs than the recorded one (``on_diverge="fail"``)."""
 
 
+class ProxyError(RlreplayError):
+    """A proxy that cannot start or a request it cannot take: bad upstream URL, port in use, bad keys."""
+
+
 class UploadError(RlreplayError):
     """A failure that stops the whole upload (bad credentials, unknown project): one clear line."""
 

@@ -30,6 +30,7 @@ LAYERS = [
         "rlreplay.export",
         "rlreplay.mismatch",
         "rlreplay.playback",
+        "rlreplay.proxy",
         "rlreplay.rewrite",
         "rlreplay.ui",
     ),

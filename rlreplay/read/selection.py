@@ -4,7 +4,8 @@ Works on the listing from ``Run.trajectories()``: one row per trajectory. A ``Se
 one way to say which: made from CLI options, a ``show``/``diff`` selector or the UI's URL
 parameters, with a field per selection key (``rlreplay.format.keys.SELECT_KEYS``). Key filters
 take ``5``, ``3..7`` (inclusive) or lists such as ``0..10,20,-1``; ``--where`` is an SQL boolean
-over the listing's columns (DuckDB, imported only when used). The unit of sampling is a
+over the listing's columns (DuckDB, imported only when used); ``grep`` a regular expression the
+trajectory's decoded response or tool output must match (``rlreplay.read.search``). The unit of sampling is a
 *group*, every rollout of one dataset sample at one step in one split (training or
 validation), so GRPO groups always stay whole.
 """
@@ -34,6 +35,7 @@ from rlreplay.format.keys import (
     parse_int,
 )
 from rlreplay.read.filters import Filters, KeySpec, parse_keys, term
+from rlreplay.read.search import TextSearch, check_pattern, matching
 from rlreplay.read.where import filter_where
 
 STATUSES = ("ok", "error", "incomplete")
@@ -239,6 +241,8 @@ class _Selecting:
             raise SelectionError(f"--limit must be at least 1 (got {me.limit!r})")
         if me.where is not None and not me.where.strip():
             raise SelectionError("--where: empty expression")
+        if me.grep is not None:
+            check_pattern(me.grep)
 
     def filters(self) -> Filters:
         """What the file reader can apply itself: the flags and names, and the keys that hold only
@@ -255,24 +259,39 @@ class _Selecting:
                 pushed[key.name] = ints
         return Filters(**pushed)
 
-    def trajectories(self, run: Any, keep: Callable[[pa.Table], pa.Table] | None = None) -> pa.Table:
-        """The run's listing (contract C2 columns), filtered, sorted and limited (``keep``: see
-        :meth:`apply`).
+    def trajectories(
+        self,
+        run: Any,
+        keep: Callable[[pa.Table], pa.Table] | None = None,
+        texts: TextSearch | None = None,
+    ) -> pa.Table:
+        """The run's listing (contract C2 columns), filtered, sorted and limited (``keep``,
+        ``texts``: see :meth:`apply`; with ``grep`` and no ``texts``, the run's own tokenizer
+        decodes).
 
         A step filter reads only the matching ``spans/step=N/`` partitions (or the run index's
         row groups that hold them).
         """
         self.check()
+        me: Any = self
+        if me.grep is not None and texts is None:
+            texts = TextSearch.for_run(run)
         filters = self.filters()
         steps = _partition_steps(run, self.keys().get("step"))
         if steps is None:
-            return self.apply(listing(run, filters), keep)
+            return self.apply(listing(run, filters), keep, texts)
         table = listing(run, replace(filters, step=steps)) if steps else LISTING_SCHEMA.empty_table()
-        return self.apply(table, keep)
+        return self.apply(table, keep, texts)
 
-    def apply(self, table: pa.Table, keep: Callable[[pa.Table], pa.Table] | None = None) -> pa.Table:
+    def apply(
+        self,
+        table: pa.Table,
+        keep: Callable[[pa.Table], pa.Table] | None = None,
+        texts: TextSearch | None = None,
+    ) -> pa.Table:
         """This selection over a listing already read: the keys, status and id, then ``--where``,
-        then ``keep`` (a further filter, such as ``ls --finding``), then the sort and the limit."""
+        then ``--grep`` (over ``texts``, the run's searched texts), then ``keep`` (a further
+        filter, such as ``ls --finding``), then the sort and the limit."""
         self.check()
         me: Any = self
         keys = self.keys()
@@ -292,6 +311,10 @@ class _Selecting:
             table = ops.filter(table, mask)
         if me.where is not None:
             table = filter_where(table, me.where)
+        if me.grep is not None:
+            if texts is None:
+                raise SelectionError("--grep searches a run's text: select through the run (trajectories)")
+            table = matching(table, me.grep, texts)
         if keep is not None:
             table = keep(table)
         if me.sort is not None:
@@ -365,7 +388,7 @@ class _Selecting:
 
 
 #: The selection's options besides its keys that a URL carries.
-_URL_OPTIONS = ("status", "where", "sort", "limit")
+_URL_OPTIONS = ("status", "where", "grep", "sort", "limit")
 
 
 def _text(value: Any) -> str:
@@ -374,7 +397,7 @@ def _text(value: Any) -> str:
 
 #: Which trajectories a command works on (contract C4): a field per selection key (key filters
 #: as text, parsed by :func:`parse_keys`; the flags as bools), then ``status``, ``where``,
-#: ``sort``, ``limit`` and ``id`` (an id prefix, from a selector).
+#: ``grep``, ``sort``, ``limit`` and ``id`` (an id prefix, from a selector).
 Selection = make_dataclass(
     "Selection",
     [
@@ -384,6 +407,7 @@ Selection = make_dataclass(
         ),
         ("status", "str | None", field(default=None)),
         ("where", "str | None", field(default=None)),
+        ("grep", "str | None", field(default=None)),
         ("sort", "str | None", field(default=None)),
         ("limit", "int | None", field(default=None)),
         ("id", "str | None", field(default=None)),

@@ -385,7 +385,7 @@ class UI:
 
     def compare(self, request: Request) -> Response:
         """This run against another of the folder (e.g. its replay): pairs same, changed or in one."""
-        from rlreplay.compare import summary
+        from rlreplay.compare import summary, where
 
         view = self.view(request)
         others = [n for n in self.runs.names() if n != view.name]
@@ -399,6 +399,7 @@ class UI:
                 other="",
                 q=q,
                 result=None,
+                where=where,
                 crumbs=[("compare", None)],
             )
         b = self.runs.get(other)
@@ -417,6 +418,7 @@ class UI:
             result=summary(pairs),
             pairs=shown,
             total=len(pairs),
+            where=where,
             crumbs=[("compare", None)],
         )
 

@@ -150,6 +150,7 @@ class RunView:
         self._stats: tuple[pa.Table, list[dict[str, Any]]] | None = None
         self._checks: list[Any] | None = None
         self._prompts: dict[str, str] = {}
+        self._texts: Any = None  # the run's searched texts, once a search asked for them
         self._selections: tuple[pa.Table | None, dict[tuple[str, ...], pa.Table]] = (None, {})
         self._version: tuple[tuple[Any, ...] | None, str] = (None, "")
 
@@ -266,7 +267,7 @@ class RunView:
             if found is not None:
                 kept[key] = found  # the latest used last
                 return found
-        found = select(table, q)
+        found = select(table, q, self.texts() if q.grep is not None else None)
         with self._lock:
             kept[key] = found
             while len(kept) > SELECTIONS_KEPT:
@@ -414,6 +415,19 @@ class RunView:
 
         return adapter_for_run(self.run)
 
+    def texts(self) -> Any:
+        """The run's searched texts (``rlreplay.read.search``), decoded once and kept; a run without
+        a tokenizer cannot be searched (``RunError`` saying why)."""
+        from rlreplay.read.search import TextSearch
+
+        decoder = self.decoder()
+        if decoder is None:
+            raise RunError(f"search needs the run's tokenizer: {self.decoder_error or 'none loads'}")
+        with self._lock:
+            if self._texts is None or self._texts.source != getattr(decoder, "source", None):
+                self._texts = TextSearch(self.run, decoder, self.adapter())
+            return self._texts
+
     @property
     def decoder_error(self) -> str | None:
         return self._decoder_error
@@ -468,9 +482,10 @@ class ListQuery(Selection):
         }
 
 
-def select(table: pa.Table, q: Selection) -> pa.Table:
-    """The rows of the listing ``q`` asks for, in its order (not paginated): ``ls``'s selection."""
-    return q.apply(table)
+def select(table: pa.Table, q: Selection, texts: Any = None) -> pa.Table:
+    """The rows of the listing ``q`` asks for, in its order (not paginated): ``ls``'s selection
+    (``texts``: the run's searched texts, for ``grep``)."""
+    return q.apply(table, texts=texts)
 
 
 @dataclass

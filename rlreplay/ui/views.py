@@ -90,6 +90,7 @@ class Message:
     content: str
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments" (text)}
     tokens: int | None = None
+    stopped: str | None = None  # an answer cut by its length limit: how (the audit's truncated rule)
 
     @property
     def head(self) -> str:
@@ -108,18 +109,35 @@ CHAT_SHOWN = 20_000
 def messages(traj: Trajectory, decoder: Any, adapter: Any = None) -> list[Message]:
     """The conversation as OpenAI-style chat messages (system, user, assistant, tool); without a
     tokenizer, the turns (prompt, assistant, tool) with their token ids."""
-    from rlreplay.adapters.registry import openai_messages
+    from rlreplay.adapters.registry import get_adapter, openai_messages
 
+    adapter = adapter or get_adapter()
     if decoder is None:
-        return _id_messages(traj)
-    out = []
-    for m in openai_messages(traj, decoder, adapter):
-        calls = []
-        for call in m.get("tool_calls") or []:
-            fn = call.get("function") or {}
-            calls.append({"name": fn.get("name"), "arguments": _pretty_arguments(fn.get("arguments"))})
-        out.append(Message(str(m.get("role")), str(m.get("content") or ""), calls))
+        out = _id_messages(traj, adapter)
+    else:
+        out = []
+        for m in openai_messages(traj, decoder, adapter):
+            calls = []
+            for call in m.get("tool_calls") or []:
+                fn = call.get("function") or {}
+                calls.append({"name": fn.get("name"), "arguments": _pretty_arguments(fn.get("arguments"))})
+            out.append(Message(str(m.get("role")), str(m.get("content") or ""), calls))
+    _mark_length_stops(traj, out, adapter)
     return out
+
+
+def _mark_length_stops(traj: Trajectory, out: list[Message], adapter: Any) -> None:
+    """Mark the answers whose model call stopped on its length limit: the k-th assistant message is
+    the k-th assistant turn, the answer of that turn's model call."""
+    from rlreplay.audit.calls import length_stops
+    from rlreplay.text.conversation import ROLE_ASSISTANT, turns
+
+    stopped = length_stops(traj, adapter)
+    if not stopped:
+        return
+    answers = [t.span_id for t in turns(traj, None, adapter) if t.role == ROLE_ASSISTANT]
+    for message, span_id in zip((m for m in out if m.role == ROLE_ASSISTANT), answers):
+        message.stopped = stopped.get(span_id) if span_id else None
 
 
 def prompt_text(traj: Trajectory, decoder: Any, adapter: Any = None) -> str:
@@ -149,11 +167,11 @@ def recorded_prompt(traj: Trajectory, adapter: Any) -> str | None:
     return str(users[0].get("content") or "") if users else ""
 
 
-def _id_messages(traj: Trajectory) -> list[Message]:
+def _id_messages(traj: Trajectory, adapter: Any = None) -> list[Message]:
     from rlreplay.text.conversation import turns
 
     out = []
-    for turn in turns(traj):
+    for turn in turns(traj, None, adapter):
         calls = [{"name": c.get("name"), "arguments": pretty(c.get("arguments"))} for c in turn.tool_calls]
         out.append(Message(turn.role, " ".join(map(str, turn.token_ids)), calls, tokens=len(turn.token_ids)))
     return out

@@ -384,6 +384,14 @@ def test_compare_page_a_run_and_its_changed_replay(ui_url, ui_runs: Path, tab) -
     assert status.count("changed") >= 1 and status.count("only_a") == 1 and status.count("only_b") == 1
     first = tab.locator("#pairs tr.pair").first
     assert first.locator(".badge").inner_text() == "changed" and first.locator(".difference").inner_text()
+    # each changed pair says where and how: the path and both values, as the CLI's --json has them
+    for p in pairs:
+        if p["a"] and p["b"] and not p["same"]:
+            diff = p["first_difference"]
+            cell = tab.locator(f"#pair-{p['a']} .difference")
+            assert f"at {diff['path']}" in cell.locator(".where").inner_text()
+            assert cell.locator(".value.a code").inner_text() == diff["a"]
+            assert cell.locator(".value.b code").inner_text() == diff["b"]
     assert tab.locator("#pairs .badge.pairstatus.changed").count() == status.count("changed")
     assert tab.errors == []
 
