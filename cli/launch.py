@@ -14,16 +14,28 @@ import typer
 from rlreplay.cli.app import fail
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-DEFAULT_FRAMEWORK = "verl"
+#: ``--framework auto``: the run names ``verl`` when the job traced through verl's rollout tracing
+#: (``rlreplay.recorders.verl`` writes it), else ``generic``.
+AUTO_FRAMEWORK = "auto"
+DEFAULT_FRAMEWORK = AUTO_FRAMEWORK
 
 FrameworkOption = Annotated[
     str,
     typer.Option(
         "--framework",
         metavar="NAME",
-        help="Framework adapter (entry-point group rlreplay.adapters): verl, generic, ...",
+        help="Framework adapter (entry-point group rlreplay.adapters): verl, generic, ...; "
+        "auto (default): verl when the job traces through verl, else generic.",
     ),
 ]
+
+
+def argv_framework(framework: str) -> str:
+    """The adapter that reads the command line: verl's Hydra overrides under ``auto``."""
+    name = framework.strip().lower()
+    return "verl" if name == AUTO_FRAMEWORK else name
+
+
 GraceOption = Annotated[
     float,
     typer.Option(

@@ -14,9 +14,11 @@ import typer
 
 from rlreplay.cli.app import TokenizerOption, app, fail
 from rlreplay.cli.launch import (
+    AUTO_FRAMEWORK,
     DEFAULT_FRAMEWORK,
     FrameworkOption,
     GraceOption,
+    argv_framework,
     child_env,
     run_forwarding_signals,
 )
@@ -26,7 +28,7 @@ def guess_from_argv(command: list[str], framework: str = DEFAULT_FRAMEWORK) -> t
     """(experiment, tokenizer) that the framework's adapter finds on the command line, if any."""
     from rlreplay.adapters.registry import get_adapter
 
-    adapter = get_adapter(framework)
+    adapter = get_adapter(argv_framework(framework))
     return adapter.experiment_from_argv(command), adapter.tokenizer_from_argv(command)
 
 
@@ -103,6 +105,8 @@ def record_run(
 ) -> int:
     """``record``'s work; ``replay`` (``rlreplay.cli.replay.ReplayPlan``) also carries a replay into
     every process, and its summary is added at the end."""
+    from rlreplay.adapters.registry import DEFAULT as DEFAULT_ADAPTER
+    from rlreplay.adapters.registry import MANIFEST_KEY as ADAPTER_KEY
     from rlreplay.format import manifest
     from rlreplay.read.open import open_run
     from rlreplay.read.summary import recover, run_summary
@@ -136,6 +140,8 @@ def record_run(
             raise PermissionError(13, "Permission denied")
     except OSError as exc:
         fail(f"--out {run_dir}: cannot create the run there ({exc.strerror or exc})")
+    framework = framework.strip().lower()
+    auto = framework == AUTO_FRAMEWORK
     manifest.write_json_atomic(
         run_dir / manifest.MANIFEST,
         manifest.new_manifest(
@@ -143,20 +149,25 @@ def record_run(
             command,
             tokenizer=tokenizer or guessed_tokenizer,
             status="running",
-            framework=framework.strip().lower(),
+            # under auto, the job's processes name verl when they trace through it
+            **({} if auto else {ADAPTER_KEY: framework}),
             **(replay.manifest() if replay is not None else {}),
         ),
     )
     print(f"rlreplay: recording into {run_dir}", file=sys.stderr)
-    env = child_env(run_dir, experiment, framework.strip().lower(), token_signals)
+    env = child_env(run_dir, experiment, framework, token_signals)
     if replay is not None:
         env.update(replay.env())
     code = run_forwarding_signals(command, env)
 
     recovered = recover(run_dir, wait_s=grace)
     summary = run_summary(open_run(run_dir))
+    detected = {}
+    if auto and not manifest.read_manifest(run_dir).get(ADAPTER_KEY):
+        detected = {ADAPTER_KEY: DEFAULT_ADAPTER}  # nothing traced through a framework's hook
     manifest.update_manifest(
         run_dir,
+        **detected,
         ended_at=time.time(),
         exit_code=code,
         status="finished" if code == 0 else "failed",
@@ -178,5 +189,5 @@ def record_run(
         file=sys.stderr,
     )
     if replay is not None:
-        replay.report(open_run(run_dir))
+        code = replay.report(open_run(run_dir), code)
     return code

@@ -53,6 +53,11 @@ class UnsafePathError(FormatError):
     """A path inside a run that resolves outside it (a symlink): rlreplay never writes or deletes there."""
 
 
+class NotExact(FormatError, ValueError):
+    """A recorded value whose JSON form does not give back what was recorded (truncated, hidden by
+    redaction, a type nobody rebuilds): a replay does not serve it, and says why."""
+
+
 class StorageError(RlreplayError):
     """A run location that cannot be used: unreachable store, missing bucket, bad credentials."""
 
@@ -62,7 +67,9 @@ class ReplayError(RlreplayError):
 
 
 class ReplayDivergence(RlreplayError):
-    """A served op was called with other inputs than the recorded one (``on_diverge="fail"``)."""
+    """A call a replay could not serve from the recording (``on_diverge="fail"``): other inputs
+    than the recorded op's, a recorded output that is not what the op returned, or a source that
+    could not be read."""
 
 
 class ProxyError(RlreplayError):

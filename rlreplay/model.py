@@ -46,6 +46,9 @@ class Span:
     importance_ratio: float | None = None
     prompt_tokens: int | None = None
     response_tokens: int | None = None
+    #: what the output's JSON form does not say: ``{JSON pointer: type}`` (``rlreplay.format.payload``),
+    #: None for spans recorded before outputs had one
+    output_type: dict[str, str] | None = None
 
     @property
     def duration_s(self) -> float:
@@ -263,6 +266,9 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
         if tokens:
             inputs = restorer.restore(inputs, cols)
             output = restorer.restore(output, cols)
+        if not isinstance(attributes, dict):
+            attributes = None
+        output_type = attributes.pop(payload.OUTPUT_TYPE, None) if attributes else None
         spans.append(
             Span(
                 span_id=r["span_id"],
@@ -277,8 +283,9 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
                 num_tokens=r.get("num_tokens"),
                 inputs=inputs,
                 output=output,
-                attributes=attributes if isinstance(attributes, dict) or attributes is None else None,
+                attributes=attributes or None,
                 **{c: r.get(c) for c in _SPAN_SCALARS},
+                output_type=output_type if isinstance(output_type, dict) else None,
             )
         )
     issues.extend(restorer.issues)

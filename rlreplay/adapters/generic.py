@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from rlreplay.format import payload
 from rlreplay.format.kinds import KIND_AGENT, KIND_LLM, KIND_OP, KIND_PARSER, KIND_TOOL
 from rlreplay.text.conversation import (
     ConversationFields,
@@ -116,9 +117,9 @@ class GenericAdapter:
 
     def tool_output_text(self, output: Any) -> str | None:
         """The text a tool span returned: ``text`` of its response object, or a plain string."""
-        value = output
+        value = payload.unwrapped(output)
         if isinstance(value, (list, tuple)) and value:
-            value = value[0]
+            value = payload.unwrapped(value[0])
         if isinstance(value, dict):
             value = value.get("text", value.get("content"))
         return value if isinstance(value, str) else None
@@ -176,9 +177,17 @@ class GenericAdapter:
 
     # -- replay ---------------------------------------------------------------------------------
 
-    def rebuild_output(self, name: str, kind: str, output: Any) -> Any:
-        """A recorded output served as recorded (JSON values): no framework types to rebuild."""
-        return output
+    def output_builders(self) -> dict[str, Any]:
+        """The types a replay rebuilds beyond ``payload.BUILTIN_TYPES``: qualified class -> a
+        builder from the decoded JSON value (a framework's adapter names its own)."""
+        return {}
+
+    def rebuild_output(self, name: str, kind: str, output: Any, output_type: dict[str, str] | None) -> Any:
+        """What the op returned: the JSON form decoded, tuples, sets and bytes as they were, and the
+        types of :meth:`output_builders` rebuilt; ``payload.NotExact`` for anything else (an object
+        of another class, a truncated or redacted value). Outputs recorded before outputs had a
+        type record (``output_type`` None) are served as their JSON values."""
+        return payload.from_json(output, output_type, self.output_builders())
 
     def volatile_keys(self) -> frozenset[str]:
         """Per-call ids, fresh on every run by design: never compared."""

@@ -254,7 +254,12 @@ class Proxy:
     ) -> web.StreamResponse:
         start = time.time_ns()
         status = reason = None
-        if traj.replay is not None and traj.replay.source is None and self.replay is not None:
+        if (
+            traj.replay is not None
+            and traj.replay.source is None
+            and not traj.replay.diverged  # diverged on opening (an unreadable source): played below
+            and self.replay is not None
+        ):
             if self.replay.cassette.on_diverge == "fail":
                 what = (
                     f"no trajectory {traj.key}"

@@ -27,8 +27,10 @@ class RecordedOp:
     span_id: str
     name: str
     inputs: Any  # JSON value; the cassette drops the volatile keys before the first match
-    output: Any
+    output: Any  # JSON form (``rlreplay.format.payload``)
     position: int = 0
+    #: the output's type record (``rlreplay.format.payload.from_json``); None: recorded without one
+    output_type: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -254,6 +254,7 @@ def _encode_row(
             inputs_obj = _reduce(meta, "reduce_inputs", meta.reduce_inputs, inputs_obj, problems)
         inputs_data, num_tokens = payload.to_payload(inputs_obj, issues, kinds)
     reward = None
+    output_type: dict[str, str] | None = None  # what the JSON form does not say (replay reads it)
     if exc is not None:
         output_data: Any = _redacted(exception_data(exc))
         error = payload.safe_text(f"{output_data['type']}: {output_data['message']}")
@@ -263,8 +264,11 @@ def _encode_row(
             out = _reduce(meta, "reduce_output", meta.reduce_output, result, problems)
         output_data = None
         if out is not None:
-            output_data, output_tokens = payload.to_payload(out, issues, kinds)
+            output_type = {} if meta.kind not in (KIND_TRAJECTORY, KIND_SIGNALS) else None
+            output_data, output_tokens = payload.to_payload(out, issues, kinds, output_type)
             num_tokens += output_tokens
+            if output_type is not None and meta.reduce_output is not None:
+                output_type = {"": payload.REDUCED}
         error = None
         if meta.reward is not None:
             reward = as_reward(_reduce(meta, "reward", meta.reward, result, problems))
@@ -292,10 +296,15 @@ def _encode_row(
             index.add(sid, arrays)
             prefixes.added(tid, before, index.nbytes)
     attributes = None
-    if traj.attributes and (parent_id is None or meta.kind == KIND_SIGNALS):
-        attributes = payload.dumps(payload.to_jsonable(traj.attributes, issues=issues), None, issues)
-    elif meta.attributes:
-        attributes = payload.dumps(payload.to_jsonable(meta.attributes, issues=issues), None, issues)
+    rooted = traj.attributes and (parent_id is None or meta.kind == KIND_SIGNALS)
+    given = traj.attributes if rooted else meta.attributes
+    if given:
+        attrs = payload.to_jsonable(given, issues=issues)
+        if output_type and isinstance(attrs, dict):
+            attrs[payload.OUTPUT_TYPE] = output_type
+        attributes = payload.dumps(attrs, None, issues)
+    elif output_type:
+        attributes = payload.dumps({payload.OUTPUT_TYPE: output_type}, None, issues)
 
     keys = getattr(traj, "keys", None) or (traj.step, traj.sample_index, traj.rollout_n)
     ints, strs = [], []
@@ -400,7 +409,7 @@ def _reduce(meta: Any, what: str, fn: Callable[[Any], Any], value: Any, problems
     except Exception as exc:
         message = payload.safe_text(f"{what} of {meta.name} raised {type(exc).__name__}: {exc}")
         problems.append(Problem(f"reduce:{meta.name}:{what}", message, counted=False))
-        return None if what == "reward" else {"__type__": "error", "error": message[:2000]}
+        return None if what == "reward" else payload.Marker(__type__="error", error=message[:2000])
 
 
 def exception_data(exc: BaseException) -> dict[str, str]:
