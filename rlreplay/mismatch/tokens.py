@@ -21,10 +21,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from rlreplay.errors import NotExact
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format.arrays import DTYPE_COLUMNS, Restorer
 from rlreplay.format.kinds import KIND_AGENT, KIND_LLM, KIND_SIGNALS
-from rlreplay.format.payload import TOKENS, decode_safe
+from rlreplay.format.payload import TOKENS, decode_safe, from_json, unwrapped
 from rlreplay.read.filters import Filters
 from rlreplay.text.conversation import ConversationFields
 
@@ -67,14 +68,18 @@ class Response:
 
 def _numbers(values: Any, n: int, fill: float = np.nan) -> Any:
     """``values`` (a list, or a numpy array kept in its dtype) as a numeric array of length ``n``:
-    cut, or padded with ``fill``; None when they are not numbers (None in a list: NaN)."""
+    cut, or padded with ``fill``; None when they are not numbers (None in a list: NaN; a float
+    marker, NaN or ±inf, its value)."""
     if isinstance(values, np.ndarray):
         array = values
     else:
         try:
             array = np.asarray(values, dtype=np.float64)
         except (TypeError, ValueError):
-            return None
+            try:  # JSON that held markers (a NaN among the log-probs)
+                array = np.asarray(from_json(values), dtype=np.float64)
+            except (TypeError, ValueError, NotExact):
+                return None
     if array.ndim != 1 or array.dtype.kind not in "biuf":
         return None
     if len(array) == n:
@@ -147,6 +152,8 @@ def response(ids: Any, mask: Any, rollout: Any, trainer: Any, entropy: Any = Non
 
 
 def _first(source: Any, names: Sequence[str]) -> Any:
+    """The first of ``names`` in an op's output (its own dict, when the JSON wraps it)."""
+    source = unwrapped(source)
     if isinstance(source, dict):
         for name in names:
             if name in source:
@@ -157,6 +164,7 @@ def _first(source: Any, names: Sequence[str]) -> Any:
 def trainer_values(output: Any) -> Any:
     """The trainer's per-token log-probs in a ``signals`` span's output (a list, an array or a
     token-array placeholder), or None."""
+    output = unwrapped(output)
     if isinstance(output, (list, np.ndarray)):
         return output
     return _first(output, TRAINER_KEYS)
@@ -164,8 +172,7 @@ def trainer_values(output: Any) -> Any:
 
 def version_of(output: Any) -> int | None:
     """The weights version an agent span's output says its response was generated with."""
-    extra = output.get("extra_fields") if isinstance(output, dict) else None
-    value = _first(extra, VERSION_FIELDS)
+    value = _first(_first(output, ("extra_fields",)), VERSION_FIELDS)
     return value if type(value) is int else None
 
 
