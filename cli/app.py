@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 import typer
 
 from rlreplay.errors import CliError
-from rlreplay.format.keys import BOOL, KEY, SELECT_BY_NAME, SELECT_KEYS, SelectKey, parse_int
+from rlreplay.format.keys import BOOL, INT64_MAX, KEY, SELECT_BY_NAME, SELECT_KEYS, SelectKey, parse_int
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -29,6 +29,8 @@ app = typer.Typer(
 )
 
 EXIT_BAD_INPUT = 2
+#: The longest wait a SECONDS option may ask for (a day): more is a typo, and overflows clocks.
+MAX_SECONDS = 86_400
 
 
 def _print_version(value: bool) -> None:
@@ -208,7 +210,8 @@ def selection_options(func: F) -> F:
         from rlreplay.read.selection import Selection
 
         chosen = {name: _one_value(name, kwargs.pop(name, None)) for name in names}
-        chosen["limit"] = whole_number("--limit", chosen["limit"], minimum=1)
+        limit = whole_number("--limit", chosen["limit"], minimum=1)
+        chosen["limit"] = None if limit is None else min(limit, INT64_MAX)  # "at most N": any N
         selection = Selection(**chosen)
         selection.check()
         return func(*args, selection=selection, **kwargs)
@@ -287,6 +290,30 @@ def signal_cell(value: float | None) -> str:
 
 
 ForceOption = Annotated[bool, typer.Option("--force", help="Replace the output file if it exists.")]
+MemoryLimitOption = Annotated[
+    str | None,
+    typer.Option(
+        "--memory-limit",
+        metavar="SIZE",
+        help="Most memory a query may use, its result included (500MB, 4GiB; default 2GiB).",
+    ),
+]
+
+
+def set_memory_limit(text: str | None) -> None:
+    """Apply ``--memory-limit`` to the queries this command runs (a bad size exits 2)."""
+    if text is None:
+        return
+    from rlreplay.read.selection import parse_size
+    from rlreplay.read.where import set_memory_limit as apply
+
+    try:
+        nbytes = parse_size(text)
+    except ValueError as exc:
+        fail(f"--memory-limit: {exc}")
+    if nbytes < 1:
+        fail(f"--memory-limit {text!r}: give a size of at least 1 byte")
+    apply(nbytes)
 
 
 def _inside_run(path: Path) -> Path | None:
@@ -354,5 +381,7 @@ def flagged(opened: Any, table: Any, names: str) -> Any:
 
 
 def report_warnings(run) -> None:
+    from rlreplay.format.redact import redact_value
+
     for message in run.warnings:
-        print(f"rlreplay: warning: {message}", file=sys.stderr)
+        print(f"rlreplay: warning: {redact_value(message)}", file=sys.stderr)

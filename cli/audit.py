@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Annotated, Any
 
@@ -88,6 +89,8 @@ def audit_command(
     known = engine.default_thresholds(installed.values())
     overrides = parse_thresholds(threshold or [], known)
     if mismatch_max is not None:
+        if not math.isfinite(mismatch_max):
+            fail(f"--mismatch-max {mismatch_max}: give a finite number")
         overrides["mismatch_max"] = mismatch_max
     opened = open_run_arg(run, run_path)
     listing = selection.trajectories(opened)

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from rlreplay.cli.app import fail
+from rlreplay.cli.app import MAX_SECONDS, fail
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: ``--framework auto``: the run names ``verl`` when the job traced through verl's rollout tracing
@@ -39,7 +39,11 @@ def argv_framework(framework: str) -> str:
 GraceOption = Annotated[
     float,
     typer.Option(
-        "--grace", min=0, metavar="SECONDS", help="Seconds to wait for worker processes to seal their files."
+        "--grace",
+        min=0,
+        max=MAX_SECONDS,
+        metavar="SECONDS",
+        help="Seconds to wait for worker processes to seal their files.",
     ),
 ]
 

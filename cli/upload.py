@@ -15,6 +15,7 @@ import typer
 from typer.core import TyperCommand
 
 from rlreplay.cli.app import (
+    MAX_SECONDS,
     JsonOption,
     RunOption,
     TokenizerOption,
@@ -282,6 +283,7 @@ def upload_command(
             "--timeout",
             metavar="SECONDS",
             min=0.1,
+            max=MAX_SECONDS,
             help="Overall deadline of one request, in seconds; a server silent that long stops the upload.",
         ),
     ] = 60.0,

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import orjson
 
 from rlreplay.errors import RequestTimeout, RunError, UploadError  # noqa: F401 - backends import it from here
+from rlreplay.format.redact import redact_value
 
 LEDGER_DIR = "_uploads"
 
@@ -150,7 +151,8 @@ class Ledger:
                 return
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "ab") as f:
-                f.write(orjson.dumps({"target": target, "created_at": time.time()}) + b"\n")
+                shown = redact_value(target)  # a server's address may hold a password
+                f.write(orjson.dumps({"target": shown, "created_at": time.time()}) + b"\n")
             return
         with open(self.path, "rb") as f:
             content = f.read()

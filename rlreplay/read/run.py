@@ -198,7 +198,7 @@ class Run:
     def _live_index(self, path: Path) -> pa.Table | None:
         """The index of a live file, built from its spans."""
         table = self._partial(path)
-        return tindex.build(table.select(tindex.SPAN_COLUMNS)) if table is not None else None
+        return tindex.build(table.select(tindex.JUDGED_COLUMNS)) if table is not None else None
 
     def _relative(self, name: str) -> str:
         """A run file's path (a string) relative to the run, with ``/``."""
@@ -215,16 +215,16 @@ class Run:
             pf = self._open_sealed(path, whole=False)
             version = file_version(pf.schema_arrow, "file")
             names = V1_COLUMNS if version == 1 else SPAN_SCHEMA.names
-            cols = [c for c in names if c in tindex.SPAN_COLUMNS]
+            cols = [c for c in names if c in tindex.JUDGED_COLUMNS]
             table = pf.read(columns=cols)
             if version == 1:
-                table = upgrade(table, tindex.SPAN_COLUMNS)
+                table = upgrade(table, tindex.JUDGED_COLUMNS)
             sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
         except (pa.ArrowException, OSError, FormatError) as exc:
             self._skip(path, exc)
             return None
         groups = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
-        return tindex.build(table.select(tindex.SPAN_COLUMNS), groups)
+        return tindex.build(table.select(tindex.JUDGED_COLUMNS), groups)
 
     def step_partitions(self) -> list[str]:
         """The values of the run's ``spans/step=*`` folders, as written (unsorted)."""

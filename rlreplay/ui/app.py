@@ -24,6 +24,7 @@ from rlreplay.format.keys import SELECT_KEYS, key_order, parse_int
 from rlreplay.model import listing_rows
 from rlreplay.read.filters import Filters
 from rlreplay.read.selection import Selection
+from rlreplay.read.where import time_budget
 from rlreplay.ui import charts, views
 from rlreplay.ui.data import (
     PAGE_SIZES,
@@ -731,12 +732,18 @@ def _traj_crumbs(view: RunView, traj: Any) -> list[tuple[str, str | None]]:
     return crumbs
 
 
-def looked_once(handler: Any) -> Any:
-    """The page handler, looking at each run's files once per request."""
+#: Seconds the queries of one page (its where box, the step statistics) may compute: a link
+#: someone is sent must not pin a core, and a page whose browser left stops computing.
+QUERY_SECONDS = 10.0
+
+
+def looked_once(handler: Any, budget_s: float | None = QUERY_SECONDS) -> Any:
+    """The page handler, looking at each run's files once per request, its queries within
+    ``budget_s`` seconds."""
 
     @functools.wraps(handler)
     def page(request: Request) -> Response:
-        with one_look():
+        with one_look(), time_budget(budget_s):
             return handler(request)
 
     return page
@@ -748,10 +755,12 @@ def create_app(
     allowed_hosts: list[str] | None = None,
     warm: bool = False,
     tokenizer: str | None = None,
+    query_budget_s: float | None = QUERY_SECONDS,
 ) -> Starlette:
     """The app over a run directory or a folder of runs; ``allowed_hosts`` guards the Host header;
     ``warm``: read a single run's listing before returning, so that the first page is fast;
-    ``tokenizer``: decode with this tokenizer instead of the one each run's manifest names."""
+    ``tokenizer``: decode with this tokenizer instead of the one each run's manifest names;
+    ``query_budget_s``: the seconds a page's queries may compute."""
     ui = UI(RunSet(root, tokenizer), poll_ms=poll_ms)
     if warm:
         ui.warm()
@@ -769,16 +778,16 @@ def create_app(
     routes = [
         Route("/", ui.index),
         Route("/api/version", ui.root_version),
-        Route("/r/{run}/", looked_once(ui.overview)),
-        Route("/r/{run}/trajectories", looked_once(ui.trajectories)),
-        Route("/r/{run}/t/{tid}", looked_once(ui.trajectory)),
-        Route("/r/{run}/group/{tid}", looked_once(ui.group)),
-        Route("/r/{run}/prompt", looked_once(ui.prompt)),
-        Route("/r/{run}/diff", looked_once(ui.diff)),
-        Route("/r/{run}/findings", looked_once(ui.findings)),
-        Route("/r/{run}/mismatch", looked_once(ui.mismatch)),
-        Route("/r/{run}/compare", looked_once(ui.compare)),
-        Route("/r/{run}/api/version", looked_once(ui.version)),
+        Route("/r/{run}/", looked_once(ui.overview, query_budget_s)),
+        Route("/r/{run}/trajectories", looked_once(ui.trajectories, query_budget_s)),
+        Route("/r/{run}/t/{tid}", looked_once(ui.trajectory, query_budget_s)),
+        Route("/r/{run}/group/{tid}", looked_once(ui.group, query_budget_s)),
+        Route("/r/{run}/prompt", looked_once(ui.prompt, query_budget_s)),
+        Route("/r/{run}/diff", looked_once(ui.diff, query_budget_s)),
+        Route("/r/{run}/findings", looked_once(ui.findings, query_budget_s)),
+        Route("/r/{run}/mismatch", looked_once(ui.mismatch, query_budget_s)),
+        Route("/r/{run}/compare", looked_once(ui.compare, query_budget_s)),
+        Route("/r/{run}/api/version", looked_once(ui.version, query_budget_s)),
         Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"),
     ]
     middleware = []

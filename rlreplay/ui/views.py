@@ -13,6 +13,7 @@ import orjson
 from markupsafe import Markup
 
 from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_SIGNALS, KIND_TOOL
+from rlreplay.format.tool_errors import tool_error
 from rlreplay.model import Span, Trajectory
 
 LOGPROB_KEYS = ("response_logprobs", "rollout_log_probs", "log_probs", "logprobs")
@@ -266,7 +267,7 @@ def timings(traj: Trajectory) -> dict[str, Any]:
         "llm_s": sum(s.duration_s for s in llm),
         "tool": len(tools),
         "tool_s": sum(s.duration_s for s in tools),
-        "tool_errors": sum(1 for s in tools if s.status == "error"),
+        "tool_errors": traj.tool_errors,  # the listing's count (rlreplay.format.tool_errors)
     }
 
 
@@ -288,7 +289,7 @@ def tool_calls(traj: Trajectory) -> list[dict[str, Any]]:
                 "arguments": pretty(inputs.get("parameters", inputs.get("kwargs", inputs))),
                 "result": pretty(result),
                 "status": span.status,
-                "error": span.error,
+                "error": tool_error(span.status, span.error, span.output),
                 "ms": span.duration_s * 1000,
             }
         )
