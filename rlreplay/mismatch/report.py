@@ -136,10 +136,10 @@ def _nothing_to_compare(run: Any, counts: Counts) -> str:
     if counts.compared == 0 and counts.no_trainer == 0:
         return (
             f"none of the {counts.selected} selected trajectories in {where} has an agent span with "
-            f"the rollout's per-token log-probs (response_logprobs); {HOW_TO_RECORD}"
+            f"the rollout's log-probs per token (response_logprobs); {HOW_TO_RECORD}"
         )
     return (
-        f"no per-token trainer log-probs in the {counts.selected} selected trajectories of {where}: "
+        f"no trainer log-probs per token in the {counts.selected} selected trajectories of {where}: "
         f"{HOW_TO_RECORD}"
     )
 
@@ -151,8 +151,8 @@ def _notes(counts: Counts) -> list[str]:
             " (validation: verl computes no trainer log-probs there)" if counts.no_trainer_validation else ""
         )
         notes.append(
-            f"{counts.no_trainer} of {counts.selected} selected trajectories have no per-token trainer "
-            f"log-probs and are left out{why}"
+            f"{counts.no_trainer} of {counts.selected} selected trajectories have no trainer log-probs "
+            f"per token and are left out{why}"
         )
     if counts.no_rollout:
         notes.append(
@@ -380,7 +380,7 @@ class _Accumulator:
         sums = self.buckets.padded() if self.buckets.size() else None
         if sums is None or not int(sums["tokens"].sum()):
             if self.by == "entropy":
-                notes.append("no per-token entropy was recorded in these responses: nothing to bucket by")
+                notes.append("no entropy was recorded per token in these responses: nothing to bucket by")
             return []
         present = np.flatnonzero(sums["tokens"] > 0)
         if self.by == "token":

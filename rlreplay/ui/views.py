@@ -531,7 +531,7 @@ def tokens(traj: Trajectory, decoder: Any, fields: Any = None) -> TokenView | No
     }
     note = None
     if compared is None:
-        note = "no per-token trainer log-probs recorded (record them: rlreplay record --token-signals)"
+        note = "no trainer log-probs per token recorded (record them: rlreplay record --token-signals)"
     return TokenView(
         _script_json(data),
         _script_json(values),

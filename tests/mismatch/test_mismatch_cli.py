@@ -25,9 +25,9 @@ def rlreplay(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        ([str(NO_TOKEN_SIGNALS)], "no per-token trainer log-probs"),
+        ([str(NO_TOKEN_SIGNALS)], "no trainer log-probs per token"),
         ([str(SHOWCASE), "--step", "9999"], "no trajectories selected"),
-        ([str(SHOWCASE), "--validate"], "no per-token trainer log-probs"),  # verl computes none there
+        ([str(SHOWCASE), "--validate"], "no trainer log-probs per token"),  # verl computes none there
         ([str(SHOWCASE), "--by", "colour"], "--by 'colour': one of step, worker, position"),
         ([str(SHOWCASE), "--top", "-1"], "--top must be at least 0"),
         ([str(SHOWCASE), "--top", "x"], "--top: 'x' is not a whole number"),
@@ -39,7 +39,7 @@ def test_bad_input_is_one_line_exit_2(args: list[str], said: str) -> None:
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and said in lines[0], proc.stderr
     assert proc.stdout == "" and "Traceback" not in proc.stderr
-    if "per-token" in said:  # says how to record them
+    if "per token" in said:  # says how to record them
         assert "rlreplay record --token-signals" in lines[0] and "record_signals" in lines[0]
 
 

@@ -159,4 +159,4 @@ def test_a_run_without_trainer_log_probs_says_how_to_record_them(tmp_path: Path,
         page.goto(f"{url}/r/{run.name}/mismatch")
         said = page.inner_text("#no-mismatch")
     page.close()
-    assert "no per-token trainer log-probs" in said and "--token-signals" in said
+    assert "no trainer log-probs per token" in said and "--token-signals" in said
