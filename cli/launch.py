@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from rlreplay.cli.app import MAX_SECONDS, fail
+from rlreplay.recorder.matchers import DEFAULT_MATCH_ON as MATCHERS_BY_DEFAULT
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: ``--framework auto``: the run names ``verl`` when the job traced through verl's rollout tracing
@@ -46,6 +47,39 @@ GraceOption = Annotated[
         help="Seconds to wait for worker processes to seal their files.",
     ),
 ]
+OutOption = Annotated[
+    str | None,
+    typer.Option(
+        "--out",
+        "-o",
+        metavar="RUN",
+        help="New run directory, or a URI such as s3://bucket/prefix/run or gs://... "
+        "(default: ./rlreplay-runs/<time>-<name>).",
+    ),
+]
+# replaying: ``rlreplay replay`` and ``rlreplay proxy --replay``
+OnDivergeOption = Annotated[
+    str,
+    typer.Option(
+        "--on-diverge",
+        metavar="WHAT",
+        help="When a call cannot be served from the recording (other inputs, an output not kept as "
+        "the op returned it, a source that cannot be read): live (it and the rest of its trajectory "
+        "run live; through the proxy, the upstream answers) or fail (the call raises, and replay "
+        "exits 1; through the proxy, HTTP 409 with the reason).",
+    ),
+]
+MatchOnOption = Annotated[
+    str,
+    typer.Option(
+        "--match-on",
+        metavar="MATCHERS",
+        help="What a call must share with its recorded one to be served: position (the k-th call "
+        "of its kind), name, inputs (per-call ids aside).",
+    ),
+]
+DEFAULT_ON_DIVERGE = "live"
+DEFAULT_MATCH_ON = ",".join(MATCHERS_BY_DEFAULT)
 
 
 def bootstrap_dir() -> Path:

@@ -18,6 +18,7 @@ from rlreplay.cli.launch import (
     DEFAULT_FRAMEWORK,
     FrameworkOption,
     GraceOption,
+    OutOption,
     argv_framework,
     child_env,
     run_forwarding_signals,
@@ -53,16 +54,7 @@ def default_out(command: list[str], experiment: str | None) -> Path:
 )
 def record_command(
     command: Annotated[list[str], typer.Argument(metavar="-- CMD...", help="The training command to run.")],
-    out: Annotated[
-        str | None,
-        typer.Option(
-            "--out",
-            "-o",
-            metavar="RUN",
-            help="New run directory, or a URI such as s3://bucket/prefix/run or gs://... "
-            "(default: ./rlreplay-runs/<time>-<name>).",
-        ),
-    ] = None,
+    out: OutOption = None,
     spool: Annotated[
         Path | None,
         typer.Option(
