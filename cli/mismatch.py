@@ -24,7 +24,7 @@ from rlreplay.mismatch import BY as BY_KEYS
 
 #: worst responses and tokens the text report shows
 SHOWN = 5
-MISMATCH_HELP = """Trainer vs rollout log-probs, token by token: the training-inference mismatch.
+MISMATCH_HELP = """Trainer vs rollout log-probs per token: the mismatch.
 
 Compares the trainer's per-token log-probs (verl: old_log_probs, kept by `record --token-signals`)
 with the rollout engine's (the agent's response_logprobs) over model tokens only (response_mask
