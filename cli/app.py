@@ -237,6 +237,31 @@ def whole_number(option: str, text: str | None, minimum: int | None = None) -> i
     return number
 
 
+BARS = "▁▂▃▄▅▆▇█"
+SPARK_WIDTH = 48
+
+
+def sparkline(values: list[float | None], width: int = SPARK_WIDTH) -> str:
+    """One character per value (averaged into ``width`` buckets), blank where there is none."""
+    if len(values) > width:
+        buckets = [values[i * len(values) // width : (i + 1) * len(values) // width] for i in range(width)]
+        values = [_mean(b) for b in buckets]
+    present = [v for v in values if v is not None]
+    if not present:
+        return " " * len(values)
+    lo, hi = min(present), max(present)
+    span = hi - lo
+    return "".join(
+        " " if v is None else BARS[0 if span == 0 else min(len(BARS) - 1, int((v - lo) / span * len(BARS)))]
+        for v in values
+    )
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
 def fit_columns(widths: list[int], width: int) -> int:
     """How many of the first columns (``widths`` in order of priority, two spaces apart) fit a line
     of ``width`` characters; the first always does."""

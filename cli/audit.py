@@ -45,7 +45,9 @@ Checks (--checks; thresholds: --threshold KEY=VALUE):
   tool_error      a tool call that raised or returned an error
   parse_error     a parser call that raised or returned a malformed tool call
   mismatch        logprob_diff_max an outlier for its step (median + 10 MADs, at least 0.1) or
-                  above --mismatch-max (1.0); importance_ratio beyond 2x either way
+                  above --mismatch-max (1.0); importance_ratio beyond 2x either way; with the
+                  trainer's per-token log-probs, a step `rlreplay mismatch` calls investigate
+                  (token_mult_prob_error > 1.05) or broken (> 2)
   group_collapse  a training group whose rollouts all got the same reward (zero advantage)
   length_drift    mean response length up 50% from the first third of the steps to the last,
                   mean reward up less than 0.05
