@@ -374,6 +374,8 @@ def show_command(
     run_path, ref = (Path(first), second) if second is not None else (None, first)
     if second is None and is_run_dir(first):
         fail(f"give a trajectory after the run: rlreplay show {first} ID_OR_SELECTOR")
+    if second is not None and run is not None and not is_run_dir(first) and not Path(first).exists():
+        fail(f"two trajectories given ({first} and {second}): show shows one; rlreplay diff compares two")
     from rlreplay.adapters.registry import adapter_for_run
 
     opened = open_run_arg(run, run_path)

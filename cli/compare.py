@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -9,7 +10,7 @@ from typing import Annotated, Any
 import orjson
 import typer
 
-from rlreplay.cli.app import JsonOption, app, open_run_arg, report_warnings, selection_options
+from rlreplay.cli.app import JsonOption, app, fail, open_run_arg, report_warnings, selection_options
 
 
 def _keys(pair: Any) -> str:
@@ -30,6 +31,19 @@ def _reward(pair: Any) -> str:
     return "" if delta is None or delta == 0 else f" reward {pair.reward_a} -> {pair.reward_b}"
 
 
+def _check_paired(result: list[Any], run_a: Any, run_b: Any) -> None:
+    """Bad input (exit 2) when no trajectory of A has a partner in B: nothing was compared."""
+    if any(pair.a is not None and pair.b is not None for pair in result):
+        return
+    if not result:
+        fail(f"the selection matches no trajectory in {run_a.address} or {run_b.address}: nothing to compare")
+    only_a = sum(pair.b is None for pair in result)
+    fail(
+        f"no trajectory of {run_a.address} ({only_a}) has the keys (step, sample_index, rollout_n, "
+        f"validate) of one of {run_b.address} ({len(result) - only_a}): nothing to compare"
+    )
+
+
 @app.command("compare")
 @selection_options
 def compare_command(
@@ -47,9 +61,12 @@ def compare_command(
     from rlreplay.compare import compare_runs, summary, where
 
     opened_a, opened_b = open_run_arg(None, run_a), open_run_arg(None, run_b)
+    if os.path.realpath(opened_a.path) == os.path.realpath(opened_b.path):
+        fail(f"RUN_A and RUN_B are the same run ({opened_a.address}): nothing to compare")
     result = list(compare_runs(opened_a, opened_b, selection))
     report_warnings(opened_a)
     report_warnings(opened_b)
+    _check_paired(result, opened_a, opened_b)
     write = sys.stdout.write
     if as_json:
         for pair in result:

@@ -484,7 +484,7 @@ def load_decoder(runs: list[Any], tokenizer: str | None, no_text: bool) -> Any:
 def _warn(runs: list[Any]) -> None:
     seen: set[str] = set()
     for run in runs:
-        for message in run.warnings:
+        for message in run.notes():
             if message not in seen:
                 seen.add(message)
                 print(f"rlreplay: warning: {message}", file=sys.stderr)

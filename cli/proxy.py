@@ -8,9 +8,15 @@ from typing import Annotated, Any
 
 import typer
 
-from rlreplay.cli.app import app, fail
+from rlreplay.cli.app import TokenizerOption, app, fail
+from rlreplay.cli.launch import (
+    DEFAULT_MATCH_ON,
+    DEFAULT_ON_DIVERGE,
+    MatchOnOption,
+    OnDivergeOption,
+    OutOption,
+)
 from rlreplay.errors import install_hint
-from rlreplay.recorder.matchers import DEFAULT_MATCH_ON
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -42,44 +48,22 @@ def proxy_command(
             help="The inference server (vLLM, SGLang, any OpenAI-compatible one), e.g. http://127.0.0.1:8000.",
         ),
     ] = None,
-    out: Annotated[
-        str | None,
-        typer.Option(
-            "--out",
-            "-o",
-            metavar="RUN",
-            help="Run to record into: a directory or s3://... (default: ./rlreplay-runs/<time>-proxy).",
-        ),
-    ] = None,
-    port: Annotated[int, typer.Option("--port", "-p", help="Port to listen on (0: any free one).")] = 8100,
+    out: OutOption = None,
+    port: Annotated[int, typer.Option("--port", metavar="PORT", help="Port (0: any free port).")] = 8100,
     host: Annotated[
-        str, typer.Option("--host", help="Address to listen on (loopback unless told otherwise).")
+        str, typer.Option("--host", metavar="HOST", help="Address to listen on (default: this machine only).")
     ] = "127.0.0.1",
     replay: Annotated[
         str | None,
         typer.Option("--replay", metavar="RUN", help="Answer calls from this recorded proxy run."),
     ] = None,
-    on_diverge: Annotated[
-        str,
-        typer.Option(
-            "--on-diverge",
-            metavar="WHAT",
-            help="A call the recording does not hold (replay): live (the upstream answers it and the "
-            "rest of its trajectory) or fail (HTTP 409 with the reason).",
-        ),
-    ] = "live",
-    match_on: Annotated[
-        str,
-        typer.Option(
-            "--match-on",
-            metavar="MATCHERS",
-            help="What a call must share with its recorded one to be served (replay): position, name, "
-            "inputs.",
-        ),
-    ] = ",".join(DEFAULT_MATCH_ON),
+    on_diverge: OnDivergeOption = DEFAULT_ON_DIVERGE,
+    match_on: MatchOnOption = DEFAULT_MATCH_ON,
     experiment: Annotated[
-        str | None, typer.Option("--experiment", "-e", help="Experiment name of the recorded run.")
+        str | None,
+        typer.Option("--experiment", "-e", metavar="NAME", help="Experiment name of the recorded run."),
     ] = None,
+    tokenizer: TokenizerOption = None,
     idle_close: Annotated[
         float,
         typer.Option(
@@ -89,7 +73,9 @@ def proxy_command(
         ),
     ] = 300.0,
 ) -> int:
-    """Record every generation that passes through, as trajectories of a run.
+    """Record (or replay) model calls at the inference server.
+
+    Every generation that passes through becomes an llm span of a trajectory of a run.
 
     Forwards OpenAI-compatible /v1/chat/completions and /v1/completions (streaming too) and SGLang's
     /generate to --upstream, recording prompt and response token ids, log-probs, finish reason,
@@ -110,7 +96,9 @@ def proxy_command(
         fail(f"--port {port}: not a port number (0 to 65535)")
     if idle_close <= 0:
         fail(f"--idle-close {idle_close}: give a number of seconds above 0")
-    return run_proxy(upstream, out, port, host, replay, on_diverge, match_on, experiment, idle_close)
+    return run_proxy(
+        upstream, out, port, host, replay, on_diverge, match_on, experiment, idle_close, tokenizer
+    )
 
 
 def run_proxy(
@@ -123,6 +111,7 @@ def run_proxy(
     match_on: str,
     experiment: str | None,
     idle_close: float,
+    tokenizer: str | None = None,
 ) -> int:
     import asyncio
 
@@ -152,6 +141,8 @@ def run_proxy(
             fail(str(exc))
     command = ["rlreplay", "proxy", *sys.argv[2:]] if sys.argv[1:2] == ["proxy"] else ["rlreplay", "proxy"]
     extra: dict[str, Any] = {"framework": "proxy", "proxy": {"upstream": location.redact(upstream or "")}}
+    if tokenizer is not None:  # the model's tokenizer, for reading the recorded ids as text
+        extra["tokenizer"] = tokenizer
     if config is not None:
         extra["replay"] = config.record()
     uri = location.as_uri(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -18,10 +19,13 @@ from rlreplay.cli.launch import (
     DEFAULT_FRAMEWORK,
     FrameworkOption,
     GraceOption,
+    OutOption,
     argv_framework,
+    check_command,
     child_env,
     run_forwarding_signals,
 )
+from rlreplay.errors import CommandNotStarted
 
 
 def guess_from_argv(command: list[str], framework: str = DEFAULT_FRAMEWORK) -> tuple[str | None, str | None]:
@@ -68,16 +72,7 @@ def keep_tokenizer(tokenizer: str | None, run_dir: Path) -> tuple[list[str], str
 )
 def record_command(
     command: Annotated[list[str], typer.Argument(metavar="-- CMD...", help="The training command to run.")],
-    out: Annotated[
-        str | None,
-        typer.Option(
-            "--out",
-            "-o",
-            metavar="RUN",
-            help="New run directory, or a URI such as s3://bucket/prefix/run or gs://... "
-            "(default: ./rlreplay-runs/<time>-<name>).",
-        ),
-    ] = None,
+    out: OutOption = None,
     spool: Annotated[
         Path | None,
         typer.Option(
@@ -138,6 +133,7 @@ def record_run(
     except RunError as exc:
         fail(str(exc))
     experiment = experiment or guessed_experiment
+    check_command(command)  # before anything is written: a command that cannot start leaves nothing
     if (uri := location.as_uri(out)) is not None:  # never a local folder named "s3:"
         if replay is not None:
             fail("--out: a replay records into a local run directory")
@@ -149,6 +145,7 @@ def record_run(
         fail(f"--out {run_dir}: exists and is not a directory; give a new run directory")
     if run_dir.exists() and any(run_dir.iterdir()):
         fail(f"{run_dir} already exists and is not empty; recorded runs are never overwritten")
+    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # the folders this creates
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not os.access(run_dir, os.W_OK):
@@ -176,9 +173,13 @@ def record_run(
     env = child_env(run_dir, experiment, framework, token_signals)
     if replay is not None:
         env.update(replay.env())
-    code = run_forwarding_signals(command, env)
+    try:
+        code = run_forwarding_signals(command, env)
+    except CommandNotStarted:
+        _never_started(run_dir, made, kept)
+        raise
 
-    recovered = recover(run_dir, wait_s=grace)
+    recovered = recover(run_dir, wait_s=grace, shards=False)  # just sealed: `recover` checks them
     if not kept:  # the job may have fetched it (a hub model into the local cache)
         kept, problem = keep_tokenizer(tokenizer, run_dir)
         if problem:
@@ -214,3 +215,18 @@ def record_run(
     if replay is not None:
         code = replay.report(open_run(run_dir), code)
     return code
+
+
+def _never_started(run_dir: Path, made: list[Path], kept: list[str]) -> None:
+    """The command never started: the run is marked so, then what ``record`` created for it (its
+    manifest, the tokenizer files it kept, the folders it made) is removed; what cannot be removed
+    stays marked."""
+    from rlreplay.format import manifest
+
+    with contextlib.suppress(OSError):
+        manifest.update_manifest(run_dir, status="not started", ended_at=time.time())
+        for file in kept:
+            (run_dir / file).unlink(missing_ok=True)
+        (run_dir / manifest.MANIFEST).unlink()
+        for folder in made:  # deepest first; a folder something else wrote into stays
+            folder.rmdir()

@@ -9,8 +9,17 @@ from typing import Annotated, Any
 import typer
 
 from rlreplay.cli.app import TokenizerOption, app, fail, selection_options
-from rlreplay.cli.launch import AUTO_FRAMEWORK, DEFAULT_FRAMEWORK, FrameworkOption, GraceOption
-from rlreplay.recorder.matchers import DEFAULT_MATCH_ON
+from rlreplay.cli.launch import (
+    AUTO_FRAMEWORK,
+    DEFAULT_FRAMEWORK,
+    DEFAULT_MATCH_ON,
+    DEFAULT_ON_DIVERGE,
+    FrameworkOption,
+    GraceOption,
+    MatchOnOption,
+    OnDivergeOption,
+    OutOption,
+)
 
 #: Ids a summary line shows at most (then how many more).
 SHOWN_IDS = 5
@@ -78,31 +87,9 @@ def replay_command(
             "--serve", metavar="KINDS", help="What is served from the recording: llm, llm,tool or agent."
         ),
     ] = "llm",
-    on_diverge: Annotated[
-        str,
-        typer.Option(
-            "--on-diverge",
-            metavar="WHAT",
-            help="When a call cannot be served from the recording (other inputs, an output not kept as "
-            "the op returned it, a source that cannot be read): live (run it and the rest of its "
-            "trajectory live) or fail (the call raises, and the command exits 1).",
-        ),
-    ] = "live",
-    match_on: Annotated[
-        str,
-        typer.Option(
-            "--match-on",
-            metavar="MATCHERS",
-            help="What a call must share with its recorded op to be served: position (the k-th call "
-            "of its kind), name, inputs (per-call ids aside).",
-        ),
-    ] = ",".join(DEFAULT_MATCH_ON),
-    out: Annotated[
-        str | None,
-        typer.Option(
-            "--out", "-o", metavar="RUN", help="New run directory (default: ./rlreplay-runs/<time>-<name>)."
-        ),
-    ] = None,
+    on_diverge: OnDivergeOption = DEFAULT_ON_DIVERGE,
+    match_on: MatchOnOption = DEFAULT_MATCH_ON,
+    out: OutOption = None,
     tokenizer: TokenizerOption = None,
     framework: FrameworkOption = DEFAULT_FRAMEWORK,
     grace: GraceOption = 15.0,

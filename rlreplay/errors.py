@@ -16,6 +16,10 @@ class CliError(RlreplayError):
     """Bad input on the command line (an option's value, a missing argument)."""
 
 
+class CommandNotStarted(CliError):
+    """The command given to ``record`` could not be started (not found, not executable)."""
+
+
 class RunError(RlreplayError):
     """Bad input when reading a run: a missing run, an unknown or ambiguous id, a bad filter."""
 
@@ -47,6 +51,12 @@ class ReportPathError(RunError):
 
 class FormatError(RlreplayError):
     """A file that rlreplay cannot read: foreign, corrupt, or from a newer format."""
+
+
+class DamagedFileError(FormatError, ValueError):
+    """A file whose bytes no longer match the checksums written with it: refused, never read as
+    other values (``rlreplay recover`` sets it aside, keeping what still matches). A ValueError
+    too, as the errors of the file readers it stands beside."""
 
 
 class UnsafePathError(FormatError):

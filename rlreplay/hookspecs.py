@@ -78,7 +78,9 @@ class FrameworkAdapter(Protocol):
         ...
 
     def tool_error(self, span: Span) -> str | None:
-        """What went wrong in a tool call; None when nothing did."""
+        """What went wrong in a tool call; None when nothing did. The listing's ``tool_errors``
+        counts by ``rlreplay.format.tool_errors`` (the generic adapter's answer): an adapter that
+        answers otherwise makes ``audit`` disagree with the listing."""
         ...
 
     def parse_error(self, span: Span) -> str | None:

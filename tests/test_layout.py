@@ -28,6 +28,7 @@ LAYERS = [
         "rlreplay.compare",
         "rlreplay.diff",
         "rlreplay.export",
+        "rlreplay.mismatch",
         "rlreplay.playback",
         "rlreplay.proxy",
         "rlreplay.rewrite",

@@ -123,12 +123,14 @@ def _least_run(max_ngram: int, min_repeats: float, min_tokens: float) -> int:
 
 
 def repetition(traj: Any, ctx: Context) -> Iterator[Finding]:
-    max_ngram = int(ctx["repetition_max_ngram"])
-    least = _least_run(max_ngram, ctx["repetition_min_repeats"], ctx["repetition_min_tokens"])
+    most = int(ctx["repetition_max_ngram"])
     for turn, span in enumerate(_calls(traj, KIND_LLM)):
         _, response = ctx.adapter.call_ids(span)
         if response is None or not len(response) or len(response) < ctx["repetition_min_tokens"]:
             continue
+        # an n-gram repeated at least twice fits in the response: longer ones need no looking for
+        max_ngram = min(most, len(response) // 2)
+        least = _least_run(max_ngram, ctx["repetition_min_repeats"], ctx["repetition_min_tokens"])
         if not _may_loop(response, max_ngram, least):
             continue
         found = _loop(response, max_ngram)
@@ -356,7 +358,8 @@ TOOL_ERROR = Check(
     "tool_error",
     OVER_TRAJECTORIES,
     LEVEL_TRAJECTORY,
-    "a tool call that raised, or returned an error (text beginning with error/exception/traceback)",
+    "a tool call that raised, or whose result says it failed (an error, ok or success false, or a "
+    "response text beginning with error/exception/traceback): the listing's tool_errors, counted alike",
     tool_error,
     span_kinds=(KIND_TOOL,),
 )

@@ -164,6 +164,11 @@ def _plain_numbers(value: list | tuple) -> type | None:
     return cls if cls is int or (cls is float and math.isfinite(total)) else None
 
 
+#: Mapping keys found holding no secret (by the rules that need no environment variable).
+_CLEAN_KEYS: set[str] = set()
+_CLEAN_KEYS_MAX = 4096
+
+
 class _Simplifier:
     """Walks containers once, making everything orjson can take; number lists pass through whole.
 
@@ -189,6 +194,7 @@ class _Simplifier:
         self.issues = issues if issues is not None else []
         self.kinds = kinds
         self.redact = redact
+        self.env = redaction.environment_secrets() if redact else []  # looked up once per walk
         self.escape = escape
         self.types = types
         self.token_ids = 0
@@ -249,9 +255,9 @@ class _Simplifier:
             text = value if not self.strict else self._text(value)
             if self.types is not None and not text.isascii() and safe_text(text) is not text:
                 self._note(TEXT_ESCAPED)
-            if not self.redact:
+            if not self.redact or len(text) < 6:  # no secret by the rules is shorter
                 return text
-            shown = redaction.redact_text(text)
+            shown = redaction.redact_text(text, self.env)
             if shown is not text and self.types is not None:
                 self._note(REDACTED)
             return shown
@@ -341,6 +347,13 @@ class _Simplifier:
                 self._note(KEYS_LOST)
             if self.strict and type(key) is str:
                 key = self._text(key)
+            if redact and type(key) is str and (self.env or key not in _CLEAN_KEYS):
+                hidden = redaction.redact_text(key, self.env)
+                if hidden is key and not self.env and len(_CLEAN_KEYS) < _CLEAN_KEYS_MAX:
+                    _CLEAN_KEYS.add(key)  # keys recur in every span: each is looked at once
+                elif hidden is not key and types is not None:
+                    self._note(REDACTED)
+                key = hidden
             if not redact and types is None:
                 out[key] = self(v, depth + 1)
                 continue

@@ -149,34 +149,42 @@ def context_sequence(route: str, body: dict[str, Any], record: dict[str, Any]) -
 
 
 class ContinuationIndex:
-    """Open trajectories by the prompt + answer a continuing call's prompt starts with."""
+    """Open trajectories by the prompt + answer a continuing call's prompt starts with. Several may
+    share one (a group of rollouts of one prompt answered alike): a continuing call takes the one
+    that has waited longest."""
 
     def __init__(self) -> None:
-        self._by_length: dict[tuple[str, int], dict[Any, ProxyTrajectory]] = {}
+        self._by_length: dict[tuple[str, int], dict[Any, list[ProxyTrajectory]]] = {}
 
     def add(self, context: tuple[str, Any], traj: ProxyTrajectory) -> None:
         kind, sequence = context
-        self._by_length.setdefault((kind, len(sequence)), {})[sequence] = traj
+        self._by_length.setdefault((kind, len(sequence)), {}).setdefault(sequence, []).append(traj)
         traj.context = context
 
     def remove(self, traj: ProxyTrajectory) -> None:
         if traj.context is None:
             return
         kind, sequence = traj.context
+        traj.context = None
         bucket = self._by_length.get((kind, len(sequence)))
-        if bucket is not None and bucket.get(sequence) is traj:
+        waiting = bucket.get(sequence) if bucket is not None else None
+        if not waiting:
+            return
+        with contextlib.suppress(ValueError):
+            waiting.remove(traj)
+        if not waiting:
             del bucket[sequence]
             if not bucket:
                 del self._by_length[(kind, len(sequence))]
-        traj.context = None
 
     def claim(self, prompt: tuple[str, Any]) -> ProxyTrajectory | None:
         """The open trajectory whose context ``prompt`` extends (the longest), taken out of the index."""
         kind, sequence = prompt
         lengths = sorted((n for k, n in self._by_length if k == kind and n < len(sequence)), reverse=True)
         for n in lengths:
-            traj = self._by_length[(kind, n)].get(sequence[:n])
-            if traj is not None:
+            waiting = self._by_length[(kind, n)].get(sequence[:n])
+            if waiting:
+                traj = waiting[0]
                 self.remove(traj)
                 return traj
         return None
@@ -412,7 +420,8 @@ class Trajectories:
     # -- signals --------------------------------------------------------------------------------------
 
     def signals(self, data: dict[str, Any]) -> str:
-        """Record rewards/advantages posted for a trajectory (by ``trajectory_id`` or by its keys);
+        """Record rewards/advantages (and an ``output``, such as the trainer's per-token
+        ``old_log_probs``) posted for a trajectory (by ``trajectory_id`` or by its keys);
         closes it first when it is open. Returns its id; raises ProxyError when none matches."""
         names = {k: data[k] for k in _KEY_NAMES if k in data}
         trajectory_id = data.get("trajectory_id")
@@ -436,6 +445,8 @@ class Trajectories:
         key = key or TrajectoryKey()
         values = {k: data.get(k) for k in ("reward", "advantage") if data.get(k) is not None}
         attributes = data.get("attributes") if isinstance(data.get("attributes"), dict) else None
+        # e.g. the trainer's per-token log-probs: {"old_log_probs": [...]}, one per response token
+        output = data.get("output") if isinstance(data.get("output"), dict) else None
         ok = record_signals(
             str(trajectory_id),
             step=key.step,
@@ -443,6 +454,7 @@ class Trajectories:
             rollout_n=key.rollout_n,
             validate=key.validate,
             attributes=attributes,
+            output=output,
             root_span_id=root,
             **values,
         )

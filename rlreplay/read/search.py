@@ -171,24 +171,25 @@ class TextSearch:
         return _cache_root() / run_key / f"step={step}" / f"{made_from}.parquet"
 
     def _cached(self, step: int, key: tuple[Any, ...]) -> pa.Table:
-        """The step's kept texts (none when there are none or they cannot be read)."""
-        import pyarrow.parquet as pq
+        """The step's kept texts (none when there are none, or they cannot be read or do not match
+        their checksums: then they are decoded again)."""
+        from rlreplay.format import checksums
 
         try:
-            return pq.read_table(self._file(step, key), schema=TEXT_SCHEMA)
-        except (OSError, pa.ArrowException):
+            return ops.cast_table(checksums.read_table(self._file(step, key)), TEXT_SCHEMA)
+        except (OSError, pa.ArrowException, ValueError):
             return TEXT_SCHEMA.empty_table()
 
     def _save(self, step: int, key: tuple[Any, ...], table: pa.Table) -> None:
         """Keep the step's texts, replacing its older file; a cache that cannot be written is
         passed over."""
-        import pyarrow.parquet as pq
+        from rlreplay.format import checksums
 
         path = self._file(step, key)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            pq.write_table(table, tmp, compression="zstd")
+            checksums.write_table(table, tmp, compression="zstd")
             os.replace(tmp, path)
             for old in path.parent.glob("*.parquet"):
                 if old != path:

@@ -25,6 +25,7 @@ from rlreplay.format import arrow_ops as ops
 from rlreplay.format.index import LISTING_FIELDS, LISTING_SCHEMA
 from rlreplay.format.keys import (
     BOOL,
+    INT64_MAX,
     KEY,
     KEY_STR,
     SELECT_BY_NAME,
@@ -320,7 +321,7 @@ class _Selecting:
         if me.sort is not None:
             table = sort_table(table, parse_sort(me.sort))
         if me.limit is not None:
-            table = table.slice(0, me.limit)
+            table = table.slice(0, min(me.limit, table.num_rows))  # any whole number, however large
         return table
 
     def params(self) -> dict[str, str]:
@@ -384,6 +385,8 @@ class _Selecting:
                 values[name] = text if name != "limit" else parse_int(text)
                 if values[name] is None:
                     raise SelectionError(f"limit must be a whole number, not {text!r}")
+                if name == "limit":
+                    values[name] = min(values[name], INT64_MAX)  # "at most N": any N
         return cls(**values)
 
 
@@ -425,8 +428,8 @@ Selection.__doc__ = (
 def _partition_steps(run: Any, spec: KeySpec | None) -> list[int] | None:
     """The run's step partitions that ``spec`` matches, in order (None: read without pruning)."""
     partitions = getattr(run, "step_partitions", None)
-    if spec is None or partitions is None:
-        return None
+    if spec is None or spec.strings or partitions is None:
+        return None  # a step recorded as text (beyond int64) has its own partition name
     steps = []
     for value in partitions():
         number = parse_int(value)

@@ -19,12 +19,13 @@ import numpy as np
 import pyarrow as pa
 
 from rlreplay.format import arrays as token_arrays
-from rlreplay.format import payload
+from rlreplay.format import payload, tool_errors
 from rlreplay.format import redact as redaction
 from rlreplay.format.keys import key_value
 from rlreplay.format.schema import (
     KIND_AGENT,
     KIND_SIGNALS,
+    KIND_TOOL,
     KIND_TRAJECTORY,
     SIGNAL_COLUMNS,
     SPAN_SCHEMA,
@@ -269,7 +270,8 @@ def _encode_row(
             num_tokens += output_tokens
             if output_type is not None and meta.reduce_output is not None:
                 output_type = {"": payload.REDUCED}
-        error = None
+        # a tool call that returned a failure: why, as every reader counts it (its status stays ok)
+        error = tool_errors.returned_error(output_data) if meta.kind == KIND_TOOL else None
         if meta.reward is not None:
             reward = as_reward(_reduce(meta, "reward", meta.reward, result, problems))
         elif isinstance(output_data, dict):
@@ -299,7 +301,7 @@ def _encode_row(
     rooted = traj.attributes and (parent_id is None or meta.kind == KIND_SIGNALS)
     given = traj.attributes if rooted else meta.attributes
     if given:
-        attrs = payload.to_jsonable(given, issues=issues)
+        attrs = payload.to_payload(given, issues)[0]  # secrets hidden, as in inputs and outputs
         if output_type and isinstance(attrs, dict):
             attrs[payload.OUTPUT_TYPE] = output_type
         attributes = payload.dumps(attrs, None, issues)

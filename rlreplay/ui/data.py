@@ -145,6 +145,7 @@ class RunView:
         self._decoder_error: str | None = None
         self._decoder_loaded = False
         self._findings: tuple[pa.Table, Any] | None = None
+        self._mismatch: tuple[pa.Table, dict[str, Any]] | None = None
         self._listing_findings: tuple[pa.Table, list[Any]] | None = None
         self._stats: tuple[pa.Table, list[dict[str, Any]]] | None = None
         self._checks: list[Any] | None = None
@@ -326,6 +327,25 @@ class RunView:
             self._findings = cached = (table, report)
         return cached[1]
 
+    def mismatch(self, by: str = "step") -> Any:
+        """``rlreplay mismatch``'s report of the whole run (by ``by``), redone when the listing
+        changes; a ``RunError`` when the run keeps no per-token trainer log-probs."""
+        from rlreplay.mismatch.report import compute
+
+        table = self.listing()
+        if self._mismatch is None or self._mismatch[0] is not table:
+            self._mismatch = (table, {})
+        kept = self._mismatch[1]
+        if by not in kept:
+            try:
+                kept[by] = compute(self.run, table, by=by, decoder=self.decoder())
+            except RunError as exc:
+                kept[by] = exc
+        found = kept[by]
+        if isinstance(found, RunError):
+            raise found
+        return found
+
     def stats(self) -> list[dict[str, Any]]:
         """:func:`step_stats` of the listing, redone when the listing changes."""
         table = self.listing()
@@ -366,7 +386,8 @@ class RunView:
         from rlreplay.audit.finding import OVER_LISTING
 
         over_listing = [c for c in self.checks() if c.over == OVER_LISTING]
-        return engine.audit(self.run, table, over_listing).findings
+        # the per-step mismatch verdicts read every token: the findings page's whole audit has them
+        return engine.audit(self.run, table, over_listing, {"mismatch_steps": 0.0}).findings
 
     def checks(self) -> list[Any]:
         """The installed audit checks, found once (looking up plug-ins takes 0.1-0.3 s)."""

@@ -13,7 +13,7 @@ answering the way those servers answer (field names read from their current prot
   ``output_ids``, ``meta_info`` (``finish_reason``, token counts, ``cached_tokens``,
   ``e2e_latency``, ``weight_version``, ``output_token_logprobs`` as ``[logprob, id, null]``);
 - ``/update_weights_from_disk`` (reloads the weights, bumps ``weight_version``), ``/health``,
-  ``/v1/models``.
+  ``/v1/models`` (``root``: the folder the model and its tokenizer load from, as in vLLM).
 
 Sampling: greedy at temperature 0, else seeded by ``seed`` (default 0): the same request gets the
 same tokens. ``python model_server.py --port N`` prints ``ready`` once it listens.
@@ -122,7 +122,13 @@ class Server:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "rlreplay-tests"}]}
+            {
+                "object": "list",
+                # vLLM's model card: ``root`` is the folder the model (and its tokenizer) was loaded from
+                "data": [
+                    {"id": MODEL, "object": "model", "owned_by": "rlreplay-tests", "root": str(self.m.path)}
+                ],
+            }
         )
 
     async def update_weights(self, request: web.Request) -> web.Response:

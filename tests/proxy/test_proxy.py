@@ -145,9 +145,17 @@ def test_completions_generate_keys_steps_and_signals(
     ]
     after = httpx.post(f"{proxy.url}/v1/completions", json={**keyed, "prompt": "Hello"}, timeout=120)
     assert after.status_code == 200
+    trainer = [-0.5, -0.25]  # the trainer's log-prob of each response token, for the mismatch numbers
     signals = httpx.post(
         f"{proxy.url}/rlreplay/signals",
-        json={"step": 7, "sample_index": 3, "rollout_n": 1, "validate": True, "reward": 0.5},
+        json={
+            "step": 7,
+            "sample_index": 3,
+            "rollout_n": 1,
+            "validate": True,
+            "reward": 0.5,
+            "output": {"old_log_probs": trainer},
+        },
     )
     assert signals.status_code == 200, signals.text
     assert signals.json()["trajectory_id"] == completion.headers["X-Rlreplay-Trajectory-Id"]
@@ -159,6 +167,9 @@ def test_completions_generate_keys_steps_and_signals(
     }
     assert set(rows) == {(0, 0, None, False), (7, 3, 1, True), (1, 0, None, False)}  # the update made step 1
     assert rows[(7, 3, 1, True)]["reward"] == 0.5
+    [keyed_traj] = open_run(tmp_path / "run").load([rows[(7, 3, 1, True)]["id"]])
+    [signals_span] = [s for s in keyed_traj.spans if s.kind == "signals"]
+    assert list(signals_span.output["old_log_probs"]) == trainer
     found = {t.id: spans for t, spans in llm_spans(tmp_path / "run")}
     generate = found[rows[(0, 0, None, False)]["id"]]
     assert [s.name for s in generate] == ["generate", "generate"]  # the longer prompt continued it

@@ -442,7 +442,11 @@ def test_showcase_run_has_data_in_every_overlay(ui_url, tab) -> None:
     agent = next(s.output for s in traj.spans if s.kind == "agent")
     trainer = next(s.output["old_log_probs"] for s in traj.spans if s.kind == "signals")
     rollout = agent["response_logprobs"]
-    diffs = [abs(t - r) if t is not None and r is not None else -1.0 for t, r in zip(trainer, rollout)]
+    mask = agent["response_mask"]
+    diffs = [  # model tokens only: a tool token's rollout log-prob is no log-prob (verl puts 0)
+        abs(t - r) if t is not None and r is not None and m else -1.0
+        for t, r, m in zip(trainer, rollout, mask)
+    ]
     k = max(range(len(diffs)), key=diffs.__getitem__)
     assert diffs[k] > 0  # bfloat16 against float32 differ somewhere
 
