@@ -66,6 +66,24 @@ def keep_tokenizer(tokenizer: str | None, run_dir: Path) -> tuple[list[str], str
         return [], str(exc)
 
 
+def keep_tokenizer_at_end(tokenizer: str | None, run_dir: Path, kept: list[str]) -> list[str]:
+    """When a recording ends: the tokenizer files the run keeps, copied now if they were not on this
+    machine when it started (the job may have fetched them: a hub model into the local cache); says
+    in one line why the run keeps none."""
+    if not kept:
+        kept, problem = keep_tokenizer(tokenizer, run_dir)
+        if problem:
+            print(f"rlreplay: the run keeps no copy of the tokenizer: {problem}", file=sys.stderr)
+    return kept
+
+
+def snapshot_fields(kept: list[str]) -> dict[str, list[str]]:
+    """The manifest's field that lists the tokenizer files kept in the run (none when there are none)."""
+    from rlreplay.text.token2text import SNAPSHOT_KEY
+
+    return {SNAPSHOT_KEY: kept} if kept else {}
+
+
 @app.command(
     "record",
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
@@ -165,7 +183,7 @@ def record_run(
             status="running",
             # under auto, the job's processes name verl when they trace through it
             **({} if auto else {ADAPTER_KEY: framework}),
-            **({"tokenizer_snapshot": kept} if kept else {}),
+            **snapshot_fields(kept),
             **(replay.manifest() if replay is not None else {}),
         ),
     )
@@ -180,17 +198,14 @@ def record_run(
         raise
 
     recovered = recover(run_dir, wait_s=grace, shards=False)  # just sealed: `recover` checks them
-    if not kept:  # the job may have fetched it (a hub model into the local cache)
-        kept, problem = keep_tokenizer(tokenizer, run_dir)
-        if problem:
-            print(f"rlreplay: the run keeps no copy of the tokenizer: {problem}", file=sys.stderr)
+    kept = keep_tokenizer_at_end(tokenizer, run_dir, kept)
     summary = run_summary(open_run(run_dir))
     detected = {}
     if auto and not manifest.read_manifest(run_dir).get(ADAPTER_KEY):
         detected = {ADAPTER_KEY: DEFAULT_ADAPTER}  # nothing traced through a framework's hook
     manifest.update_manifest(
         run_dir,
-        **({"tokenizer_snapshot": kept} if kept else {}),
+        **snapshot_fields(kept),
         **detected,
         ended_at=time.time(),
         exit_code=code,
