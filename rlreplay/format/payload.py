@@ -12,7 +12,7 @@ import base64
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -122,11 +122,13 @@ class _Simplifier:
         issues: list[str] | None = None,
         kinds: dict[int, Any] | None = None,
         redact: bool = False,
+        numbers: Any = None,
     ) -> None:
         self.active: set[int] = set()
         self.strict = strict
         self.issues = issues if issues is not None else []
         self.kinds = kinds
+        self.numbers = numbers
         self.redact = redact
         self.token_ids = 0
         self.in_items = 0  # how many lists (or sets) the walk is inside: ids count outside any
@@ -175,7 +177,11 @@ class _Simplifier:
             if not value:
                 return value
             if not self.strict:
-                kind = _plain_numbers(value)
+                kind = None
+                if self.numbers is not None and len(value) >= MIN_ARRAY:
+                    kind = self.numbers(value)  # the caller's typed arrays, converted as they are checked
+                if kind is None:
+                    kind = _plain_numbers(value)
                 if kind is not None:
                     if self.kinds is not None and len(value) >= MIN_ARRAY:
                         self.kinds[id(value)] = (value, kind)  # spares Arrays a second sum()
@@ -319,11 +325,18 @@ def to_jsonable(
 
 
 def to_payload(
-    value: Any, issues: list[str] | None = None, kinds: dict[int, Any] | None = None
+    value: Any,
+    issues: list[str] | None = None,
+    kinds: dict[int, Any] | None = None,
+    numbers: Callable[[list | tuple], type | None] | None = None,
 ) -> tuple[Any, int]:
     """``redact_data(to_jsonable(value))`` in one walk, and its token id count (the items of its
-    lists under keys ending in ``ids``, reached through mappings alone)."""
-    walk = _Simplifier(False, issues, kinds, redact=True)
+    lists under keys ending in ``ids``, reached through mappings alone).
+
+    ``numbers`` (optional) is asked first about each list of at least ``MIN_ARRAY`` items: ``int``
+    when it found every item an int (ints and bools, as the ``sum()`` check would), None to have
+    the list checked as usual. It lets a caller convert an id list in the one pass that checks it."""
+    walk = _Simplifier(False, issues, kinds, redact=True, numbers=numbers)
     data = walk(value)
     return data, walk.token_ids
 
