@@ -17,7 +17,6 @@ from contextvars import ContextVar
 from typing import Any
 
 from rlreplay.format import manifest, payload
-from rlreplay.format.keys import TrajectoryKey
 from rlreplay.format.schema import KIND_OP, KIND_TRAJECTORY
 from rlreplay.recorder import events
 from rlreplay.recorder.events import (
@@ -32,7 +31,6 @@ from rlreplay.recorder.events import (
     format_trajectory_id,
     payload_bytes,
 )
-from rlreplay.recorder.rows import key_int
 from rlreplay.recorder.workers import ENV_WORKER
 from rlreplay.recorder.writer import (
     ENV_MAX_QUEUE_MB,
@@ -387,15 +385,9 @@ class trajectory:
     ) -> None:
         self._trace = trace
         self._write_at_end = write_at_end
-        self._traj = OpenTrajectory(
-            key_int(step),
-            key_int(sample_index),
-            key_int(rollout_n),
-            bool(validate),
-            experiment,
-            attributes or None,
+        self._traj = OpenTrajectory.of(
+            step, sample_index, rollout_n, bool(validate), experiment, attributes or None
         )
-        self._traj.keys = (step, sample_index, rollout_n)
         self._meta = _trajectory_meta(name)
         self._token: Any = None
         self._rec: Recorder | None = None
@@ -410,10 +402,7 @@ class trajectory:
             return self
         self._rec = rec
         if _replay is not None:
-            step, sample_index, rollout_n = self._traj.keys
-            self._traj.replay = _replay.open(
-                TrajectoryKey.of(step, sample_index, rollout_n, self._traj.validate)
-            )
+            self._traj.replay = _replay.open(self._traj.key)
         self._span_id = next(events.span_ids)
         rec.submit(Control(OPEN, self._traj, OPEN_BYTES))
         self._token = _CURRENT.set((self._traj, self._span_id))

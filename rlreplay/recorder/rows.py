@@ -205,10 +205,21 @@ def key_parts(value: Any) -> tuple[int | None, str | None, str | None]:
     return None, safe, f"a key of type {type(value).__name__} was stored as the string {safe[:40]!r}"
 
 
-def key_int(value: Any) -> int | None:
-    """The integer a key value stands for (its partition), or None."""
-    stored = key_value(value)
-    return stored if isinstance(stored, int) else None
+def key_columns(traj: Any, experiment: str | None) -> tuple[list, list, str | None, list[str]]:
+    """A trajectory's key as its rows store it: the int and string columns of step, sample_index
+    and rollout_n, the experiment (``experiment``: the recorder's, when the trajectory names
+    none), and what storing them changed."""
+    issues: list[str] = []
+    key = traj.key
+    ints, strs = [], []
+    for value in traj.given or (key.step, key.sample_index, key.rollout_n):
+        number, text, issue = key_parts(value)
+        ints.append(number)
+        strs.append(text)
+        if issue:
+            issues.append(issue)
+    name = key.experiment or experiment
+    return ints, strs, None if name is None else _text(name, issues), issues
 
 
 def encode_row(
@@ -303,17 +314,10 @@ def _encode_row(
     elif meta.attributes:
         attributes = payload.dumps(payload.to_jsonable(meta.attributes, issues=issues), None, issues)
 
-    keys = getattr(traj, "keys", None) or (traj.step, traj.sample_index, traj.rollout_n)
-    ints, strs = [], []
-    for value in keys:
-        number, text, issue = key_parts(value)
-        ints.append(number)
-        strs.append(text)
-        if issue:
-            issues.append(issue)
-    experiment = traj.experiment or config.experiment
-    if experiment is not None:
-        experiment = _text(experiment, issues)
+    if traj.columns is None:  # once per trajectory
+        traj.columns = key_columns(traj, config.experiment)
+    ints, strs, experiment, key_issues = traj.columns
+    issues += key_issues
     for issue in issues:
         problems.append(Problem("encode:value", f"a value could not be recorded as given: {issue}"))
     row = (

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlreplay
+from rlreplay.format.keys import TrajectoryKey
 from rlreplay.format.schema import SPAN_SCHEMA
 from rlreplay.recorder.events import OpenTrajectory, OpMeta, SpanEvent, format_span_id, format_trajectory_id
 from rlreplay.recorder.rows import PrefixCache, Problem, encode_row
@@ -56,7 +57,7 @@ def as_dict(row: tuple | None) -> dict[str, Any]:
 
 
 def test_a_span_events_fields_become_its_row() -> None:
-    traj = OpenTrajectory(step=4, sample_index=2, rollout_n=1, validate=False)
+    traj = OpenTrajectory.of(step=4, sample_index=2, rollout_n=1, validate=False)
     row, nbytes, problems = encode_row(event(traj), CONFIG, "w0")
     assert problems == [] and nbytes > 200
     r = as_dict(row)
@@ -84,9 +85,8 @@ def test_a_span_events_fields_become_its_row() -> None:
     failed = as_dict(encode_row(event(traj, exc=ValueError("boom"), result=None), CONFIG, "w0")[0])
     assert failed["status"] == "error" and failed["error"] == "ValueError: boom"
     # a recorded id (a signals span of a trajectory recorded elsewhere) is kept as it is
-    signals = OpenTrajectory.__new__(OpenTrajectory)
-    signals.id, signals.step, signals.sample_index, signals.rollout_n = "ab" * 16, 4, 2, 1
-    signals.validate, signals.experiment, signals.attributes, signals.explicit = False, None, None, False
+    signals = OpenTrajectory.of(step=4, sample_index=2, rollout_n=1, explicit=False)
+    signals.id = "ab" * 16
     recorded = as_dict(encode_row(event(signals, span_id="cd" * 8, parent_id="ef" * 8), CONFIG, "w0")[0])
     assert (recorded["trajectory_id"], recorded["span_id"], recorded["parent_id"]) == (
         "ab" * 16,
@@ -95,8 +95,26 @@ def test_a_span_events_fields_become_its_row() -> None:
     )
 
 
+def test_a_trajectory_holds_its_key_and_its_spans_store_it() -> None:
+    """An open trajectory holds one TrajectoryKey (values as the format keeps them); every span's row
+    stores it, a value that is neither an int nor a string as its string, said for each span."""
+    traj = OpenTrajectory.of(np.int64(3), "s1", 1.5, validate=True, experiment="e2")
+    assert traj.key == TrajectoryKey(3, "s1", "1.5", True, "e2")
+    assert type(traj.key.step) is int and traj.step == 3 and traj.validate is True
+    for span_id in (5, 6):
+        row, _, problems = encode_row(event(traj, span_id=span_id), CONFIG, "w0")
+        r = as_dict(row)
+        assert (r["step"], r["sample_index"], r["rollout_n"]) == (3, None, None)
+        assert (r["step_str"], r["sample_index_str"], r["rollout_n_str"]) == (None, "s1", "1.5")
+        assert (r["validate"], r["experiment"]) == (True, "e2")
+        assert [p.message for p in problems] == [
+            "a value could not be recorded as given: a key of type float was stored as the string '1.5'"
+        ]
+    assert OpenTrajectory.of("7").step is None  # a string step partitions nowhere: "7" is not 7
+
+
 def test_values_encoding_changed_come_back_as_counted_problems() -> None:
-    traj = OpenTrajectory(step=0, sample_index=0)
+    traj = OpenTrajectory.of(step=0, sample_index=0)
     bad = event(traj, args=("caf\udce9",), result={"text": "x\udcff"})
     row, _, problems = encode_row(bad, CONFIG, "w0")
     r = as_dict(row)
@@ -111,7 +129,7 @@ def test_a_failing_reducer_is_a_warning_and_its_span_keeps_a_marker() -> None:
         raise KeyError("reducer bug")
 
     meta = OpMeta(name="generate", kind="llm", fn=generate, reduce_output=reducer)
-    row, _, problems = encode_row(event(OpenTrajectory(step=0), meta=meta), CONFIG, "w0")
+    row, _, problems = encode_row(event(OpenTrajectory.of(step=0), meta=meta), CONFIG, "w0")
     assert problems == [
         Problem(
             "reduce:generate:reduce_output", "reduce_output of generate raised KeyError: 'reducer bug'", False
@@ -122,7 +140,7 @@ def test_a_failing_reducer_is_a_warning_and_its_span_keeps_a_marker() -> None:
 
 
 def test_a_span_that_cannot_be_encoded_has_no_row_and_its_trajectory_shares_nothing_older() -> None:
-    traj = OpenTrajectory(step=0, sample_index=0)
+    traj = OpenTrajectory.of(step=0, sample_index=0)
     prefixes = PrefixCache()
     first = event(traj)
     assert encode_row(first, CONFIG, "w0", prefixes)[2] == []
@@ -237,7 +255,7 @@ def test_every_list_reads_back_as_given_whatever_is_shared(calls: list[dict[str,
     from rlreplay.model import trajectory_from_table
     from rlreplay.recorder.rows import StepBuffer
 
-    traj = OpenTrajectory(step=0, sample_index=0)
+    traj = OpenTrajectory.of(step=0, sample_index=0)
     prefixes = PrefixCache()
     buffer = StepBuffer()
     for i, call in enumerate(calls):
