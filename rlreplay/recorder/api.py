@@ -17,6 +17,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from rlreplay.format import manifest, payload
+from rlreplay.format.keys import TrajectoryKey
 from rlreplay.format.schema import KIND_OP, KIND_TRAJECTORY
 from rlreplay.recorder import events
 from rlreplay.recorder.events import (
@@ -29,6 +30,7 @@ from rlreplay.recorder.events import (
     SpanEvent,
     format_span_id,
     format_trajectory_id,
+    given_keys,
     payload_bytes,
 )
 from rlreplay.recorder.workers import ENV_WORKER
@@ -385,8 +387,10 @@ class trajectory:
     ) -> None:
         self._trace = trace
         self._write_at_end = write_at_end
-        self._traj = OpenTrajectory.of(
-            step, sample_index, rollout_n, bool(validate), experiment, attributes or None
+        self._traj = OpenTrajectory(
+            TrajectoryKey.of(step, sample_index, rollout_n, validate, experiment),
+            attributes or None,
+            given=given_keys(step, sample_index, rollout_n),
         )
         self._meta = _trajectory_meta(name)
         self._token: Any = None

@@ -65,25 +65,11 @@ class OpenTrajectory:
         self.columns: Any = None
         self.replay: Any = None  # its replay state (rlreplay.recorder.replay), when a replay is on
 
-    @classmethod
-    def of(
-        cls,
-        step: Any = None,
-        sample_index: Any = None,
-        rollout_n: Any = None,
-        validate: bool = False,
-        experiment: str | None = None,
-        attributes: dict[str, Any] | None = None,
-        explicit: bool = True,
-    ) -> OpenTrajectory:
-        """A trajectory of the key values as a caller gives them (numpy ints, strings, None)."""
-        given = (step, sample_index, rollout_n)
-        return cls(
-            TrajectoryKey.of(step, sample_index, rollout_n, validate, experiment),
-            attributes,
-            explicit,
-            given if any(type(v) not in _PLAIN_KEYS for v in given) else None,
-        )
+
+def given_keys(*values: Any) -> tuple[Any, ...] | None:
+    """Key values as a caller gave them, kept only when one is neither an int nor a string (numpy
+    ints, floats, objects): the writer then says how it stored them."""
+    return values if any(type(v) not in _PLAIN_KEYS for v in values) else None
 
 
 _PLAIN_KEYS = (int, str, type(None))  # key values stored as given

@@ -49,6 +49,7 @@ def record_signals(
     global _meta
     rec = None
     try:
+        from rlreplay.format.keys import TrajectoryKey
         from rlreplay.format.payload import snapshot
         from rlreplay.recorder import api, events
 
@@ -58,8 +59,11 @@ def record_signals(
         if _meta is None:
             _meta = events.OpMeta(name="signals", kind=KIND_SIGNALS)
         # the recorder's view of the trajectory, recorded elsewhere: its recorded id and its key
-        traj = events.OpenTrajectory.of(
-            step, sample_index, rollout_n, bool(validate), attributes=attributes or None, explicit=False
+        traj = events.OpenTrajectory(
+            TrajectoryKey.of(step, sample_index, rollout_n),
+            attributes or None,
+            explicit=False,
+            given=events.given_keys(step, sample_index, rollout_n),
         )
         traj.id = str(trajectory_id)
         traj.validate = None if validate is None else bool(validate)  # None: not known here

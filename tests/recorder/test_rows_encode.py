@@ -18,7 +18,14 @@ from hypothesis import strategies as st
 import rlreplay
 from rlreplay.format.keys import TrajectoryKey
 from rlreplay.format.schema import SPAN_SCHEMA
-from rlreplay.recorder.events import OpenTrajectory, OpMeta, SpanEvent, format_span_id, format_trajectory_id
+from rlreplay.recorder.events import (
+    OpenTrajectory,
+    OpMeta,
+    SpanEvent,
+    format_span_id,
+    format_trajectory_id,
+    given_keys,
+)
 from rlreplay.recorder.rows import PrefixCache, Problem, encode_row
 from rlreplay.recorder.writer import RecorderConfig
 
@@ -57,7 +64,7 @@ def as_dict(row: tuple | None) -> dict[str, Any]:
 
 
 def test_a_span_events_fields_become_its_row() -> None:
-    traj = OpenTrajectory.of(step=4, sample_index=2, rollout_n=1, validate=False)
+    traj = OpenTrajectory(TrajectoryKey.of(step=4, sample_index=2, rollout_n=1, validate=False))
     row, nbytes, problems = encode_row(event(traj), CONFIG, "w0")
     assert problems == [] and nbytes > 200
     r = as_dict(row)
@@ -85,7 +92,7 @@ def test_a_span_events_fields_become_its_row() -> None:
     failed = as_dict(encode_row(event(traj, exc=ValueError("boom"), result=None), CONFIG, "w0")[0])
     assert failed["status"] == "error" and failed["error"] == "ValueError: boom"
     # a recorded id (a signals span of a trajectory recorded elsewhere) is kept as it is
-    signals = OpenTrajectory.of(step=4, sample_index=2, rollout_n=1, explicit=False)
+    signals = OpenTrajectory(TrajectoryKey(4, 2, 1), explicit=False)
     signals.id = "ab" * 16
     recorded = as_dict(encode_row(event(signals, span_id="cd" * 8, parent_id="ef" * 8), CONFIG, "w0")[0])
     assert (recorded["trajectory_id"], recorded["span_id"], recorded["parent_id"]) == (
@@ -98,7 +105,8 @@ def test_a_span_events_fields_become_its_row() -> None:
 def test_a_trajectory_holds_its_key_and_its_spans_store_it() -> None:
     """An open trajectory holds one TrajectoryKey (values as the format keeps them); every span's row
     stores it, a value that is neither an int nor a string as its string, said for each span."""
-    traj = OpenTrajectory.of(np.int64(3), "s1", 1.5, validate=True, experiment="e2")
+    given = (np.int64(3), "s1", 1.5)
+    traj = OpenTrajectory(TrajectoryKey.of(*given, validate=True, experiment="e2"), given=given_keys(*given))
     assert traj.key == TrajectoryKey(3, "s1", "1.5", True, "e2")
     assert type(traj.key.step) is int and traj.step == 3 and traj.validate is True
     for span_id in (5, 6):
@@ -110,11 +118,12 @@ def test_a_trajectory_holds_its_key_and_its_spans_store_it() -> None:
         assert [p.message for p in problems] == [
             "a value could not be recorded as given: a key of type float was stored as the string '1.5'"
         ]
-    assert OpenTrajectory.of("7").step is None  # a string step partitions nowhere: "7" is not 7
+    assert OpenTrajectory(TrajectoryKey.of("7")).step is None  # a string step partitions nowhere
+    assert given_keys(3, "s1", None) is None  # ints and strings are stored as given
 
 
 def test_values_encoding_changed_come_back_as_counted_problems() -> None:
-    traj = OpenTrajectory.of(step=0, sample_index=0)
+    traj = OpenTrajectory(TrajectoryKey.of(step=0, sample_index=0))
     bad = event(traj, args=("caf\udce9",), result={"text": "x\udcff"})
     row, _, problems = encode_row(bad, CONFIG, "w0")
     r = as_dict(row)
@@ -129,7 +138,7 @@ def test_a_failing_reducer_is_a_warning_and_its_span_keeps_a_marker() -> None:
         raise KeyError("reducer bug")
 
     meta = OpMeta(name="generate", kind="llm", fn=generate, reduce_output=reducer)
-    row, _, problems = encode_row(event(OpenTrajectory.of(step=0), meta=meta), CONFIG, "w0")
+    row, _, problems = encode_row(event(OpenTrajectory(TrajectoryKey.of(step=0)), meta=meta), CONFIG, "w0")
     assert problems == [
         Problem(
             "reduce:generate:reduce_output", "reduce_output of generate raised KeyError: 'reducer bug'", False
@@ -140,7 +149,7 @@ def test_a_failing_reducer_is_a_warning_and_its_span_keeps_a_marker() -> None:
 
 
 def test_a_span_that_cannot_be_encoded_has_no_row_and_its_trajectory_shares_nothing_older() -> None:
-    traj = OpenTrajectory.of(step=0, sample_index=0)
+    traj = OpenTrajectory(TrajectoryKey.of(step=0, sample_index=0))
     prefixes = PrefixCache()
     first = event(traj)
     assert encode_row(first, CONFIG, "w0", prefixes)[2] == []
@@ -255,7 +264,7 @@ def test_every_list_reads_back_as_given_whatever_is_shared(calls: list[dict[str,
     from rlreplay.model import trajectory_from_table
     from rlreplay.recorder.rows import StepBuffer
 
-    traj = OpenTrajectory.of(step=0, sample_index=0)
+    traj = OpenTrajectory(TrajectoryKey.of(step=0, sample_index=0))
     prefixes = PrefixCache()
     buffer = StepBuffer()
     for i, call in enumerate(calls):
