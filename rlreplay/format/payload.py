@@ -411,5 +411,3 @@ TOKENS = "tokens"
 MIN_ARRAY = 64
 #: A stretch shorter than this is stored rather than referenced.
 MIN_SHARED = 64
-#: Tries to find a shared stretch per array, beyond those at the start of each earlier array.
-MAX_PROBES = 128
