@@ -1,7 +1,9 @@
 """Chaos soak: recording processes under faults, readers looping; nothing acknowledged may be lost.
 
 Faults: SIGKILLs (cold start, mid-batch, after a step while it seals), a full disk (a tmpfs the
-soak mounts, as root), store outages (--s3), corrupt run indexes and ``.index`` sidecars.
+soak mounts, as root), store outages (--s3), corrupt run indexes and ``.index`` sidecars, and
+bytes flipped in place in sealed shards and live files (a local run: ``recover`` sets aside what
+their checksums reject, and the soak counts what that took apart from what went missing silently).
 
     python benchmarks/soak.py --duration 1800                  # a local run
     python benchmarks/soak.py --duration 900 --s3              # into s3:// on a real moto server
@@ -340,6 +342,9 @@ class Soak:
             self.local_run = self.mount / "run"
             self.run = str(self.local_run)
         self.faults: Counter[str] = Counter()
+        #: span files whose bytes a fault changed (relative to the run), and the trajectories
+        #: they held then: what a read refuses, and what ``recover`` sets aside
+        self.flipped: dict[str, set[str]] = {}
         self.workers: list[Worker] = []
         self.slots: dict[int, Worker] = {}
         self.gens: Counter[int] = Counter()
@@ -383,6 +388,8 @@ class Soak:
         kinds = ["kill-mid", "kill-cold", "kill-sealing", "disk-full", "corrupt"]
         if self.store is not None:
             kinds.append("store-outage")
+        elif not self.args.no_flips:
+            kinds.append("flip")
         deck: list[str] = []  # every kind once, in a seeded order, before any kind again
         while not self.stop.wait(self.rng.uniform(*self.args.fault_gap)):
             deck = deck or self.rng.sample(kinds, len(kinds))
@@ -475,6 +482,33 @@ class Soak:
             target.write_bytes(_garble(data, self.rng))
             self.faults[kind] += 1
 
+    def fault_flip(self) -> None:
+        """Change 1 to 3 bytes in place (a bad sector, a stray write) of a sealed shard or a live
+        file, after noting the trajectories it holds."""
+        assert self.local_run is not None
+        spans = self.local_run / "spans"
+        files = sorted(spans.glob("step=*/worker=*/part-*.parquet"))
+        if self.rng.random() < 0.3:
+            files = sorted(spans.glob("step=*/worker=*/_part-*.partial")) or files
+        if not files:
+            return
+        target = self.rng.choice(files)
+        try:
+            held = file_ids(target)
+            size = target.stat().st_size
+            with open(target, "r+b") as f:
+                for _ in range(self.rng.randint(1, 3)):
+                    at = self.rng.randrange(size)
+                    f.seek(at)
+                    byte = f.read(1)
+                    f.seek(at)
+                    f.write(bytes([byte[0] ^ self.rng.randrange(1, 256)]))
+        except FileNotFoundError:  # sealed (or set aside) meanwhile
+            return
+        with self.lock:
+            self.flipped.setdefault(target.relative_to(self.local_run).as_posix(), set()).update(held)
+        self.faults["bytes flipped (" + ("live file" if target.name.startswith("_") else "shard") + ")"] += 1
+
     # -- readers --
 
     def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -547,7 +581,9 @@ class Soak:
         if phantom:
             problems.append(f"ls listed {len(phantom)} trajectories never recorded")
         if self.local_run is not None and self.rng.random() < 0.2:
-            on_disk = direct_count(self.local_run, partials=True)
+            with self.lock:  # a damaged file's ids may be listed from its index
+                flipped = len(set().union(*self.flipped.values()))
+            on_disk = direct_count(self.local_run, partials=True) + flipped
             if len(set(ids)) > on_disk:
                 problems.append(f"ls listed {len(set(ids))} trajectories, {on_disk} on disk after it")
         if problems:
@@ -611,6 +647,9 @@ class Soak:
                     w.killed = True
                     self.replace(slot)
             time.sleep(0.5)
+        if self.store is None and not self.args.no_flips and not self.flipped:
+            with contextlib.suppress(Exception):  # a short soak whose deck never reached a flip
+                self.fault_flip()
         (self.state / STOP_FILE).touch()
         self.phase("stopping")
         self.stop.set()
@@ -673,6 +712,14 @@ class Soak:
         # a killed process may not have saved its loss counters (the disk was full): its unlisted
         # trajectories were never acknowledged to the caller, and are reported apart
         in_killed_batch = {i for i in unlisted if begun[i].killed}
+        # a file whose bytes a fault changed: recover set it aside (and sealed what still matched
+        # its checksums again); the trajectories it held may be gone, and recover said so
+        set_aside = self.set_aside_files()
+        flipped_ids = set().union(*self.flipped.values())
+        with_file = set().union(*(ids for rel, ids in self.flipped.items() if rel in set_aside))
+        lost_to_flips = {i for i in missing_acked if i in with_file}
+        missing_acked = [i for i in missing_acked if i not in lost_to_flips]
+        unlisted -= with_file
         uncounted_spans = sum(recorded.get(i, {}).get("spans", 0) for i in unlisted - in_killed_batch)
         uncounted = len(unlisted - in_killed_batch) if uncounted_spans > counted else 0
         silently_missing = len(missing_acked) + uncounted
@@ -682,8 +729,13 @@ class Soak:
         # on S3, the objects themselves, mirrored by direct_count
         local = str(self.local_run or self.state / "mirror" / "soak" / "run")
         rewards = {r["id"]: r.get("reward") for r in listed_rows}
-        differ, unreadable = compare_digests(local, sorted(set(listed) & set(recorded)), recorded, rewards)
-        mismatched = len(differ & acked)
+        differ, unreadable, incomplete = compare_digests(
+            local, sorted(set(listed) & set(recorded)), recorded, rewards
+        )
+        # read back incomplete from a file a flip damaged (a read refused it, or recover set it
+        # aside, and said so): not silent; other values than recorded always are
+        refused_flipped = incomplete & flipped_ids
+        mismatched = len((differ - refused_flipped) & acked)
         self.phase("run index rebuild")
         index_s, shards = self.rebuild_index()
         slopes = self.slopes()
@@ -704,10 +756,17 @@ class Soak:
             "silently_missing": silently_missing,
             "missing_acknowledged": missing_acked[:10],
             "mismatched": mismatched,
-            "mismatched_examples": sorted(differ & acked)[:10],
+            "mismatched_examples": sorted((differ - refused_flipped) & acked)[:10],
+            # byte flips: files changed, acknowledged trajectories that went with the files recover
+            # set aside, and trajectories a read refused (their file damaged, and named)
+            "flipped_files": len(self.flipped),
+            "flipped_files_set_aside": len(set_aside & set(self.flipped)),
+            "lost_to_flips_acknowledged": len(lost_to_flips),
+            "refused_damaged": len(refused_flipped),
             "listed_incomplete_not_acknowledged": len(differ - acked),
-            # listed, a token array not readable back (a reader gives an error marker and a warning)
-            "unreadable_acknowledged": len(unreadable & acked),
+            # listed, a token array not readable back (a reader gives an error marker and a warning),
+            # not from a file a flip damaged
+            "unreadable_acknowledged": len((unreadable - flipped_ids) & acked),
             "unreadable_not_acknowledged": len(unreadable - acked),
             "phantom": phantom,
             "listing_equals_direct_count": len(listed) == direct,
@@ -722,6 +781,18 @@ class Soak:
             "recover": recover.stdout.strip()[-300:],
             "state": str(self.state),
         }
+
+    def set_aside_files(self) -> set[str]:
+        """The run files (relative paths) recover set aside in the quarantine, whole or in pieces."""
+        if self.local_run is None:
+            return set()
+        quarantine = self.local_run / "_quarantine"
+        out = set()
+        for path in quarantine.rglob("*"):
+            if path.is_file():
+                rel = path.relative_to(quarantine).as_posix()
+                out.add(re.sub(r"\.bytes-\d+-\d+$", "", rel))
+        return out
 
     def direct_count(self) -> int:
         """Trajectories over the span files, counted with pyarrow alone."""
@@ -820,43 +891,56 @@ def _garble(data: bytes, rng: random.Random) -> bytes:
     return data[:at] + os.urandom(32) + data[at + 32 :]
 
 
-def direct_count(run_dir: Path, partials: bool) -> int:
-    """Distinct trajectory ids over a run's span files, read with pyarrow alone (live files too)."""
+def file_ids(path: Path) -> set[str]:
+    """The trajectory ids a span file holds, read with pyarrow alone (as far as it reads: a damaged
+    file gives what pyarrow gets from it)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     ids: set[str] = set()
+    if path.name.endswith(".parquet"):
+        with contextlib.suppress(OSError, pa.ArrowException, ValueError):
+            ids.update(pq.read_table(path, columns=["trajectory_id"])["trajectory_id"].to_pylist())
+        return ids
+    with (
+        contextlib.suppress(OSError, pa.ArrowException, ValueError),
+        pa.ipc.open_stream(pa.OSFile(str(path))) as reader,
+    ):
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except (StopIteration, OSError, pa.ArrowException, ValueError):
+                break
+            ids.update(batch.column(batch.schema.get_field_index("trajectory_id")).to_pylist())
+    return ids
+
+
+def direct_count(run_dir: Path, partials: bool) -> int:
+    """Distinct trajectory ids over a run's span files, read with pyarrow alone (live files too)."""
+    ids: set[str] = set()
     spans = run_dir / "spans"
     for path in spans.glob("step=*/worker=*/*.parquet"):
-        with contextlib.suppress(FileNotFoundError):
-            ids.update(pq.read_table(path, columns=["trajectory_id"])["trajectory_id"].to_pylist())
+        ids |= file_ids(path)
     if partials:
         for path in spans.glob("step=*/worker=*/_part-*.partial"):
-            with (
-                contextlib.suppress(OSError, pa.ArrowInvalid),
-                pa.ipc.open_stream(pa.OSFile(str(path))) as reader,
-            ):
-                while True:
-                    try:
-                        batch = reader.read_next_batch()
-                    except (StopIteration, OSError, pa.ArrowInvalid):
-                        break
-                    ids.update(batch.column(batch.schema.get_field_index("trajectory_id")).to_pylist())
+            ids |= file_ids(path)
     return len(ids)
 
 
 def compare_digests(
     run: str, ids: list[str], recorded: dict[str, dict], rewards: dict[str, Any]
-) -> tuple[set[str], set[str]]:
+) -> tuple[set[str], set[str], set[str]]:
     """(trajectories whose stored ids, log-probs or listed reward (``rewards``, from ``ls``) differ
     from what the recorder was given, or whose agent span is missing; those of them whose agent
-    output did not read back as lists)."""
+    output did not read back as lists; those of them read back incomplete: no agent span, or a
+    token array that could not be restored, never other values)."""
     import rlreplay
     from rlreplay.read.filters import Filters
 
     opened = rlreplay.open_run(run)
     differ: set[str] = set()
     unreadable: set[str] = set()
+    incomplete: set[str] = set()
     by_step: dict[int, list[str]] = {}
     for tid in ids:
         by_step.setdefault(recorded[tid]["step"], []).append(tid)
@@ -867,6 +951,7 @@ def compare_digests(
             agents = traj.by_kind("agent") if traj is not None else []
             if len(agents) != 1:
                 differ.add(tid)
+                incomplete.add(tid)
                 continue
             out = agents[0].output
             if not all(
@@ -874,11 +959,12 @@ def compare_digests(
             ):
                 differ.add(tid)  # an error marker: a token array that cannot be restored
                 unreadable.add(tid)
+                incomplete.add(tid)
                 continue
             got = digest(out["prompt_ids"], out["response_ids"], out["response_logprobs"], rewards.get(tid))
             if got != recorded[tid]["digest"]:
                 differ.add(tid)
-    return differ, unreadable
+    return differ, unreadable, incomplete
 
 
 def table(result: dict[str, Any]) -> str:
@@ -897,7 +983,12 @@ def table(result: dict[str, Any]) -> str:
         ("unacknowledged, from a killed process, not listed", result["not_acknowledged_unlisted_killed"]),
         ("duplicated (must be 0)", result["duplicated"]),
         ("silently missing (must be 0)", result["silently_missing"]),
-        ("ids/log-probs/reward differ (must be 0)", result["mismatched"]),
+        ("ids/log-probs/reward differ silently (must be 0)", result["mismatched"]),
+        ("byte flips: files changed / set aside by recover", f"{result['flipped_files']} / "
+         f"{result['flipped_files_set_aside']}"),
+        ("byte flips: acknowledged trajectories set aside with their file (recover said so)",
+         result["lost_to_flips_acknowledged"]),
+        ("byte flips: trajectories read back incomplete from a damaged file", result["refused_damaged"]),
         ("listed, token arrays unreadable: acknowledged (must be 0) / not acknowledged",
          f"{result['unreadable_acknowledged']} / {result['unreadable_not_acknowledged']}"),
         ("listed, never recorded (must be 0)", result["phantom"]),
@@ -978,6 +1069,7 @@ def main() -> None:
     p.add_argument("--sample-s", type=float, default=2.0)
     p.add_argument("--disk-mb", type=int, default=2048, help="size of the tmpfs the run (or spool) lives on")
     p.add_argument("--no-tmpfs", action="store_true", help="no tmpfs mount: no disk-full faults")
+    p.add_argument("--no-flips", action="store_true", help="no byte flips in span files")
     p.add_argument("--s3", action="store_true", help="record into s3:// on a real moto server")
     p.add_argument(
         "--ui", action=argparse.BooleanOptionalAction, default=True, help="readers also load a UI page"

@@ -6,6 +6,7 @@ import functools
 import inspect
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 import typer
 
 from rlreplay.errors import CliError
-from rlreplay.format.keys import BOOL, KEY, SELECT_BY_NAME, SELECT_KEYS, SelectKey, parse_int
+from rlreplay.format.keys import BOOL, INT64_MAX, KEY, SELECT_BY_NAME, SELECT_KEYS, SelectKey, parse_int
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -29,6 +30,8 @@ app = typer.Typer(
 )
 
 EXIT_BAD_INPUT = 2
+#: The longest wait a SECONDS option may ask for (a day): more is a typo, and overflows clocks.
+MAX_SECONDS = 86_400
 
 
 def _print_version(value: bool) -> None:
@@ -77,6 +80,14 @@ RunOption = Annotated[
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output (JSON).")]
+FindingOption = Annotated[
+    str | None,
+    typer.Option(
+        "--finding",
+        metavar="CHECKS",
+        help="Only trajectories these audit checks flag (rlreplay audit --help), e.g. truncated.",
+    ),
+]
 TokenizerOption = Annotated[
     str | None,
     typer.Option(
@@ -130,6 +141,18 @@ _SELECTION_PARAMS: list[tuple[str, Any]] = [
                 metavar="EXPR",
                 help="SQL boolean over the listing columns (the ls --json keys), "
                 'e.g. "reward > 0 and model_calls >= 3".',
+            ),
+        ],
+    ),
+    (
+        "grep",
+        Annotated[
+            list[str] | None,
+            typer.Option(
+                "--grep",
+                metavar="PATTERN",
+                help="Only trajectories whose decoded response or tool output matches this regular "
+                'expression (RE2; a plain word matches itself; "(?i)" ignores case), e.g. "Traceback".',
             ),
         ],
     ),
@@ -188,7 +211,8 @@ def selection_options(func: F) -> F:
         from rlreplay.read.selection import Selection
 
         chosen = {name: _one_value(name, kwargs.pop(name, None)) for name in names}
-        chosen["limit"] = whole_number("--limit", chosen["limit"], minimum=1)
+        limit = whole_number("--limit", chosen["limit"], minimum=1)
+        chosen["limit"] = None if limit is None else min(limit, INT64_MAX)  # "at most N": any N
         selection = Selection(**chosen)
         selection.check()
         return func(*args, selection=selection, **kwargs)
@@ -213,6 +237,51 @@ def whole_number(option: str, text: str | None, minimum: int | None = None) -> i
     return number
 
 
+BARS = "▁▂▃▄▅▆▇█"
+SPARK_WIDTH = 48
+
+
+def sparkline(values: list[float | None], width: int = SPARK_WIDTH) -> str:
+    """One character per value (averaged into ``width`` buckets), blank where there is none."""
+    if len(values) > width:
+        buckets = [values[i * len(values) // width : (i + 1) * len(values) // width] for i in range(width)]
+        values = [_mean(b) for b in buckets]
+    present = [v for v in values if v is not None]
+    if not present:
+        return " " * len(values)
+    lo, hi = min(present), max(present)
+    span = hi - lo
+    return "".join(
+        " " if v is None else BARS[0 if span == 0 else min(len(BARS) - 1, int((v - lo) / span * len(BARS)))]
+        for v in values
+    )
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def fit_columns(widths: list[int], width: int) -> int:
+    """How many of the first columns (``widths`` in order of priority, two spaces apart) fit a line
+    of ``width`` characters; the first always does."""
+    used = kept = 0
+    for need in widths:
+        need += 2 if kept else 0
+        if kept and used + need > width:
+            break
+        used += need
+        kept += 1
+    return kept
+
+
+def terminal_width() -> int | None:
+    """The terminal's width when stdout is one, else None (a pipe or file gets whole lines)."""
+    import shutil
+
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+
+
 #: The training signals shown beside the reward when a run has them (listing columns).
 SIGNAL_COLUMNS = ("advantage", "logprob_diff_max", "importance_ratio")
 
@@ -222,6 +291,30 @@ def signal_cell(value: float | None) -> str:
 
 
 ForceOption = Annotated[bool, typer.Option("--force", help="Replace the output file if it exists.")]
+MemoryLimitOption = Annotated[
+    str | None,
+    typer.Option(
+        "--memory-limit",
+        metavar="SIZE",
+        help="Most memory a query may use, its result included (500MB, 4GiB; default 2GiB).",
+    ),
+]
+
+
+def set_memory_limit(text: str | None) -> None:
+    """Apply ``--memory-limit`` to the queries this command runs (a bad size exits 2)."""
+    if text is None:
+        return
+    from rlreplay.read.selection import parse_size
+    from rlreplay.read.where import set_memory_limit as apply
+
+    try:
+        nbytes = parse_size(text)
+    except ValueError as exc:
+        fail(f"--memory-limit: {exc}")
+    if nbytes < 1:
+        fail(f"--memory-limit {text!r}: give a size of at least 1 byte")
+    apply(nbytes)
 
 
 def _inside_run(path: Path) -> Path | None:
@@ -273,6 +366,35 @@ def open_run_arg(run: Path | None, positional: Path | None = None):
     return open_run(chosen)
 
 
+def flagged(opened: Any, table: Any, names: str) -> Any:
+    """The rows of ``table`` that the audit checks ``names`` flag (``--finding``); a check that cannot
+    run says why on stderr."""
+    import pyarrow as pa
+
+    from rlreplay.audit import engine
+    from rlreplay.format import arrow_ops as ops
+
+    broken: dict[str, str] = {}
+    report = engine.audit(opened, table, engine.choose(names, engine.available(broken), broken))
+    for name, why in report.skipped.items():
+        print(f"rlreplay: note: {name} skipped: {why}", file=sys.stderr)
+    for name, why in report.failed.items():
+        fail(f"--finding: check {name} failed: {why}")
+    ids = pa.array(sorted(engine.finding_ids(report, table)), type=pa.string())
+    return ops.filter(table, ops.is_in(table["id"], ids))
+
+
+#: the warnings printed of each run (a command that reports again prints only what is new)
+_reported: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
 def report_warnings(run) -> None:
-    for message in run.warnings:
-        print(f"rlreplay: warning: {message}", file=sys.stderr)
+    """A reading command's warnings not printed yet (secrets redacted), and the line saying the run
+    could not be read in full."""
+    from rlreplay.format.redact import redact_value
+
+    printed = _reported.setdefault(run, set())
+    for message in run.notes():
+        if message not in printed:
+            printed.add(message)
+            print(f"rlreplay: warning: {redact_value(message)}", file=sys.stderr)

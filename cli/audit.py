@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Annotated, Any
 
@@ -26,7 +27,10 @@ AUDIT_HELP = """Find the trajectories that are wrong.
 
 Runs checks over the selected trajectories and prints what they find.
 
-Exit code: 1 when the --fail-on checks found something, 0 when not, 2 on bad input.
+Exit code: 0 when the --fail-on checks found nothing, 1 when they found something, 2 when the
+audit could not run in full: bad input, a run that could not be read in full (a damaged or
+unreadable span file; the warning says how many), or a check named in --checks or --fail-on that
+could not be loaded or raised. A check plug-in that cannot be loaded is skipped with one warning.
 
 \b
 Checks (--checks; thresholds: --threshold KEY=VALUE):
@@ -41,7 +45,9 @@ Checks (--checks; thresholds: --threshold KEY=VALUE):
   tool_error      a tool call that raised or returned an error
   parse_error     a parser call that raised or returned a malformed tool call
   mismatch        logprob_diff_max an outlier for its step (median + 10 MADs, at least 0.1) or
-                  above --mismatch-max (1.0); importance_ratio beyond 2x either way
+                  above --mismatch-max (1.0); importance_ratio beyond 2x either way; with the
+                  trainer's per-token log-probs, a step `rlreplay mismatch` calls investigate
+                  (token_mult_prob_error > 1.05) or broken (> 2)
   group_collapse  a training group whose rollouts all got the same reward (zero advantage)
   length_drift    mean response length up 50% from the first third of the steps to the last,
                   mean reward up less than 0.05
@@ -80,12 +86,18 @@ def audit_command(
     from rlreplay.audit import engine
     from rlreplay.audit.finding import parse_thresholds
 
-    installed = engine.available()
-    chosen = engine.choose(checks, installed)
-    failing = _fail_on(fail_on, installed, chosen)
+    broken: dict[str, str] = {}  # check plug-ins that cannot be loaded
+    installed = engine.available(broken)
+    chosen = engine.choose(checks, installed, broken)  # one named but broken: exit 2
+    failing = _fail_on(fail_on, installed, broken)
+    named = set(failing if fail_on is not None else ()) | {c.name for c in chosen if checks is not None}
+    for name, why in broken.items():
+        print(f"rlreplay: warning: check {name} skipped: {why}", file=sys.stderr)
     known = engine.default_thresholds(installed.values())
     overrides = parse_thresholds(threshold or [], known)
     if mismatch_max is not None:
+        if not math.isfinite(mismatch_max):
+            fail(f"--mismatch-max {mismatch_max}: give a finite number")
         overrides["mismatch_max"] = mismatch_max
     opened = open_run_arg(run, run_path)
     listing = selection.trajectories(opened)
@@ -93,6 +105,9 @@ def audit_command(
     report_warnings(opened)
     for name, why in report.skipped.items():
         print(f"rlreplay: note: {name} skipped: {why}", file=sys.stderr)
+    for name, why in report.failed.items():
+        print(f"rlreplay: warning: check {name} failed, its findings left out: {why}", file=sys.stderr)
+    incomplete = opened.incomplete()
     if as_json:
         import orjson
 
@@ -100,11 +115,17 @@ def audit_command(
         for finding in report.findings:
             write(orjson.dumps(finding.to_dict()).decode() + "\n")
     else:
-        sys.stdout.write(render(report))
+        sys.stdout.write(render(report, incomplete))
+    if incomplete is not None or named & set(report.failed):
+        return EXIT_COULD_NOT_RUN  # not audited in full: neither clean nor only findings
     return 1 if any(f.check in failing for f in report.findings) else 0
 
 
-def _fail_on(text: str | None, installed: dict[str, Any], chosen: list[Any]) -> set[str]:
+#: audit's exit code when it could not run in full (as for bad input)
+EXIT_COULD_NOT_RUN = 2
+
+
+def _fail_on(text: str | None, installed: dict[str, Any], broken: dict[str, str]) -> set[str]:
     if text is None:
         from rlreplay.audit.engine import trajectory_checks
 
@@ -112,6 +133,9 @@ def _fail_on(text: str | None, installed: dict[str, Any], chosen: list[Any]) -> 
     if text.strip() == "none":
         return set()
     names = [n.strip() for n in text.split(",") if n.strip()]
+    unusable = [n for n in names if n in broken]
+    if unusable:
+        fail(f"--fail-on: check {unusable[0]}: {broken[unusable[0]]}")
     unknown = [n for n in names if n not in installed]
     if unknown or not names:
         fail(
@@ -120,16 +144,24 @@ def _fail_on(text: str | None, installed: dict[str, Any], chosen: list[Any]) -> 
     return set(names)
 
 
-def render(report: Any) -> str:
-    """The report as text: per check, a table of findings per step and one of the worst examples."""
+def render(report: Any, incomplete: str | None = None) -> str:
+    """The report as text: per check, a table of findings per step and one of the worst examples;
+    ``incomplete``: the line saying the run could not be read in full."""
     lines = []
     by_check: dict[str, list[Any]] = {c.name: [] for c in report.checks}
     for finding in report.findings:
         by_check.setdefault(finding.check, []).append(finding)
     width = max(len(name) for name in by_check) if by_check else 0
     lines.append(f"audited {report.trajectories} trajectories")
+    if incomplete is not None:
+        lines.append(f"  not in full: {incomplete}")
     for name, found in by_check.items():
-        state = f"skipped ({report.skipped[name]})" if name in report.skipped else f"{len(found)} findings"
+        if name in report.failed:
+            state = f"failed ({report.failed[name]})"
+        elif name in report.skipped:
+            state = f"skipped ({report.skipped[name]})"
+        else:
+            state = f"{len(found)} findings"
         lines.append(f"  {name.ljust(width)}  {state}")
     for name, found in by_check.items():
         if not found:

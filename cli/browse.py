@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ import typer
 
 from rlreplay.cli.app import (
     SIGNAL_COLUMNS,
+    FindingOption,
     JsonOption,
     RunArgument,
     RunOption,
@@ -22,10 +22,13 @@ from rlreplay.cli.app import (
     app,
     console,
     fail,
+    fit_columns,
+    flagged,
     open_run_arg,
     report_warnings,
     selection_options,
     signal_cell,
+    terminal_width,
 )
 
 if TYPE_CHECKING:
@@ -111,13 +114,7 @@ def _fit(
     cells: list[list[str]], columns: list[LsColumn], width: int
 ) -> tuple[list[list[str]], list[LsColumn]]:
     """The first columns whose widths (two spaces apart) fit ``width`` characters."""
-    used, kept = 0, 0
-    for name, col in zip((c.name for c in columns), cells):
-        need = max([len(name), *map(len, col)]) + (2 if kept else 0)
-        if kept and used + need > width:
-            break
-        used += need
-        kept += 1
+    kept = fit_columns([max([len(c.name), *map(len, col)]) for c, col in zip(columns, cells)], width)
     return cells[:kept], columns[:kept]
 
 
@@ -158,24 +155,23 @@ def ls_command(
             f"signals first). Columns: {', '.join(c.name for c in LS_COLUMNS)}.",
         ),
     ] = None,
-    finding: Annotated[
-        str | None,
-        typer.Option(
-            "--finding",
-            metavar="CHECKS",
-            help="Only trajectories these audit checks flag (rlreplay audit --help), e.g. truncated.",
-        ),
-    ] = None,
+    finding: FindingOption = None,
+    tokenizer: TokenizerOption = None,
     *,
     selection: Any,
 ) -> None:
     """List trajectories, one row each.
 
-    With --json, one JSON object per line."""
+    With --json, one JSON object per line; --grep searches their decoded text."""
     chosen = ls_columns(columns)
     opened = open_run_arg(run, run_path)
-    flagged = None if finding is None else lambda table: _flagged(opened, table, finding)
-    table = selection.trajectories(opened, keep=flagged)
+    keep = None if finding is None else lambda table: flagged(opened, table, finding)
+    texts = None
+    if selection.grep is not None:
+        from rlreplay.read.search import TextSearch
+
+        texts = TextSearch.for_run(opened, tokenizer)
+    table = selection.trajectories(opened, keep=keep, texts=texts)
     report_warnings(opened)
     if as_json:
         from rlreplay.model import listing_json
@@ -196,8 +192,9 @@ def ls_command(
         sys.stderr.write(f"no trajectories selected in {opened.address}\n")
         return
     cells, names = _listing_cells(table, chosen)
-    if columns is None and sys.stdout.isatty():
-        cells, names = _fit(cells, names, shutil.get_terminal_size().columns)
+    width = terminal_width()
+    if columns is None and width is not None:
+        cells, names = _fit(cells, names, width)
     if sys.stdout.isatty() and shown <= RICH_ROWS:
         out = console()
         out.print(_rich_listing(cells, names))
@@ -211,20 +208,6 @@ def ls_command(
         console().print(
             "recording losses: " + ", ".join(f"{k}={v}" for k, v in losses.items()), style="yellow"
         )
-
-
-def _flagged(opened: Any, table: Any, names: str) -> Any:
-    """The rows of ``table`` that the audit checks ``names`` flag."""
-    import pyarrow as pa
-
-    from rlreplay.audit import engine
-    from rlreplay.format import arrow_ops as ops
-
-    report = engine.audit(opened, table, engine.choose(names, engine.available()))
-    for name, why in report.skipped.items():
-        print(f"rlreplay: note: {name} skipped: {why}", file=sys.stderr)
-    ids = pa.array(sorted(engine.finding_ids(report, table)), type=pa.string())
-    return ops.filter(table, ops.is_in(table["id"], ids))
 
 
 def _cell(value: Any) -> str:
@@ -273,20 +256,24 @@ def _multiline(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def span_label(span: Any) -> str:
+def span_label(span: Any, stopped: str | None = None) -> str:
+    """A span's line in the tree; ``stopped``: how a model call stopped on its length limit."""
     from rich.markup import escape
 
     ms = (span.end_ns - span.start_ns) / 1e6
     parts = [f"[bold]{escape(span.name)}[/bold]", f"[dim]{span.kind}[/dim]", f"{ms:,.1f} ms"]
     if span.status != "ok":
         parts.append(f"[red]{escape(span.error or span.status)}[/red]")
+    if stopped:
+        parts.append(f"[yellow]truncated: {escape(stopped)}[/yellow]")
     if span.reward is not None:
         parts.append(f"reward={span.reward:g}")
     return "  ".join(parts)
 
 
-def render_tree(traj: Any, text_lines: Any = None) -> Tree:
-    """The span tree of a trajectory; ``text_lines(span)`` may add decoded text under a span."""
+def render_tree(traj: Any, text_lines: Any = None, stopped: dict[str, str] | None = None) -> Tree:
+    """The span tree of a trajectory; ``text_lines(span)`` may add decoded text under a span;
+    ``stopped``: the model calls that stopped on their length limit (span id -> how)."""
     from rich.markup import escape
     from rich.text import Text
     from rich.tree import Tree
@@ -307,7 +294,7 @@ def render_tree(traj: Any, text_lines: Any = None) -> Tree:
     tree = Tree(title)
 
     def add(node: Tree, span: Any) -> None:
-        branch = node.add(span_label(span))
+        branch = node.add(span_label(span, (stopped or {}).get(span.span_id)))
         extra = text_lines(span) if text_lines is not None else None
         for line in extra or [*_payload_lines("in", span.inputs), *_payload_lines("out", span.output)]:
             branch.add(Text(line, style="dim")) if isinstance(line, str) else branch.add(line)
@@ -387,26 +374,33 @@ def show_command(
     run_path, ref = (Path(first), second) if second is not None else (None, first)
     if second is None and is_run_dir(first):
         fail(f"give a trajectory after the run: rlreplay show {first} ID_OR_SELECTOR")
+    if second is not None and run is not None and not is_run_dir(first) and not Path(first).exists():
+        fail(f"two trajectories given ({first} and {second}): show shows one; rlreplay diff compares two")
+    from rlreplay.adapters.registry import adapter_for_run
+
     opened = open_run_arg(run, run_path)
     traj = opened.trajectory(pick.resolve(opened, pick.parse_selector(ref)))
     report_warnings(opened)
+    adapter = adapter_for_run(opened)
     decoder = _show_decoder(opened, text, tokenizer)
     if decoder is not None:
-        from rlreplay.adapters.registry import adapter_for_run
         from rlreplay.text.token2text import add_text
 
-        add_text([traj], decoder, skip_special_tokens=skip_special_tokens, adapter=adapter_for_run(opened))
+        add_text([traj], decoder, skip_special_tokens=skip_special_tokens, adapter=adapter)
     if as_json:
         typer.echo(
             orjson.dumps(traj.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
         )
         return
+    from rlreplay.audit.calls import length_stops
+
+    stopped = length_stops(traj, adapter)
     out = console()
     if decoder is None:
-        out.print(render_tree(traj), markup=True)
+        out.print(render_tree(traj, stopped=stopped), markup=True)
         return
-    out.print(render_tree(traj, text_lines=_show_text_lines), markup=True)
-    for renderable in _show_conversation(traj):
+    out.print(render_tree(traj, text_lines=_show_text_lines, stopped=stopped), markup=True)
+    for renderable in _show_conversation(traj, adapter, stopped):
         out.print(renderable)
 
 
@@ -459,10 +453,13 @@ def _show_text_lines(span: Any) -> list[Any]:
     return [Text(line, style="dim") for line in lines]
 
 
-def _show_conversation(traj: Any) -> list[Any]:
-    """The conversation of the trajectory's agent span: a header per turn, its text, its tool calls."""
+def _show_conversation(traj: Any, adapter: Any, stopped: dict[str, str]) -> list[Any]:
+    """The conversation of the trajectory's agent span: a header per turn (an answer cut by its
+    length limit says so), its text, its tool calls."""
     from rich.rule import Rule
     from rich.text import Text
+
+    from rlreplay.text.conversation import turns as conversation_turns
 
     turns = next(
         (
@@ -477,9 +474,14 @@ def _show_conversation(traj: Any) -> list[Any]:
     styles = {"prompt": "bold blue", "assistant": "bold green", "tool": "bold yellow"}
     counts = f"{traj.model_calls} model calls, {traj.tool_calls} tool calls"
     items: list[Any] = [Rule(f"conversation ({counts})", style="dim")]
+    span_ids = [t.span_id for t in conversation_turns(traj, adapter=adapter)]  # the turns add_text decoded
     for i, turn in enumerate(turns):
         role = str(turn.get("role"))
-        items.append(Text(f"[{i}] {role}", style=styles.get(role, "bold")))
+        head = Text(f"[{i}] {role}", style=styles.get(role, "bold"))
+        how = stopped.get(span_ids[i]) if i < len(span_ids) and span_ids[i] else None
+        if how:
+            head.append(f"  truncated: {how}", style="bold yellow")
+        items.append(head)
         items.append(Text(turn.get("text") or ""))
         for call in turn.get("tool_calls") or []:
             args = orjson.dumps(call.get("arguments"), option=orjson.OPT_NON_STR_KEYS).decode()

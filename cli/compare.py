@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -9,7 +10,7 @@ from typing import Annotated, Any
 import orjson
 import typer
 
-from rlreplay.cli.app import JsonOption, app, open_run_arg, report_warnings, selection_options
+from rlreplay.cli.app import JsonOption, app, fail, open_run_arg, report_warnings, selection_options
 
 
 def _keys(pair: Any) -> str:
@@ -17,22 +18,30 @@ def _keys(pair: Any) -> str:
     return f"step={pair.step} sample_index={pair.sample_index} rollout_n={pair.rollout_n}{split}"
 
 
-def _where(diff: dict[str, Any] | None) -> str:
-    if diff is None:
+def _values(diff: dict[str, Any] | None) -> str:
+    """Both values where the pair first differs, a line each under the pair (none: that side has none)."""
+    if diff is None or (diff.get("a") is None and diff.get("b") is None):
         return ""
-    at = f"span {diff['span']} {diff['name']}: {diff['field']}"
-    if diff.get("path"):
-        at += f" at {diff['path']}"
-    if diff.get("ended"):
-        at += f" (run {diff['ended'].upper()} has no span there)"
-    if diff.get("turn") is not None:
-        at += f"; tokens first differ in turn {diff['turn']}"
-    return at
+    shown = {side: diff.get(side) for side in ("a", "b")}
+    return "".join(f"    {side.upper()}: {'(none)' if v is None else v}\n" for side, v in shown.items())
 
 
 def _reward(pair: Any) -> str:
     delta = pair.reward_delta
     return "" if delta is None or delta == 0 else f" reward {pair.reward_a} -> {pair.reward_b}"
+
+
+def _check_paired(result: list[Any], run_a: Any, run_b: Any) -> None:
+    """Bad input (exit 2) when no trajectory of A has a partner in B: nothing was compared."""
+    if any(pair.a is not None and pair.b is not None for pair in result):
+        return
+    if not result:
+        fail(f"the selection matches no trajectory in {run_a.address} or {run_b.address}: nothing to compare")
+    only_a = sum(pair.b is None for pair in result)
+    fail(
+        f"no trajectory of {run_a.address} ({only_a}) has the keys (step, sample_index, rollout_n, "
+        f"validate) of one of {run_b.address} ({len(result) - only_a}): nothing to compare"
+    )
 
 
 @app.command("compare")
@@ -46,15 +55,18 @@ def compare_command(
 ) -> None:
     """Compare two runs trajectory by trajectory.
 
-    Pairs trajectories by (step, sample_index, rollout_n, validate): same or changed (and where
-    they first differ), and those present in one run only.
+    Pairs trajectories by (step, sample_index, rollout_n, validate): same or changed (where they
+    first differ, and both values there), and those present in one run only.
     """
-    from rlreplay.compare import compare_runs, summary
+    from rlreplay.compare import compare_runs, summary, where
 
     opened_a, opened_b = open_run_arg(None, run_a), open_run_arg(None, run_b)
+    if os.path.realpath(opened_a.path) == os.path.realpath(opened_b.path):
+        fail(f"RUN_A and RUN_B are the same run ({opened_a.address}): nothing to compare")
     result = list(compare_runs(opened_a, opened_b, selection))
     report_warnings(opened_a)
     report_warnings(opened_b)
+    _check_paired(result, opened_a, opened_b)
     write = sys.stdout.write
     if as_json:
         for pair in result:
@@ -73,5 +85,7 @@ def compare_command(
         ids = f"{(pair.a or '-')[:12]} {(pair.b or '-')[:12]}"
         line = f"{pair.status:<8} {_keys(pair)} {ids}{_reward(pair)}"
         if pair.status == "changed":
-            line += f"  {_where(pair.first_difference)}"
+            line += f"  {where(pair.first_difference)}"
         write(line + "\n")
+        if pair.status == "changed":
+            write(_values(pair.first_difference))

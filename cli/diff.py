@@ -17,9 +17,11 @@ from rlreplay.cli.app import (
     app,
     console,
     fail,
+    fit_columns,
     open_run_arg,
     selection_options,
     signal_cell,
+    terminal_width,
 )
 from rlreplay.format.keys import SELECT_KEYS
 
@@ -349,67 +351,106 @@ def _indent(text: Text) -> Text:
     return out
 
 
-def render_group(group: Any, text: bool) -> list[RenderableType]:
-    from rich.table import Table
+#: --group's columns in the order shown: (header, right-aligned); the signals come after the reward.
+GROUP_COLUMNS = (
+    ("rollout_n", True),
+    ("id", False),
+    ("reward", True),
+    *((name, True) for name in SIGNAL_COLUMNS),
+    ("model_calls", True),
+    ("response_tokens", True),
+    ("tool_errors", True),
+    ("diverges at", False),
+)
+#: The order in which a narrow terminal keeps them (as ``ls`` does: the first that fit).
+GROUP_PRIORITY = (
+    "rollout_n",
+    "id",
+    "reward",
+    "advantage",
+    "diverges at",
+    "logprob_diff_max",
+    "importance_ratio",
+    "response_tokens",
+    "model_calls",
+    "tool_errors",
+)
+SAYS = ("best says: ", "this says: ")
+
+
+def _diverges_at(member: Any) -> str:
+    div = member.first_divergence
+    if member.best:
+        return "(best)"
+    if div is None:
+        return "identical"
+    if div.response_offset is None:
+        return f"prompt tok {div.token_offset}"
+    return f"turn {div.turn} tok {div.token_offset} (resp {div.response_offset})"
+
+
+def _cut(text: str, width: int | None) -> str:
+    """``text`` in at most ``width`` characters (its end replaced by ``…``); all of it without one."""
+    if width is None or len(text) <= width:
+        return text
+    return text[: max(width - 1, 0)] + "…"
+
+
+def render_group(group: Any, text: bool, width: int | None = None) -> list[RenderableType]:
+    """The group as aligned columns that fit ``width`` (a terminal's; None: every column), each
+    diverging rollout followed by what the best rollout and it say from where they part."""
     from rich.text import Text
 
     split = "validate" if group.validate else "train"
-    parts: list[RenderableType] = [
-        Text(
-            f"group step={group.step} sample_index={group.sample_index} {split}: "
-            f"{len(group.members)} rollouts, compared with the best-rewarded {group.best_id[:12]}",
-            style="bold",
-        ),
-        Text(""),
+    title = Text(
+        f"group step={group.step} sample_index={group.sample_index} {split}: "
+        f"{len(group.members)} rollouts; best-rewarded {group.best_id[:12]}",
+        style="bold",
+    )
+    shown = [
+        (name, right)
+        for name, right in GROUP_COLUMNS
+        if name not in SIGNAL_COLUMNS or any(getattr(m.side, name) is not None for m in group.members)
     ]
-    grid = Table(box=None, header_style="bold", pad_edge=False)
-    signals = [
-        name for name in SIGNAL_COLUMNS if any(getattr(m.side, name) is not None for m in group.members)
-    ]
-    for col, justify in [
-        ("rollout_n", "right"),
-        ("id", "left"),
-        ("reward", "right"),
-        *((name, "right") for name in signals),
-        ("model_calls", "right"),
-        ("response_tokens", "right"),
-        ("tool_errors", "right"),
-        ("diverges at", "left"),
-        ("best says", "left"),
-        ("this says", "left"),
-    ]:
-        grid.add_column(col, justify=justify, no_wrap=col not in ("best says", "this says"))
-    for m in group.members:
-        div = m.first_divergence
-        if m.best:
-            where = "(best)"
-        elif div is None:
-            where = "identical"
-        elif div.response_offset is None:
-            where = f"prompt tok {div.token_offset}"
-        else:
-            where = f"turn {div.turn} tok {div.token_offset} (resp {div.response_offset})"
-        grid.add_row(
-            _index(m.side.rollout_n),
-            m.side.id[:12],
-            _num(m.side.reward),
-            *(signal_cell(getattr(m.side, name)) for name in signals),
-            str(m.side.model_calls),
-            f"{m.side.response_tokens:,}",
-            str(m.side.tool_errors),
-            where,
-            _preview(m.preview_best, text),
-            _preview(m.preview, text),
-        )
-    parts.append(grid)
-    return parts
+    cells: dict[str, list[str]] = {
+        "rollout_n": [_index(m.side.rollout_n) for m in group.members],
+        "id": [m.side.id[:12] for m in group.members],
+        "reward": [_num(m.side.reward) for m in group.members],
+        **{name: [signal_cell(getattr(m.side, name)) for m in group.members] for name in SIGNAL_COLUMNS},
+        "model_calls": [str(m.side.model_calls) for m in group.members],
+        "response_tokens": [f"{m.side.response_tokens:,}" for m in group.members],
+        "tool_errors": [str(m.side.tool_errors) for m in group.members],
+        "diverges at": [_diverges_at(m) for m in group.members],
+    }
+    widths = {name: max([len(name), *map(len, cells[name])]) for name, _ in shown}
+    if width is not None:
+        by_priority = [name for name in GROUP_PRIORITY if name in widths]
+        kept = set(by_priority[: fit_columns([widths[n] for n in by_priority], width)])
+        shown = [(name, right) for name, right in shown if name in kept]
+
+    def line(values: list[str]) -> str:
+        out = [
+            v.rjust(widths[name]) if right else v.ljust(widths[name])
+            for v, (name, right) in zip(values, shown)
+        ]
+        return "  ".join(out).rstrip()
+
+    table = Text(line([name for name, _ in shown]), style="bold")
+    for i, member in enumerate(group.members):
+        table.append("\n" + line([cells[name][i] for name, _ in shown]))
+        if member.preview is None and member.preview_best is None:
+            continue
+        for label, value in zip(SAYS, (member.preview_best, member.preview)):
+            said = f"    {label}{_preview(value, text)}"
+            table.append("\n" + _cut(said, width), style="dim" if label == SAYS[0] else None)
+    return [title, Text(""), table]
 
 
 def _preview(value: Any, text: bool) -> str:
     if value is None:
         return ""
     if text:
-        return repr(value)[1:-1][:60]
+        return repr(value)[1:-1]
     return " ".join(map(str, value))
 
 
@@ -443,7 +484,7 @@ def load_decoder(runs: list[Any], tokenizer: str | None, no_text: bool) -> Any:
 def _warn(runs: list[Any]) -> None:
     seen: set[str] = set()
     for run in runs:
-        for message in run.warnings:
+        for message in run.notes():
             if message not in seen:
                 seen.add(message)
                 print(f"rlreplay: warning: {message}", file=sys.stderr)
@@ -533,7 +574,7 @@ def diff_command(
         if as_json:
             typer.echo(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2).decode())
             return
-        print_parts(console(), render_group(result, decoder is not None))
+        print_parts(console(), render_group(result, decoder is not None, terminal_width()))
         return
     if html is not None:
         from rlreplay.diff.report import check_report_path

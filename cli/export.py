@@ -9,12 +9,14 @@ from typing import Annotated, Any
 import typer
 
 from rlreplay.cli.app import (
+    FindingOption,
     ForceOption,
     RunArgument,
     RunOption,
     TokenizerOption,
     app,
     fail,
+    flagged,
     open_run_arg,
     output_path,
     report_warnings,
@@ -51,6 +53,15 @@ def export_command(
     token_ids: Annotated[
         bool, typer.Option("--token-ids", help="Also write prompt_ids, response_ids and response_mask.")
     ] = False,
+    logprobs: Annotated[
+        bool,
+        typer.Option(
+            "--logprobs",
+            help="Also write rollout_log_probs (per response token) and trainer_log_probs (the "
+            "trainer's, when recorded with record --token-signals).",
+        ),
+    ] = False,
+    finding: FindingOption = None,
     old_ids: Annotated[bool, typer.Option("--ids", hidden=True)] = False,
     force: ForceOption = False,
     *,
@@ -59,7 +70,7 @@ def export_command(
     """Write the selection as a dataset (JSON lines or Parquet).
 
     One record per trajectory: keys, reward, advantage, messages in OpenAI chat format and tools
-    (the tool schemas the prompt was rendered with, as a JSON array)."""
+    (the tool schemas the prompt was rendered with, as a JSON array); per-token fields on request."""
     from rlreplay import export
     from rlreplay.read import selection as choosing
     from rlreplay.text.token2text import Decoder, resolve_tokenizer
@@ -86,7 +97,13 @@ def export_command(
     if name is None:
         fail("export writes decoded text and no tokenizer is known for this run; pass --tokenizer PATH")
     decoder = Decoder.load(name)
-    listing = selection.trajectories(opened)
+    keep = None if finding is None else lambda table: flagged(opened, table, finding)
+    texts = None
+    if selection.grep is not None:
+        from rlreplay.read.search import TextSearch
+
+        texts = TextSearch(opened, decoder)
+    listing = selection.trajectories(opened, keep=keep, texts=texts)
     if samples is not None:
         groups = choosing.sample_groups(listing, samples, seed_value or 0)
         chosen = choosing.group_ids(groups)
@@ -102,7 +119,9 @@ def export_command(
 
     def run_export(tmp: Path) -> None:
         nonlocal written
-        written = export.write(tmp, fmt, opened, listing, chosen, decoder, with_ids=token_ids)
+        written = export.write(
+            tmp, fmt, opened, listing, chosen, decoder, with_ids=token_ids, with_logprobs=logprobs
+        )
 
     write_atomically(target, run_export)
     report_warnings(opened)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -14,19 +15,24 @@ import typer
 
 from rlreplay.cli.app import TokenizerOption, app, fail
 from rlreplay.cli.launch import (
+    AUTO_FRAMEWORK,
     DEFAULT_FRAMEWORK,
     FrameworkOption,
     GraceOption,
+    OutOption,
+    argv_framework,
+    check_command,
     child_env,
     run_forwarding_signals,
 )
+from rlreplay.errors import CommandNotStarted
 
 
 def guess_from_argv(command: list[str], framework: str = DEFAULT_FRAMEWORK) -> tuple[str | None, str | None]:
     """(experiment, tokenizer) that the framework's adapter finds on the command line, if any."""
     from rlreplay.adapters.registry import get_adapter
 
-    adapter = get_adapter(framework)
+    adapter = get_adapter(argv_framework(framework))
     return adapter.experiment_from_argv(command), adapter.tokenizer_from_argv(command)
 
 
@@ -51,16 +57,7 @@ def default_out(command: list[str], experiment: str | None) -> Path:
 )
 def record_command(
     command: Annotated[list[str], typer.Argument(metavar="-- CMD...", help="The training command to run.")],
-    out: Annotated[
-        str | None,
-        typer.Option(
-            "--out",
-            "-o",
-            metavar="RUN",
-            help="New run directory, or a URI such as s3://bucket/prefix/run or gs://... "
-            "(default: ./rlreplay-runs/<time>-<name>).",
-        ),
-    ] = None,
+    out: OutOption = None,
     spool: Annotated[
         Path | None,
         typer.Option(
@@ -103,6 +100,8 @@ def record_run(
 ) -> int:
     """``record``'s work; ``replay`` (``rlreplay.cli.replay.ReplayPlan``) also carries a replay into
     every process, and its summary is added at the end."""
+    from rlreplay.adapters.registry import DEFAULT as DEFAULT_ADAPTER
+    from rlreplay.adapters.registry import MANIFEST_KEY as ADAPTER_KEY
     from rlreplay.format import manifest
     from rlreplay.read.open import open_run
     from rlreplay.read.summary import recover, run_summary
@@ -119,6 +118,7 @@ def record_run(
     except RunError as exc:
         fail(str(exc))
     experiment = experiment or guessed_experiment
+    check_command(command)  # before anything is written: a command that cannot start leaves nothing
     if (uri := location.as_uri(out)) is not None:  # never a local folder named "s3:"
         if replay is not None:
             fail("--out: a replay records into a local run directory")
@@ -130,12 +130,15 @@ def record_run(
         fail(f"--out {run_dir}: exists and is not a directory; give a new run directory")
     if run_dir.exists() and any(run_dir.iterdir()):
         fail(f"{run_dir} already exists and is not empty; recorded runs are never overwritten")
+    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # the folders this creates
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not os.access(run_dir, os.W_OK):
             raise PermissionError(13, "Permission denied")
     except OSError as exc:
         fail(f"--out {run_dir}: cannot create the run there ({exc.strerror or exc})")
+    framework = framework.strip().lower()
+    auto = framework == AUTO_FRAMEWORK
     manifest.write_json_atomic(
         run_dir / manifest.MANIFEST,
         manifest.new_manifest(
@@ -143,20 +146,29 @@ def record_run(
             command,
             tokenizer=tokenizer or guessed_tokenizer,
             status="running",
-            framework=framework.strip().lower(),
+            # under auto, the job's processes name verl when they trace through it
+            **({} if auto else {ADAPTER_KEY: framework}),
             **(replay.manifest() if replay is not None else {}),
         ),
     )
     print(f"rlreplay: recording into {run_dir}", file=sys.stderr)
-    env = child_env(run_dir, experiment, framework.strip().lower(), token_signals)
+    env = child_env(run_dir, experiment, framework, token_signals)
     if replay is not None:
         env.update(replay.env())
-    code = run_forwarding_signals(command, env)
+    try:
+        code = run_forwarding_signals(command, env)
+    except CommandNotStarted:
+        _never_started(run_dir, made)
+        raise
 
-    recovered = recover(run_dir, wait_s=grace)
+    recovered = recover(run_dir, wait_s=grace, shards=False)  # just sealed: `recover` checks them
     summary = run_summary(open_run(run_dir))
+    detected = {}
+    if auto and not manifest.read_manifest(run_dir).get(ADAPTER_KEY):
+        detected = {ADAPTER_KEY: DEFAULT_ADAPTER}  # nothing traced through a framework's hook
     manifest.update_manifest(
         run_dir,
+        **detected,
         ended_at=time.time(),
         exit_code=code,
         status="finished" if code == 0 else "failed",
@@ -178,5 +190,17 @@ def record_run(
         file=sys.stderr,
     )
     if replay is not None:
-        replay.report(open_run(run_dir))
+        code = replay.report(open_run(run_dir), code)
     return code
+
+
+def _never_started(run_dir: Path, made: list[Path]) -> None:
+    """The command never started: the run is marked so, then what ``record`` created for it (its
+    manifest, the folders it made) is removed; what cannot be removed stays marked."""
+    from rlreplay.format import manifest
+
+    with contextlib.suppress(OSError):
+        manifest.update_manifest(run_dir, status="not started", ended_at=time.time())
+        (run_dir / manifest.MANIFEST).unlink()
+        for folder in made:  # deepest first; a folder something else wrote into stays
+            folder.rmdir()

@@ -26,7 +26,7 @@ def record_to_uri(
 ) -> int:
     from rlreplay import errors
     from rlreplay.cli.launch import child_env, run_forwarding_signals
-    from rlreplay.errors import RunError
+    from rlreplay.errors import CommandNotStarted, RunError
     from rlreplay.format import manifest
     from rlreplay.read.open import open_run
     from rlreplay.read.summary import run_summary
@@ -55,7 +55,13 @@ def record_to_uri(
     env = child_env(Path("."), experiment)
     env["RLREPLAY_DIR"] = uri
     env[publish.ENV_SPOOL] = str(spool_root)
-    code = run_forwarding_signals(command, env)
+    try:
+        code = run_forwarding_signals(command, env)
+    except CommandNotStarted:  # after the check `record` made first: the run says it never started
+        data.update(ended_at=time.time(), status="not started")
+        if _publish_manifest(loc, local_manifest, data):
+            local_manifest.unlink(missing_ok=True)
+        raise
 
     live = publish.wait_for_writers(loc, grace)  # processes on every node uploading their last files
     recovered = publish.recover(uri, spool_root, wait_s=grace, timeout_s=max(grace, 1.0))

@@ -9,8 +9,25 @@ from typing import Annotated, Any
 import typer
 
 from rlreplay.cli.app import TokenizerOption, app, fail, selection_options
-from rlreplay.cli.launch import DEFAULT_FRAMEWORK, FrameworkOption, GraceOption
-from rlreplay.recorder.matchers import DEFAULT_MATCH_ON
+from rlreplay.cli.launch import (
+    AUTO_FRAMEWORK,
+    DEFAULT_FRAMEWORK,
+    DEFAULT_MATCH_ON,
+    DEFAULT_ON_DIVERGE,
+    FrameworkOption,
+    GraceOption,
+    MatchOnOption,
+    OnDivergeOption,
+    OutOption,
+)
+
+#: Ids a summary line shows at most (then how many more).
+SHOWN_IDS = 5
+
+
+def _some(ids: list[str]) -> str:
+    more = len(ids) - SHOWN_IDS
+    return ", ".join(ids[:SHOWN_IDS]) + (f", ... {more} more" if more > 0 else "")
 
 
 @dataclass
@@ -19,6 +36,7 @@ class ReplayPlan:
 
     config: Any  # rlreplay.playback.ReplayConfig
     source: Any  # the source Run, opened
+    shown: str = ""  # the source as the user gave it (secrets hidden)
 
     def env(self) -> dict[str, str]:
         return self.config.env()
@@ -28,19 +46,31 @@ class ReplayPlan:
 
         return {MANIFEST_KEY: self.config.record()}
 
-    def report(self, new_run: Any) -> None:
+    def report(self, new_run: Any, code: int) -> int:
+        """Print the replay's summary; the command's exit code: the job's, else 1 when
+        ``--on-diverge fail`` and a trajectory diverged (or could not be served)."""
         from rlreplay.playback import replay_summary
 
         summary = replay_summary(new_run, self.config, self.source)
-        diverged, never = summary["diverged"], summary["never_asked"]
-        print(
-            f"rlreplay: replay of {self.source.address}: {summary['served']} ops served; "
+        diverged, never, unserved = summary["diverged"], summary["never_asked"], summary["unserved"]
+        lines = [
+            f"rlreplay: replay of {self.shown or self.source.address}: {summary['served']} ops served; "
             f"{len(diverged)} trajectories diverged"
-            + (f" ({', '.join(diverged)})" if diverged else "")
-            + f"; {len(never)} source trajectories never asked for"
-            + (f" ({', '.join(never)})" if never else ""),
-            file=sys.stderr,
-        )
+            + (f" ({_some(diverged)})" if diverged else "")
+            + (
+                f"; {len(never)} source trajectories never asked for"
+                + (f" ({_some(never)})" if never else "")
+                if never is not None
+                else ""
+            )
+        ]
+        for why, count in unserved.items():
+            lines.append(f"rlreplay: replay: {count} trajectories were not served: {why}")
+        if summary["source_problem"]:
+            lines.append(f"rlreplay: replay: {summary['source_problem']}")
+        print("\n".join(lines), file=sys.stderr)
+        failed = self.config.on_diverge == "fail" and (diverged or unserved)
+        return code or (1 if failed else 0)
 
 
 # options may follow SOURCE_RUN; everything after ``--`` is the command
@@ -57,30 +87,9 @@ def replay_command(
             "--serve", metavar="KINDS", help="What is served from the recording: llm, llm,tool or agent."
         ),
     ] = "llm",
-    on_diverge: Annotated[
-        str,
-        typer.Option(
-            "--on-diverge",
-            metavar="WHAT",
-            help="When a served call's inputs differ from the recording: live (run it and the rest "
-            "of its trajectory live) or fail (the call raises).",
-        ),
-    ] = "live",
-    match_on: Annotated[
-        str,
-        typer.Option(
-            "--match-on",
-            metavar="MATCHERS",
-            help="What a call must share with its recorded op to be served: position (the k-th call "
-            "of its kind), name, inputs (per-call ids aside).",
-        ),
-    ] = ",".join(DEFAULT_MATCH_ON),
-    out: Annotated[
-        str | None,
-        typer.Option(
-            "--out", "-o", metavar="RUN", help="New run directory (default: ./rlreplay-runs/<time>-<name>)."
-        ),
-    ] = None,
+    on_diverge: OnDivergeOption = DEFAULT_ON_DIVERGE,
+    match_on: MatchOnOption = DEFAULT_MATCH_ON,
+    out: OutOption = None,
     tokenizer: TokenizerOption = None,
     framework: FrameworkOption = DEFAULT_FRAMEWORK,
     grace: GraceOption = 15.0,
@@ -90,27 +99,40 @@ def replay_command(
     """Run CMD against a recording.
 
     CMD runs exactly as record runs it, with the model calls (or tools, or whole agent loops) of
-    the selected trajectories of SOURCE_RUN served from the recording instead of run.
+    the selected trajectories of SOURCE_RUN served from the recording instead of run: each
+    served value is what the op returned, bit for bit, or the call is not served and the
+    trajectory's replay_reason says why.
     """
     from rlreplay.cli.record import record_run
     from rlreplay.errors import RlreplayError
-    from rlreplay.playback import ReplayConfig, open_source, selected, source_framework
+    from rlreplay.playback import ReplayConfig, open_source, selected, source_framework, unreadable_files
+    from rlreplay.remote import location
 
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         fail("no command given: rlreplay replay SOURCE_RUN [OPTIONS] -- CMD ...")
+    shown = location.redact(source)
     try:
         config = ReplayConfig.of(source, serve, selection, on_diverge, match_on)
         run = open_source(source)
         recorded_with = source_framework(run)
-        if recorded_with != framework.strip().lower():
+        asked = framework.strip().lower()
+        if asked != AUTO_FRAMEWORK and recorded_with != asked:
             fail(
-                f"source run {run.address} was recorded with the {recorded_with} adapter; "
+                f"source run {shown} was recorded with the {recorded_with} adapter; "
                 f"replay it with --framework {recorded_with}"
             )
+        seen = len(run.warnings)
         selected(run, config.selection)
+        problem = unreadable_files(run, seen)
     except RlreplayError as exc:
         fail(str(exc))
-    plan = ReplayPlan(config, run)
+    if problem is not None:
+        if config.on_diverge == "fail":
+            fail(f"source run {shown}: {problem}")
+        print(
+            f"rlreplay: warning: source run {shown}: {problem}: what they hold is not served", file=sys.stderr
+        )
+    plan = ReplayPlan(config, run, shown)
     return record_run(command, out, None, None, tokenizer, framework, False, grace, replay=plan)

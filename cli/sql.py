@@ -10,7 +10,16 @@ from typing import Annotated, Any
 import orjson
 import typer
 
-from rlreplay.cli.app import JsonOption, RunOption, app, fail, open_run_arg, report_warnings
+from rlreplay.cli.app import (
+    JsonOption,
+    MemoryLimitOption,
+    RunOption,
+    app,
+    fail,
+    open_run_arg,
+    report_warnings,
+    set_memory_limit,
+)
 
 
 def _json_default(value: Any) -> Any:
@@ -47,15 +56,18 @@ def sql_command(
     ] = None,
     run: RunOption = None,
     as_json: JsonOption = False,
+    memory_limit: MemoryLimitOption = None,
 ) -> None:
     """Query a run with SQL (DuckDB).
 
-    Files cannot be read or written from the query."""
+    Files cannot be read or written from the query; it uses at most --memory-limit of memory,
+    and Ctrl-C stops it."""
     from rlreplay.read.query import sql
 
     run_path, query = (Path(first), second) if second is not None else (None, first)
     if query is None:
         fail('give the query: rlreplay sql [RUN] "SELECT ..."')
+    set_memory_limit(memory_limit)
     opened = open_run_arg(run, run_path)
     table = sql(opened, query)
     report_warnings(opened)

@@ -21,12 +21,11 @@ from rlreplay.cli.app import (
     output_path,
     report_warnings,
     selection_options,
+    sparkline,
     write_atomically,
 )
 from rlreplay.errors import install_hint
 
-BARS = "▁▂▃▄▅▆▇█"
-SPARK_WIDTH = 48
 PLOT_DEFAULT = (
     "reward_mean",
     "frac_groups_zero_std",
@@ -134,27 +133,6 @@ def _table(rows: list[dict[str, Any]], shown: list[str]) -> str:
     lines = ["  ".join(name.rjust(w) for name, w in zip(shown, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     return "\n".join(lines) + "\n"
-
-
-def sparkline(values: list[float | None], width: int = SPARK_WIDTH) -> str:
-    """One character per value (averaged into ``width`` buckets), blank where there is none."""
-    if len(values) > width:
-        buckets = [values[i * len(values) // width : (i + 1) * len(values) // width] for i in range(width)]
-        values = [_mean(b) for b in buckets]
-    present = [v for v in values if v is not None]
-    if not present:
-        return " " * len(values)
-    lo, hi = min(present), max(present)
-    span = hi - lo
-    return "".join(
-        " " if v is None else BARS[0 if span == 0 else min(len(BARS) - 1, int((v - lo) / span * len(BARS)))]
-        for v in values
-    )
-
-
-def _mean(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return sum(present) / len(present) if present else None
 
 
 def _by_split(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from rlreplay.cli.app import RunOption, TokenizerOption, app, fail
+from rlreplay.cli.app import MemoryLimitOption, RunOption, TokenizerOption, app, fail, set_memory_limit
 from rlreplay.errors import install_hint
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -35,6 +35,7 @@ def ui_command(
     ] = False,
     tokenizer: TokenizerOption = None,
     run: RunOption = None,
+    memory_limit: MemoryLimitOption = None,
 ) -> None:
     """Browse a run in a web browser.
 
@@ -49,8 +50,13 @@ def ui_command(
         fail(f"rlreplay ui needs the 'ui' extra ({exc.name} is missing): {install_hint('ui')}")
     if run is not None and run_path is not None:
         fail("give the run once: as RUN or as --run")
+    set_memory_limit(memory_limit)
     chosen = run if run is not None else run_path
     root = chosen if chosen is not None else _default_root()
+    if tokenizer is not None:
+        from rlreplay.text.token2text import Decoder
+
+        Decoder.load(tokenizer)  # refused before serving (one line, exit 2), as export refuses it
     loopback = host in LOOPBACK
     allowed = ["127.0.0.1", "localhost", "[::1]", "::1"] if loopback else None
     application = create_app(root, allowed_hosts=allowed, tokenizer=tokenizer)

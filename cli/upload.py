@@ -15,6 +15,7 @@ import typer
 from typer.core import TyperCommand
 
 from rlreplay.cli.app import (
+    MAX_SECONDS,
     JsonOption,
     RunOption,
     TokenizerOption,
@@ -282,6 +283,7 @@ def upload_command(
             "--timeout",
             metavar="SECONDS",
             min=0.1,
+            max=MAX_SECONDS,
             help="Overall deadline of one request, in seconds; a server silent that long stops the upload.",
         ),
     ] = 60.0,
@@ -355,6 +357,7 @@ def upload_command(
     finally:
         if bar is not None:
             bar.stop()
+    report_warnings(opened)  # what reading the trajectories met (a damaged file: with counts)
     if check_server and dry_run:
         try:
             found = uploader.existing([i for g in groups[: summary.groups] for i in g.ids])

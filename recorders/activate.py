@@ -29,7 +29,7 @@ ENV_PREFIX = "RLREPLAY_"
 ENV_CHAINED_HOOK = "RLREPLAY_CHAINED_SETUP_HOOK"
 ENV_FRAMEWORK = "RLREPLAY_FRAMEWORK"
 ENV_REPLAY_SOURCE = "RLREPLAY_REPLAY_SOURCE"  # rlreplay.playback.ENV_SOURCE
-BUILTIN_FRAMEWORKS = ("verl", "generic")  # hooked by HOOKS below, no entry-point lookup
+BUILTIN_FRAMEWORKS = ("verl", "generic", "auto")  # hooked by HOOKS below, no entry-point lookup
 SETUP_HOOK = "rlreplay.recorders.activate.worker_setup"
 VERL_TRACE_MODULE = "verl.utils.rollout_trace"
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import inspect
 import logging
 import os
@@ -28,6 +29,7 @@ from types import ModuleType
 from typing import Any
 
 from rlreplay.adapters.generic import GenericAdapter
+from rlreplay.format import payload
 from rlreplay.format.kinds import KIND_AGENT, KIND_LLM, KIND_PARSER, KIND_TOOL
 from rlreplay.text.conversation import ConversationFields
 
@@ -86,7 +88,7 @@ def reduce_agent_data(agent_data: Any) -> dict[str, Any]:
     id, the turn counts at call time, the tool kwargs and the sizes of the big fields.
     """
     get = agent_data.__dict__.get
-    out: dict[str, Any] = {"__type__": "reduced", "class": _qualified(type(agent_data))}
+    out: dict[str, Any] = payload.Marker(__type__="reduced", **{"class": _qualified(type(agent_data))})
     for key in ("request_id", "user_turns", "assistant_turns"):
         out[key] = get(key)
     out["num_messages"] = _len(get("messages"))
@@ -133,7 +135,7 @@ def _reduce_value(value: Any) -> Any:
     try:
         summary = reducer(value)
     except Exception as exc:
-        summary = {"__type__": "reduced", "class": _qualified(type(value)), "error": repr(exc)}
+        summary = payload.Marker(__type__="reduced", **{"class": _qualified(type(value)), "error": repr(exc)})
     return _Reduced(summary)
 
 
@@ -194,6 +196,25 @@ def _note_tokenizer(owner: Any) -> None:
     if name is None:
         return
     _tokenizer_recorded = True
+    _note_in_manifest({"tokenizer": name})
+
+
+_framework_noted = False
+_manifest_lock = threading.Lock()
+#: ``run.json``'s key naming the run's framework adapter (``rlreplay.adapters.registry.MANIFEST_KEY``).
+FRAMEWORK_KEY = "framework"
+
+
+def _note_framework() -> None:
+    """This process records through verl's tracing: the run is verl's (``record --framework auto``)."""
+    global _framework_noted
+    _framework_noted = True
+    _note_in_manifest({})
+
+
+def _note_in_manifest(fields: dict[str, Any]) -> None:
+    """Write ``fields`` the run manifest does not name yet, and that the run's framework is verl (if
+    it names none: every write says so, so that none of this job's writes loses it), off the hot path."""
     from rlreplay.recorder.api import get_recorder
 
     recorder = get_recorder()
@@ -204,13 +225,22 @@ def _note_tokenizer(owner: Any) -> None:
     def write() -> None:
         from rlreplay.format import manifest
 
-        try:
-            if not manifest.read_manifest(run_dir).get("tokenizer"):
-                manifest.update_manifest(run_dir, tokenizer=name)
-        except Exception as exc:
-            log.warning("rlreplay: could not record the tokenizer in the manifest: %s", exc)
+        with _manifest_lock:
+            try:
+                found = manifest.read_manifest(run_dir)
+                missing = {
+                    k: v for k, v in {FRAMEWORK_KEY: ADAPTER.name, **fields}.items() if not found.get(k)
+                }
+                if missing:
+                    manifest.update_manifest(run_dir, **missing)
+            except Exception as exc:
+                log.warning(
+                    "rlreplay: could not write %s in the run manifest: %s",
+                    ", ".join(fields) or "the framework",
+                    exc,
+                )
 
-    threading.Thread(target=write, name="rlreplay-manifest", daemon=True).start()
+    threading.Thread(target=write, name="rlreplay-manifest").start()
 
 
 # ---- wrapping one decorated method ------------------------------------------------------------
@@ -483,6 +513,8 @@ def _make_trace_attr(original_attr: Callable[..., Any], config_cls: Any) -> Call
             ):
                 key = None
                 if record and get_recorder() is not None:
+                    if not _framework_noted:
+                        _note_framework()
                     key = {
                         "trajectory_id": traj.id,
                         "root_span_id": traj.root_span_id,
@@ -677,6 +709,33 @@ def _as_run_returned(output: dict[str, Any]) -> dict[str, Any]:
     return {**output, "extra_fields": kept, "reward_score": None}
 
 
+def _verl_class(module: str, name: str) -> Any:
+    return getattr(importlib.import_module(module), name)
+
+
+def _TOKEN_OUTPUT(value: Any) -> Any:
+    return _verl_class("verl.workers.rollout.replica", "TokenOutput").model_validate(value)
+
+
+def _AGENT_OUTPUT(value: Any) -> Any:
+    cls = _verl_class("verl.experimental.agent_loop.agent_loop", "AgentLoopOutput")
+    return cls.model_validate(_as_run_returned(value))
+
+
+def _TOOL_RESPONSE(value: Any) -> Any:
+    # a field recorded as None was not set (verl refuses ``image=None``)
+    response = {k: v for k, v in value.items() if v is not None}
+    return _verl_class("verl.tools.schemas", "ToolResponse").model_validate(response)
+
+
+#: verl's types a replay rebuilds, by the qualified class a type record names.
+_VERL_BUILDERS: dict[str, Callable[[Any], Any]] = {
+    "verl.workers.rollout.replica.TokenOutput": _TOKEN_OUTPUT,
+    "verl.experimental.agent_loop.agent_loop.AgentLoopOutput": _AGENT_OUTPUT,
+    "verl.tools.schemas.ToolResponse": _TOOL_RESPONSE,
+}
+
+
 class VerlAdapter(GenericAdapter):
     """verl 0.9: ``AgentLoopOutput`` fields, Hermes tool calls, Hydra overrides, the rollout-trace hook.
 
@@ -707,28 +766,30 @@ class VerlAdapter(GenericAdapter):
         found = super().tool_schemas(traj)
         return None if found is None else [_set_fields(t) for t in found]
 
-    def rebuild_output(self, name: str, kind: str, output: Any) -> Any:
-        """A recorded output as verl's own type: ``TokenOutput`` (model calls), ``AgentLoopOutput``
-        (agent loops), ``(ToolResponse, reward, metrics)`` (tools); other values as recorded."""
+    def output_builders(self) -> dict[str, Any]:
+        """verl's own types: ``TokenOutput`` (model calls), ``AgentLoopOutput`` (agent loops),
+        ``ToolResponse`` (in a tool's ``(ToolResponse, reward, metrics)``)."""
+        return _VERL_BUILDERS
+
+    def rebuild_output(self, name: str, kind: str, output: Any, output_type: dict[str, str] | None) -> Any:
+        """What the op returned, verl's types rebuilt where the output's type record names them. An
+        output recorded before outputs had a type record is rebuilt by its span's kind, as it was
+        then: a model call's dict as ``TokenOutput``, an agent loop's as ``AgentLoopOutput``, a tool's
+        ``[response, reward, metrics]`` as ``(ToolResponse, reward, metrics)``."""
+        if output_type is not None:
+            return super().rebuild_output(name, kind, output, output_type)
+        output = payload.from_json(output)
         if kind == KIND_LLM and isinstance(output, dict):
-            from verl.workers.rollout.replica import TokenOutput
-
-            return TokenOutput.model_validate(output)
+            return _TOKEN_OUTPUT(output)
         if kind == KIND_AGENT and isinstance(output, dict):
-            from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
-
-            return AgentLoopOutput.model_validate(_as_run_returned(output))
+            return _AGENT_OUTPUT(output)
         if (
             kind == KIND_TOOL
             and isinstance(output, list)
             and len(output) == 3
             and isinstance(output[0], dict)
         ):
-            from verl.tools.schemas import ToolResponse
-
-            # a field recorded as None was not set (verl refuses ``image=None``)
-            response = {k: v for k, v in output[0].items() if v is not None}
-            return ToolResponse.model_validate(response), output[1], output[2]
+            return _TOOL_RESPONSE(output[0]), output[1], output[2]
         return output
 
     def volatile_keys(self) -> frozenset[str]:

@@ -9,15 +9,18 @@ every run) and what a framework adapter names in ``volatile_keys`` (verl: the ag
 trainer's, written by another process).
 A changed pair names its first difference in call order (a span's inputs when it opens, its output
 when it closes, after its children's): the span (its index in depth-first order and its name), the
-field, the path inside it, and the conversation turn where the token ids first part (``diff``'s
-alignment).
+field, the path inside it, both values there as short JSON texts (``a`` and ``b``: :func:`excerpts`),
+and the conversation turn where the token ids first part (``diff``'s alignment).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import orjson
 
 from rlreplay.adapters.registry import adapter_for_run, get_adapter
 from rlreplay.diff.align import first_divergence
@@ -26,7 +29,7 @@ from rlreplay.format.schema import KIND_SIGNALS
 from rlreplay.model import Span, Trajectory, listing_rows
 from rlreplay.read.filters import Filters
 from rlreplay.read.run import Run
-from rlreplay.recorder.matchers import comparable, first_path
+from rlreplay.recorder.matchers import ABSENT, comparable, first_values
 from rlreplay.text.conversation import turns
 
 Keys = tuple[Any, Any, Any, Any]
@@ -117,6 +120,35 @@ def volatile_keys(*adapters: Any) -> frozenset[str]:
     return frozenset().union(*((a or get_adapter()).volatile_keys() for a in adapters))
 
 
+#: Characters of each value a first difference shows (around where the two first differ).
+SHOWN_CHARS = 80
+
+
+def _json_text(value: Any) -> str | None:
+    if value is ABSENT:
+        return None
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except TypeError:  # an int beyond 64 bits, or not a JSON value (shown as Python shows it)
+        return json.dumps(value, ensure_ascii=False, default=repr)
+
+
+def excerpts(a: Any, b: Any, limit: int = SHOWN_CHARS) -> tuple[str | None, str | None]:
+    """Two differing values as short texts that show how they differ: each one's JSON, both cut to
+    the same window of ``limit`` characters around the first character where they part (``…`` where
+    cut); None for a side that has no value (:data:`rlreplay.recorder.matchers.ABSENT`)."""
+    text_a, text_b = _json_text(a), _json_text(b)
+    if text_a is None or text_b is None:
+        return tuple(t if t is None or len(t) <= limit else t[: limit - 1] + "…" for t in (text_a, text_b))
+    same = next((i for i, (x, y) in enumerate(zip(text_a, text_b)) if x != y), min(len(text_a), len(text_b)))
+    start = max(0, min(same - limit // 4, max(len(text_a), len(text_b)) - limit))
+    out = []
+    for text in (text_a, text_b):
+        piece = text[start : start + limit]
+        out.append(("…" if start else "") + piece + ("…" if start + limit < len(text) else ""))
+    return out[0], out[1]
+
+
 def first_difference(
     a: Trajectory, b: Trajectory, adapter_a: Any = None, adapter_b: Any = None
 ) -> dict[str, Any] | None:
@@ -134,6 +166,7 @@ def first_difference(
             span = ea[0] if extra_in_a else eb[0]  # type: ignore[index]
             at = index_a[id(span)] if extra_in_a else index_b[id(span)]
             found = {"span": at, "name": span.name, "field": "span", "path": None}
+            found["a"], found["b"] = (span.name, None) if extra_in_a else (None, span.name)
             found["ended"] = "b" if extra_in_a else "a"
             break
         (sa, opening), (sb, _) = ea, eb
@@ -142,8 +175,11 @@ def first_difference(
             if name in ("inputs", "output"):
                 va, vb = comparable(va, ignored), comparable(vb, ignored)
             if va != vb:
-                path = first_path(va, vb) if name in ("inputs", "output") else None
+                path = None
+                if name in ("inputs", "output"):
+                    path, va, vb = first_values(va, vb)
                 found = {"span": index_a[id(sa)], "name": sa.name, "field": name, "path": path or None}
+                found["a"], found["b"] = excerpts(va, vb)
                 found["ended"] = None
                 break
         if found:
@@ -153,6 +189,20 @@ def first_difference(
     divergence = first_divergence(turns(a, None, adapter_a), turns(b, None, adapter_b))
     found["turn"] = divergence.turn if divergence is not None else None
     return found
+
+
+def where(diff: dict[str, Any] | None) -> str:
+    """A first difference in words: ``span 2 parse: output at [0]; tokens first differ in turn 1``."""
+    if diff is None:
+        return ""
+    at = f"span {diff['span']} {diff['name']}: {diff['field']}"
+    if diff.get("path"):
+        at += f" at {diff['path']}"
+    if diff.get("ended"):
+        at += f" (run {diff['ended'].upper()} has no span there)"
+    if diff.get("turn") is not None:
+        at += f"; tokens first differ in turn {diff['turn']}"
+    return at
 
 
 def _by_step(items: list[tuple[Keys, Any, Any]]) -> dict[Any, list[tuple[Keys, Any, Any]]]:

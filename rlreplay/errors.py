@@ -16,6 +16,10 @@ class CliError(RlreplayError):
     """Bad input on the command line (an option's value, a missing argument)."""
 
 
+class CommandNotStarted(CliError):
+    """The command given to ``record`` could not be started (not found, not executable)."""
+
+
 class RunError(RlreplayError):
     """Bad input when reading a run: a missing run, an unknown or ambiguous id, a bad filter."""
 
@@ -49,8 +53,19 @@ class FormatError(RlreplayError):
     """A file that rlreplay cannot read: foreign, corrupt, or from a newer format."""
 
 
+class DamagedFileError(FormatError, ValueError):
+    """A file whose bytes no longer match the checksums written with it: refused, never read as
+    other values (``rlreplay recover`` sets it aside, keeping what still matches). A ValueError
+    too, as the errors of the file readers it stands beside."""
+
+
 class UnsafePathError(FormatError):
     """A path inside a run that resolves outside it (a symlink): rlreplay never writes or deletes there."""
+
+
+class NotExact(FormatError, ValueError):
+    """A recorded value whose JSON form does not give back what was recorded (truncated, hidden by
+    redaction, a type nobody rebuilds): a replay does not serve it, and says why."""
 
 
 class StorageError(RlreplayError):
@@ -62,7 +77,13 @@ class ReplayError(RlreplayError):
 
 
 class ReplayDivergence(RlreplayError):
-    """A served op was called with other inputs than the recorded one (``on_diverge="fail"``)."""
+    """A call a replay could not serve from the recording (``on_diverge="fail"``): other inputs
+    than the recorded op's, a recorded output that is not what the op returned, or a source that
+    could not be read."""
+
+
+class ProxyError(RlreplayError):
+    """A proxy that cannot start or a request it cannot take: bad upstream URL, port in use, bad keys."""
 
 
 class UploadError(RlreplayError):

@@ -2,11 +2,16 @@
 
 Records hold the keys (merged as in ``ls --json``: a key with any non-int value is a string
 column), ``validate``, ``experiment``, ``reward``, ``advantage`` (both from the listing) and
-``messages`` from :func:`rlreplay.adapters.registry.openai_messages` and ``tools``, the tool schemas the
-prompt was rendered with (a JSON array in a string, so that its type is the same for every run; null
-when not recorded): ``apply_chat_template(messages, tools=json.loads(tools))``; with ``ids``, also the agent
-span's ``prompt_ids``, ``response_ids`` and ``response_mask``. JSON lines and Parquet files
-load as they are with ``datasets.load_dataset("json" | "parquet", data_files=...)``.
+``messages`` from :func:`rlreplay.adapters.registry.openai_messages` (each with the same keys,
+``role``, ``content``, ``tool_calls``, ``tool_call_id``, null where a message has none, so that every
+record has one message type) and ``tools``, the tool schemas the prompt was rendered with (a JSON
+array in a string: JSON Schema objects have a different shape per tool, which no one column type
+holds; null when not recorded): ``apply_chat_template(messages, tools=json.loads(tools))``.
+Per-token fields for RL datasets: with ``ids``, the agent span's ``prompt_ids``, ``response_ids``
+and ``response_mask`` (1 = model token); with ``logprobs``, ``rollout_log_probs`` (the agent span's,
+one per response token) and ``trainer_log_probs`` (the trainer's ``old_log_probs`` from its signals
+span, when recorded). JSON lines and Parquet files load with the same types in ``datasets``,
+DuckDB and polars (JSON has no int or float widths: 64 bits there).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import pyarrow as pa
 from rlreplay.adapters.registry import adapter_for_run, openai_messages
 from rlreplay.format.index import merged
 from rlreplay.format.keys import KEYS
-from rlreplay.format.schema import KIND_AGENT
+from rlreplay.format.schema import KIND_AGENT, KIND_SIGNALS
 from rlreplay.model import Trajectory
 from rlreplay.read.filters import Filters
 from rlreplay.read.run import Run
@@ -29,6 +34,9 @@ from rlreplay.read.run import Run
 FORMATS = ("jsonl", "parquet")
 RECORD_FIELDS = ("id", *KEYS, "validate", "experiment", "reward", "advantage")
 ID_FIELDS = ("prompt_ids", "response_ids", "response_mask")
+LOGPROB_FIELDS = ("rollout_log_probs", "trainer_log_probs")
+#: The trainer's per-token log-probs in its signals span (``record --token-signals``).
+TRAINER_LOGPROBS = "old_log_probs"
 #: Trajectories read (with payloads) at a time.
 BATCH = 256
 
@@ -47,6 +55,7 @@ MESSAGE = pa.struct(
         ("tool_call_id", pa.string()),
     ]
 )
+MESSAGE_KEYS = tuple(f.name for f in MESSAGE)
 
 
 def token_ids(traj: Trajectory) -> dict[str, list[int] | None]:
@@ -61,6 +70,33 @@ def token_ids(traj: Trajectory) -> dict[str, list[int] | None]:
                 if found[name] is None and isinstance(value, list) and all(type(v) is int for v in value):
                     found[name] = value
     return found
+
+
+def log_probs(traj: Trajectory, adapter: Any) -> dict[str, list[float] | None]:
+    """``rollout_log_probs`` (the conversation's agent span, as its adapter names the field) and
+    ``trainer_log_probs`` (the latest signals span's ``old_log_probs``), None where not recorded."""
+    from rlreplay.text.conversation import ConversationFields, conversation_span, first_field
+
+    fields = getattr(adapter, "fields", None) or ConversationFields()
+    agent = conversation_span(traj, fields)
+    rollout = (
+        first_field(agent.output, fields.log_probs) if agent and isinstance(agent.output, dict) else None
+    )
+    trainer = None
+    for span in sorted(traj.by_kind(KIND_SIGNALS), key=lambda s: s.end_ns, reverse=True):
+        value = span.output.get(TRAINER_LOGPROBS) if isinstance(span.output, dict) else None
+        if isinstance(value, list):
+            trainer = value
+            break
+    return {
+        "rollout_log_probs": rollout if isinstance(rollout, list) else None,
+        "trainer_log_probs": trainer,
+    }
+
+
+def _message(m: dict[str, Any]) -> dict[str, Any]:
+    """A chat message with every key of :data:`MESSAGE` (null where it has none)."""
+    return {name: m.get(name) for name in MESSAGE_KEYS}
 
 
 def _tools_json(adapter: Any, traj: Trajectory) -> str | None:
@@ -82,7 +118,12 @@ def _batches(run: Run, listing: pa.Table, ids: list[str]) -> Iterator[list[Traje
 
 
 def records(
-    run: Run, listing: pa.Table, ids: list[str], decoder: Any, with_ids: bool = False
+    run: Run,
+    listing: pa.Table,
+    ids: list[str],
+    decoder: Any,
+    with_ids: bool = False,
+    with_logprobs: bool = False,
 ) -> Iterator[list[dict[str, Any]]]:
     """Batches of export records for ``ids`` (rows of ``listing``), in the order of ``ids``."""
     adapter = adapter_for_run(run)
@@ -92,15 +133,17 @@ def records(
         out = []
         for traj in batch:
             record = dict(by_id[traj.id])
-            record["messages"] = openai_messages(traj, decoder, adapter)
+            record["messages"] = [_message(m) for m in openai_messages(traj, decoder, adapter)]
             record["tools"] = _tools_json(adapter, traj)
             if with_ids:
                 record.update(token_ids(traj))
+            if with_logprobs:
+                record.update(log_probs(traj, adapter))
             out.append(record)
         yield out
 
 
-def schema(listing: pa.Table, with_ids: bool) -> pa.Schema:
+def schema(listing: pa.Table, with_ids: bool, with_logprobs: bool = False) -> pa.Schema:
     """The Parquet schema of an export of ``listing``'s rows."""
     shown = merged(listing)
     fields = [shown.schema.field(name) for name in RECORD_FIELDS]
@@ -111,6 +154,8 @@ def schema(listing: pa.Table, with_ids: bool) -> pa.Schema:
             pa.field("response_ids", pa.list_(pa.int32())),
             pa.field("response_mask", pa.list_(pa.int8())),
         ]
+    if with_logprobs:
+        fields += [pa.field(name, pa.list_(pa.float32())) for name in LOGPROB_FIELDS]
     return pa.schema(fields)
 
 
@@ -123,12 +168,13 @@ def write(
     decoder: Any,
     with_ids: bool = False,
     progress: Callable[[int], None] | None = None,
+    with_logprobs: bool = False,
 ) -> int:
     """Write the records of ``ids`` to ``path`` as ``jsonl`` or ``parquet``; the number written."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     count = 0
-    batches = records(run, listing, ids, decoder, with_ids)
+    batches = records(run, listing, ids, decoder, with_ids, with_logprobs)
     if fmt == "jsonl":
         with open(path, "wb") as fh:
             for batch in batches:
@@ -139,7 +185,7 @@ def write(
         return count
     import pyarrow.parquet as pq
 
-    target = schema(listing, with_ids)
+    target = schema(listing, with_ids, with_logprobs)
     with pq.ParquetWriter(path, target, compression="zstd") as writer:
         for batch in batches:
             writer.write_table(pa.Table.from_pylist(batch, schema=target))

@@ -78,15 +78,21 @@ class FrameworkAdapter(Protocol):
         ...
 
     def tool_error(self, span: Span) -> str | None:
-        """What went wrong in a tool call; None when nothing did."""
+        """What went wrong in a tool call; None when nothing did. The listing's ``tool_errors``
+        counts by ``rlreplay.format.tool_errors`` (the generic adapter's answer): an adapter that
+        answers otherwise makes ``audit`` disagree with the listing."""
         ...
 
     def parse_error(self, span: Span) -> str | None:
         """What went wrong in a tool-call parser's call; None when nothing did."""
         ...
 
-    def rebuild_output(self, name: str, kind: str, output: Any) -> Any:
-        """A recorded output (JSON values) as the framework's own type, for a replay to serve."""
+    def rebuild_output(self, name: str, kind: str, output: Any, output_type: dict[str, str] | None) -> Any:
+        """What the op returned, from its recorded output's JSON form and type record
+        (``rlreplay.format.payload.from_json``; None for spans recorded before outputs had one),
+        for a replay to serve: the framework's own types rebuilt where the record names them.
+        Raises ``payload.NotExact`` (or any error) when it cannot give the value back exactly: the
+        call is then not served."""
         ...
 
     def volatile_keys(self) -> frozenset[str]:

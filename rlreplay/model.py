@@ -18,10 +18,13 @@ from rlreplay.format.schema import (
     KEY_STR,
     KEYS,
     KIND_SIGNALS,
+    KIND_TOOL,
     SIGNAL_COLUMNS,
     SPAN_SCHEMA,
+    STATUS_ERROR,
     TOKEN_COLUMNS,
 )
+from rlreplay.format.tool_errors import returned_error
 
 
 @dataclass
@@ -46,6 +49,9 @@ class Span:
     importance_ratio: float | None = None
     prompt_tokens: int | None = None
     response_tokens: int | None = None
+    #: what the output's JSON form does not say: ``{JSON pointer: type}`` (``rlreplay.format.payload``),
+    #: None for spans recorded before outputs had one
+    output_type: dict[str, str] | None = None
 
     @property
     def duration_s(self) -> float:
@@ -186,11 +192,19 @@ def _meta_of(traj: Trajectory) -> pa.Table:
             "validate": traj.validate,
             **keys,
             **{c: getattr(s, c) for c in tindex.SPAN_COLUMNS if hasattr(s, c)},
+            "error": _judged_error(s),
         }
         for s in traj.spans
     ]
     schema = pa.schema([SPAN_SCHEMA.field(c) for c in tindex.SPAN_COLUMNS])
     return pa.Table.from_pylist(rows, schema=schema)
+
+
+def _judged_error(span: Span) -> str | None:
+    """A span's error, and for a tool call that returned a failure, why (as the recorder writes it)."""
+    if span.kind == KIND_TOOL and span.status != STATUS_ERROR and not span.error:
+        return returned_error(span.output)
+    return span.error
 
 
 def _build_tree(spans: list[Span]) -> None:
@@ -263,6 +277,9 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
         if tokens:
             inputs = restorer.restore(inputs, cols)
             output = restorer.restore(output, cols)
+        if not isinstance(attributes, dict):
+            attributes = None
+        output_type = attributes.pop(payload.OUTPUT_TYPE, None) if attributes else None
         spans.append(
             Span(
                 span_id=r["span_id"],
@@ -277,15 +294,16 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
                 num_tokens=r.get("num_tokens"),
                 inputs=inputs,
                 output=output,
-                attributes=attributes if isinstance(attributes, dict) or attributes is None else None,
+                attributes=attributes or None,
                 **{c: r.get(c) for c in _SPAN_SCALARS},
+                output_type=output_type if isinstance(output_type, dict) else None,
             )
         )
     issues.extend(restorer.issues)
     report_issues(warn, rows[0]["trajectory_id"], issues)
     _build_tree(spans)
-    meta_columns = [c for c in tindex.SPAN_COLUMNS if c in names]
-    meta = table.select(meta_columns) if len(meta_columns) == len(tindex.SPAN_COLUMNS) else None
+    meta_columns = [c for c in tindex.JUDGED_COLUMNS if c in names]
+    meta = table.select(meta_columns) if set(tindex.SPAN_COLUMNS) <= set(meta_columns) else None
     return trajectory_of(_owner_row(rows), spans, meta)
 
 

@@ -56,6 +56,8 @@ ENV_SELECT = "RLREPLAY_REPLAY_SELECT"
 ENV_MATCH_ON = "RLREPLAY_REPLAY_MATCH_ON"
 #: The manifest's record of a replay (``run.json``), and the listing columns a replay adds.
 MANIFEST_KEY = "replay"
+#: How ``Run.warnings`` names a span file it could not read.
+SKIPPED = "skipped unreadable file "
 
 
 def _names(value: str | Iterable[str], option: str) -> tuple[str, ...]:
@@ -221,11 +223,18 @@ class ReplayConfig:
         def recording() -> Recording:
             source = run if run is not None else open_source(self.source)
             adapter = adapter_for_run(source)
+            seen = len(source.warnings)
             table = selected(source, self.selection)
+            found, unreadable = recorded_trajectories(source, table, self.kinds)
+            problem = unreadable_files(source, seen)
             return Recording(
-                recorded_trajectories(source, table, self.kinds),
+                found,
                 adapter.volatile_keys(),
                 adapter.rebuild_output,
+                unreadable,
+                None
+                if problem is None
+                else f"the source run {source.address} was not read in full: {problem}",
             )
 
         return Cassette(self.kinds, recording if lazy else recording(), self.on_diverge, self.match_on)
@@ -237,7 +246,6 @@ def open_source(source: str | os.PathLike[str] | Run) -> Run:
         return source
     try:
         run = open_run(source)
-        run.index()
     except RlreplayError as exc:
         raise ReplayError(f"source run {location.redact(os.fspath(source))}: {exc}") from None
     except OSError as exc:
@@ -251,42 +259,76 @@ def source_framework(run: Run) -> str:
     return str((run.manifest or {}).get(ADAPTER_KEY) or "generic").strip().lower()
 
 
+def unreadable_files(run: Run, seen: int = 0) -> str | None:
+    """What ``run`` could not read since it had ``seen`` warnings (the span files it skipped), in
+    one line naming the first; None when it read everything."""
+    skipped = [w.removeprefix(SKIPPED) for w in run.warnings[seen:] if w.startswith(SKIPPED)]
+    if not skipped:
+        return None
+    more = f"; and {len(skipped) - 1} more" if len(skipped) > 1 else ""
+    return f"{len(skipped)} span file(s) could not be read ({skipped[0]}{more})"
+
+
 def selected(run: Run, select: Selection | Mapping[str, Any] | None) -> Any:
-    """The source's selected listing; raises ReplayError when it holds no trajectory."""
-    table = as_selection(select).trajectories(run)
+    """The source's selected listing; raises ReplayError when it holds no trajectory (naming the
+    files that could not be read, when some were not)."""
+    seen = len(run.warnings)
+    try:
+        table = as_selection(select).trajectories(run)
+    except OSError as exc:
+        raise ReplayError(f"source run {run.address}: cannot be read ({exc.strerror or exc})") from None
     if table.num_rows == 0:
+        problem = unreadable_files(run, seen)
+        if problem is not None:
+            raise ReplayError(f"source run {run.address}: no selected trajectory could be read: {problem}")
         raise ReplayError(f"the selection matches no trajectory of the source run {run.address}")
     return table
 
 
 def recorded_trajectories(
     run: Run, table: Any, kinds: Iterable[str]
-) -> dict[TrajectoryKey, RecordedTrajectory]:
-    """The listed trajectories' ops of ``kinds``, in call order, by key (the first of equal keys)."""
+) -> tuple[dict[TrajectoryKey, RecordedTrajectory], dict[TrajectoryKey, str]]:
+    """The listed trajectories' ops of ``kinds``, in call order, by key (the first of equal keys);
+    and the listed trajectories whose spans could not be read, with why."""
     out: dict[TrajectoryKey, RecordedTrajectory] = {}
+    unreadable: dict[TrajectoryKey, str] = {}
     by_step: dict[Any, list[tuple[TrajectoryKey, str]]] = {}
     for row in table.select(["id", "validate", *KEYS, *KEY_STR.values()]).to_pylist():
         key = TrajectoryKey.from_row(row).without_experiment()
         by_step.setdefault(key.step, []).append((key, row["id"]))
     wanted = set(kinds)
     for step, items in by_step.items():
+        seen = len(run.warnings)
         loaded = {
             t.id: t
             for t in run.load([i for _, i in items], Filters(step=step) if isinstance(step, int) else None)
         }
+        problem = unreadable_files(run, seen)
         for key, traj_id in items:
             traj = loaded.get(traj_id)
-            if traj is None or key in out:
+            if key in out:
+                continue
+            if traj is None:
+                why = problem or "its spans are missing"
+                unreadable.setdefault(key, f"source trajectory {traj_id} could not be read: {why}")
                 continue
             ops: dict[str, list[RecordedOp]] = {}
             for span in sorted(traj.spans, key=lambda s: (s.start_ns, s.span_id)):
                 if span.kind in wanted and span.status == "ok":
                     same_kind = ops.setdefault(span.kind, [])
                     same_kind.append(
-                        RecordedOp(span.span_id, span.name, span.inputs, span.output, len(same_kind))
+                        RecordedOp(
+                            span.span_id,
+                            span.name,
+                            span.inputs,
+                            span.output,
+                            len(same_kind),
+                            span.output_type,
+                        )
                     )
             out[key] = RecordedTrajectory(traj_id, ops)
-    return out
+            unreadable.pop(key, None)
+    return out, unreadable
 
 
 @contextlib.contextmanager
@@ -326,17 +368,41 @@ def start_from_env() -> Cassette | None:
 
 
 def replay_summary(new_run: Run, config: ReplayConfig, source: Run | None = None) -> dict[str, Any]:
-    """Served spans, diverged trajectories (source ids) and why, source trajectories never asked for."""
+    """What a replay did, from the new run: ``served`` spans; ``diverged`` (source ids) and
+    ``divergences`` (source id -> why); ``unserved``: trajectories that diverged because the source
+    could not be read (why -> how many); ``never_asked``: the selected source trajectories no
+    trajectory asked for (None when the source cannot be listed now, ``source_problem`` says why)."""
     rows = replay_rows(new_run)
-    divergences = {
-        r[SOURCE_KEY]: r[REASON_KEY] for r in rows.values() if r[STATUS_KEY] == DIVERGED and r[SOURCE_KEY]
-    }
+    divergences: dict[str, str] = {}
+    unserved: dict[str, int] = {}
+    for r in rows.values():
+        if r[STATUS_KEY] != DIVERGED:
+            continue
+        if r[SOURCE_KEY]:
+            divergences[r[SOURCE_KEY]] = r[REASON_KEY]
+        else:
+            why = str(r[REASON_KEY])
+            unserved[why] = unserved.get(why, 0) + 1
     asked = {r[SOURCE_KEY] for r in rows.values() if r[SOURCE_KEY]}
-    table = config.selection.trajectories(source if source is not None else open_source(config.source))
-    never = [i for i in table["id"].to_pylist() if i not in asked]
+    never: list[str] | None = None
+    problem = None
+    try:
+        read = source if source is not None else open_source(config.source)
+        seen = len(read.warnings)
+        never = [i for i in config.selection.trajectories(read)["id"].to_pylist() if i not in asked]
+        problem = unreadable_files(read, seen)
+    except (RlreplayError, OSError) as exc:
+        problem = f"the source run cannot be listed now ({_first_line(exc)})"
     return {
         "served": served_count(new_run),
         "diverged": sorted(divergences),
         "divergences": divergences,
+        "unserved": unserved,
         "never_asked": never,
+        "source_problem": problem,
     }
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

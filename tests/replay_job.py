@@ -8,7 +8,10 @@ prompt: the same config gives the same run. Every call that reaches the engine i
 Config (a dict, or JSON as the one argument): ``steps``, ``samples``, ``rollouts``, ``seed``,
 ``parser`` (``"v1"`` or ``"v2"``), ``changes`` (``"step:sample:rollout:call"`` -> another seed for
 that model call), ``extra`` and ``skip`` (lists of ``[step, sample, rollout]``), ``tool_seed``,
-``spawn`` (each step in its own process).
+``tool_shape`` (more keys of every tool reply, e.g. a ``__type__``),
+``spawn`` (each step in its own process), ``exit_zero`` (exit 0 even when a trajectory
+raised), ``remove`` (a run directory or URI deleted before the
+first trajectory: a replay's source going away while the replay runs).
 """
 
 from __future__ import annotations
@@ -78,19 +81,20 @@ class ToolParser:
 
 
 class CalcTool:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, shape: dict[str, Any] | None = None) -> None:
         self.seed = seed
+        self.shape = shape or {}
 
     @rlreplay.trace_op(name=EXECUTE, kind="tool")
     async def execute(self, instance_id: str, parameters: dict) -> dict:
-        return {"text": f"result={parameters['x'] * 2 + self.seed}"}
+        return {**self.shape, "text": f"result={parameters['x'] * 2 + self.seed}"}
 
 
 class ToolAgentLoop:
     def __init__(self, config: dict[str, Any]) -> None:
         self.client = LLMServerClient(config)
         self.parser = ToolParser(config.get("parser", "v1"))
-        self.tool = CalcTool(config.get("tool_seed", 0))
+        self.tool = CalcTool(config.get("tool_seed", 0), config.get("tool_shape"))
         self.outputs: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
 
     @rlreplay.trace_op(name=AGENT, kind="agent")
@@ -143,9 +147,27 @@ def keys(config: dict[str, Any]) -> list[tuple[int, int, int]]:
     return out + [tuple(k) for k in config.get("extra", [])]
 
 
+def remove(run: str) -> None:
+    """Delete a run directory, or every object of a run on an object store (gone already: fine)."""
+    import contextlib
+    import shutil
+
+    from rlreplay.remote import location
+
+    uri = location.as_uri(run)
+    if uri is None:
+        shutil.rmtree(run, ignore_errors=True)
+        return
+    loc = location.location(uri)
+    with contextlib.suppress(FileNotFoundError):
+        loc.fs.delete_dir(loc.root)
+
+
 def run_job(config: dict[str, Any]) -> dict[tuple[int, int, int], Any]:
     """Run every trajectory of ``config`` (recording wherever recording is on); returns, by keys,
     what each agent loop returned and the model outputs it got, or the error it raised."""
+    if config.get("remove"):
+        remove(config["remove"])
     loop = ToolAgentLoop(config)
     results: dict[tuple[int, int, int], Any] = {}
 
@@ -169,7 +191,7 @@ def _main(config: dict[str, Any]) -> None:
     result = run_job(config)
     errors = [k for k, v in result.items() if isinstance(v, Exception)]
     print(f"{len(result)} trajectories, {len(errors)} errors", file=sys.stderr)
-    if errors:
+    if errors and not config.get("exit_zero"):
         sys.exit(1)
 
 

@@ -1,4 +1,5 @@
-"""Helpers the tests share: the Qwen3 tokenizer, a free port, the CLI (also without a module), run shape."""
+"""Helpers the tests share: the Qwen3 tokenizer, a free port, the CLI (also without a module or on a
+terminal of a given width), run shape."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def qwen_tokenizer_dir() -> Path:
@@ -29,6 +31,101 @@ def rlreplay_cli(
         env={**os.environ, **(env or {})},
         timeout=timeout,
     )
+
+
+def on_terminal(*args: str, columns: int, env: dict[str, str] | None = None) -> str:
+    """What ``rlreplay ARGS`` prints on a terminal ``columns`` wide (a real pseudo-terminal whose window
+    size says so; no ``COLUMNS`` in the environment), without colour codes or carriage returns."""
+    import fcntl
+    import pty
+    import re
+    import struct
+    import termios
+
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    child_env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    child_env.update({"NO_COLOR": "1", **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlreplay", *args],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        env=child_env,
+    )
+    os.close(secondary)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(primary)
+    assert proc.wait(timeout=120) == 0, out.decode(errors="replace")
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode()).replace("\r", "")
+
+
+def searched_texts(run_dir: Path, tokenizer: Path) -> dict[str, tuple[list[str], str]]:
+    """What text search must search, worked out here: per trajectory, its agent loop's response ids
+    split where the mask changes (model turns, tool turns) and its tool calls' output texts, decoded
+    with the ``tokenizers`` library itself (special tokens left out); and its decoded prompt."""
+    from tokenizers import Tokenizer
+
+    from rlreplay.read.open import open_run
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    run = open_run(run_dir)
+    out = {}
+    for traj in run.load(run.trajectories()["id"].to_pylist()):
+        agent = next(s.output for s in traj.spans if s.kind == "agent")
+        ids, mask = agent["response_ids"], agent["response_mask"]
+        runs, start = [], 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or bool(mask[i]) != bool(mask[start]):
+                runs.append(ids[start:i])
+                start = i
+        texts = tok.decode_batch(runs, skip_special_tokens=True) if runs else []
+        tools = sorted((s for s in traj.spans if s.kind == "tool"), key=lambda s: s.start_ns)
+        texts += [s.output[0]["text"] for s in tools if s.output and s.output[0].get("text")]
+        out[traj.id] = (texts, tok.decode(agent["prompt_ids"], skip_special_tokens=True))
+    return out
+
+
+def length_stops(run_dir: Path) -> dict[str, list[bool]]:
+    """Per trajectory: for each model call in call order, whether its recorded stop reason is length."""
+    from rlreplay.read.open import open_run
+
+    run = open_run(run_dir)
+    out = {}
+    for traj in run.load(run.trajectories()["id"].to_pylist()):
+        calls = sorted((s for s in traj.spans if s.kind == "llm"), key=lambda s: s.start_ns)
+        out[traj.id] = [s.output.get("stop_reason") == "length" for s in calls]
+    return out
+
+
+def grep_truth(texts: dict[str, tuple[list[str], str]], pattern: str) -> set[str]:
+    """The trajectories of ``searched_texts`` with a piece ``pattern`` matches (Python's ``re``,
+    ``^``/``$`` at each line)."""
+    import re
+
+    rx = re.compile(pattern, re.M)
+    return {tid for tid, (pieces, _) in texts.items() if any(rx.search(t) for t in pieces)}
+
+
+def memory_store_copy(run_dir: Path, name: str) -> tuple[str, Any]:
+    """``run_dir`` copied onto fsspec's in-memory filesystem (reached through pyarrow.fs, as an object
+    store is): its URI, and a function that removes it."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    root = f"/stores/{name}"
+    for path in sorted(run_dir.rglob("*")):
+        if path.is_file():
+            fs.pipe_file(f"{root}/{path.relative_to(run_dir).as_posix()}", path.read_bytes())
+    return f"memory://{root.lstrip('/')}", lambda: fs.rm(root, recursive=True)
 
 
 def run_without(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import orjson
 
 from rlreplay.errors import RequestTimeout, RunError, UploadError  # noqa: F401 - backends import it from here
+from rlreplay.format.redact import redact_value
 
 LEDGER_DIR = "_uploads"
 
@@ -129,28 +130,27 @@ class Ledger:
 
     path: Path
     _done: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the target named in a new ledger's first line
+    target: str = ""
 
     @classmethod
     def open(cls, run_dir: Path, backend: str, target: str, create: bool = True) -> Ledger:
-        """The ledger for ``target``; with ``create=False`` (a dry run) no file is written."""
+        """The ledger for ``target``. Its file (and the ledger folder) is created with the first
+        success it records: an upload that sends nothing leaves nothing behind. With
+        ``create=False`` (a dry run) nothing is written even to an existing one."""
         digest = hashlib.sha256(target.encode()).hexdigest()[:16]
         folder = Path(run_dir) / LEDGER_DIR
         if folder.exists() and not folder.is_dir():
             raise RunError(f"{folder} is not a directory (upload ledgers go there); move it away")
-        ledger = cls(folder / f"{backend}-{digest}.jsonl")
+        ledger = cls(folder / f"{backend}-{digest}.jsonl", target=target)
         try:
-            ledger._load(target, create)
+            ledger._load(create)
         except OSError as exc:
             raise RunError(f"upload ledger {ledger.path}: {exc.strerror or exc}") from None
         return ledger
 
-    def _load(self, target: str, create: bool = True) -> None:
+    def _load(self, create: bool = True) -> None:
         if not self.path.exists():
-            if not create:
-                return
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "ab") as f:
-                f.write(orjson.dumps({"target": target, "created_at": time.time()}) + b"\n")
             return
         with open(self.path, "rb") as f:
             content = f.read()
@@ -210,6 +210,10 @@ class Ledger:
                 lines.append(orjson.dumps(entry) + b"\n")
         if not lines:
             return
+        if not self.path.exists():  # the first success: the ledger begins with its target
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            shown = redact_value(self.target)  # a server's address may hold a password
+            lines.insert(0, orjson.dumps({"target": shown, "created_at": now}) + b"\n")
         with open(self.path, "ab") as f:
             f.write(b"".join(lines))
             f.flush()

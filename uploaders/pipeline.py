@@ -457,8 +457,13 @@ def upload(
                         pending.append(prepared[traj_id])
                         if summary.ids is not None:
                             summary.ids.append(traj_id)
-                    else:  # listed but not loadable (a file went away meanwhile)
-                        missing_from_run.append(Failure(traj_id, "not found in the run", 0))
+                    else:  # listed but not loadable (a file went away meanwhile, or was refused)
+                        why = (
+                            "in a span file that could not be read"
+                            if run.unreadable
+                            else "not found in the run"
+                        )
+                        missing_from_run.append(Failure(traj_id, why, 0))
             if dry_run:
                 summary.bytes += sum(p.nbytes for p in pending)
                 pending = []

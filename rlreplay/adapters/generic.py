@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from rlreplay.format import payload, tool_errors
 from rlreplay.format.kinds import KIND_AGENT, KIND_LLM, KIND_OP, KIND_PARSER, KIND_TOOL
 from rlreplay.text.conversation import (
     ConversationFields,
@@ -116,12 +117,7 @@ class GenericAdapter:
 
     def tool_output_text(self, output: Any) -> str | None:
         """The text a tool span returned: ``text`` of its response object, or a plain string."""
-        value = output
-        if isinstance(value, (list, tuple)) and value:
-            value = value[0]
-        if isinstance(value, dict):
-            value = value.get("text", value.get("content"))
-        return value if isinstance(value, str) else None
+        return tool_errors.output_text(output)
 
     # -- what a model, tool or parser call says about itself (audit) -----------------------------
 
@@ -151,16 +147,9 @@ class GenericAdapter:
         return None
 
     def tool_error(self, span: Span) -> str | None:
-        """What went wrong in a tool call: the exception it raised, or the error text it returned."""
-        if span.status == "error":
-            return span.error or "raised"
-        output = span.output
-        if isinstance(output, dict) and output.get("error"):
-            return str(output["error"])
-        text = self.tool_output_text(output)
-        if text is not None and _ERROR_TEXT.match(text):
-            return text.strip()
-        return None
+        """What went wrong in a tool call: the exception it raised, or the failure its result
+        reports, by the one definition the listing counts (``rlreplay.format.tool_errors``)."""
+        return tool_errors.tool_error(span.status, span.error, span.output)
 
     def parse_error(self, span: Span) -> str | None:
         """What went wrong in a parser call: the exception it raised, or a call it returned
@@ -176,9 +165,17 @@ class GenericAdapter:
 
     # -- replay ---------------------------------------------------------------------------------
 
-    def rebuild_output(self, name: str, kind: str, output: Any) -> Any:
-        """A recorded output served as recorded (JSON values): no framework types to rebuild."""
-        return output
+    def output_builders(self) -> dict[str, Any]:
+        """The types a replay rebuilds beyond ``payload.BUILTIN_TYPES``: qualified class -> a
+        builder from the decoded JSON value (a framework's adapter names its own)."""
+        return {}
+
+    def rebuild_output(self, name: str, kind: str, output: Any, output_type: dict[str, str] | None) -> Any:
+        """What the op returned: the JSON form decoded, tuples, sets and bytes as they were, and the
+        types of :meth:`output_builders` rebuilt; ``payload.NotExact`` for anything else (an object
+        of another class, a truncated or redacted value). Outputs recorded before outputs had a
+        type record (``output_type`` None) are served as their JSON values."""
+        return payload.from_json(output, output_type, self.output_builders())
 
     def volatile_keys(self) -> frozenset[str]:
         """Per-call ids, fresh on every run by design: never compared."""
@@ -196,7 +193,6 @@ _CHAT_MARKERS = re.compile(
     r"|<\|start_header_id\|>\w+<\|end_header_id\|>\n*|</?s>"
 )
 _TOOL_CALL = re.compile(r"<tool_call>.*?</tool_call>", re.S)
-_ERROR_TEXT = re.compile(r"\s*(error|exception|traceback)\b", re.I)
 _TOOL_RESPONSE = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.S)
 
 

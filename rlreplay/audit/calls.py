@@ -123,12 +123,14 @@ def _least_run(max_ngram: int, min_repeats: float, min_tokens: float) -> int:
 
 
 def repetition(traj: Any, ctx: Context) -> Iterator[Finding]:
-    max_ngram = int(ctx["repetition_max_ngram"])
-    least = _least_run(max_ngram, ctx["repetition_min_repeats"], ctx["repetition_min_tokens"])
+    most = int(ctx["repetition_max_ngram"])
     for turn, span in enumerate(_calls(traj, KIND_LLM)):
         _, response = ctx.adapter.call_ids(span)
         if response is None or not len(response) or len(response) < ctx["repetition_min_tokens"]:
             continue
+        # an n-gram repeated at least twice fits in the response: longer ones need no looking for
+        max_ngram = min(most, len(response) // 2)
+        least = _least_run(max_ngram, ctx["repetition_min_repeats"], ctx["repetition_min_tokens"])
         if not _may_loop(response, max_ngram, least):
             continue
         found = _loop(response, max_ngram)
@@ -234,21 +236,41 @@ def garbled(traj: Any, ctx: Context) -> Iterator[Finding]:
             )
 
 
+def length_stop(adapter: Any, span: Any) -> str | None:
+    """How a model call stopped on its length limit, as its adapter reads the call (the ``truncated``
+    check's one rule, which ``show`` and the UI's chat mark too): ``stopped on its length limit (stop
+    reason 'length', 8 tokens)``, or ``generated 8 tokens, its max_tokens 8``; None when it did not."""
+    stops = getattr(adapter.fields, "length_stops", ("length",))
+    reason = adapter.stop_reason(span)
+    _, response = adapter.call_ids(span)
+    if reason in stops:
+        tokens = f", {len(response)} tokens" if response is not None else ""
+        return f"stopped on its length limit (stop reason {reason!r}{tokens})"
+    limit = adapter.max_tokens(span)
+    if limit is not None and response is not None and len(response) >= limit:
+        return f"generated {len(response)} tokens, its max_tokens {limit}"
+    return None
+
+
+def length_stops(traj: Any, adapter: Any) -> dict[str, str]:
+    """The trajectory's model calls that stopped on their length limit: span id -> :func:`length_stop`."""
+    found = ((s.span_id, length_stop(adapter, s)) for s in _calls(traj, KIND_LLM))
+    return {span_id: how for span_id, how in found if how is not None}
+
+
 def truncated(traj: Any, ctx: Context) -> Iterator[Finding]:
-    stops = getattr(ctx.adapter.fields, "length_stops", ("length",))
     for turn, span in enumerate(_calls(traj, KIND_LLM)):
-        reason = ctx.adapter.stop_reason(span)
-        limit = ctx.adapter.max_tokens(span)
-        _, response = ctx.adapter.call_ids(span)
-        if reason in stops:
-            detail = f"model call {turn} stopped on its length limit (stop reason {reason!r}"
-            detail += f", {len(response)} tokens)" if response is not None else ")"
-        elif limit is not None and response is not None and len(response) >= limit:
-            detail = f"model call {turn} generated {len(response)} tokens, its max_tokens {limit}"
-        else:
+        how = length_stop(ctx.adapter, span)
+        if how is None:
             continue
+        _, response = ctx.adapter.call_ids(span)
         yield _finding(
-            "truncated", traj, WARNING, detail, turn=turn, score=len(response) if response is not None else 0
+            "truncated",
+            traj,
+            WARNING,
+            f"model call {turn} {how}",
+            turn=turn,
+            score=len(response) if response is not None else 0,
         )
 
 
@@ -336,7 +358,8 @@ TOOL_ERROR = Check(
     "tool_error",
     OVER_TRAJECTORIES,
     LEVEL_TRAJECTORY,
-    "a tool call that raised, or returned an error (text beginning with error/exception/traceback)",
+    "a tool call that raised, or whose result says it failed (an error, ok or success false, or a "
+    "response text beginning with error/exception/traceback): the listing's tool_errors, counted alike",
     tool_error,
     span_kinds=(KIND_TOOL,),
 )

@@ -4,7 +4,7 @@ the trajectories streamed step by step (one pass over each step's files)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlreplay import plugins
@@ -12,22 +12,39 @@ from rlreplay.audit.finding import LEVEL_TRAJECTORY, OVER_LISTING, Check, Contex
 from rlreplay.errors import SelectionError
 
 
-def available() -> dict[str, Check]:
-    """Every installed check, by name (built-ins first, in their order)."""
+def available(broken: dict[str, str] | None = None) -> dict[str, Check]:
+    """Every installed check that loads, by name (built-ins first, in their order). A plug-in that
+    cannot be imported, or is no ``rlreplay.hookspecs.Check``, is left out; ``broken`` (when
+    given) gets its name and why, in one line."""
     out: dict[str, Check] = {}
     for name, spec in plugins.specs("checks").items():
-        check = plugins.load(spec)
-        if not isinstance(check, Check):
-            raise TypeError(f"check {name!r} ({spec}) is not an rlreplay.hookspecs.Check")
+        try:
+            check = plugins.load(spec)
+            if not isinstance(check, Check):
+                raise TypeError(f"{type(check).__name__} is not an rlreplay.hookspecs.Check")
+        except Exception as exc:  # any error of someone else's module: the other checks still run
+            if broken is not None:
+                broken[name] = f"plug-in {spec} cannot be used: {_one_line(exc)}"
+            continue
         out[name] = check
     return out
 
 
-def choose(names: str | Sequence[str] | None, checks: dict[str, Check]) -> list[Check]:
-    """The checks named (a comma list, or all of them); an unknown name: SelectionError."""
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: " + " ".join(str(exc).split())[:200]
+
+
+def choose(
+    names: str | Sequence[str] | None, checks: dict[str, Check], broken: dict[str, str] | None = None
+) -> list[Check]:
+    """The checks named (a comma list, or all of them); an unknown name, or one of the ``broken``
+    plug-ins (see :func:`available`): SelectionError."""
     if names is None:
         return list(checks.values())
     wanted = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
+    unusable = [n for n in wanted if n in (broken or {})]
+    if unusable:
+        raise SelectionError(f"check {unusable[0]}: {(broken or {})[unusable[0]]}")
     unknown = [n for n in wanted if n not in checks]
     if unknown or not wanted:
         raise SelectionError(
@@ -54,6 +71,8 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     #: checks not run, and why
     skipped: dict[str, str] = field(default_factory=dict)
+    #: checks that raised while running (their findings left out), and the error in one line
+    failed: dict[str, str] = field(default_factory=dict)
     trajectories: int = 0
 
 
@@ -70,6 +89,7 @@ def audit(
 
     release_unused()  # what reading the listing freed, before the tokenizer takes its share
     report = Report(list(checks), trajectories=listing.num_rows)
+    checks = [_guarded(check, report) for check in checks]
     ctx = Context({**default_thresholds(checks), **(thresholds or {})}, adapter_for_run(run), run=run)
     over_spans = [c for c in checks if c.over != OVER_LISTING]
     if any(c.needs_tokenizer for c in over_spans):
@@ -80,7 +100,26 @@ def audit(
             report.findings.extend(check.run(listing, ctx))
     if over_spans:
         report.findings.extend(_over_trajectories(run, listing, over_spans, ctx))
+    if report.failed:  # what a check found before it failed is not the whole of it
+        report.findings = [f for f in report.findings if f.check not in report.failed]
     return report
+
+
+def _guarded(check: Check, report: Report) -> Check:
+    """``check`` whose ``run`` never raises: a check that raises (a plug-in's bug) is noted in
+    ``report.failed`` once, its findings left out, and it is not run again."""
+    run = check.run
+
+    def guarded_run(item: Any, ctx: Context) -> list[Finding]:
+        if check.name in report.failed:
+            return []
+        try:
+            return list(run(item, ctx))
+        except Exception as exc:
+            report.failed[check.name] = _one_line(exc)
+            return []
+
+    return replace(check, run=guarded_run)
 
 
 def _over_trajectories(run: Any, listing: Any, checks: list[Check], ctx: Context) -> Iterator[Finding]:

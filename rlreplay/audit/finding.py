@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,7 +44,10 @@ def parse_thresholds(items: Iterable[str], known: dict[str, float]) -> dict[str,
             names = ", ".join(sorted(known))
             raise SelectionError(f"--threshold {item!r}: expected KEY=VALUE with KEY one of {names}")
         try:
-            out[key] = float(value)
+            number = float(value)
         except ValueError:
             raise SelectionError(f"--threshold {item!r}: {value!r} is not a number") from None
+        if not math.isfinite(number):
+            raise SelectionError(f"--threshold {item!r}: give a finite number")
+        out[key] = number
     return out

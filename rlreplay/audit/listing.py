@@ -118,9 +118,61 @@ _KEY_COLUMNS = (*KEYS, *KEY_STR.values())
 
 
 def mismatch(listing: Any, ctx: Context) -> Iterator[Finding]:
+    report = _mismatch_report(listing, ctx)
+    if report is not None:
+        yield from _mismatch_steps(report, ctx)
+    yield from _mismatch_rollouts(listing, ctx, report)
+
+
+def _mismatch_report(listing: Any, ctx: Context) -> Any:
+    """``rlreplay mismatch``'s report of the listing (the same numbers), where the run keeps the
+    trainer's per-token log-probs and ``mismatch_steps`` is on; else None."""
+    from rlreplay.mismatch.report import compute, has_trainer_logprobs
+
+    if ctx.run is None or not ctx["mismatch_steps"] or not listing.num_rows:
+        return None
+    fields = getattr(ctx.adapter, "fields", None)
+    if not has_trainer_logprobs(ctx.run, listing, fields):
+        return None
+    limits = {"investigate": ctx["mismatch_investigate"], "broken": ctx["mismatch_broken"]}
+    return compute(ctx.run, listing, fields=fields, token_ids=False, **limits)
+
+
+def _mismatch_steps(report: Any, ctx: Context) -> Iterator[Finding]:
+    """Per step and split, ``rlreplay mismatch``'s verdict: investigate and broken are findings."""
+    for row in report.steps:
+        if row["verdict"] not in ("investigate", "broken"):
+            continue
+        mult = row["token_mult_prob_error"]
+        if row["verdict"] == "broken":
+            over = f"{ctx['mismatch_broken']:g} (the TIS cap: broken)"
+        else:
+            over = f"{ctx['mismatch_investigate']:g} (NeMo-RL's threshold: investigate)"
+        detail = (
+            f"token_mult_prob_error {mult:.4g} > {over} over {row['tokens']} model tokens of "
+            f"{row['sequences']} rollouts; logprob_diff_mean {row['logprob_diff_mean']:.3g}, "
+            f"p99 {row['logprob_diff_p99']:.3g}, max {row['logprob_diff_max']:.3g}; ratios beyond the "
+            f"TIS cap {row['tis_token_frac_high']:.3g}, outside IcePop {row['icepop_token_frac_out']:.3g}"
+        )
+        yield finding_about(
+            "mismatch",
+            None,
+            TrajectoryKey(row["step"], validate=row["validate"]),
+            ERROR if row["verdict"] == "broken" else WARNING,
+            detail,
+            score=float(mult),
+        )
+
+
+def _mismatch_rollouts(listing: Any, ctx: Context, report: Any = None) -> Iterator[Finding]:
+    """Rollouts whose largest |Δ| is an outlier for their step, or whose importance ratio is far:
+    the largest |Δ| the trainer recorded (``logprob_diff_max``), else the report's."""
     import numpy as np
 
     diff = _numbers(listing["logprob_diff_max"])
+    if report is not None:
+        unknown = np.isnan(diff)
+        diff[unknown] = report.largest_gaps[unknown]
     ratio = _numbers(listing["importance_ratio"])
     steps = _int_keys(listing, ("step",))
     if steps is None:  # steps recorded as strings: number them
@@ -180,13 +232,15 @@ def mismatch(listing: Any, ctx: Context) -> Iterator[Finding]:
 
 def _worst_tokens(ctx: Context, flagged: Any, keep: int) -> dict[str, list[tuple[int, Any, float]]]:
     """Per flagged trajectory whose trainer log-probs were recorded per token (``--token-signals``:
-    a signals span's ``old_log_probs``): its ``keep`` model tokens of largest |trainer - rollout|
-    log-prob difference, worst first, as (position in the response, token id, |difference|)."""
+    a signals span's ``old_log_probs``): its ``keep`` counted tokens (``rlreplay.mismatch``: model
+    tokens with both log-probs) of largest |trainer - rollout| log-prob difference, worst first,
+    as (position in the response, token id, |difference|)."""
     import numpy as np
 
+    from rlreplay.format.kinds import KIND_AGENT, KIND_LLM
+    from rlreplay.mismatch.tokens import of_trajectory
     from rlreplay.read.filters import Filters
     from rlreplay.read.scan import by_step
-    from rlreplay.text.conversation import conversation_span, first_field
 
     if ctx.run is None or keep <= 0 or not flagged.num_rows:
         return {}
@@ -195,34 +249,25 @@ def _worst_tokens(ctx: Context, flagged: Any, keep: int) -> dict[str, list[tuple
     loaded = (  # the few flagged: only the row groups that hold them
         traj
         for step, ids in by_step(flagged).items()
-        for traj in ctx.run.load(ids, Filters(step=step) if type(step) is int else None)
+        for traj in ctx.run.load(
+            ids, Filters(step=step) if type(step) is int else None, kinds=(KIND_AGENT, KIND_LLM, KIND_SIGNALS)
+        )
     )
     for traj in loaded:
-        trainer = next(
-            (
-                s.output["old_log_probs"]
-                for s in traj.spans
-                if s.kind == KIND_SIGNALS and isinstance(s.output, dict) and "old_log_probs" in s.output
-            ),
-            None,
-        )
-        if trainer is None and not out:
-            break  # --token-signals is a run-wide setting: the first flagged tells for all
-        agent = conversation_span(traj, fields) if fields is not None else None
-        if trainer is None or agent is None or not isinstance(agent.output, dict):
+        response = of_trajectory(traj, fields)
+        if response is None:
             continue
-        rollout = first_field(agent.output, fields.log_probs)
-        mask = first_field(agent.output, fields.mask)
-        ids = first_field(agent.output, fields.response)
-        if not isinstance(rollout, list) or not isinstance(ids, list):
+        if not np.isfinite(response.trainer).any():
+            if not out:
+                break  # --token-signals is a run-wide setting: the first flagged tells for all
             continue
-        n = min(len(trainer), len(rollout), len(ids))
-        gap = np.abs(np.asarray(trainer[:n], dtype=np.float64) - np.asarray(rollout[:n], dtype=np.float64))
-        if isinstance(mask, list) and len(mask) >= n:
-            gap[np.asarray(mask[:n]) == 0] = np.nan  # tool tokens: no rollout log-prob
-        finite = np.flatnonzero(~np.isnan(gap))
-        order = finite[np.argsort(-gap[finite], kind="stable")][:keep]
-        out[traj.id] = [(int(i), ids[i], float(gap[i])) for i in order]
+        counted = np.flatnonzero(response.counted)
+        gap = np.abs(response.trainer - response.rollout)[counted]
+        order = counted[np.argsort(-gap, kind="stable")][:keep]
+        out[traj.id] = [
+            (int(i), int(response.ids[i]), float(abs(response.trainer[i] - response.rollout[i])))
+            for i in order
+        ]
     return out
 
 
@@ -311,7 +356,9 @@ MISMATCH = Check(
     "a rollout whose trainer-vs-rollout logprob_diff_max is an outlier for its step (median + "
     "mismatch_mads MADs, at least mismatch_floor) or above --mismatch-max, or whose importance_ratio "
     "is beyond importance_ratio_max either way; where the trainer's per-token log-probs were recorded "
-    "(record --token-signals), names its mismatch_tokens worst tokens and their positions",
+    "(record --token-signals), names its mismatch_tokens worst tokens and their positions, and flags "
+    "each step whose `rlreplay mismatch` verdict is investigate (token_mult_prob_error above "
+    "mismatch_investigate) or broken (above mismatch_broken); mismatch_steps=0 leaves steps out",
     mismatch,
     {
         "mismatch_max": 1.0,
@@ -320,6 +367,9 @@ MISMATCH = Check(
         "mismatch_min_rollouts": 8,
         "importance_ratio_max": 2.0,
         "mismatch_tokens": 3,
+        "mismatch_steps": 1.0,
+        "mismatch_investigate": 1.05,
+        "mismatch_broken": 2.0,
     },
 )
 LENGTH_DRIFT = Check(

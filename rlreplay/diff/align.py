@@ -642,7 +642,12 @@ def diff_group(
         raise SelectorError(f"trajectory {traj.id[:12]} has no sample_index: it belongs to no group")
     filters = Filters(**traj.key.group().as_dict())
     group = run.trajectories(filters)
-    ids = (selection.apply(group) if selection is not None else group)["id"].to_pylist()
+    texts = None
+    if selection is not None and selection.grep is not None:
+        from rlreplay.read.search import TextSearch
+
+        texts = TextSearch(run, decoder) if decoder is not None else TextSearch.for_run(run)
+    ids = (selection.apply(group, texts=texts) if selection is not None else group)["id"].to_pylist()
     if not ids:
         raise SelectorError(f"the selection leaves none of the {group.num_rows} rollouts of this group")
     members = run.load(ids, filters)

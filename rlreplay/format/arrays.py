@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from rlreplay.format.payload import MIN_ARRAY, MIN_SHARED, TOKENS
+from rlreplay.format.payload import ESCAPED, MARKER, MIN_ARRAY, MIN_SHARED, TOKENS
 
 #
 # A number list of a span's inputs/output goes to a typed column; the JSON keeps a placeholder
@@ -377,6 +377,14 @@ def _common(array: Any, parts: list[Any], k: int, offset: int) -> int:
 _NESTED = frozenset((dict, list))
 
 
+def _wrapped(data: dict[str, Any], kind: Any) -> dict[str, Any] | None:
+    """The op's own dict inside an ``{"__type__": "dict", "value": {...}}`` wrapper, else None."""
+    if kind != ESCAPED:
+        return None
+    inner = data.get("value")
+    return inner if type(inner) is dict else None
+
+
 class Restorer:
     """Puts typed arrays back where a span's JSON has placeholders; resolves shared stretches."""
 
@@ -387,8 +395,12 @@ class Restorer:
     def restore(self, data: Any, columns: dict[str, Any]) -> Any:
         cls = type(data)
         if cls is dict:
-            if data.get("__type__") == TOKENS and "t" in data:
+            kind = data.get(MARKER)
+            if kind == TOKENS and "t" in data:
                 return self._placeholder(data, columns)
+            inner = _wrapped(data, kind)
+            if inner is not None:  # an op's own dict with a "__type__" key: its values only
+                return {**data, "value": {k: self.restore(v, columns) for k, v in inner.items()}}
             return {k: self.restore(v, columns) for k, v in data.items()}
         if cls is list:
             if _NESTED.isdisjoint(map(type, data)):  # numbers or strings only: nothing to restore
@@ -452,13 +464,15 @@ class Restorer:
     def _walk(self, data: Any, columns: dict[str, Any], dtype: str, out: list[tuple[int, Any]]) -> None:
         cls = type(data)
         if cls is dict:
-            if data.get("__type__") == TOKENS:
+            kind = data.get(MARKER)
+            if kind == TOKENS:
                 if data.get("t") == dtype and "s" in data:
                     full = self._array(data, columns)
                     if not isinstance(full, dict):
                         out.append((int(data["s"]), full))
                 return
-            for v in data.values():
+            inner = _wrapped(data, kind)
+            for v in (inner if inner is not None else data).values():
                 self._walk(v, columns, dtype, out)
         elif cls is list:
             for v in data:

@@ -110,6 +110,13 @@ def match_substring(strings: Any, pattern: str) -> Any:
     return pc.match_substring(strings, pattern=pattern)
 
 
+def match_substring_regex(strings: Any, pattern: str) -> Any:
+    """Whether each string holds a match of ``pattern`` (an RE2 regular expression)."""
+    import pyarrow.compute as pc
+
+    return pc.match_substring_regex(strings, pattern=pattern)
+
+
 def fill_null(values: Any, fill: Any) -> Any:
     """``values`` with nulls replaced by ``fill`` (a Python value is taken as of ``values``' type)."""
     import pyarrow.compute as pc

@@ -35,7 +35,9 @@ from rlreplay.format.schema import (
 )
 
 INDEX_SUFFIX = ".index"
-INDEX_VERSION = b"2"  # 2: signals rows take no part in a trajectory's times
+INDEX_VERSION = b"3"  # 3: tool_errors by rlreplay.format.tool_errors (2: raised calls only)
+#: Index files of these versions still read, when they hold no tool call (3 changed only tool_errors).
+_TOOL_FREE_VERSIONS = (b"2",)
 INDEX_KEY = b"rlreplay.index_version"
 SHARD_BYTES_KEY = b"rlreplay.shard_bytes"
 
@@ -87,6 +89,10 @@ SPAN_COLUMNS = [
     "worker", "experiment", "validate", *KEYS, *KEY_STR.values(), *SIGNAL_COLUMNS,
     "prompt_tokens", "response_tokens",
 ]  # fmt: skip
+#: ``SPAN_COLUMNS`` and the payload column ``build`` also reads when it is given: with it, tool
+#: calls recorded before the recorder wrote a reason for a returned failure are judged from their
+#: output (``rlreplay.format.tool_errors``).
+JUDGED_COLUMNS = [*SPAN_COLUMNS, "output"]
 
 LISTING_FIELDS = [
     pa.field("id", pa.string()),
@@ -163,6 +169,25 @@ def _sum(group: Any, n: int, values: Any) -> Any:
     return np.bincount(group, weights=values, minlength=n).astype(np.int64)
 
 
+def tool_failed(spans: pa.Table) -> Any:
+    """Per span row: a tool call that failed (``rlreplay.format.tool_errors``): it raised, the
+    recorder wrote why its result says it failed, or (given the ``output`` column) its output says so."""
+    from rlreplay.format import payload
+    from rlreplay.format.tool_errors import tool_error
+
+    kind = _np(spans["kind"])
+    is_tool = kind == KIND_TOOL
+    failed = is_tool & ((_np(spans["status"]) == STATUS_ERROR) | _np(ops.is_valid(spans["error"])))
+    if "output" in spans.column_names:
+        rows = np.flatnonzero(is_tool & ~failed)
+        if len(rows):
+            outputs = ops.take(spans["output"], ops.from_numpy(rows)).to_pylist()
+            for row, text in zip(rows, outputs):
+                value, _ = payload.decode_safe(text)
+                failed[row] = tool_error(STATUS_OK, None, value) is not None
+    return failed
+
+
 # ---- build, merge, list ----------------------------------------------------------------------------
 
 
@@ -223,7 +248,7 @@ def build(spans: pa.Table, row_groups: Sequence[int] | None = None) -> pa.Table:
         num_spans=ops.from_numpy(np.bincount(group, minlength=n).astype(np.int64)),
         model_calls=ops.from_numpy(_sum(group, n, is_llm)),
         tool_calls=ops.from_numpy(_sum(group, n, is_tool)),
-        tool_errors=ops.from_numpy(_sum(group, n, is_tool & errored)),
+        tool_errors=ops.from_numpy(_sum(group, n, tool_failed(spans))),
         start_ns=_take(spans["start_ns"], first_timed),
         end_ns=ops.from_numpy(end_timed, end_timed == _NO_TIME),
         root_span=root_span,
@@ -390,18 +415,22 @@ def listing(index: pa.Table) -> pa.Table:
 def read(path: Path, shard_bytes: int) -> pa.Table | None:
     """A sealed shard's index file, or None when it is missing, unreadable, or not of this shard
     as it is now (``shard_bytes``): then the caller rebuilds it from the shard."""
-    import pyarrow.parquet as pq
+    from rlreplay.format.checksums import CheckedParquet
 
     try:
-        pf = pq.ParquetFile(path, page_checksum_verification=True)
-        schema = pf.schema_arrow  # checked before any row is read
-        metadata = schema.metadata or {}
-        if metadata.get(INDEX_KEY) != INDEX_VERSION or schema.names != INDEX_SCHEMA.names:
-            return None
-        if metadata.get(SHARD_BYTES_KEY) != str(shard_bytes).encode():
-            return None
-        # threads cost more than they save on a small file
-        return ops.cast_table(pf.read(use_threads=False), INDEX_SCHEMA)
+        with CheckedParquet(path) as pf:  # its checksums verified (a damaged one is rebuilt)
+            schema = pf.schema_arrow  # checked before any row is read
+            metadata = schema.metadata or {}
+            version = metadata.get(INDEX_KEY)
+            if version not in (INDEX_VERSION, *_TOOL_FREE_VERSIONS) or schema.names != INDEX_SCHEMA.names:
+                return None
+            if metadata.get(SHARD_BYTES_KEY) != str(shard_bytes).encode():
+                return None
+            # threads cost more than they save on a small file
+            table = ops.cast_table(pf.read(use_threads=False), INDEX_SCHEMA)
+        if version != INDEX_VERSION and (ops.sum(table["tool_calls"]).as_py() or 0):
+            return None  # its tool_errors counted raised calls only: rebuilt from the shard
+        return table
     except (OSError, pa.ArrowException, ValueError):
         return None
 
@@ -410,21 +439,18 @@ def write(index: pa.Table, path: Path, shard_bytes: int) -> None:
     """Write the index of a shard of ``shard_bytes`` bytes durably (temp name, fsync, rename)."""
     import os
 
-    import pyarrow.parquet as pq
+    from rlreplay.format import checksums
 
     tmp = path.with_name("_" + path.name + ".tmp")
     metadata = {**INDEX_SCHEMA.metadata, SHARD_BYTES_KEY: str(shard_bytes).encode()}
-    with open(tmp, "wb") as f:
-        pq.write_table(
-            index.replace_schema_metadata(metadata),
-            f,
-            compression="zstd",
-            use_dictionary=False,
-            write_statistics=False,
-            write_page_checksum=True,
-        )
-        f.flush()
-        os.fsync(f.fileno())
+    checksums.write_table(
+        index.replace_schema_metadata(metadata),
+        tmp,
+        durable=True,
+        compression="zstd",
+        use_dictionary=False,
+        write_statistics=False,
+    )
     os.rename(tmp, path)
 
 
@@ -452,7 +478,9 @@ def summarize(spans: pa.Table) -> pa.Table:
             spans = spans.append_column(
                 SPAN_SCHEMA.field(name), pa.nulls(spans.num_rows, SPAN_SCHEMA.field(name).type)
             )
-    return listing(merge(build(spans.select(SPAN_COLUMNS))))
+    return listing(
+        merge(build(spans.select(JUDGED_COLUMNS if "output" in spans.column_names else SPAN_COLUMNS)))
+    )
 
 
 STR_KEYS = tuple(KEY_STR[key] for key in KEYS)

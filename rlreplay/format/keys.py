@@ -24,7 +24,7 @@ KeyValue = Union[int, str, None]  # noqa: UP007 (a runtime alias on Python 3.10)
 #: The keys stored as an int64 column with a ``<key>_str`` twin for values that are not integers.
 KEYS = ("step", "sample_index", "rollout_n")
 KEY_STR = {k: f"{k}_str" for k in KEYS}
-_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # the range of a key's int column
 
 
 def key_value(value: Any) -> KeyValue:
@@ -39,7 +39,7 @@ def key_value(value: Any) -> KeyValue:
             number = operator.index(value)
         except Exception:
             number = None
-        if number is not None and _INT64_MIN <= number <= _INT64_MAX:
+        if number is not None and INT64_MIN <= number <= INT64_MAX:
             return number
     if isinstance(value, str):
         return str.__str__(value)

@@ -1,9 +1,20 @@
-"""Turn arbitrary call inputs and outputs into compact JSON, and snapshot them on the hot path.
+"""Turn arbitrary call inputs and outputs into compact JSON, snapshot them on the hot path, and
+turn the JSON back into the values.
 
-Encoding runs on the writer thread and never raises. Conventions in the JSON:
-token-id lists, numpy arrays and tensors become plain integer (or float) arrays;
-values JSON cannot hold become objects with a ``__type__`` key
-(``bytes``, ``float`` for NaN/inf, ``set``, ``repr``, ``cycle``, ``truncated``, ``error``).
+Encoding runs on the writer thread and never raises. Conventions in the JSON (the *JSON form*):
+token-id lists, numpy arrays and tensors become plain integer (or float) arrays; values JSON
+cannot hold become *markers*, objects with a ``__type__`` key: ``float`` (NaN and ±inf; a NaN
+other than the usual one also keeps its ``bits``), ``int`` (beyond 64 bits, as text), ``bytes``
+(base64), ``set``, and, for what is not kept as it was, ``repr``, ``cycle``, ``truncated`` (a field
+over the size limit), ``error``, ``exception`` (what a failed call raised). An object with a
+``__type__`` key is always a marker: the op's own dict that has one is written wrapped,
+``{"__type__": "dict", "value": {...}}``, so that no data is mistaken for a marker.
+
+What the JSON form does not say, the *type record* of an output does (:func:`to_payload`'s
+``types``): JSON pointer → the qualified class of the value there (tuples, frozensets, a framework's
+models, numpy arrays, ...), or a loss (``~redacted``, ``~keys``, ``~text``, ``~reduced``); the output
+itself (``""``) is always there. :func:`from_json` gives the value back from both, exactly, or
+raises :class:`NotExact` saying what was not kept.
 """
 
 from __future__ import annotations
@@ -11,12 +22,14 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
+import struct
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import orjson
 
+from rlreplay.errors import NotExact
 from rlreplay.format import redact as redaction
 
 _ORJSON_OPTS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
@@ -26,6 +39,50 @@ _INT_MAX = (1 << 64) - 1  # orjson writes integers in [-2**63, 2**64)
 MAX_DEPTH = 24
 REPR_CHARS = 2000
 PREVIEW_BYTES = 1024
+
+#: The key that makes an object a marker.
+MARKER = "__type__"
+#: The marker that wraps an op's own dict holding a ``__type__`` key.
+ESCAPED = "dict"
+#: The span attribute holding an output's type record.
+OUTPUT_TYPE = "output_type"
+#: Losses a type record names (not classes): a value hidden by redaction, dict keys that were not
+#: strings, a string that was not valid Unicode, an output recorded through ``reduce_output``.
+REDACTED, KEYS_LOST, TEXT_ESCAPED, REDUCED = "~redacted", "~keys", "~text", "~reduced"
+_CANONICAL_NAN = struct.unpack("<Q", struct.pack("<d", math.nan))[0]
+#: Integers of more bits are written in hex: Python limits decimal conversions to 4,300 digits.
+_DECIMAL_BITS = 13000
+
+
+def unwrapped(value: Any) -> Any:
+    """An op's own dict inside its ``{"__type__": "dict", "value": {...}}`` wrapper; any other
+    value as it is (for readers that look up the op's own fields)."""
+    if type(value) is dict and value.get(MARKER) == ESCAPED and type(value.get("value")) is dict:
+        return value["value"]
+    return value
+
+
+class Marker(dict):
+    """A marker rlreplay makes (``{"__type__": ...}``): written as it is, never wrapped as data."""
+
+    __slots__ = ()
+
+
+def _float_marker(value: float) -> Marker:
+    marker = Marker(__type__="float", value=repr(value))
+    if value != value:
+        bits = struct.unpack("<Q", struct.pack("<d", value))[0]
+        if bits != _CANONICAL_NAN:
+            marker["bits"] = f"{bits:016x}"
+    return marker
+
+
+def _int_marker(value: int) -> Marker:
+    return Marker(__type__="int", value=str(value) if value.bit_length() <= _DECIMAL_BITS else hex(value))
+
+
+def _bytes_marker(value: Any) -> Marker:
+    return Marker(__type__="bytes", base64=base64.b64encode(bytes(value)).decode())
 
 
 def snapshot(value: Any) -> Any:
@@ -78,12 +135,12 @@ def _is_tensor(value: Any) -> bool:
     return mod.startswith("torch") and hasattr(value, "tolist")
 
 
-def _repr_marker(value: Any) -> dict[str, str]:
+def _repr_marker(value: Any) -> Marker:
     try:
         text = repr(value)
     except Exception as exc:  # a broken __repr__ must not stop the recorder
         text = f"<repr failed: {type(exc).__name__}>"
-    return {"__type__": "repr", "class": _type_name(value), "repr": text[:REPR_CHARS]}
+    return Marker(__type__="repr", **{"class": _type_name(value), "repr": text[:REPR_CHARS]})
 
 
 def _plain_key(key: Any) -> bool:
@@ -107,13 +164,20 @@ def _plain_numbers(value: list | tuple) -> type | None:
     return cls if cls is int or (cls is float and math.isfinite(total)) else None
 
 
+#: Mapping keys found holding no secret (by the rules that need no environment variable).
+_CLEAN_KEYS: set[str] = set()
+_CLEAN_KEYS_MAX = 4096
+
+
 class _Simplifier:
     """Walks containers once, making everything orjson can take; number lists pass through whole.
 
     ``strict`` also walks number lists item by item, catching integers orjson cannot write.
     ``redact`` applies the payload rules of ``redact_data`` in the same walk and counts, in
     ``token_ids``, the items of the result's lists under keys ending in ``ids`` (``prompt_ids``,
-    ``token_ids``) reached through mappings alone.
+    ``token_ids``) reached through mappings alone. ``escape`` wraps the value's own dicts that hold
+    a ``__type__`` key (off for data that is already a JSON form). ``types`` (a list) collects the
+    type record's entries, ``[path reversed, type]``, the path filled in as the walk unwinds.
     """
 
     def __init__(
@@ -123,6 +187,8 @@ class _Simplifier:
         kinds: dict[int, Any] | None = None,
         redact: bool = False,
         numbers: Any = None,
+        escape: bool = True,
+        types: list[list[Any]] | None = None,
     ) -> None:
         self.active: set[int] = set()
         self.strict = strict
@@ -130,6 +196,9 @@ class _Simplifier:
         self.kinds = kinds
         self.numbers = numbers
         self.redact = redact
+        self.env = redaction.environment_secrets() if redact else []  # looked up once per walk
+        self.escape = escape
+        self.types = types
         self.token_ids = 0
         self.in_items = 0  # how many lists (or sets) the walk is inside: ids count outside any
 
@@ -139,7 +208,18 @@ class _Simplifier:
             return self._simplify(value, depth)
         except Exception as exc:  # a hostile value costs only itself
             self.token_ids = counted  # its marker holds no ids
+            # type entries it left lie at or under its error marker, which from_json refuses first
             return self._failed(value, exc)
+
+    def _note(self, kind: str) -> None:
+        """The value being walked is not what its JSON form says: record ``kind`` at its path."""
+        if self.types is not None:
+            self.types.append([[], kind])
+
+    def _under(self, noted: int, *keys: Any) -> None:
+        """Entries noted since ``noted`` lie under ``keys`` (outermost last)."""
+        for entry in self.types[noted:]:  # type: ignore[index]
+            entry[0].extend(keys)
 
     def _failed(self, value: Any, exc: Exception) -> dict[str, str]:
         try:
@@ -148,15 +228,26 @@ class _Simplifier:
             name = "?"
         message = f"{name}: {type(exc).__name__}: {_str(exc)}"[:REPR_CHARS]
         self.issues.append(message)
-        return self._marker({"__type__": "error", "class": name, "error": message})
+        return self._marker(Marker(__type__="error", **{"class": name, "error": message}))
 
-    def _marker(self, marker: dict[str, str]) -> Any:
-        return redaction.redact_data(marker) if self.redact else marker
+    def _marker(self, marker: Marker) -> Any:
+        if not self.redact:
+            return marker
+        out = redaction.redact_data(marker)
+        return out if type(out) is Marker else Marker(out)
 
     def _items(self, value: Any, depth: int) -> list[Any]:
         self.in_items += 1
         try:
-            return [self(v, depth + 1) for v in value]
+            if self.types is None:
+                return [self(v, depth + 1) for v in value]
+            out = []
+            for i, v in enumerate(value):
+                noted = len(self.types)
+                out.append(self(v, depth + 1))
+                if len(self.types) > noted:
+                    self._under(noted, i)
+            return out
         finally:
             self.in_items -= 1
 
@@ -164,18 +255,27 @@ class _Simplifier:
         cls = type(value)
         if cls is str:
             text = value if not self.strict else self._text(value)
-            return redaction.redact_text(text) if self.redact else text
+            if self.types is not None and not text.isascii() and safe_text(text) is not text:
+                self._note(TEXT_ESCAPED)
+            if not self.redact or len(text) < 6:  # no secret by the rules is shorter
+                return text
+            shown = redaction.redact_text(text, self.env)
+            if shown is not text and self.types is not None:
+                self._note(REDACTED)
+            return shown
         if cls is bool or value is None:
             return value
         if cls is int:
-            return value if not self.strict or _INT_MIN <= value <= _INT_MAX else _repr_marker(value)
+            return value if not self.strict or _INT_MIN <= value <= _INT_MAX else _int_marker(value)
         if cls is float:
-            return value if math.isfinite(value) else {"__type__": "float", "value": repr(value)}
+            return value if math.isfinite(value) else _float_marker(value)
         if depth > MAX_DEPTH:
-            return {"__type__": "repr", "class": _type_name(value), "repr": "<too deep>"}
+            return Marker(__type__="repr", **{"class": _type_name(value), "repr": "<too deep>"})
         if cls is list or cls is tuple:
+            if cls is tuple:
+                self._note("builtins.tuple")
             if not value:
-                return value
+                return [] if cls is tuple else value
             if not self.strict:
                 kind = None
                 if self.numbers is not None and len(value) >= MIN_ARRAY:
@@ -188,20 +288,53 @@ class _Simplifier:
                     return value  # token ids, logprobs: orjson writes them in C
             return self._container(value, lambda: self._items(value, depth))
         if cls is dict:
+            if self.escape and MARKER in value:
+                return self._escaped(value, depth)
             return self._container(value, lambda: self._dict(value, depth))
-        if cls is bytes or cls is bytearray or cls is memoryview:
-            return {"__type__": "bytes", "base64": base64.b64encode(bytes(value)).decode()}
+        if cls is Marker:  # made by rlreplay: kept a marker, its values walked
+            return self._container(value, lambda: Marker(self._dict(value, depth)))
+        if cls is bytes:
+            return _bytes_marker(value)
+        if cls is bytearray or cls is memoryview:
+            self._note(_type_name(value))
+            return _bytes_marker(value)
         if cls is set or cls is frozenset:
+            if cls is frozenset:
+                self._note("builtins.frozenset")
             return self._container(value, lambda: self._set(value, depth))
         return self._object(value, depth)
 
-    def _set(self, value: Any, depth: int) -> dict[str, Any]:
-        items = self._items(value, depth)
+    def _escaped(self, value: Any, depth: int) -> Marker:
+        """An op's own mapping with a ``__type__`` key, wrapped so that no reader takes it for a marker."""
+        noted = len(self.types) if self.types is not None else 0
+        inner = self._container(value, lambda: self._dict(value, depth))
+        if self.types is not None and len(self.types) > noted:
+            self._under(noted, "value")
+        return Marker(__type__=ESCAPED, value=inner)
+
+    def _set(self, value: Any, depth: int) -> Marker:
+        noted = len(self.types) if self.types is not None else 0
+        self.in_items += 1
         try:
-            items.sort()
+            pairs = []  # (item, its type entries): sorted together
+            for v in value:
+                before = len(self.types) if self.types is not None else 0
+                item = self(v, depth + 1)
+                entries = self.types[before:] if self.types is not None else []
+                pairs.append((item, entries))
+        finally:
+            self.in_items -= 1
+        try:
+            pairs.sort(key=lambda p: p[0])
         except TypeError:
-            items.sort(key=lambda v: orjson.dumps(v, default=str, option=orjson.OPT_NON_STR_KEYS))
-        return {"__type__": "set", "items": items}
+            pairs.sort(key=lambda p: orjson.dumps(p[0], default=str, option=orjson.OPT_NON_STR_KEYS))
+        if self.types is not None:
+            del self.types[noted:]
+            for i, (_, entries) in enumerate(pairs):
+                for entry in entries:
+                    entry[0].extend((i, "items"))
+                    self.types.append(entry)
+        return Marker(__type__="set", items=[item for item, _ in pairs])
 
     def _text(self, value: str) -> str:
         safe = safe_text(value)
@@ -211,24 +344,45 @@ class _Simplifier:
 
     def _dict(self, value: Mapping, depth: int) -> dict:
         out = {}
+        types, redact = self.types, self.redact
         for k, v in value.items():
-            key = k if _plain_key(k) else "None" if k is None else _safe_repr(k)
+            if type(k) is str:
+                key = k
+            else:
+                key = k if _plain_key(k) else "None" if k is None else _safe_repr(k)
+                self._note(KEYS_LOST)
             if self.strict and type(key) is str:
                 key = self._text(key)
+            if redact and type(key) is str and (self.env or key not in _CLEAN_KEYS):
+                hidden = redaction.redact_text(key, self.env)
+                if hidden is key and not self.env and len(_CLEAN_KEYS) < _CLEAN_KEYS_MAX:
+                    _CLEAN_KEYS.add(key)  # keys recur in every span: each is looked at once
+                elif hidden is not key and types is not None:
+                    self._note(REDACTED)
+                key = hidden
+            if not redact and types is None:
+                out[key] = self(v, depth + 1)
+                continue
             counted = self.token_ids
+            noted = len(types) if types is not None else 0
             new = self(v, depth + 1)
-            if self.redact:
+            if redact:
                 if redaction.hides(key, new):
                     new, self.token_ids = redaction.REDACTED, counted
+                    if types is not None:
+                        del types[noted:]
+                        self._note(REDACTED)
                 elif not self.in_items and type(new) is list and type(key) is str and key.endswith("ids"):
                     self.token_ids += len(new)
+            if types is not None and len(types) > noted:
+                self._under(noted, key if type(key) is str else orjson.dumps(key).decode())
             out[key] = new
         return out
 
     def _container(self, value: Any, build: Any) -> Any:
         ident = id(value)
         if ident in self.active:
-            return {"__type__": "cycle", "class": _type_name(value)}
+            return Marker(__type__="cycle", **{"class": _type_name(value)})
         self.active.add(ident)
         try:
             return build()
@@ -237,6 +391,7 @@ class _Simplifier:
 
     def _object(self, value: Any, depth: int) -> Any:
         module = type(value).__module__
+        self._note(_type_name(value))
         if module.startswith("numpy") and hasattr(value, "tolist"):
             return self(value.tolist(), depth + 1)  # arrays and numpy scalars; NaN still marked
         if _is_tensor(value):
@@ -250,13 +405,15 @@ class _Simplifier:
             fields = {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
             return self._container(value, lambda: self._dict(fields, depth))
         if isinstance(value, Mapping):
+            if self.escape and MARKER in value:
+                return self._escaped(value, depth)
             return self._container(value, lambda: self._dict(value, depth))
         if isinstance(value, tuple) and hasattr(value, "_asdict"):  # namedtuple
             return self._container(value, lambda: self._dict(value._asdict(), depth))
         if isinstance(value, (list, tuple, deque)):
             return self._container(value, lambda: self._items(value, depth))
         if isinstance(value, (bytes, bytearray)):
-            return {"__type__": "bytes", "base64": base64.b64encode(bytes(value)).decode()}
+            return _bytes_marker(value)
         # subclasses of plain scalars (IntEnum, str subclasses): their plain value
         if isinstance(value, bool):
             return bool(value)
@@ -312,16 +469,21 @@ def safe_text(text: str) -> str:
 
 
 def to_jsonable(
-    value: Any, strict: bool = False, issues: list[str] | None = None, kinds: dict[int, Any] | None = None
+    value: Any,
+    strict: bool = False,
+    issues: list[str] | None = None,
+    kinds: dict[int, Any] | None = None,
+    escape: bool = True,
 ) -> Any:
-    """The JSON-compatible form of ``value`` (never raises).
+    """The JSON form of ``value`` (never raises).
 
     A value that cannot be converted (its ``__iter__`` raises, a tensor without data) becomes an
     ``error`` marker, alone; each is described in ``issues``. ``strict`` also checks every string
     and integer (lone surrogates are written escaped). ``kinds`` (for ``Arrays``) collects the
-    number lists kept as they are, with the type of their sum.
+    number lists kept as they are, with the type of their sum. ``escape=False`` for data that is
+    a JSON form already (its markers and wrapped dicts are kept as they are).
     """
-    return _Simplifier(strict, issues, kinds)(value)
+    return _Simplifier(strict, issues, kinds, escape=escape)(value)
 
 
 def to_payload(
@@ -329,16 +491,34 @@ def to_payload(
     issues: list[str] | None = None,
     kinds: dict[int, Any] | None = None,
     numbers: Callable[[list | tuple], type | None] | None = None,
+    types: dict[str, str] | None = None,
 ) -> tuple[Any, int]:
     """``redact_data(to_jsonable(value))`` in one walk, and its token id count (the items of its
     lists under keys ending in ``ids``, reached through mappings alone).
 
     ``numbers`` (optional) is asked first about each list of at least ``MIN_ARRAY`` items: ``int``
     when it found every item an int (ints and bools, as the ``sum()`` check would), None to have
-    the list checked as usual. It lets a caller convert an id list in the one pass that checks it."""
-    walk = _Simplifier(False, issues, kinds, redact=True, numbers=numbers)
+    the list checked as usual. It lets a caller convert an id list in the one pass that checks it.
+    ``types`` (a dict) is filled with the value's type record (see :func:`from_json`)."""
+    entries: list[list[Any]] | None = [] if types is not None else None
+    walk = _Simplifier(False, issues, kinds, redact=True, numbers=numbers, types=entries)
     data = walk(value)
+    if types is not None:
+        types.update(type_record(value, entries or ()))
     return data, walk.token_ids
+
+
+def type_record(value: Any, entries: Iterable[list[Any]] = ()) -> dict[str, str]:
+    """``{JSON pointer: type}``: ``value``'s qualified class at ``""``, then the walk's entries
+    (``[path reversed, type]``), the outermost of equal paths first."""
+    record = {"": _type_name(value)}
+    for path, kind in entries:
+        pointer = "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in reversed(path))
+        if pointer:
+            record.setdefault(pointer, kind)
+        elif kind.startswith("~"):
+            record[""] = kind  # a loss of the value itself (its keys, its text) outranks its class
+    return record
 
 
 def encode(value: Any, max_field_bytes: int | None = None) -> str:
@@ -352,7 +532,9 @@ def _dumps_bytes(data: Any, issues: list[str] | None = None) -> bytes:
     except Exception:
         # a lone surrogate, an integer beyond 64 bits: walk everything, fixing only those values
         return orjson.dumps(
-            to_jsonable(data, strict=True, issues=issues), default=_fallback, option=_ORJSON_OPTS
+            to_jsonable(data, strict=True, issues=issues, escape=False),
+            default=_fallback,
+            option=_ORJSON_OPTS,
         )
 
 
@@ -377,9 +559,9 @@ def dumps(data: Any, max_field_bytes: int | None = None, issues: list[str] | Non
         return orjson.dumps({"__type__": "error", "error": message}).decode()
 
 
-def _truncated(text: bytes, max_bytes: int) -> dict[str, Any]:
+def _truncated(text: bytes, max_bytes: int) -> Marker:
     preview = text[: max(0, min(max_bytes, PREVIEW_BYTES) - 1)].decode(errors="ignore")
-    return {"__type__": "truncated", "bytes": len(text), "preview": preview}
+    return Marker(__type__="truncated", bytes=len(text), preview=preview)
 
 
 def cap_field(value: Any, max_bytes: int) -> Any:
@@ -403,7 +585,165 @@ def decode_safe(text: str | bytes | None) -> tuple[Any, str | None]:
         return decode(text), None
     except (orjson.JSONDecodeError, TypeError) as exc:
         why = f"unreadable payload ({_str(exc)[:120]})"
-        return {"__type__": "error", "error": why}, why
+        return Marker(__type__="error", error=why), why
+
+
+#: Types of JSON scalars: a list of only these holds no marker.
+_JSON_SCALARS = frozenset({int, float, str, bool, type(None)})
+_JSON_KINDS = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number"}
+_LOSSES = {
+    REDACTED: "a value hidden by redaction",
+    KEYS_LOST: "a dict whose keys were not all strings (recorded as strings)",
+    TEXT_ESCAPED: "a string that was not valid Unicode (recorded escaped)",
+    REDUCED: "an output recorded through reduce_output, not as the op returned it",
+}
+
+
+def _as(cls: type, build: Callable[[Any], Any] | None = None) -> Callable[[Any], Any]:
+    def rebuild(value: Any) -> Any:
+        if type(value) is not cls:
+            raise NotExact(f"recorded as {_JSON_KINDS.get(type(value), type(value).__name__)}")
+        return build(value) if build is not None else value
+
+    return rebuild
+
+
+#: The types :func:`from_json` rebuilds without help: qualified class -> from the decoded JSON value.
+BUILTIN_TYPES: dict[str, Callable[[Any], Any]] = {
+    "builtins.dict": _as(dict),
+    "builtins.list": _as(list),
+    "builtins.str": _as(str),
+    "builtins.int": _as(int),
+    "builtins.float": _as(float),
+    "builtins.bool": _as(bool),
+    "builtins.NoneType": lambda value: value if value is None else _as(type(None))(value),
+    "builtins.bytes": _as(bytes),
+    "builtins.set": _as(set),
+    "builtins.tuple": _as(list, tuple),
+    "builtins.frozenset": _as(set, frozenset),
+    "builtins.bytearray": _as(bytes, bytearray),
+}
+
+
+def from_json(
+    data: Any,
+    types: Mapping[str, str] | None = None,
+    builders: Mapping[str, Callable[[Any], Any]] | None = None,
+) -> Any:
+    """The value whose JSON form is ``data`` and whose type record is ``types`` (None: a record
+    made before outputs had one; their JSON values are taken as they are), made anew.
+
+    Markers become their values (NaN with its bits, big ints, bytes, sets); the types the record
+    names are rebuilt bottom-up by ``builders`` (qualified class -> from the decoded value) or
+    :data:`BUILTIN_TYPES`. Raises :class:`NotExact` saying what was not kept (a truncated field, a
+    repr, a value hidden by redaction, a type nobody rebuilds); a builder's own error is raised as
+    it is.
+    """
+    rebuild = _Rebuild(types or {}, builders or {})
+    try:
+        return rebuild.walk(data, "")
+    except NotExact:
+        if not rebuild.unplaced:
+            raise
+    rebuild.everywhere = True  # again, following every path, to say where
+    return rebuild.walk(data, "")
+
+
+def _pointer_step(at: str, key: Any) -> str:
+    return f"{at}/{str(key).replace('~', '~0').replace('/', '~1')}"
+
+
+class _Rebuild:
+    def __init__(self, types: Mapping[str, str], builders: Mapping[str, Callable[[Any], Any]]) -> None:
+        self.types = types
+        self.builders = builders
+        self.everywhere = False  # follow every path (else only those to record entries)
+        self.unplaced = False  # a value not kept was met where no path was followed
+        # pointers with record entries below them (where the walk must follow paths)
+        self.inside: set[str] = set()
+        for pointer in types:
+            while pointer:
+                pointer = pointer.rsplit("/", 1)[0]
+                self.inside.add(pointer)
+
+    def child(self, at: str | None, key: Any) -> str | None:
+        if at is None or (at not in self.inside and not self.everywhere):
+            return None
+        return _pointer_step(at, key)
+
+    def walk(self, data: Any, at: str | None) -> Any:
+        cls = type(data)
+        if cls is list or cls is tuple:
+            if (at is None or at not in self.inside) and _JSON_SCALARS.issuperset(map(type, data)):
+                value: Any = list(data)
+            else:
+                value = [self.walk(v, self.child(at, i)) for i, v in enumerate(data)]
+        elif cls is dict or cls is Marker:
+            if MARKER in data:
+                value = self.marker(data, at)
+            else:
+                value = {k: self.walk(v, self.child(at, k)) for k, v in data.items()}
+        else:
+            value = data
+        if at is not None and at in self.types:
+            value = self.build(self.types[at], value, at)
+        return value
+
+    def build(self, kind: str, value: Any, at: str) -> Any:
+        build = self.builders.get(kind) or BUILTIN_TYPES.get(kind)
+        where = at or "the output"
+        if build is None:
+            if kind in _LOSSES:
+                raise NotExact(f"{_LOSSES[kind]} at {where}")
+            shown = _JSON_KINDS.get(type(value), type(value).__name__)
+            raise NotExact(f"a {kind} at {where} was recorded as {shown}, and is not rebuilt")
+        try:
+            return build(value)
+        except NotExact as exc:
+            raise NotExact(f"a {kind} at {where} was {exc}") from None
+
+    def marker(self, data: dict[str, Any], at: str | None) -> Any:
+        kind = data[MARKER]
+        where = at or "the output"
+        if at is None:
+            self.unplaced = True
+        try:
+            if kind == ESCAPED and type(data.get("value")) is dict:
+                inner = self.child(at, "value")
+                return {k: self.walk(v, self.child(inner, k)) for k, v in data["value"].items()}
+            if kind == "float":
+                bits = data.get("bits")
+                if bits is not None:
+                    return struct.unpack("<d", struct.pack("<Q", int(bits, 16)))[0]
+                value = float(data["value"])
+                if math.isfinite(value):
+                    raise ValueError(data["value"])
+                return value
+            if kind == "int":
+                return int(data["value"], 0)
+            if kind == "bytes":
+                return base64.b64decode(data["base64"], validate=True)
+            if kind == "set" and type(data.get("items")) is list:
+                inner = self.child(at, "items")
+                return {self.walk(v, self.child(inner, i)) for i, v in enumerate(data["items"])}
+            if (
+                kind == "repr"
+                and data.get("class") == "builtins.int"
+                and len(data.get("repr", "")) < REPR_CHARS
+            ):
+                return int(data["repr"])  # a big int, as rlreplay recorded them before the int marker
+        except (KeyError, TypeError, ValueError, struct.error) as exc:
+            raise NotExact(f"a malformed {kind!r} marker at {where} ({type(exc).__name__})") from None
+        name = data.get("class")
+        if kind == "truncated":
+            raise NotExact(f"a value at {where} was recorded truncated ({data.get('bytes')} bytes)")
+        if kind == "repr":
+            raise NotExact(f"a {name} at {where} was recorded as its repr")
+        if kind == "cycle":
+            raise NotExact(f"a {name} at {where} holds itself (a reference cycle, not recorded)")
+        if kind == "error":
+            raise NotExact(f"a value at {where} could not be recorded ({data.get('error')})")
+        raise NotExact(f"a {kind!r} marker at {where} stands for what was not recorded")
 
 
 TOKENS = "tokens"

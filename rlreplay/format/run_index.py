@@ -87,7 +87,7 @@ def find(run_dir: Path) -> tuple[list[Segment], list[tuple[Path, str]]]:
 def steps_of(run_dir: Path, traj_id: str) -> list[int | None]:
     """The steps the run's segments give trajectory ``traj_id`` (a hint: segments are not checked
     against the shards here, and unreadable ones are passed over)."""
-    import pyarrow.parquet as pq
+    from rlreplay.format import checksums
 
     places = folders(run_dir)
     paths = [Path(run_dir) / LEGACY_RUN_INDEX]
@@ -99,20 +99,21 @@ def steps_of(run_dir: Path, traj_id: str) -> list[int | None]:
     steps: list[int | None] = []
     for path in paths:
         try:
-            table = pq.read_table(path, columns=["id", "step"])
+            table = checksums.read_table(path, columns=["id", "step"])
             steps += ops.filter(table["step"], ops.equal(table["id"], traj_id)).to_pylist()
-        except (OSError, KeyError, pa.ArrowException):
+        except (OSError, KeyError, pa.ArrowException, ValueError):
             continue
     return steps
 
 
 def _open(path: Path) -> tuple[Any, Covered] | None:
     import orjson
-    import pyarrow.parquet as pq
+
+    from rlreplay.format.checksums import CheckedParquet
 
     try:
-        # a damaged page may still decode (to other ids): its checksum tells
-        pf = pq.ParquetFile(path, page_checksum_verification=True)
+        # a damaged byte may still decode (to other ids): its checksums tell
+        pf = CheckedParquet(path)
         metadata = pf.schema_arrow.metadata or {}
         if metadata.get(RUN_INDEX_KEY) != RUN_INDEX_VERSION or metadata.get(INDEX_KEY) != INDEX_VERSION:
             return None
@@ -225,7 +226,8 @@ def write(rows: pa.Table, covered: Covered, folder: Path) -> Segment:
     import time
 
     import orjson
-    import pyarrow.parquet as pq
+
+    from rlreplay.format import checksums
 
     folder.mkdir(parents=True, exist_ok=True)
     rows = rows.set_column(
@@ -241,12 +243,11 @@ def write(rows: pa.Table, covered: Covered, folder: Path) -> Segment:
     tmp = folder / f".{name}.tmp"
     try:
         order = [(c, "ascending") for k in KEYS for c in (k, KEY_STR[k])] + [("start_ns", "ascending")]
-        pq.write_table(
+        checksums.write_table(
             ops.sort_by(rows, [*order, ("id", "ascending")]).replace_schema_metadata(metadata),
             tmp,
+            row_group_rows=RUN_INDEX_ROW_GROUP,
             compression="snappy",
-            row_group_size=RUN_INDEX_ROW_GROUP,
-            write_page_checksum=True,
         )
         os.replace(tmp, path)
     finally:

@@ -17,6 +17,8 @@ import pyarrow as pa
 from rlreplay.errors import SelectionError
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format.keys import (
+    INT64_MAX,
+    INT64_MIN,
     KEY,
     KEY_STR,
     SELECT_BY_NAME,
@@ -62,7 +64,7 @@ class KeySpec:
             elif stored is not None:
                 strings.append(stored)
                 number = parse_int(stored) if isinstance(value, str) else None
-                if number is not None:
+                if number is not None and in_int64(number):
                     ints.append(number)
         return cls("", tuple(ints), (), tuple(strings))
 
@@ -126,10 +128,13 @@ def parse_keys(option: str, text: str, allow_strings: bool = False) -> KeySpec:
                 )
             if start > end:
                 raise SelectionError(f"{option} {raw!r}: bad range {part!r} (start is after end)")
-            ranges.append((start, end))
-        elif number is not None:
+            if end >= INT64_MIN and start <= INT64_MAX:  # the int column holds int64 values only
+                ranges.append((max(start, INT64_MIN), min(end, INT64_MAX)))
+        elif number is not None and in_int64(number):
             ints.append(number)
             typed.append(part)
+        elif number is not None:
+            strings.append(part)  # beyond int64, a key is recorded as its text (format.keys.key_value)
         elif allow_strings:
             strings.append(part)
         else:
@@ -192,8 +197,12 @@ Filters.__doc__ = "Filters a read pushes down: " + ", ".join(FILTER_KEYS) + " (a
 
 
 def as_key_int(value: Any) -> int | None:
-    """The integer a filter value names: an int (numpy too) or text in ASCII digits, else None."""
-    if isinstance(value, str):
-        return parse_int(value)
-    stored = key_value(value)
-    return stored if isinstance(stored, int) else None
+    """The integer a filter value names in a key's int column: an int (numpy too) or text in
+    ASCII digits, within int64; else None."""
+    number = parse_int(value) if isinstance(value, str) else key_value(value)
+    return number if isinstance(number, int) and in_int64(number) else None
+
+
+def in_int64(number: int) -> bool:
+    """Whether a key's int column can hold ``number`` (larger keys are stored as their text)."""
+    return INT64_MIN <= number <= INT64_MAX

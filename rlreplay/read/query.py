@@ -13,10 +13,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from rlreplay.errors import FormatError, QueryError
+from rlreplay.errors import QueryError
 from rlreplay.format.index import merged
 from rlreplay.format.keys import KEYS
-from rlreplay.format.schema import SPAN_SCHEMA, file_version
+from rlreplay.format.schema import SPAN_SCHEMA
 from rlreplay.read.selection import Selection
 from rlreplay.read.where import (
     connect,
@@ -58,17 +58,14 @@ def _spans_table(run: Any) -> Any:
     """The run's span rows as an Arrow dataset: sealed files scanned lazily (format 1 files get
     the format 2 columns as nulls), live files read."""
     import pyarrow.dataset as ds
-    import pyarrow.parquet as pq
 
     sealed, partials = run.span_files(fetch=True)  # a run on an object store: into its cache first
-    good = []
-    for path in sealed:
-        try:
-            file_version(pq.read_schema(path), "file")
-            good.append(str(path))
-        except (pa.ArrowException, OSError, FormatError) as exc:
-            run.warn(f"skipped unreadable file {path.relative_to(run.path)}: {one_line(exc)}")
-    parts = [ds.dataset(good, schema=SPAN_SCHEMA, format="parquet")] if good else []
+    good = [str(path) for path in run.whole_shards(sealed)]  # checksums verified first
+    # and pages whose own checksum does not match are refused as they are read
+    checked = ds.ParquetFileFormat(
+        default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True)
+    )
+    parts = [ds.dataset(good, schema=SPAN_SCHEMA, format=checked)] if good else []
     live = [t for t in (run.file_rows(path) for path in partials) if t is not None]
     if live:
         parts.append(ds.dataset([t.cast(SPAN_SCHEMA) for t in live], schema=SPAN_SCHEMA))
@@ -87,8 +84,9 @@ def register_spans(con: Any, run: Any) -> None:
     if not present:
         con.sql("CREATE OR REPLACE TEMP VIEW spans AS SELECT * FROM _spans")
         return
-    probe = ", ".join(f"bool_or({s} IS NOT NULL)" for _, s in present)
-    has_strings = con.sql(f"SELECT {probe} FROM _spans").fetchall()[0]
+    probe = ", ".join(f"bool_or({s} IS NOT NULL) AS {s}" for _, s in present)
+    found = run_query(con, f"SELECT {probe} FROM _spans", "sql").to_pylist()[0]  # Ctrl-C stops it too
+    has_strings = [found[s] for _, s in present]
     replace = [
         f"coalesce(CAST({key} AS VARCHAR), {str_key}) AS {key}"
         for (key, str_key), strings in zip(present, has_strings)
@@ -124,7 +122,14 @@ def sql(run: Any, text: str, selection: Selection | None = None) -> pa.Table:
         register_trajectories(con, (selection or Selection()).trajectories(run), text)
     if _mentions(text, "spans"):
         register_spans(con, run)
-    return run_query(con, text, "sql")
+    table = run_query(con, text, "sql")
+    try:
+        table.validate(full=True)  # text that is not UTF-8, offsets out of range: a damaged file
+    except pa.ArrowInvalid as exc:
+        raise QueryError(
+            f"sql: the result holds values that are not valid ({one_line(exc)}); a span file may be damaged"
+        ) from None
+    return table
 
 
 _STATS_SQL = """

@@ -16,6 +16,7 @@ from rlreplay.errors import FormatError, RunError
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format import index as tindex
 from rlreplay.format import manifest, run_index
+from rlreplay.format.checksums import CheckedParquet
 from rlreplay.format.schema import (
     FORMAT_VERSION,
     KEY_STR,
@@ -29,7 +30,8 @@ from rlreplay.format.schema import (
 from rlreplay.model import Trajectory, trajectory_from_table
 from rlreplay.read.filters import Filters, as_key_int
 from rlreplay.read.store import LocalStore, Stamp, Store
-from rlreplay.shards.layout import PARTIAL_SUFFIX, SPANS_DIR
+from rlreplay.shards.layout import PARTIAL_SUFFIX, SEALED_SUFFIX, SPANS_DIR
+from rlreplay.shards.lease import is_live
 from rlreplay.shards.live import read_partial
 
 RUNS_DIR = "rlreplay-runs"
@@ -52,6 +54,11 @@ class Run:
         #: the local folder the run's files are read from (for a run on an object store, its cache)
         self.path = path = self.store.root
         self.warnings: list[str] = []
+        #: span files (relative paths) read, those that could not be (and why), and those read
+        #: without checksums (written before them)
+        self.files_read: set[str] = set()
+        self.unreadable: dict[str, str] = {}
+        self.unverified: set[str] = set()
         self.manifest = manifest.read_manifest(path, self.warnings)
         self._indexes: dict[Path, tuple[float, int, pa.Table]] = {}
         self._segments: dict[Path, tuple[tuple[int, int], pa.Table]] = {}
@@ -89,7 +96,51 @@ class Run:
             self.warnings.append(message)
 
     def _skip(self, path: Path, exc: BaseException) -> None:
-        self.warn(f"skipped unreadable file {path.relative_to(self.path)}: {_one_line(exc)}")
+        """A span file this read could not read (damaged, foreign, gone): warned once, and counted
+        in :meth:`incomplete`."""
+        rel = self._relative(str(path))
+        why = _one_line(exc).removeprefix(f"{rel}: ").removeprefix(f"{path}: ")
+        self.unreadable.setdefault(rel, why)
+        self.warn(f"skipped unreadable file {rel}: {why}")
+
+    def notes(self) -> list[str]:
+        """What a reading command says on stderr: every warning, then the line of
+        :meth:`incomplete` when the reads left files out."""
+        line = self.incomplete()
+        return [*self.warnings, *([line] if line else [])]
+
+    def incomplete(self) -> str | None:
+        """One line saying that what was read of the run leaves files out, with counts (and what
+        their index files say they hold); None when every span file read was read in full."""
+        if not self.unreadable:
+            return None
+        tried = len(self.files_read | set(self.unreadable))
+        spans = trajectories = 0
+        known = 0
+        for rel in self.unreadable:
+            path = self.path / rel
+            if not rel.endswith(SEALED_SUFFIX):
+                continue
+            try:
+                index = tindex.read(tindex.index_path(path), self.store.stamp(path)[0])
+            except OSError:
+                index = None
+            if index is not None:
+                known += 1
+                spans += int(ops.sum(index["num_spans"]).as_py() or 0)
+                trajectories += index.num_rows
+        held = ""
+        if known:
+            held = (
+                f"; by {'their index files' if known > 1 else 'its index file'}"
+                f"{'' if known == len(self.unreadable) else f' ({known} of them)'}: "
+                f"{spans} spans of {trajectories} trajectories left out"
+            )
+        n = len(self.unreadable)
+        return (
+            f"{self.address} could not be read in full: {n} of the {tried} span files read "
+            f"{'was' if n == 1 else 'were'} unreadable{held}"
+        )
 
     # ---- files ------------------------------------------------------------------------------
 
@@ -104,42 +155,71 @@ class Run:
         match (``row_groups``, else those whose statistics do not exclude them)."""
         wanted = filters.items()
         try:
-            pf = self._open_sealed(path, whole=columns is None or any(c in PAYLOAD_COLUMNS for c in columns))
-            version = file_version(pf.schema_arrow, "file")
-            if row_groups is None:
-                row_groups = [
-                    i
-                    for i in range(pf.num_row_groups)
-                    if _row_group_may_match(pf.metadata.row_group(i), wanted)
-                ]
-            if not row_groups:
-                return None
-            need = None if columns is None else set(columns) | {k for k, _ in wanted}
-            if need is not None and any(k in KEYS for k in need):
-                need |= {KEY_STR[k] for k in KEYS if k in need}
-            if need is not None and "trajectory_id" in need:
-                need.add("trajectory_id")
-            names = V1_COLUMNS if version == 1 else SPAN_SCHEMA.names
-            read_cols = None if need is None else [c for c in names if c in need]
-            table = pf.read_row_groups(row_groups, columns=read_cols)
+            with self._open_sealed(
+                path, whole=columns is None or any(c in PAYLOAD_COLUMNS for c in columns)
+            ) as pf:
+                version = file_version(pf.schema_arrow, self._relative(str(path)))
+                if row_groups is None:
+                    row_groups = [
+                        i
+                        for i in range(pf.num_row_groups)
+                        if _row_group_may_match(pf.metadata.row_group(i), wanted)
+                    ]
+                if not row_groups:
+                    return None
+                need = None if columns is None else set(columns) | {k for k, _ in wanted}
+                if need is not None and any(k in KEYS for k in need):
+                    need |= {KEY_STR[k] for k in KEYS if k in need}
+                if need is not None and "trajectory_id" in need:
+                    need.add("trajectory_id")
+                names = V1_COLUMNS if version == 1 else SPAN_SCHEMA.names
+                read_cols = None if need is None else [c for c in names if c in need]
+                table = pf.read_row_groups(row_groups, columns=read_cols)
             if version == 1:
                 table = upgrade(table, [c for c in SPAN_SCHEMA.names if need is None or c in need])
-        except (pa.ArrowException, OSError, FormatError) as exc:
+            table = filters.apply(table)
+        except (pa.ArrowException, OSError, FormatError, ValueError) as exc:
             self._skip(path, exc)
             return None
-        table = filters.apply(table)
         return table.select(columns) if columns is not None else table
 
-    def _open_sealed(self, path: Path, whole: bool) -> pq.ParquetFile:
-        """A sealed file, opened: made local first when it is read ``whole`` (payload columns),
-        else read where it is (a run on an object store reads some columns of it in place). Every
-        read of a sealed file opens it here."""
+    def _open_sealed(self, path: Path, whole: bool) -> CheckedParquet:
+        """A sealed file, opened with its footer verified (each column chunk is verified as it is
+        read): made local first when it is read ``whole`` (payload columns), else read where it is
+        (a run on an object store reads some columns of it in place). Every read of a sealed file
+        opens it here."""
         if whole:
             self.store.make_local([path])
-        return pq.ParquetFile(self.store.open_input(path))
+        rel = self._relative(str(path))
+        self.files_read.add(rel)
+        source = self.store.open_input(path)
+        opened = CheckedParquet(source, rel, owned=True)
+        if not opened.verified:
+            self.unverified.add(rel)
+        return opened
+
+    def whole_shards(self, paths: Sequence[Path]) -> list[Path]:
+        """The sealed shards among ``paths`` (local files) that are rlreplay span files matching
+        their checksums in full, for a reader that reads them itself (a dataset scan); the
+        others are skipped, as every read skips them."""
+        good = []
+        for path in paths:
+            try:
+                with self._open_sealed(path, whole=True) as pf:
+                    file_version(pf.schema_arrow, self._relative(str(path)))
+                    pf.verify()
+            except (pa.ArrowException, OSError, FormatError, ValueError) as exc:
+                self._skip(path, exc)
+                continue
+            good.append(path)
+        return good
 
     def _partial(self, path: Path) -> pa.Table | None:
-        """A live file's rows (format 2 columns), cached while it does not change."""
+        """A live file's rows (format 2 columns), cached while it does not change. The whole
+        batches of a file no writer holds any more and whose end is torn are read, and the file
+        counted as not read in full."""
+        rel = self._relative(str(path))
+        self.files_read.add(rel)
         try:
             stat = path.stat()
             if stat.st_size == 0:  # just created, or the disk refused its first bytes: no rows
@@ -147,8 +227,18 @@ class Run:
             cached = self._partials.get(path)
             if cached is not None and cached[:2] == (stat.st_mtime, stat.st_size):
                 return cached[2]
-            table = read_partial(path).table
-        except (pa.ArrowException, OSError, FormatError) as exc:
+            contents = read_partial(path)
+            table = contents.table
+            if not contents.verified:
+                self.unverified.add(rel)
+            if contents.discarded_bytes and not is_live(path):
+                why = f"its last {contents.discarded_bytes} bytes are not a whole batch"
+                self.unreadable.setdefault(rel, why)
+                self.warn(
+                    f"read the whole batches of {rel} only: {why} (its writer died mid-write; "
+                    "`rlreplay recover` sets them aside)"
+                )
+        except (pa.ArrowException, OSError, FormatError, ValueError) as exc:
             self._skip(path, exc)
             return None
         self._partials[path] = (stat.st_mtime, stat.st_size, table)
@@ -198,7 +288,7 @@ class Run:
     def _live_index(self, path: Path) -> pa.Table | None:
         """The index of a live file, built from its spans."""
         table = self._partial(path)
-        return tindex.build(table.select(tindex.SPAN_COLUMNS)) if table is not None else None
+        return tindex.build(table.select(tindex.JUDGED_COLUMNS)) if table is not None else None
 
     def _relative(self, name: str) -> str:
         """A run file's path (a string) relative to the run, with ``/``."""
@@ -212,19 +302,19 @@ class Run:
         import numpy as np
 
         try:
-            pf = self._open_sealed(path, whole=False)
-            version = file_version(pf.schema_arrow, "file")
-            names = V1_COLUMNS if version == 1 else SPAN_SCHEMA.names
-            cols = [c for c in names if c in tindex.SPAN_COLUMNS]
-            table = pf.read(columns=cols)
+            with self._open_sealed(path, whole=False) as pf:
+                version = file_version(pf.schema_arrow, self._relative(str(path)))
+                names = V1_COLUMNS if version == 1 else SPAN_SCHEMA.names
+                cols = [c for c in names if c in tindex.JUDGED_COLUMNS]
+                table = pf.read(columns=cols)
+                sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
             if version == 1:
-                table = upgrade(table, tindex.SPAN_COLUMNS)
-            sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
-        except (pa.ArrowException, OSError, FormatError) as exc:
+                table = upgrade(table, tindex.JUDGED_COLUMNS)
+        except (pa.ArrowException, OSError, FormatError, ValueError) as exc:
             self._skip(path, exc)
             return None
         groups = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
-        return tindex.build(table.select(tindex.SPAN_COLUMNS), groups)
+        return tindex.build(table.select(tindex.JUDGED_COLUMNS), groups)
 
     def step_partitions(self) -> list[str]:
         """The values of the run's ``spans/step=*`` folders, as written (unsorted)."""
@@ -495,6 +585,8 @@ class Run:
         ``response_text``, the agent's ``conversation``) with ``tokenizer`` or the run's own."""
         traj_id, step = self.resolve(ref)
         found = self.load([traj_id], Filters(step=step) if step is not None else None)
+        if not found and self.unreadable:  # listed, but the file that holds it was refused
+            raise RunError(f"trajectory {ref!r} cannot be read: {'; '.join(self.notes())}")
         if not found:
             raise RunError(f"no trajectory {ref!r} in {self.address}")
         traj = found[0]

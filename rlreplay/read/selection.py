@@ -4,7 +4,8 @@ Works on the listing from ``Run.trajectories()``: one row per trajectory. A ``Se
 one way to say which: made from CLI options, a ``show``/``diff`` selector or the UI's URL
 parameters, with a field per selection key (``rlreplay.format.keys.SELECT_KEYS``). Key filters
 take ``5``, ``3..7`` (inclusive) or lists such as ``0..10,20,-1``; ``--where`` is an SQL boolean
-over the listing's columns (DuckDB, imported only when used). The unit of sampling is a
+over the listing's columns (DuckDB, imported only when used); ``grep`` a regular expression the
+trajectory's decoded response or tool output must match (``rlreplay.read.search``). The unit of sampling is a
 *group*, every rollout of one dataset sample at one step in one split (training or
 validation), so GRPO groups always stay whole.
 """
@@ -24,6 +25,7 @@ from rlreplay.format import arrow_ops as ops
 from rlreplay.format.index import LISTING_FIELDS, LISTING_SCHEMA
 from rlreplay.format.keys import (
     BOOL,
+    INT64_MAX,
     KEY,
     KEY_STR,
     SELECT_BY_NAME,
@@ -34,6 +36,7 @@ from rlreplay.format.keys import (
     parse_int,
 )
 from rlreplay.read.filters import Filters, KeySpec, parse_keys, term
+from rlreplay.read.search import TextSearch, check_pattern, matching
 from rlreplay.read.where import filter_where
 
 STATUSES = ("ok", "error", "incomplete")
@@ -239,6 +242,8 @@ class _Selecting:
             raise SelectionError(f"--limit must be at least 1 (got {me.limit!r})")
         if me.where is not None and not me.where.strip():
             raise SelectionError("--where: empty expression")
+        if me.grep is not None:
+            check_pattern(me.grep)
 
     def filters(self) -> Filters:
         """What the file reader can apply itself: the flags and names, and the keys that hold only
@@ -255,24 +260,39 @@ class _Selecting:
                 pushed[key.name] = ints
         return Filters(**pushed)
 
-    def trajectories(self, run: Any, keep: Callable[[pa.Table], pa.Table] | None = None) -> pa.Table:
-        """The run's listing (contract C2 columns), filtered, sorted and limited (``keep``: see
-        :meth:`apply`).
+    def trajectories(
+        self,
+        run: Any,
+        keep: Callable[[pa.Table], pa.Table] | None = None,
+        texts: TextSearch | None = None,
+    ) -> pa.Table:
+        """The run's listing (contract C2 columns), filtered, sorted and limited (``keep``,
+        ``texts``: see :meth:`apply`; with ``grep`` and no ``texts``, the run's own tokenizer
+        decodes).
 
         A step filter reads only the matching ``spans/step=N/`` partitions (or the run index's
         row groups that hold them).
         """
         self.check()
+        me: Any = self
+        if me.grep is not None and texts is None:
+            texts = TextSearch.for_run(run)
         filters = self.filters()
         steps = _partition_steps(run, self.keys().get("step"))
         if steps is None:
-            return self.apply(listing(run, filters), keep)
+            return self.apply(listing(run, filters), keep, texts)
         table = listing(run, replace(filters, step=steps)) if steps else LISTING_SCHEMA.empty_table()
-        return self.apply(table, keep)
+        return self.apply(table, keep, texts)
 
-    def apply(self, table: pa.Table, keep: Callable[[pa.Table], pa.Table] | None = None) -> pa.Table:
+    def apply(
+        self,
+        table: pa.Table,
+        keep: Callable[[pa.Table], pa.Table] | None = None,
+        texts: TextSearch | None = None,
+    ) -> pa.Table:
         """This selection over a listing already read: the keys, status and id, then ``--where``,
-        then ``keep`` (a further filter, such as ``ls --finding``), then the sort and the limit."""
+        then ``--grep`` (over ``texts``, the run's searched texts), then ``keep`` (a further
+        filter, such as ``ls --finding``), then the sort and the limit."""
         self.check()
         me: Any = self
         keys = self.keys()
@@ -292,12 +312,16 @@ class _Selecting:
             table = ops.filter(table, mask)
         if me.where is not None:
             table = filter_where(table, me.where)
+        if me.grep is not None:
+            if texts is None:
+                raise SelectionError("--grep searches a run's text: select through the run (trajectories)")
+            table = matching(table, me.grep, texts)
         if keep is not None:
             table = keep(table)
         if me.sort is not None:
             table = sort_table(table, parse_sort(me.sort))
         if me.limit is not None:
-            table = table.slice(0, me.limit)
+            table = table.slice(0, min(me.limit, table.num_rows))  # any whole number, however large
         return table
 
     def params(self) -> dict[str, str]:
@@ -361,11 +385,13 @@ class _Selecting:
                 values[name] = text if name != "limit" else parse_int(text)
                 if values[name] is None:
                     raise SelectionError(f"limit must be a whole number, not {text!r}")
+                if name == "limit":
+                    values[name] = min(values[name], INT64_MAX)  # "at most N": any N
         return cls(**values)
 
 
 #: The selection's options besides its keys that a URL carries.
-_URL_OPTIONS = ("status", "where", "sort", "limit")
+_URL_OPTIONS = ("status", "where", "grep", "sort", "limit")
 
 
 def _text(value: Any) -> str:
@@ -374,7 +400,7 @@ def _text(value: Any) -> str:
 
 #: Which trajectories a command works on (contract C4): a field per selection key (key filters
 #: as text, parsed by :func:`parse_keys`; the flags as bools), then ``status``, ``where``,
-#: ``sort``, ``limit`` and ``id`` (an id prefix, from a selector).
+#: ``grep``, ``sort``, ``limit`` and ``id`` (an id prefix, from a selector).
 Selection = make_dataclass(
     "Selection",
     [
@@ -384,6 +410,7 @@ Selection = make_dataclass(
         ),
         ("status", "str | None", field(default=None)),
         ("where", "str | None", field(default=None)),
+        ("grep", "str | None", field(default=None)),
         ("sort", "str | None", field(default=None)),
         ("limit", "int | None", field(default=None)),
         ("id", "str | None", field(default=None)),
@@ -401,8 +428,8 @@ Selection.__doc__ = (
 def _partition_steps(run: Any, spec: KeySpec | None) -> list[int] | None:
     """The run's step partitions that ``spec`` matches, in order (None: read without pruning)."""
     partitions = getattr(run, "step_partitions", None)
-    if spec is None or partitions is None:
-        return None
+    if spec is None or spec.strings or partitions is None:
+        return None  # a step recorded as text (beyond int64) has its own partition name
     steps = []
     for value in partitions():
         number = parse_int(value)

@@ -41,17 +41,22 @@ def run_summary(run: Run) -> dict[str, Any]:
         "token_ids": tokens,
         "bytes_on_disk": size,
         "bytes_per_token": round(size / tokens, 3) if tokens else None,
+        # span files that could not be read (what is counted above leaves them out), and those read
+        # without checksums (written before them)
+        "unreadable_files": len(run.unreadable),
+        "unverified_files": len(run.unverified),
         **{("spans_written" if k == "spans" else k): v for k, v in run.counters().items()},
     }
 
 
-def recover(run_dir: Path, wait_s: float = 0.0) -> dict[str, Any]:
-    """Seal partials whose writers are gone and add what was recovered to the manifest.
+def recover(run_dir: Path, wait_s: float = 0.0, shards: bool = True) -> dict[str, Any]:
+    """Seal partials whose writers are gone (with ``shards``, also check every sealed shard against
+    its checksums, salvaging what still matches) and add what was recovered to the manifest.
 
     ``files`` lists one line per file dealt with: what was kept, and what was set aside in
     ``RUN/_quarantine/`` (never deleted) or left alone, and why.
     """
-    recovery = recover_run(run_dir, wait_s)
+    recovery = recover_run(run_dir, wait_s, shards)
     sealed = recovery.sealed
     set_aside = [p for r in recovery.files for p in (r.set_aside or [])]
     totals: dict[str, Any] = {

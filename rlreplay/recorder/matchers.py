@@ -27,8 +27,10 @@ class RecordedOp:
     span_id: str
     name: str
     inputs: Any  # JSON value; the cassette drops the volatile keys before the first match
-    output: Any
+    output: Any  # JSON form (``rlreplay.format.payload``)
     position: int = 0
+    #: the output's type record (``rlreplay.format.payload.from_json``); None: recorded without one
+    output_type: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -112,17 +114,37 @@ def comparable(value: Any, ignored: frozenset[str] = frozenset()) -> Any:
     return value
 
 
-def first_path(a: Any, b: Any, at: str = "") -> str:
-    """Where two JSON values first differ, as a path like ``kwargs.prompt_ids[3]``."""
+class _Absent:
+    """What one side holds at a path that only the other side has."""
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+#: The value :func:`first_values` gives for a side that has nothing at the path.
+ABSENT: Any = _Absent()
+
+
+def first_values(a: Any, b: Any, at: str = "") -> tuple[str, Any, Any]:
+    """Where two JSON values first differ, as a path like ``kwargs.prompt_ids[3]``, and what each
+    holds there (:data:`ABSENT` for a side that has nothing at that path)."""
     if isinstance(a, dict) and isinstance(b, dict):
         for key in list(a) + [k for k in b if k not in a]:
             if key not in a or key not in b or a[key] != b[key]:
                 inner = f"{at}.{key}" if at else str(key)
-                return first_path(a.get(key), b.get(key), inner) if key in a and key in b else inner
-        return at
+                if key in a and key in b:
+                    return first_values(a[key], b[key], inner)
+                return inner, a.get(key, ABSENT), b.get(key, ABSENT)
+        return at, a, b
     if isinstance(a, list) and isinstance(b, list):
         for i, (x, y) in enumerate(zip(a, b)):
             if x != y:
-                return first_path(x, y, f"{at}[{i}]")
-        return f"{at}[{min(len(a), len(b))}]"
-    return at
+                return first_values(x, y, f"{at}[{i}]")
+        n = min(len(a), len(b))
+        return f"{at}[{n}]", a[n] if n < len(a) else ABSENT, b[n] if n < len(b) else ABSENT
+    return at, a, b
+
+
+def first_path(a: Any, b: Any, at: str = "") -> str:
+    """Where two JSON values first differ, as a path like ``kwargs.prompt_ids[3]``."""
+    return first_values(a, b, at)[0]

@@ -3,12 +3,16 @@
 Inside a trajectory whose key matches a recorded one, a call of a served kind is served the
 recorded output of the op that every matcher of ``match_on`` accepts (default: the same position
 among the calls of its kind, the same name, the same inputs without the adapter's volatile keys;
-``rlreplay.recorder.matchers``). When none does, the trajectory has *diverged*, for the reason a
-matcher gave: with ``on_diverge="live"`` that call and every later one run live, with ``"fail"``
-the call raises :class:`ReplayDivergence`. The reason is kept on the trajectory (``reason``) and
-on the cassette (``divergences``).
+``rlreplay.recorder.matchers``). A served value is what the op returned, bit for bit (rebuilt from
+its JSON form and type record by the recording's framework adapter); a recorded output that does
+not give it back (truncated, hidden by redaction, a type nobody rebuilds) is not served. When no
+recorded op serves a call, the trajectory has *diverged*, for the reason given: with
+``on_diverge="live"`` that call and every later one run live, with ``"fail"`` the call raises
+:class:`ReplayDivergence`. The reason is kept on the trajectory (``reason``) and on the cassette
+(``divergences``). A source that cannot be read (in full) serves nothing it cannot vouch for: the
+trajectories it may hold diverge at their first served call, and ``problems`` says why.
 
-A :class:`Cassette` takes plain calls (kind, name, inputs as JSON values: :meth:`Cassette.play`), so
+A :class:`Cassette` takes plain calls (kind, name, the call's arguments: :meth:`Cassette.play`), so
 that anything answering calls from a recording uses it; the recorder's wrapper binds a call's
 arguments first (:meth:`Cassette.serve`). The recorder's hot path pays one check of a module
 global when no replay is on.
@@ -16,7 +20,6 @@ global when no replay is on.
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -28,7 +31,6 @@ from rlreplay.format import payload
 from rlreplay.format.keys import TrajectoryKey
 from rlreplay.recorder.matchers import (
     DEFAULT_MATCH_ON,
-    JSON_SCALARS,
     Call,
     Matcher,
     RecordedOp,
@@ -48,17 +50,6 @@ LIVE = "live"
 STATUS_KEY, SOURCE_KEY, REASON_KEY = "replay", "replay_of", "replay_reason"
 
 
-def fresh_copy(value: Any) -> Any:
-    """A copy of a recorded (JSON) value that the caller may change; scalars as they are."""
-    if isinstance(value, dict):
-        return {k: fresh_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        if JSON_SCALARS.issuperset(map(type, value)):
-            return list(value)
-        return [fresh_copy(v) for v in value]
-    return copy.copy(value) if type(value) not in JSON_SCALARS else value
-
-
 @dataclass
 class RecordedTrajectory:
     id: str
@@ -69,11 +60,18 @@ class RecordedTrajectory:
 @dataclass
 class Recording:
     """What a cassette serves from: recorded trajectories by key (experiment aside), and what the
-    framework adapter of the recording says: its volatile keys and how to rebuild an output."""
+    framework adapter of the recording says: its volatile keys and how to rebuild an output
+    (``rebuild(name, kind, JSON output, type record)``; None: ``payload.from_json``).
+
+    ``unreadable``: selected trajectories whose spans could not be read (key -> why);
+    ``problem``: why the selection may hold more than was read (files that could not be read), so
+    that a trajectory not found cannot be said to be absent from the source."""
 
     trajectories: dict[TrajectoryKey, RecordedTrajectory]
     volatile_keys: frozenset[str] = frozenset()
-    rebuild: Callable[[str, str, Any], Any] | None = None  # (name, kind, JSON output) -> value
+    rebuild: Callable[[str, str, Any, dict[str, str] | None], Any] | None = None
+    unreadable: dict[TrajectoryKey, str] = field(default_factory=dict)
+    problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +98,8 @@ class TrajectoryReplay:
     played: set[tuple[str, int]] = field(default_factory=set)  # (kind, position) served
     served: int = 0
     reason: str | None = None  # why it diverged
+    #: it diverged on opening (its source could not be read): said at its first served call
+    unsaid: bool = False
 
     @property
     def diverged(self) -> bool:
@@ -107,9 +107,9 @@ class TrajectoryReplay:
 
     @property
     def status(self) -> str:
-        if self.source is None:
-            return LIVE
-        return DIVERGED if self.diverged else SERVED
+        if self.diverged:
+            return DIVERGED
+        return LIVE if self.source is None else SERVED
 
     def attributes(self) -> dict[str, Any]:
         """The trajectory root's replay attributes."""
@@ -142,10 +142,12 @@ class Cassette:
         self._by_position = position in self.matchers  # then one recorded op is a candidate
         self._recording = recording if isinstance(recording, Recording) else None
         self._load = None if isinstance(recording, Recording) else recording
+        self._unread = False  # the source could not be read at all
         self._lock = threading.Lock()
         self.asked: set[TrajectoryKey] = set()
         self.served = 0
         self.divergences: dict[str, str] = {}  # source trajectory id -> why it diverged
+        self.problems: list[str] = []  # why the source could not be read (in full)
         self._served_meta: dict[int, Any] = {}
 
     @property
@@ -155,9 +157,21 @@ class Cassette:
                 if self._recording is None:
                     try:
                         self._recording = self._load() if self._load is not None else Recording({})
-                    except Exception as exc:  # never raise into the job: its trajectories run live
-                        log.warning("rlreplay: cannot read the replay's source run (%s); running live", exc)
-                        self._recording = Recording({})
+                    except Exception as exc:  # never raised into the job: its trajectories diverge
+                        problem = (
+                            f"the source run could not be read ({_first_line(exc) or type(exc).__name__})"
+                        )
+                        self._recording = Recording({}, problem=problem)
+                        self._unread = True
+                    if self._recording.problem is not None:
+                        self.problems.append(self._recording.problem)
+                        log.warning(
+                            "rlreplay: replay: %s; the trajectories it may hold are not served (%s)",
+                            self._recording.problem,
+                            "their first served call raises"
+                            if self.on_diverge == "fail"
+                            else "they run live",
+                        )
         return self._recording
 
     @property
@@ -174,13 +188,22 @@ class Cassette:
         key = key.without_experiment()
         recording = self.recording
         source = recording.trajectories.get(key)
-        if source is not None:
-            self.asked.add(key)
-            if not source.prepared:
-                for ops in source.ops.values():
-                    for op in ops:
-                        op.inputs = comparable(op.inputs, recording.volatile_keys)
-                source.prepared = True
+        if source is None:
+            why = recording.unreadable.get(key)
+            if why is None and recording.problem is not None:
+                why = (
+                    recording.problem if self._unread else f"not found in the source, and {recording.problem}"
+                )
+            if why is not None:
+                self.asked.add(key)
+                return TrajectoryReplay(None, self, reason=why, unsaid=True)
+            return TrajectoryReplay(None, self)
+        self.asked.add(key)
+        if not source.prepared:
+            for ops in source.ops.values():
+                for op in ops:
+                    op.inputs = comparable(op.inputs, recording.volatile_keys)
+            source.prepared = True
         return TrajectoryReplay(source, self)
 
     def never_asked(self) -> list[str]:
@@ -188,13 +211,19 @@ class Cassette:
         return [t.id for k, t in self.trajectories.items() if k not in self.asked]
 
     def play(self, state: TrajectoryReplay, kind: str, name: str, inputs: Any) -> Played:
-        """Serve a call of ``state``'s trajectory (``inputs``: JSON values) from the recording."""
+        """Serve a call of ``state``'s trajectory from the recording. ``inputs``: the call's
+        arguments as values (a dict of them); they are matched in the form the recording keeps
+        them (``rlreplay.format.payload.to_payload``: redacted, markers, an op's ``__type__`` dicts
+        wrapped)."""
+        if state.unsaid:  # its source could not be read: said by its first served call
+            state.unsaid = False
+            return self._diverged(state, state.reason or "")
         if state.source is None or state.diverged:
             return _NOT_SERVED
         k = state.calls.get(kind, 0)
         state.calls[kind] = k + 1
         recording = self.recording
-        call = Call(kind, name, comparable(inputs, recording.volatile_keys), k)
+        call = Call(kind, name, comparable(payload.to_payload(inputs)[0], recording.volatile_keys), k)
         recorded = state.source.ops.get(kind, [])
         if self._by_position:  # only the op at the call's position can match
             candidates = recorded[k : k + 1]
@@ -215,29 +244,35 @@ class Cassette:
             reason = reason or why
         if reason is None:
             reason = f"{name} call {k + 1} of kind {kind!r}: the recording has {len(recorded)}"
+        return self._diverged(state, reason)
+
+    def _diverged(self, state: TrajectoryReplay, reason: str) -> Played:
         state.reason = reason
         with self._lock:
-            self.divergences[state.source.id] = reason
+            if state.source is not None:
+                self.divergences[state.source.id] = reason
         if self.on_diverge == "fail":
-            error = ReplayDivergence(f"replay of trajectory {state.source.id} diverged: {reason}")
+            which = state.source.id if state.source is not None else "(not read from the source)"
+            error = ReplayDivergence(f"replay of trajectory {which} diverged: {reason}")
             return Played(False, reason=reason, error=error)
         return Played(False, reason=reason)
 
     def _output(self, op: RecordedOp, call: Call) -> Played:
-        """``op``'s recorded output, a fresh copy in the framework's type; not served (and why) when
-        the adapter cannot rebuild it."""
-        output = fresh_copy(op.output)
+        """``op``'s recorded output made anew, as the op returned it (the recording's adapter
+        rebuilds its types); not served, and why, when the recording does not give it back."""
         rebuild = self.recording.rebuild
-        if rebuild is None:
-            return Played(True, output)
         try:
-            return Played(True, rebuild(op.name, call.kind, output))
-        except Exception as exc:  # never raised into the job: the call runs live
-            return Played(
-                False,
-                reason=f"{call.name} call {call.position + 1}: the recorded output of span {op.span_id} "
-                f"cannot be rebuilt ({type(exc).__name__}: {_first_line(exc)})",
-            )
+            if rebuild is None:
+                return Played(True, payload.from_json(op.output, op.output_type))
+            return Played(True, rebuild(op.name, call.kind, op.output, op.output_type))
+        except payload.NotExact as exc:  # never raised into the job: the call runs live
+            why = f"is not what the op returned: {exc}"
+        except Exception as exc:
+            why = f"cannot be rebuilt ({type(exc).__name__}: {_first_line(exc)})"
+        return Played(
+            False,
+            reason=f"{call.name} call {call.position + 1}: the recorded output of span {op.span_id} {why}",
+        )
 
     # -- the recorder's side ----------------------------------------------------------------------
 
@@ -245,12 +280,12 @@ class Cassette:
         """A traced call (``meta``: its ``rlreplay.recorder.events.OpMeta``) played with its inputs
         as the recording kept them; and the ``OpMeta`` to record its span with (served: marked
         so; diverged here: marked with the reason)."""
-        if state.source is None or state.diverged:
+        if (state.source is None or state.diverged) and not state.unsaid:
             return _NOT_SERVED, meta
         bound = meta.bind(args, kwargs)
         if meta.reduce_inputs is not None:  # as the recording kept them
             bound = meta.reduce_inputs(bound)
-        played = self.play(state, meta.kind, meta.name, payload.to_jsonable(bound))
+        played = self.play(state, meta.kind, meta.name, bound)
         if played.served:
             return played, self._served_mark(meta)
         if played.reason is not None:

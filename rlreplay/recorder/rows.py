@@ -19,12 +19,13 @@ import numpy as np
 import pyarrow as pa
 
 from rlreplay.format import arrays as token_arrays
-from rlreplay.format import payload
+from rlreplay.format import payload, tool_errors
 from rlreplay.format import redact as redaction
 from rlreplay.format.keys import key_value
 from rlreplay.format.schema import (
     KIND_AGENT,
     KIND_SIGNALS,
+    KIND_TOOL,
     KIND_TRAJECTORY,
     SIGNAL_COLUMNS,
     SPAN_SCHEMA,
@@ -275,6 +276,7 @@ def _encode_row(
             inputs_obj = _reduce(meta, "reduce_inputs", meta.reduce_inputs, inputs_obj, problems)
         inputs_data, num_tokens = payload.to_payload(inputs_obj, issues, kinds, arrays.ints)
     reward = None
+    output_type: dict[str, str] | None = None  # what the JSON form does not say (replay reads it)
     if exc is not None:
         output_data: Any = _redacted(exception_data(exc))
         error = payload.safe_text(f"{output_data['type']}: {output_data['message']}")
@@ -284,9 +286,13 @@ def _encode_row(
             out = _reduce(meta, "reduce_output", meta.reduce_output, result, problems)
         output_data = None
         if out is not None:
-            output_data, output_tokens = payload.to_payload(out, issues, kinds, arrays.ints)
+            output_type = {} if meta.kind not in (KIND_TRAJECTORY, KIND_SIGNALS) else None
+            output_data, output_tokens = payload.to_payload(out, issues, kinds, arrays.ints, output_type)
             num_tokens += output_tokens
-        error = None
+            if output_type is not None and meta.reduce_output is not None:
+                output_type = {"": payload.REDUCED}
+        # a tool call that returned a failure: why, as every reader counts it (its status stays ok)
+        error = tool_errors.returned_error(output_data) if meta.kind == KIND_TOOL else None
         if meta.reward is not None:
             reward = as_reward(_reduce(meta, "reward", meta.reward, result, problems))
         elif isinstance(output_data, dict):
@@ -309,10 +315,15 @@ def _encode_row(
             index.add(sid, arrays)
             prefixes.added(tid, before, index.nbytes)
     attributes = None
-    if traj.attributes and (parent_id is None or meta.kind == KIND_SIGNALS):
-        attributes = payload.dumps(payload.to_jsonable(traj.attributes, issues=issues), None, issues)
-    elif meta.attributes:
-        attributes = payload.dumps(payload.to_jsonable(meta.attributes, issues=issues), None, issues)
+    rooted = traj.attributes and (parent_id is None or meta.kind == KIND_SIGNALS)
+    given = traj.attributes if rooted else meta.attributes
+    if given:
+        attrs = payload.to_payload(given, issues)[0]  # secrets hidden, as in inputs and outputs
+        if output_type and isinstance(attrs, dict):
+            attrs[payload.OUTPUT_TYPE] = output_type
+        attributes = payload.dumps(attrs, None, issues)
+    elif output_type:
+        attributes = payload.dumps({payload.OUTPUT_TYPE: output_type}, None, issues)
 
     if traj.columns is None:  # once per trajectory
         traj.columns = key_columns(traj, config.experiment)
@@ -410,7 +421,7 @@ def _reduce(meta: Any, what: str, fn: Callable[[Any], Any], value: Any, problems
     except Exception as exc:
         message = payload.safe_text(f"{what} of {meta.name} raised {type(exc).__name__}: {exc}")
         problems.append(Problem(f"reduce:{meta.name}:{what}", message, counted=False))
-        return None if what == "reward" else {"__type__": "error", "error": message[:2000]}
+        return None if what == "reward" else payload.Marker(__type__="error", error=message[:2000])
 
 
 def exception_data(exc: BaseException) -> dict[str, str]:

@@ -5,96 +5,29 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from rlreplay.errors import FormatError, UnsafePathError
+from rlreplay.errors import DamagedFileError, FormatError, UnsafePathError
+from rlreplay.format import index as tindex
+from rlreplay.format.checksums import CheckedParquet
 from rlreplay.format.manifest import QUARANTINE_DIR, quarantine, safe_run_path
 from rlreplay.format.schema import (
     file_version,
-    upgrade,
 )
-from rlreplay.shards.layout import PARTIAL_SUFFIX, SEALED_SUFFIX, SPANS_DIR, fsync_dir, sealed_path_for
+from rlreplay.shards.layout import (
+    PARTIAL_SUFFIX,
+    SEALED_SUFFIX,
+    SPANS_DIR,
+    fsync_dir,
+    new_uid,
+    sealed_path_for,
+)
 from rlreplay.shards.lease import is_live, live_leases
-from rlreplay.shards.live import BODY_CRC
+from rlreplay.shards.live import salvage_partial
 from rlreplay.shards.seal import write_sealed
-
-
-@dataclass
-class Salvage:
-    """What a damaged stream file still holds: its whole batches, and the byte ranges that are not."""
-
-    table: pa.Table
-    batches: int
-    bad_ranges: list[tuple[int, int]]
-    clean: bool  # ended with the end-of-stream marker
-
-
-_CONTINUATION = b"\xff\xff\xff\xff"
-_END_OF_STREAM = _CONTINUATION + b"\x00\x00\x00\x00"
-
-
-def salvage_partial(path: Path) -> Salvage:
-    """Every readable batch of a stream file, also after garbage in its middle (the reader resyncs
-    at the next message marker); raises FormatError when even its header is unusable."""
-    import mmap
-
-    size = path.stat().st_size
-    if size == 0:
-        raise FormatError(f"{path}: empty file")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        buf = pa.memory_map(str(path)).read_buffer(size)  # batches may point into it: arrow owns it
-        try:
-            src = pa.BufferReader(buf)
-            schema = pa.ipc.read_schema(pa.ipc.read_message(src))
-            header = buf.slice(0, src.tell())
-        except (pa.ArrowException, OSError, EOFError, ValueError) as exc:
-            raise FormatError(f"{path}: unreadable stream header ({exc})") from exc
-        version = file_version(schema, str(path))
-        batches: list[pa.RecordBatch] = []
-        bad: list[tuple[int, int]] = []
-        pos = src.tell()
-        clean = False
-        while pos < size:
-            if mm[pos : pos + 8] == _END_OF_STREAM and pos + 8 == size:
-                clean = True
-                break
-            try:
-                src.seek(pos)
-                message = pa.ipc.read_message(src)
-                if message.type != "record batch":
-                    raise ValueError(f"unexpected {message.type} message")
-                batch = _checked_batch(header, message)
-                batch.validate(full=True)
-                batches.append(batch)
-                pos = src.tell()
-            except (pa.ArrowException, OSError, EOFError, ValueError):
-                following = mm.find(_CONTINUATION, pos + 1)
-                end = size if following < 0 else following
-                if bad and bad[-1][1] == pos:
-                    bad[-1] = (bad[-1][0], end)
-                else:
-                    bad.append((pos, end))
-                pos = end
-        table = pa.Table.from_batches(batches, schema=schema)
-    if version == 1:
-        table = upgrade(table)
-    return Salvage(table, len(batches), bad, clean)
-
-
-def _checked_batch(header: pa.Buffer, message: pa.ipc.Message) -> pa.RecordBatch:
-    """A record batch message read as a batch; ValueError if its body's CRC-32 (when written with
-    one) does not match."""
-    stream = pa.ipc.open_stream(pa.BufferReader(header.to_pybytes() + message.serialize().to_pybytes()))
-    batch, metadata = stream.read_next_batch_with_custom_metadata()
-    expected = metadata.get(BODY_CRC.encode()) if metadata is not None else None
-    if expected is not None and int(expected) != zlib.crc32(message.body):
-        raise ValueError("batch body does not match its checksum")
-    return batch
 
 
 @dataclass
@@ -148,13 +81,72 @@ def _quarantine_ranges(run_dir: Path, partial: Path, ranges: list[tuple[int, int
 
 
 def _sealed_rows(path: Path) -> int | None:
-    """Rows of a readable rlreplay sealed file, None if it is not one."""
+    """Rows of a readable rlreplay sealed file matching its checksums, None if it is not one."""
     try:
-        pf = pq.ParquetFile(path)
-        file_version(pf.schema_arrow, str(path))
-        return pf.metadata.num_rows
+        with CheckedParquet(path) as pf:
+            file_version(pf.schema_arrow, str(path))
+            pf.verify()
+            return pf.metadata.num_rows
     except (pa.ArrowException, OSError, FormatError, ValueError):
         return None
+
+
+def recover_shard(run_dir: Path, shard: Path) -> Recovered | None:
+    """Check a sealed shard in full against its checksums: None when it matches them (or was
+    written without them, or is no rlreplay file). One that does not is set aside in
+    ``RUN/_quarantine/`` with its index file, and its row groups that still match are sealed
+    again as a new shard (each row group holds whole trajectories of the file)."""
+    safe_run_path(run_dir, _rel(run_dir, shard))
+    result = Recovered(shard)
+    table = None
+    try:
+        with CheckedParquet(shard) as pf:
+            file_version(pf.schema_arrow, str(shard))
+            try:
+                pf.verify()
+                return None
+            except DamagedFileError:
+                pass
+            metadata = pf.metadata
+            good, bad = [], []
+            for i in range(pf.num_row_groups):
+                try:
+                    pf.verify([i])
+                    good.append(i)
+                except DamagedFileError:
+                    bad.append(i)
+            if good:
+                table = pf.read_row_groups(good)
+            result.set_aside_bytes = sum(
+                metadata.row_group(i).column(j).total_compressed_size
+                for i in bad
+                for j in range(metadata.num_columns)
+            )
+            groups = ", ".join(map(str, bad))
+            result.note = (
+                f"row group{'s' if len(bad) > 1 else ''} {groups} of {pf.num_row_groups} "
+                "did not match their checksums"
+            )
+    except DamagedFileError as exc:  # its footer: nothing in it can be trusted
+        result.set_aside_bytes = shard.stat().st_size
+        result.note = _one_line(str(exc).replace(str(shard), "").strip(": "))
+    except (pa.ArrowException, OSError, FormatError, ValueError):
+        return None  # unreadable without checksums to tell why: readers name it, it is left as it is
+    index = tindex.index_path(shard)
+    result.set_aside = [_quarantine_file(run_dir, shard)]  # first: its rows are never listed twice
+    if index.exists():
+        result.set_aside.append(_quarantine_file(run_dir, index))
+    if table is not None and table.num_rows:
+        final = shard.with_name(f"part-{new_uid()}{SEALED_SUFFIX}")
+        write_sealed(
+            table, final, {b"rlreplay.recovered": b"true", b"rlreplay.salvaged_from": shard.name.encode()}
+        )
+        result.sealed, result.rows = final, table.num_rows
+    return result
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:160]
 
 
 def recover_partial(run_dir: Path, partial: Path) -> Recovered:
@@ -228,9 +220,11 @@ def recover_partial(run_dir: Path, partial: Path) -> Recovered:
     return result
 
 
-def recover_run(run_dir: Path, wait_s: float = 0.0) -> Recovery:
+def recover_run(run_dir: Path, wait_s: float = 0.0, shards: bool = True) -> Recovery:
     """Seal every partial whose writer is gone; first wait up to ``wait_s`` for recording processes
-    (their leases) to end, so that nothing is sealed while a process may still write.
+    (their leases) to end, so that nothing is sealed while a process may still write. With
+    ``shards``, then check every sealed shard in full against its checksums (``recover_shard``:
+    reads every byte of the run).
 
     Partials still held open by a live writer are left untouched; so is anything that resolves
     outside the run directory (a symlinked folder).
@@ -271,5 +265,15 @@ def recover_run(run_dir: Path, wait_s: float = 0.0) -> Recovery:
         except UnsafePathError:
             files.append(Recovered(partial, note="left alone: it resolves outside the run directory"))
         except (FormatError, OSError, pa.ArrowException, ValueError) as exc:
-            files.append(Recovered(partial, note=f"left alone: {' '.join(str(exc).split())[:160]}"))
+            files.append(Recovered(partial, note=f"left alone: {_one_line(str(exc))}"))
+    if shards:
+        for shard in sorted(spans.glob(f"step=*/worker=*/part-*{SEALED_SUFFIX}")):
+            try:
+                checked = recover_shard(run_dir, shard)
+            except UnsafePathError:
+                checked = Recovered(shard, note="left alone: it resolves outside the run directory")
+            except (FormatError, OSError, pa.ArrowException, ValueError) as exc:
+                checked = Recovered(shard, note=f"left alone: {_one_line(str(exc))}")
+            if checked is not None:
+                files.append(checked)
     return Recovery(files, live)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlreplay.errors import DamagedFileError
 from rlreplay.format import arrow_ops as ops
+from rlreplay.format import checksums
 from rlreplay.format import index as tindex
 from rlreplay.format.schema import (
     KEY_STR,
@@ -44,12 +46,18 @@ class SealResult:
 
 
 def seal(partial: Path, *, recovered: bool = False) -> SealResult:
-    """Compact a closed (or crashed) partial into its sorted Parquet file, then remove the partial."""
+    """Compact a closed partial into its sorted Parquet file, then remove the partial. One that is
+    not whole (a crash tore it) or does not match its checksums raises ``DamagedFileError`` and is
+    left for ``recover``, which keeps aside what it cannot read."""
     final = sealed_path_for(partial)
     if final.exists():  # sealed before a crash that left the partial behind
         partial.unlink(missing_ok=True)
         return SealResult(final, 0, 0, recovered)
-    contents = read_partial(partial)
+    contents = read_partial(partial)  # a batch that does not match its checksum: DamagedFileError
+    if not contents.clean:  # bytes no batch holds: `recover` keeps them aside, never deletes them
+        raise DamagedFileError(
+            f"{partial.name}: {contents.discarded_bytes} bytes at its end are not a whole batch"
+        )
     rows, discarded = contents.table.num_rows, contents.discarded_bytes
     if rows == 0:
         partial.unlink(missing_ok=True)
@@ -76,6 +84,7 @@ def parquet_options() -> dict[str, Any]:
         "write_statistics": META_COLUMNS,
         "use_byte_stream_split": ["token_logprobs.list.element"],
         "data_page_size": 1 << 20,
+        "write_page_checksum": True,
     }
 
 
@@ -98,8 +107,7 @@ def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes
         writer = pq.ParquetWriter(f, table.schema, **parquet_options())
         for start, stop in bounds:
             writer.write_table(_gather(table, order[start:stop]), row_group_size=stop - start)
-        writer.close()
-        f.flush()
+        write_checksums(writer, f, tmp, len(bounds))
         os.fsync(f.fileno())
         size = f.tell()
     index = tindex.build(spans, row_group_of)
@@ -118,6 +126,15 @@ def _gather(table: pa.Table, rows: np.ndarray) -> pa.Table:
     lengths = np.diff(np.concatenate(([0], breaks, [len(rows)]))).tolist()
     parts = [table.slice(start, length) for start, length in zip(starts, lengths)]
     return pa.concat_tables(parts).combine_chunks()
+
+
+def write_checksums(writer: pq.ParquetWriter, f: BinaryIO, path: Path, row_groups: int) -> None:
+    """Close ``writer`` (writing into ``f``, the file at ``path``) with the checksums of its
+    ``row_groups`` row groups and of its footer in the footer (``rlreplay.format.checksums``)."""
+    checksums.reserve(writer, row_groups)
+    writer.close()
+    f.flush()
+    checksums.fill(path)
 
 
 def row_sizes(table: pa.Table) -> pa.Array:

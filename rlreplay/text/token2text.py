@@ -126,6 +126,12 @@ def _from_hf_cache(repo_id: str) -> tuple[str, str]:
     )
 
 
+def tokenizer_source(name_or_path: str) -> str:
+    """The file or folder ``Decoder.load(name_or_path)`` reads, found without loading it (raises
+    :class:`TokenizerUnavailable` as loading would)."""
+    return _locate(name_or_path)[1]
+
+
 # ---- the decoder --------------------------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from rlreplay.format.keys import SELECT_KEYS, key_order, parse_int
 from rlreplay.model import listing_rows
 from rlreplay.read.filters import Filters
 from rlreplay.read.selection import Selection
+from rlreplay.read.where import time_budget
 from rlreplay.ui import charts, views
 from rlreplay.ui.data import (
     PAGE_SIZES,
@@ -199,7 +200,7 @@ class UI:
             total=table.num_rows,
             status_counts=status_counts,
             sections=sections,
-            warnings=list(view.run.warnings),
+            warnings=view.run.notes(),
             crumbs=[],
         )
 
@@ -300,7 +301,7 @@ class UI:
             spans=views.timeline(traj, decoder),
             tools=views.tool_calls(traj),
             timings=views.timings(traj),
-            tokens=views.tokens(traj, decoder),
+            tokens=views.tokens(traj, decoder, getattr(view.adapter(), "fields", None)),
             siblings=siblings,
             findings=findings,
             compared=self.comparisons.badges(view).get(traj.id),
@@ -385,7 +386,7 @@ class UI:
 
     def compare(self, request: Request) -> Response:
         """This run against another of the folder (e.g. its replay): pairs same, changed or in one."""
-        from rlreplay.compare import summary
+        from rlreplay.compare import summary, where
 
         view = self.view(request)
         others = [n for n in self.runs.names() if n != view.name]
@@ -399,6 +400,7 @@ class UI:
                 other="",
                 q=q,
                 result=None,
+                where=where,
                 crumbs=[("compare", None)],
             )
         b = self.runs.get(other)
@@ -417,6 +419,7 @@ class UI:
             result=summary(pairs),
             pairs=shown,
             total=len(pairs),
+            where=where,
             crumbs=[("compare", None)],
         )
 
@@ -437,6 +440,53 @@ class UI:
             help={c.name: c.help for c in report.checks},
             shown=report.findings[:FINDINGS_SHOWN],
             crumbs=[("findings", None)],
+        )
+
+    def mismatch(self, request: Request) -> Response:
+        """Trainer vs rollout log-probs over the run: the numbers of ``rlreplay mismatch`` per step,
+        their trend, a bucket key's buckets, the worst rollouts and tokens."""
+        from rlreplay.mismatch import BY
+        from rlreplay.mismatch import metrics as m
+
+        view = self.view(request)
+        version = view.version()
+        by = request.query_params.get("by", "position")
+        if by not in BY or by == "step":
+            raise RunError(f"by must be one of {', '.join(b for b in BY if b != 'step')}, not {by!r}")
+        crumbs = [("mismatch", None)]
+        try:
+            report = view.mismatch()
+            buckets = view.mismatch(by)
+        except RunError as exc:
+            return self.page(
+                "mismatch.html", view=view, version=version, report=None, why=str(exc), crumbs=crumbs
+            )
+        trained = [r for r in report.steps if not r["validate"] and isinstance(r["step"], int)]
+        steps = [r["step"] for r in trained]
+
+        def chart(title: str, keys: tuple[str, ...]) -> Any:
+            lines = [charts.Series(MISMATCH_LABELS.get(k, k), [r[k] for r in trained]) for k in keys]
+            return charts.trend_chart(title, steps, lines, href=lambda st: step_href(view, st, False))
+
+        return self.page(
+            "mismatch.html",
+            view=view,
+            version=version,
+            report=report,
+            why=None,
+            by=by,
+            keys=[b for b in BY if b != "step"],
+            buckets=buckets,
+            sequence_keys=m.SEQUENCE_KEYS,
+            charts=[
+                chart("|Δ| = |trainer − rollout| log-prob", ("logprob_diff_mean", "logprob_diff_p99")),
+                chart("token_mult_prob_error (mean exp|Δ|)", ("token_mult_prob_error",)),
+                chart("kl and k3_kl (verl)", ("kl", "k3_kl")),
+                chart("chi2_token (verl)", ("chi2_token",)),
+            ],
+            rules=(m.BOUNDS_RULE, m.VERDICT_RULE),
+            labels=MISMATCH_LABELS,
+            crumbs=crumbs,
         )
 
     def group(self, request: Request) -> Response:
@@ -515,6 +565,23 @@ SERIES_NAMES = {
     "logprob_diff_p95": "p95 of max",
     "importance_ratio_p5": "p5",
     "importance_ratio_p95": "p95",
+}
+
+
+#: Short column names on the mismatch page (the --json name is each column's title).
+MISMATCH_LABELS = {
+    "logprob_diff_mean": "mean |Δ|",
+    "logprob_diff_p99": "p99 |Δ|",
+    "logprob_diff_max": "max |Δ|",
+    "seq_logprob_diff_max_p50": "rollout max p50",
+    "seq_logprob_diff_max_p90": "rollout max p90",
+    "token_mult_prob_error": "mult. prob. error",
+    "tis_token_frac_high": "ρ > 2",
+    "icepop_token_frac_out": "ρ ∉ [0.5, 5]",
+    "tis_seq_frac_high": "Πρ > 2",
+    "eff_sample_size": "ESS",
+    "kl": "kl",
+    "k3_kl": "k3_kl",
 }
 
 
@@ -665,12 +732,18 @@ def _traj_crumbs(view: RunView, traj: Any) -> list[tuple[str, str | None]]:
     return crumbs
 
 
-def looked_once(handler: Any) -> Any:
-    """The page handler, looking at each run's files once per request."""
+#: Seconds the queries of one page (its where box, the step statistics) may compute: a link
+#: someone is sent must not pin a core, and a page whose browser left stops computing.
+QUERY_SECONDS = 10.0
+
+
+def looked_once(handler: Any, budget_s: float | None = QUERY_SECONDS) -> Any:
+    """The page handler, looking at each run's files once per request, its queries within
+    ``budget_s`` seconds."""
 
     @functools.wraps(handler)
     def page(request: Request) -> Response:
-        with one_look():
+        with one_look(), time_budget(budget_s):
             return handler(request)
 
     return page
@@ -682,10 +755,12 @@ def create_app(
     allowed_hosts: list[str] | None = None,
     warm: bool = False,
     tokenizer: str | None = None,
+    query_budget_s: float | None = QUERY_SECONDS,
 ) -> Starlette:
     """The app over a run directory or a folder of runs; ``allowed_hosts`` guards the Host header;
     ``warm``: read a single run's listing before returning, so that the first page is fast;
-    ``tokenizer``: decode with this tokenizer instead of the one each run's manifest names."""
+    ``tokenizer``: decode with this tokenizer instead of the one each run's manifest names;
+    ``query_budget_s``: the seconds a page's queries may compute."""
     ui = UI(RunSet(root, tokenizer), poll_ms=poll_ms)
     if warm:
         ui.warm()
@@ -703,15 +778,16 @@ def create_app(
     routes = [
         Route("/", ui.index),
         Route("/api/version", ui.root_version),
-        Route("/r/{run}/", looked_once(ui.overview)),
-        Route("/r/{run}/trajectories", looked_once(ui.trajectories)),
-        Route("/r/{run}/t/{tid}", looked_once(ui.trajectory)),
-        Route("/r/{run}/group/{tid}", looked_once(ui.group)),
-        Route("/r/{run}/prompt", looked_once(ui.prompt)),
-        Route("/r/{run}/diff", looked_once(ui.diff)),
-        Route("/r/{run}/findings", looked_once(ui.findings)),
-        Route("/r/{run}/compare", looked_once(ui.compare)),
-        Route("/r/{run}/api/version", looked_once(ui.version)),
+        Route("/r/{run}/", looked_once(ui.overview, query_budget_s)),
+        Route("/r/{run}/trajectories", looked_once(ui.trajectories, query_budget_s)),
+        Route("/r/{run}/t/{tid}", looked_once(ui.trajectory, query_budget_s)),
+        Route("/r/{run}/group/{tid}", looked_once(ui.group, query_budget_s)),
+        Route("/r/{run}/prompt", looked_once(ui.prompt, query_budget_s)),
+        Route("/r/{run}/diff", looked_once(ui.diff, query_budget_s)),
+        Route("/r/{run}/findings", looked_once(ui.findings, query_budget_s)),
+        Route("/r/{run}/mismatch", looked_once(ui.mismatch, query_budget_s)),
+        Route("/r/{run}/compare", looked_once(ui.compare, query_budget_s)),
+        Route("/r/{run}/api/version", looked_once(ui.version, query_budget_s)),
         Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"),
     ]
     middleware = []

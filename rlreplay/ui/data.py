@@ -145,10 +145,12 @@ class RunView:
         self._decoder_error: str | None = None
         self._decoder_loaded = False
         self._findings: tuple[pa.Table, Any] | None = None
+        self._mismatch: tuple[pa.Table, dict[str, Any]] | None = None
         self._listing_findings: tuple[pa.Table, list[Any]] | None = None
         self._stats: tuple[pa.Table, list[dict[str, Any]]] | None = None
         self._checks: list[Any] | None = None
         self._prompts: dict[str, str] = {}
+        self._texts: Any = None  # the run's searched texts, once a search asked for them
         self._selections: tuple[pa.Table | None, dict[tuple[str, ...], pa.Table]] = (None, {})
         self._version: tuple[tuple[Any, ...] | None, str] = (None, "")
 
@@ -265,7 +267,7 @@ class RunView:
             if found is not None:
                 kept[key] = found  # the latest used last
                 return found
-        found = select(table, q)
+        found = select(table, q, self.texts() if q.grep is not None else None)
         with self._lock:
             kept[key] = found
             while len(kept) > SELECTIONS_KEPT:
@@ -325,6 +327,25 @@ class RunView:
             self._findings = cached = (table, report)
         return cached[1]
 
+    def mismatch(self, by: str = "step") -> Any:
+        """``rlreplay mismatch``'s report of the whole run (by ``by``), redone when the listing
+        changes; a ``RunError`` when the run keeps no per-token trainer log-probs."""
+        from rlreplay.mismatch.report import compute
+
+        table = self.listing()
+        if self._mismatch is None or self._mismatch[0] is not table:
+            self._mismatch = (table, {})
+        kept = self._mismatch[1]
+        if by not in kept:
+            try:
+                kept[by] = compute(self.run, table, by=by, decoder=self.decoder())
+            except RunError as exc:
+                kept[by] = exc
+        found = kept[by]
+        if isinstance(found, RunError):
+            raise found
+        return found
+
     def stats(self) -> list[dict[str, Any]]:
         """:func:`step_stats` of the listing, redone when the listing changes."""
         table = self.listing()
@@ -365,7 +386,8 @@ class RunView:
         from rlreplay.audit.finding import OVER_LISTING
 
         over_listing = [c for c in self.checks() if c.over == OVER_LISTING]
-        return engine.audit(self.run, table, over_listing).findings
+        # the per-step mismatch verdicts read every token: the findings page's whole audit has them
+        return engine.audit(self.run, table, over_listing, {"mismatch_steps": 0.0}).findings
 
     def checks(self) -> list[Any]:
         """The installed audit checks, found once (looking up plug-ins takes 0.1-0.3 s)."""
@@ -392,6 +414,19 @@ class RunView:
         from rlreplay.adapters.registry import adapter_for_run
 
         return adapter_for_run(self.run)
+
+    def texts(self) -> Any:
+        """The run's searched texts (``rlreplay.read.search``), decoded once and kept; a run without
+        a tokenizer cannot be searched (``RunError`` saying why)."""
+        from rlreplay.read.search import TextSearch
+
+        decoder = self.decoder()
+        if decoder is None:
+            raise RunError(f"search needs the run's tokenizer: {self.decoder_error or 'none loads'}")
+        with self._lock:
+            if self._texts is None or self._texts.source != getattr(decoder, "source", None):
+                self._texts = TextSearch(self.run, decoder, self.adapter())
+            return self._texts
 
     @property
     def decoder_error(self) -> str | None:
@@ -447,9 +482,10 @@ class ListQuery(Selection):
         }
 
 
-def select(table: pa.Table, q: Selection) -> pa.Table:
-    """The rows of the listing ``q`` asks for, in its order (not paginated): ``ls``'s selection."""
-    return q.apply(table)
+def select(table: pa.Table, q: Selection, texts: Any = None) -> pa.Table:
+    """The rows of the listing ``q`` asks for, in its order (not paginated): ``ls``'s selection
+    (``texts``: the run's searched texts, for ``grep``)."""
+    return q.apply(table, texts=texts)
 
 
 @dataclass

@@ -13,10 +13,10 @@ import orjson
 from markupsafe import Markup
 
 from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_SIGNALS, KIND_TOOL
+from rlreplay.format.tool_errors import tool_error
 from rlreplay.model import Span, Trajectory
 
 LOGPROB_KEYS = ("response_logprobs", "rollout_log_probs", "log_probs", "logprobs")
-TRAINER_LOGPROB_KEYS = ("old_log_probs", "trainer_log_probs", "log_probs", "logprobs")
 MAX_TOKENS = 100_000
 
 
@@ -91,6 +91,7 @@ class Message:
     content: str
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments" (text)}
     tokens: int | None = None
+    stopped: str | None = None  # an answer cut by its length limit: how (the audit's truncated rule)
 
     @property
     def head(self) -> str:
@@ -109,18 +110,35 @@ CHAT_SHOWN = 20_000
 def messages(traj: Trajectory, decoder: Any, adapter: Any = None) -> list[Message]:
     """The conversation as OpenAI-style chat messages (system, user, assistant, tool); without a
     tokenizer, the turns (prompt, assistant, tool) with their token ids."""
-    from rlreplay.adapters.registry import openai_messages
+    from rlreplay.adapters.registry import get_adapter, openai_messages
 
+    adapter = adapter or get_adapter()
     if decoder is None:
-        return _id_messages(traj)
-    out = []
-    for m in openai_messages(traj, decoder, adapter):
-        calls = []
-        for call in m.get("tool_calls") or []:
-            fn = call.get("function") or {}
-            calls.append({"name": fn.get("name"), "arguments": _pretty_arguments(fn.get("arguments"))})
-        out.append(Message(str(m.get("role")), str(m.get("content") or ""), calls))
+        out = _id_messages(traj, adapter)
+    else:
+        out = []
+        for m in openai_messages(traj, decoder, adapter):
+            calls = []
+            for call in m.get("tool_calls") or []:
+                fn = call.get("function") or {}
+                calls.append({"name": fn.get("name"), "arguments": _pretty_arguments(fn.get("arguments"))})
+            out.append(Message(str(m.get("role")), str(m.get("content") or ""), calls))
+    _mark_length_stops(traj, out, adapter)
     return out
+
+
+def _mark_length_stops(traj: Trajectory, out: list[Message], adapter: Any) -> None:
+    """Mark the answers whose model call stopped on its length limit: the k-th assistant message is
+    the k-th assistant turn, the answer of that turn's model call."""
+    from rlreplay.audit.calls import length_stops
+    from rlreplay.text.conversation import ROLE_ASSISTANT, turns
+
+    stopped = length_stops(traj, adapter)
+    if not stopped:
+        return
+    answers = [t.span_id for t in turns(traj, None, adapter) if t.role == ROLE_ASSISTANT]
+    for message, span_id in zip((m for m in out if m.role == ROLE_ASSISTANT), answers):
+        message.stopped = stopped.get(span_id) if span_id else None
 
 
 def prompt_text(traj: Trajectory, decoder: Any, adapter: Any = None) -> str:
@@ -150,11 +168,11 @@ def recorded_prompt(traj: Trajectory, adapter: Any) -> str | None:
     return str(users[0].get("content") or "") if users else ""
 
 
-def _id_messages(traj: Trajectory) -> list[Message]:
+def _id_messages(traj: Trajectory, adapter: Any = None) -> list[Message]:
     from rlreplay.text.conversation import turns
 
     out = []
-    for turn in turns(traj):
+    for turn in turns(traj, None, adapter):
         calls = [{"name": c.get("name"), "arguments": pretty(c.get("arguments"))} for c in turn.tool_calls]
         out.append(Message(turn.role, " ".join(map(str, turn.token_ids)), calls, tokens=len(turn.token_ids)))
     return out
@@ -249,7 +267,7 @@ def timings(traj: Trajectory) -> dict[str, Any]:
         "llm_s": sum(s.duration_s for s in llm),
         "tool": len(tools),
         "tool_s": sum(s.duration_s for s in tools),
-        "tool_errors": sum(1 for s in tools if s.status == "error"),
+        "tool_errors": traj.tool_errors,  # the listing's count (rlreplay.format.tool_errors)
     }
 
 
@@ -271,7 +289,7 @@ def tool_calls(traj: Trajectory) -> list[dict[str, Any]]:
                 "arguments": pretty(inputs.get("parameters", inputs.get("kwargs", inputs))),
                 "result": pretty(result),
                 "status": span.status,
-                "error": span.error,
+                "error": tool_error(span.status, span.error, span.output),
                 "ms": span.duration_s * 1000,
             }
         )
@@ -368,31 +386,31 @@ def _aligned(value: Any, n: int) -> list[float | None] | None:
     return out + [None] * (n - len(out))
 
 
-def _trainer_logprobs(
-    traj: Trajectory, n: int, keys: tuple[str, ...] = TRAINER_LOGPROB_KEYS
-) -> list[float | None] | None:
-    """Per-token trainer values (log-probs unless ``keys`` says) from the latest ``signals`` span."""
-    for span in sorted(traj.by_kind(KIND_SIGNALS), key=lambda s: s.end_ns, reverse=True):
-        for value in (span.output, span.attributes):
-            if keys is not TRAINER_LOGPROB_KEYS and not isinstance(value, dict):
-                continue
-            candidates = [value.get(k) for k in keys] if isinstance(value, dict) else [value]
-            for candidate in candidates:
-                found = _aligned(candidate, n)
-                if found is not None:
-                    return found
+def _entropy(traj: Trajectory, n: int) -> list[float | None] | None:
+    """Per-token entropy, when the rollout or the trainer recorded it."""
+    for kind in (KIND_AGENT, KIND_SIGNALS):
+        for span in sorted(traj.by_kind(kind), key=lambda s: s.end_ns, reverse=kind == KIND_SIGNALS):
+            for value in (span.output, span.attributes):
+                if isinstance(value, dict):
+                    for key in ENTROPY_KEYS:
+                        found = _aligned(value.get(key), n)
+                        if found is not None:
+                            return found
     return None
 
 
-def _entropy(traj: Trajectory, n: int) -> list[float | None] | None:
-    """Per-token entropy, when the rollout or the trainer recorded it."""
-    for agent in traj.by_kind(KIND_AGENT):
-        if isinstance(agent.output, dict):
-            for key in ENTROPY_KEYS:
-                found = _aligned(agent.output.get(key), n)
-                if found is not None:
-                    return found
-    return _trainer_logprobs(traj, n, ENTROPY_KEYS)
+def _compared(traj: Trajectory, n: int, fields: Any) -> Any:
+    """The response's trainer and rollout log-probs as the mismatch numbers take them
+    (``rlreplay.mismatch.tokens``), when its trainer log-probs were recorded per token and it is
+    the response the page shows (``n`` tokens); else None."""
+    import numpy as np
+
+    from rlreplay.mismatch.tokens import of_trajectory
+
+    found = of_trajectory(traj, fields)
+    if found is None or len(found) != n or not np.isfinite(found.trainer).any():
+        return None
+    return found
 
 
 LEVELS = 20  # colour steps of an overlay (classes a0–a20, b0–b20, c0–c20 in style.css)
@@ -460,33 +478,43 @@ def _chars(values: Any, first: str) -> str:
     return (values + ord(first)).astype(np.uint8).tobytes().decode("ascii")
 
 
-def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
+def tokens(traj: Trajectory, decoder: Any, fields: Any = None) -> TokenView | None:
     """The response's tokens as compact data the page draws from (``ui.js``, block by block): ids,
     each distinct id's text decoded once, the mask and each overlay's colour level as one character
     per token; the values for the tooltips apart (read on the first hover); a minimap of the whole
-    response when it is long."""
+    response when it is long. The mismatch overlay paints |trainer − rollout| of the tokens the
+    mismatch numbers count (model tokens, ``fields``: the run's adapter's); tool and observation
+    tokens get no level."""
     import numpy as np
 
     ids, mask, lps = _response(traj)
     if not ids:
         return None
     truncated = len(ids) > MAX_TOKENS
+    n_all = len(ids)
     ids, mask = ids[:MAX_TOKENS], mask[:MAX_TOKENS]
     lps = lps[:MAX_TOKENS] if lps else None
     n = len(ids)
-    trainer_list, entropy_list = _trainer_logprobs(traj, n), _entropy(traj, n)
-    rollout, trainer, entropy = _array(lps, n), _array(trainer_list, n), _array(entropy_list, n)
+    compared = _compared(traj, n_all, fields)
+    entropy_list = _entropy(traj, n)
+    rollout, entropy = _array(lps, n), _array(entropy_list, n)
+    trainer = compared.trainer[:n] if compared is not None else np.full(n, np.nan)
+    gap = (
+        np.where(compared.counted[:n], np.abs(trainer - compared.rollout[:n]), np.nan)
+        if compared
+        else trainer
+    )
     known = entropy[~np.isnan(entropy)]
     top_entropy = float(known.max()) if known.size and known.max() > 0 else 1.0
     unique = list(dict.fromkeys(ids))
     texts = _token_texts(decoder, unique)
     levels = [
         _levels(rollout, LOGPROB_FULL),
-        _levels(np.abs(trainer - rollout), MISMATCH_FULL),
+        _levels(gap, MISMATCH_FULL),
         _levels(entropy, top_entropy),
     ]
     marks = mask
-    present = (lps is not None, trainer_list is not None, entropy_list is not None)
+    present = (lps is not None, compared is not None, entropy_list is not None)
     data = {
         "ids": ids,
         "text": dict(zip(unique, texts)),
@@ -502,15 +530,8 @@ def tokens(traj: Trajectory, decoder: Any) -> TokenView | None:
         "entropy": _json_values(entropy) if present[2] else None,
     }
     note = None
-    if trainer_list is None:
-        scalars = [
-            s.attributes
-            for s in traj.by_kind(KIND_SIGNALS)
-            if isinstance(s.attributes, dict) and "logprob_diff_max" in s.attributes
-        ]
-        note = "no per-token trainer log-probs recorded" + (
-            f" (logprob_diff_max {scalars[-1]['logprob_diff_max']})" if scalars else ""
-        )
+    if compared is None:
+        note = "no trainer log-probs per token recorded (record them: rlreplay record --token-signals)"
     return TokenView(
         _script_json(data),
         _script_json(values),

@@ -6,6 +6,7 @@ The worst tokens and the flagged groups are computed here from what was recorded
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -96,8 +97,22 @@ def test_mismatch_names_the_worst_tokens_where_per_token_log_probs_were_recorded
     plant = {(1, 4, 0): {5: -2.5, 12: 1.2}, (0, 7, 1): {3: 4.0}}
     recorded = record_run(tmp_path / "tokens", [0, 1], samples, plant, token_signals=True)
     found = [f for f in audit(str(tmp_path / "tokens"), "--checks", "mismatch")]
-    flagged = {(f["step"], f["sample_index"], f["rollout_n"]): f for f in found}
+    flagged = {(f["step"], f["sample_index"], f["rollout_n"]): f for f in found if f["trajectory_id"]}
     assert set(flagged) == set(plant)
+    # the steps `rlreplay mismatch` calls investigate: mean exp|trainer - rollout| over model tokens > 1.05
+    errors: dict[int, list[float]] = {}
+    for (step, _, _), (out, trainer) in recorded.items():
+        for t, r, m in zip(trainer, out["response_logprobs"], out["response_mask"]):
+            if m:
+                errors.setdefault(step, []).append(math.exp(abs(t - r)))
+    steps = {f["step"]: f for f in found if f["trajectory_id"] is None}
+    assert set(steps) == {s for s, e in errors.items() if sum(e) / len(e) > 1.05} != set()
+    for step, finding in steps.items():
+        mult = sum(errors[step]) / len(errors[step])
+        assert (
+            finding["severity"] == "warning"
+            and f"token_mult_prob_error {mult:.4g} > 1.05" in finding["detail"]
+        )
     for keys, finding in flagged.items():
         out, trainer = recorded[keys]
         gaps = [

@@ -65,6 +65,8 @@ def test_help_imports_no_pyarrow_and_lists_every_command(tmp_path: Path) -> None
         "compare",
         "diff",
         "export",
+        "mismatch",
+        "proxy",
         "record",
         "replay",
         "sql",

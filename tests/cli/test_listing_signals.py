@@ -171,7 +171,11 @@ def _group_table(run: Path, selector: str) -> tuple[list[str], list[list[str]]]:
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rollout_n", "id"])
-    return lines[start].split(), [line.split() for line in lines[start + 1 :] if line.strip()]
+    says = ("best says:", "this says:")  # what a diverging rollout says, on the lines under its row
+    rows = [
+        line.split() for line in lines[start + 1 :] if line.strip() and not line.lstrip().startswith(says)
+    ]
+    return lines[start].split(), rows
 
 
 def test_diff_group_shows_the_signals_per_rollout() -> None:

@@ -7,6 +7,7 @@ source run's files.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -138,7 +139,7 @@ def test_bad_input_never_starts_the_command(source: Path, tmp_path: Path, case: 
     opts = {
         "missing": [str(tmp_path / "nowhere"), "--framework", "generic"],
         "not a run": [str(tmp_path / "file"), "--framework", "generic"],
-        "other adapter": [str(source)],  # the default adapter is verl
+        "other adapter": [str(source), "--framework", "verl"],  # named, and not the source's
         "selects nothing": [str(source), "--framework", "generic", "--step", "99"],
         "unknown kind": [str(source), "--framework", "generic", "--serve", "llm,gpu"],
         "unknown matcher": [str(source), "--framework", "generic", "--match-on", "position,prompt"],
@@ -172,3 +173,123 @@ def test_every_process_is_told_the_source_as_given(tmp_path: Path, monkeypatch, 
     assert main([*args, "--", sys.executable, "-c", told, str(seen)]) == 0
     assert ReplayConfig.from_env(json.loads(seen.read_text())) == ReplayConfig.of(uri, "llm")
     assert rlreplay.open_run(tmp_path / "new").manifest["replay"]["source"] == uri
+
+
+PLAIN = {"steps": 2, "samples": 3, "rollouts": 1, "seed": 0}  # one process: quicker
+
+
+def recorded(base: Path, config: dict, *options: str) -> Path:
+    proc = cli(base, "record", *options, "--out", str(base / "src"), "--", *job(config))
+    assert proc.returncode == 0, proc.stderr
+    return base / "src"
+
+
+def summary_lines(stderr: str) -> list[str]:
+    """The end-of-run summary of ``rlreplay replay``: its line, then the lines it adds."""
+    lines = stderr.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("rlreplay: replay of "))
+    return [line for line in lines[start:] if line.startswith("rlreplay: replay")]
+
+
+def test_a_generic_job_is_recorded_and_replayed_with_the_defaults(tmp_path: Path) -> None:
+    """No --framework anywhere: the run names the framework its job traced through (generic here),
+    and its model calls are served as the dicts they returned (not rebuilt into verl's types)."""
+    source = recorded(tmp_path, PLAIN)
+    assert rlreplay.open_run(source).manifest["framework"] == "generic"
+    env = {"REPLAY_JOB_ENGINE_DOWN": "1"}
+    proc = cli(tmp_path, "replay", str(source), "--out", str(tmp_path / "new"), "--", *job(PLAIN), env=env)
+    assert proc.returncode == 0, proc.stderr
+    served = sum(f["calls"] for f in source_facts(source).values())
+    assert f"{served} ops served; 0 trajectories diverged" in proc.stderr
+    assert {r["replay"] for r in ls_rows(tmp_path / "new").values()} == {"served"}
+
+
+@pytest.mark.parametrize("on_diverge", ["live", "fail"])
+def test_a_source_that_goes_away_during_the_replay_is_not_silent(tmp_path: Path, on_diverge: str) -> None:
+    """The job's processes read the source when their first trajectory opens; it is gone by then."""
+    source = recorded(tmp_path, PLAIN)
+    kept = tmp_path / "kept"
+    shutil.copytree(source, kept)  # what the source held, to count from
+    args = ("replay", str(source), "--on-diverge", on_diverge, "--out", str(tmp_path / "new"))
+    proc = cli(tmp_path, *args, "--", *job({**PLAIN, "remove": str(source)}))
+    assert not source.exists()
+    rows = ls_rows(tmp_path / "new")
+    assert set(rows) == set(source_facts(kept))
+    for row in rows.values():
+        assert row["replay"] == "diverged" and row["replay_of"] is None
+        assert row["replay_reason"].startswith(f"the source run could not be read (source run {source}")
+    lines = summary_lines(proc.stderr)
+    assert lines[0].startswith(f"rlreplay: replay of {source}: 0 ops served")
+    assert (
+        f"rlreplay: replay: {len(rows)} trajectories were not served: the source run could not be read"
+        in ("\n".join(lines))
+    )
+    if on_diverge == "fail":
+        assert proc.returncode != 0  # every trajectory's first model call raised ReplayDivergence
+    else:
+        assert proc.returncode == 0, proc.stderr  # they ran live, and the summary says why
+
+
+def truncate_step(run: Path, step: int) -> str:
+    [shard] = (run / "spans" / f"step={step}").glob("*/*.parquet")
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return str(shard.relative_to(run))
+
+
+def test_a_truncated_source_shard_is_named_and_never_read_as_an_empty_selection(tmp_path: Path) -> None:
+    source = recorded(tmp_path, PLAIN)
+    facts = source_facts(source)
+    damaged = truncate_step(source, 1)
+    command = ("--", *job(PLAIN))
+    only = cli(tmp_path, "replay", str(source), "--step", "1", "--out", str(tmp_path / "a"), *command)
+    assert only.returncode == 2 and len(only.stderr.strip().splitlines()) == 1
+    assert damaged in only.stderr and "matches no trajectory" not in only.stderr
+    failing = cli(
+        tmp_path, "replay", str(source), "--on-diverge", "fail", "--out", str(tmp_path / "b"), *command
+    )
+    assert failing.returncode == 2 and len(failing.stderr.strip().splitlines()) == 1
+    assert failing.stderr.startswith("rlreplay: error:") and damaged in failing.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    # with --on-diverge live: what can be read is served, the rest runs live and says why
+    live = cli(tmp_path, "replay", str(source), "--out", str(tmp_path / "c"), *command)
+    assert live.returncode == 0, live.stderr
+    assert damaged in live.stderr.splitlines()[0] and "warning" in live.stderr.splitlines()[0]
+    rows = ls_rows(tmp_path / "c")
+    for k, row in rows.items():
+        if k[0] == 0:
+            assert (row["replay"], row["replay_of"]) == ("served", facts[k]["id"])
+        else:
+            assert row["replay"] == "diverged" and damaged in row["replay_reason"]
+    served = sum(f["calls"] for k, f in facts.items() if k[0] == 0)
+    assert f"{served} ops served" in summary_lines(live.stderr)[0]
+
+
+def test_the_summary_names_the_source_as_given_and_a_few_ids(tmp_path: Path) -> None:
+    """Never-asked and diverged trajectories: at most five ids each, then how many more."""
+    config = {"steps": 1, "samples": 9, "rollouts": 1, "seed": 0}
+    source = recorded(tmp_path, config, "--framework", "generic")
+    facts = source_facts(source)
+    given = "./src/"  # relative, as typed
+    args = ("replay", given, "--framework", "generic", "--out", str(tmp_path / "new"))
+    proc = cli(tmp_path, *args, "--", *job({**config, "samples": 1}))
+    assert proc.returncode == 0, proc.stderr
+    [line] = summary_lines(proc.stderr)
+    never = sorted(f["id"] for k, f in facts.items() if k[1] != 0)
+    assert line.startswith(f"rlreplay: replay of {given}: ")
+    assert len(never) == 8
+    shown = line.split("8 source trajectories never asked for (", 1)[1].rstrip(")")
+    ids = shown.split(", ... ")[0].split(", ")
+    assert len(ids) == 5 and set(ids) <= set(never) and shown.endswith(", ... 3 more")
+
+
+@pytest.mark.parametrize(("on_diverge", "code"), [("live", 0), ("fail", 1)])
+def test_under_fail_a_divergence_is_the_exit_code_even_when_the_job_swallows_it(
+    tmp_path: Path, on_diverge: str, code: int
+) -> None:
+    source = recorded(tmp_path, PLAIN)
+    config = {**PLAIN, "tool_seed": 1, "exit_zero": True}  # another tool reply: 2nd model calls differ
+    args = ("replay", str(source), "--on-diverge", on_diverge, "--out", str(tmp_path / "new"))
+    proc = cli(tmp_path, *args, "--", *job(config))
+    assert proc.returncode == code, proc.stderr
+    diverged = [r for r in ls_rows(tmp_path / "new").values() if r["replay"] == "diverged"]
+    assert diverged and f"{len(diverged)} trajectories diverged" in summary_lines(proc.stderr)[0]

@@ -38,6 +38,20 @@ def expected_turn(a: dict, b: dict) -> int:
     return turn
 
 
+def expected_values(out_a: dict, out_b: dict) -> tuple[str, str | None, str | None]:
+    """Where two model outputs first differ (their keys in order, a list's first differing item)
+    and the two values there as JSON text (None: that side has none), found by walking them here."""
+    for key in out_a:
+        va, vb = out_a[key], out_b.get(key)
+        if va == vb:
+            continue
+        if isinstance(va, list) and isinstance(vb, list):
+            k = next(i for i in range(max(len(va), len(vb))) if i >= min(len(va), len(vb)) or va[i] != vb[i])
+            return f"{key}[{k}]", *(json.dumps(v[k]) if k < len(v) else None for v in (va, vb))
+        return key, json.dumps(va), json.dumps(vb)
+    raise AssertionError("the outputs are equal")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("compare")
@@ -85,6 +99,10 @@ def test_pairs_same_changed_and_in_one_run_only(runs, capsys) -> None:
         assert diff["name"] == "LLMServerClient.generate"
         assert diff["field"] == "output"
         assert diff["turn"] == expected_turn(out_a, out_b)
+        # how they differ: the path inside the output and both values there
+        call = next(i for i, (x, y) in enumerate(zip(result_a[k][1], result_b[k][1])) if x != y)
+        path, value_a, value_b = expected_values(result_a[k][1][call], result_b[k][1][call])
+        assert (diff["path"], diff["a"], diff["b"]) == (path, value_a, value_b)
     for k, r in by_keys.items():
         if r["same"]:
             assert r["first_difference"] is None
@@ -110,8 +128,40 @@ def test_a_changed_input_is_named_with_its_path(runs, capsys, tmp_path: Path) ->
     # the parser's output is where they first part: v1 calls the tool on even ids, v2 on multiples of 4
     for r in rows:
         if not r["same"]:
-            assert r["first_difference"]["name"] == "ToolParser.extract_tool_calls"
-            assert r["first_difference"]["field"] == "output"
+            diff = r["first_difference"]
+            assert diff["name"] == "ToolParser.extract_tool_calls"
+            assert diff["field"] == "output"
+            # v1 called the tool, v2 returned no call: the call is there in A only
+            k = (r["step"], r["sample_index"], r["rollout_n"])
+            last = next(o["token_ids"][-1] for o in base[k][1] if o["token_ids"][-1] % 4 != 0)
+            call = {"name": "calc", "arguments": {"x": last}}
+            assert diff["path"] == "[0]" and diff["b"] is None
+            assert json.loads(diff["a"]) == call
+
+
+def test_a_changed_text_shows_both_values(runs, capsys, tmp_path: Path) -> None:
+    """Another tool result: the first difference is the tool's text, shown whole (it is short) on
+    both sides, in --json and in the terminal under its pair."""
+    run_a = runs[0]
+    other = tmp_path / "tool-seed"
+    result = record(other, {**BASE, "tool_seed": 1})
+    base = runs[2]
+    rows = compare_json(capsys, str(run_a), str(other))
+    changed = [r for r in rows if not r["same"]]
+    assert changed and len(changed) == sum(base[k] != result[k] for k in result)
+    for r in changed:
+        diff = r["first_difference"]
+        k = (r["step"], r["sample_index"], r["rollout_n"])
+        x = next(o["token_ids"][-1] for o in base[k][1] if o["token_ids"][-1] % 2 == 0)
+        assert (diff["name"], diff["field"], diff["path"]) == ("CalcTool.execute", "output", "text")
+        assert (diff["a"], diff["b"]) == (json.dumps(f"result={x * 2}"), json.dumps(f"result={x * 2 + 1}"))
+    assert main(["compare", str(run_a), str(other)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for r in changed:
+        at = next(i for i, line in enumerate(lines) if line.startswith("changed") and r["a"][:12] in line)
+        assert "CalcTool.execute: output at text" in lines[at]
+        assert lines[at + 1].split(None, 1) == ["A:", r["first_difference"]["a"]]
+        assert lines[at + 2].split(None, 1) == ["B:", r["first_difference"]["b"]]
 
 
 def test_terminal_summary_lists_changed_first(runs, capsys) -> None:
@@ -125,12 +175,16 @@ def test_terminal_summary_lists_changed_first(runs, capsys) -> None:
     )
     deltas = [result_b[k][0]["reward_score"] - result_a[k][0]["reward_score"] for k in common]
     assert lines[1].startswith(f"reward: {sum(d != 0 for d in deltas)} changed, delta sum {sum(deltas):+g}")
-    statuses = [line.split()[0] for line in lines[2:]]
+    statuses = [line.split()[0] for line in lines[2:] if not line.startswith(" ")]
     assert statuses == ["changed"] * len(planted) + ["only_a", "only_b"] + ["same"] * (
         len(common) - len(planted)
     )
-    for line in lines[2 : 2 + len(planted)]:
-        assert "span " in line and "LLMServerClient.generate: output" in line
+    changed = [i for i, line in enumerate(lines) if line.startswith("changed")]
+    for at in changed:
+        assert "span " in lines[at] and "LLMServerClient.generate: output at token_ids[" in lines[at]
+        # both values, each on a line of its own under the pair
+        assert lines[at + 1].split()[0] == "A:" and lines[at + 2].split()[0] == "B:"
+        assert lines[at + 1].split()[1] != lines[at + 2].split()[1]
 
 
 def test_bad_input_is_one_line_exit_2(runs, capsys, tmp_path: Path) -> None:

@@ -52,6 +52,7 @@ SAME_AS_PC: list[tuple[str, tuple[Any, ...]]] = [
     ("if_else", (A, pa.array(["t"] * 6), None)),
     ("starts_with", (STRS, "ab")),
     ("match_substring", (STRS, "b")),
+    ("match_substring_regex", (STRS, "^a.?b")),
     ("index_in", (STRS, pa.array(["c", "ab", "y"]))),
     ("index_in", (INTS, pa.array([2, 1], pa.int64()))),
     ("binary_length", (BYTES,)),

@@ -990,6 +990,8 @@ def test_worker_selects_in_every_selecting_command(
 
     by_worker = _roots_by_worker(GSM8K)
     assert len(by_worker) == 2 and all(by_worker.values())
+    copy = tmp_path / "copy"  # compare refuses a run with itself
+    shutil.copytree(GSM8K, copy)
     for worker, roots in by_worker.items():
         mine = {r["trajectory_id"] for r in roots}
         rc, out, err = cli(capsys, "ls", GSM8K, "--worker", worker, "--json")
@@ -1008,7 +1010,7 @@ def test_worker_selects_in_every_selecting_command(
         assert {json.loads(line)["id"] for line in target.read_text().splitlines()} == mine
         rc, out, err = cli(capsys, "upload", GSM8K, "--worker", worker, "--dry-run")
         assert rc == 0 and f"selected {len(mine)} trajectories" in out + err, err
-        rc, out, err = cli(capsys, "compare", GSM8K, GSM8K, "--worker", worker, "--json")
+        rc, out, err = cli(capsys, "compare", GSM8K, copy, "--worker", worker, "--json")
         assert rc == 0 and {p["a"] for p in json_lines(out)} == mine, err
         # replay's selection reaches each process of the job through the environment
         env = ReplayConfig.of(GSM8K, select=Selection(worker=worker)).env()

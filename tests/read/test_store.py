@@ -275,16 +275,12 @@ SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3
 def stored_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Path]]:
     """The sample run copied onto fsspec's in-memory filesystem (reached through pyarrow.fs, as an
     object store is), and the folder of the read cache it is read through."""
-    import fsspec
+    from support import memory_store_copy
 
     monkeypatch.setenv("RLREPLAY_CACHE", str(tmp_path / "cache"))
-    fs = fsspec.filesystem("memory")
-    root = f"/stores/{tmp_path.name}"
-    for path in sorted(SAMPLE.rglob("*")):
-        if path.is_file():
-            fs.pipe_file(f"{root}/{path.relative_to(SAMPLE).as_posix()}", path.read_bytes())
-    yield f"memory://{root.lstrip('/')}", tmp_path / "cache"
-    fs.rm(root, recursive=True)
+    uri, remove = memory_store_copy(SAMPLE, tmp_path.name)
+    yield uri, tmp_path / "cache"
+    remove()
 
 
 def _cached(cache: Path, suffix: str) -> list[str]:

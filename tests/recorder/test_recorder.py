@@ -356,8 +356,8 @@ def test_payload_edge_cases_through_the_recorder(run_dir: Path) -> None:
     assert out["broken"]["__type__"] == "repr" and out["broken"]["class"].endswith("BrokenRepr")
     assert "repr failed" in out["broken"]["repr"]
     assert out["int_enum"] == 1 and out["str_sub"] == "lbl"
-    assert out["big_int"] == {"__type__": "repr", "class": "builtins.int", "repr": str(2**80)}
-    assert out["big_in_list"] == [1, {"__type__": "repr", "class": "builtins.int", "repr": str(2**70)}]
+    assert out["big_int"] == {"__type__": "int", "value": str(2**80)}
+    assert out["big_in_list"] == [1, {"__type__": "int", "value": str(2**70)}]
     assert out["namedtuple"] == {"x": 1, "y": 2} and out["defaultdict"] == {"k": [1]}
     assert out["obj"]["__type__"] == "repr" and out["obj"]["repr"].startswith("<object object")
     assert rlreplay.stats()["encode_errors"] == 0

@@ -340,7 +340,7 @@ def test_a_cassette_serves_plain_calls_outside_the_recorder(source) -> None:
     played = strict.play(strict.open(key), "llm", GENERATE, spans[0].inputs)
     assert not played.served and played.reason == "matcher 'broken' failed: KeyError: 'no such field'"
 
-    def unbuildable(name, kind, output):
+    def unbuildable(name, kind, output, output_type):
         raise ValueError("Image must be a list")
 
     recording = replace(cassette.recording, rebuild=unbuildable)

@@ -142,12 +142,12 @@ def test_served_agent_loop_outputs_of_this_run_leave_the_reward_to_verl() -> Non
     added = {"raw_prompt", EXTRA_FIELD, "reward_extra_info"}
     run = rlreplay.open_run(RUN)
     trajs = run.load(run.trajectories()["id"].to_pylist())
-    outputs = [s.output for t in trajs for s in t.spans if s.kind == "agent"]
-    late = [o for o in outputs if EXTRA_FIELD in o["extra_fields"]]
-    assert late and any(o["reward_score"] is not None for o in late)  # what the old recorder kept
+    spans = [s for t in trajs for s in t.spans if s.kind == "agent"]
+    late = [(s.output, s.output_type) for s in spans if EXTRA_FIELD in s.output["extra_fields"]]
+    assert late and any(o["reward_score"] is not None for o, _ in late)  # what the old recorder kept
     adapter = VerlAdapter()
-    for output in late:
-        served = adapter.rebuild_output("agent_loop", "agent", output)
+    for output, output_type in late:
+        served = adapter.rebuild_output("agent_loop", "agent", output, output_type)
         assert isinstance(served, AgentLoopOutput)
         assert served.reward_score is None
         assert set(served.extra_fields) == set(output["extra_fields"]) - added
@@ -168,5 +168,6 @@ def test_a_reward_the_agent_loop_returned_itself_is_served() -> None:
         "reward_score": 0.5,
         "extra_fields": {"reward_extra_info": {"acc": 1.0}},
     }
-    served = VerlAdapter().rebuild_output("agent_loop", "agent", output)
+    recorded_as = {"": "verl.experimental.agent_loop.agent_loop.AgentLoopOutput"}
+    served = VerlAdapter().rebuild_output("agent_loop", "agent", output, recorded_as)
     assert served.reward_score == 0.5 and served.extra_fields == {"reward_extra_info": {"acc": 1.0}}

@@ -150,6 +150,33 @@ def test_the_recorded_agent_loop_output_is_what_run_returned(source: Path) -> No
         assert [t for t, m in zip(response, agent.output["response_mask"]) if m] == model_ids
 
 
+def test_the_run_names_verl_and_records_the_type_of_what_each_op_returned(source: Path) -> None:
+    """Recorded without ``--framework``: the job traced through verl, so the run is verl's; each
+    output's type record names verl's own classes, which the verl adapter rebuilds (and only them)."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
+    from verl.tools.schemas import ToolResponse
+    from verl.workers.rollout.replica import TokenOutput
+
+    import rlreplay
+
+    def name(cls: type) -> str:
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+    run = rlreplay.open_run(source / "src")
+    assert run.manifest["framework"] == "verl"
+    kinds = set()
+    for traj in run.load(run.trajectories()["id"].to_pylist()):
+        for span in traj.spans:
+            kinds.add(span.kind)
+            if span.kind == "llm":
+                assert span.output_type == {"": name(TokenOutput)}
+            elif span.kind == "agent":
+                assert span.output_type[""] == name(AgentLoopOutput)
+            elif span.kind == "tool":
+                assert span.output_type == {"": "builtins.tuple", "/0": name(ToolResponse)}
+    assert {"llm", "agent", "tool"} <= kinds
+
+
 def test_serve_llm_gives_the_recorded_batch_without_a_model_server(source: Path, tmp_path: Path) -> None:
     proc = replay(source, tmp_path, "llm")
     check_equal_batches(source / "src.pt", tmp_path / "new.pt")

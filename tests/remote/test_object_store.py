@@ -209,6 +209,36 @@ def test_replay_serves_from_a_run_on_the_store(s3: S3Server, tmp_path: Path) -> 
     assert manifest["replay"]["source"] == uri
 
 
+def test_a_source_whose_objects_are_removed_during_the_replay_is_not_silent(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    """The job's process reads the source when its first trajectory opens; the store's objects are
+    gone by then: under ``--on-diverge fail`` the command exits non-zero, the summary names the URI
+    as given, and every trajectory says why it was not served."""
+    env = _env(s3, tmp_path)
+    uri = f"s3://{BUCKET}/exp/goes-away"
+    job = [sys.executable, str(Path(__file__).parents[1] / "replay_job.py")]
+    config = {"steps": 2, "samples": 2, "rollouts": 1, "seed": 0}
+    framework = ("--framework", "generic")
+    proc = rlreplay(env, "record", *framework, "--out", uri, "--", *job, json.dumps(config), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    recorded = ls_json(env, uri, cwd=tmp_path)
+    assert s3.keys("exp/goes-away/")
+    args = ("replay", uri, *framework, "--on-diverge", "fail", "--out", str(tmp_path / "new"))
+    proc = rlreplay(env, *args, "--", *job, json.dumps({**config, "remove": uri}), cwd=tmp_path)
+    assert not s3.keys("exp/goes-away/"), proc.stderr
+    assert proc.returncode != 0
+    summary = proc.stderr[proc.stderr.index("rlreplay: replay of ") :]
+    assert summary.startswith(f"rlreplay: replay of {uri}: 0 ops served")
+    assert f"{len(recorded)} trajectories were not served: the source run could not be read" in summary
+    rows = ls_json(env, str(tmp_path / "new"), cwd=tmp_path)
+    assert len(rows) == len(recorded)
+    for row in rows:
+        assert row["replay"] == "diverged" and row["replay_reason"].startswith(
+            "the source run could not be read"
+        )
+
+
 KILLED = textwrap.dedent(
     """
     import time

@@ -384,6 +384,14 @@ def test_compare_page_a_run_and_its_changed_replay(ui_url, ui_runs: Path, tab) -
     assert status.count("changed") >= 1 and status.count("only_a") == 1 and status.count("only_b") == 1
     first = tab.locator("#pairs tr.pair").first
     assert first.locator(".badge").inner_text() == "changed" and first.locator(".difference").inner_text()
+    # each changed pair says where and how: the path and both values, as the CLI's --json has them
+    for p in pairs:
+        if p["a"] and p["b"] and not p["same"]:
+            diff = p["first_difference"]
+            cell = tab.locator(f"#pair-{p['a']} .difference")
+            assert f"at {diff['path']}" in cell.locator(".where").inner_text()
+            assert cell.locator(".value.a code").inner_text() == diff["a"]
+            assert cell.locator(".value.b code").inner_text() == diff["b"]
     assert tab.locator("#pairs .badge.pairstatus.changed").count() == status.count("changed")
     assert tab.errors == []
 
@@ -440,7 +448,11 @@ def test_showcase_run_has_data_in_every_overlay(ui_url, tab) -> None:
     agent = next(s.output for s in traj.spans if s.kind == "agent")
     trainer = next(s.output["old_log_probs"] for s in traj.spans if s.kind == "signals")
     rollout = agent["response_logprobs"]
-    diffs = [abs(t - r) if t is not None and r is not None else -1.0 for t, r in zip(trainer, rollout)]
+    mask = agent["response_mask"]
+    diffs = [  # model tokens only: a tool token's rollout log-prob is no log-prob (verl puts 0)
+        abs(t - r) if t is not None and r is not None and m else -1.0
+        for t, r, m in zip(trainer, rollout, mask)
+    ]
     k = max(range(len(diffs)), key=diffs.__getitem__)
     assert diffs[k] > 0  # bfloat16 against float32 differ somewhere
 

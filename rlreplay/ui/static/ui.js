@@ -60,7 +60,8 @@
     const tr = values.trainer ? values.trainer[k] : null;
     const en = values.entropy ? values.entropy[k] : null;
     if (lp !== null) t += " · logprob " + num(lp);
-    if (tr !== null && lp !== null) t += " · trainer " + num(tr) + " (|Δ| " + num(Math.abs(tr - lp)) + ")";
+    if (tr !== null && data.mask[k] !== "1") t += " · trainer " + num(tr) + " · not counted in |Δ| (not the model's token)";
+    else if (tr !== null && lp !== null) t += " · trainer " + num(tr) + " (|Δ| " + num(Math.abs(tr - lp)) + ")";
     if (en !== null) t += " · entropy " + num(en);
     return t;
   }
@@ -86,21 +87,33 @@
   document.addEventListener("mousemove", function (e) { if (tip.style.display === "block") place(e); });
   const view = document.getElementById("token-view");
   const sw = document.getElementById("overlay-switch");
+  const asked = new URLSearchParams(location.search); // ?ov=OVERLAY&at=TOKEN (the mismatch page's links)
   if (view && sw) {
+    const wanted = sw.querySelector("input[value='" + (asked.get("ov") || "").replace(/[^a-z]/g, "") + "']");
+    if (wanted && !wanted.disabled) wanted.checked = true;
     const set = function () { const c = sw.querySelector("input:checked"); if (c) view.dataset.ov = c.value; };
     sw.addEventListener("change", set);
     set();
+  }
+  function tokenAt(k) { // token k, drawn
+    drawUpTo(k);
+    const chunks = tokens.children;
+    let c = chunks.length - 1;
+    while (c > 0 && Number(chunks[c].dataset.from) > k) c--;
+    return chunks[c].children[k - Number(chunks[c].dataset.from)];
   }
   const minimap = document.getElementById("minimap");
   if (minimap && data) minimap.addEventListener("click", function (e) {
     const at = e.target.dataset ? e.target.dataset.at : undefined;
     if (at === undefined) return;
-    drawUpTo(Number(at));
-    const chunks = tokens.children;
-    let c = chunks.length - 1;
-    while (c > 0 && Number(chunks[c].dataset.from) > Number(at)) c--;
-    chunks[c].children[Number(at) - Number(chunks[c].dataset.from)].scrollIntoView({ block: "center" });
+    tokenAt(Number(at)).scrollIntoView({ block: "center" });
   });
+  const at = asked.get("at");
+  if (data && at !== null && /^[0-9]+$/.test(at) && Number(at) < data.ids.length) {
+    const el = tokenAt(Number(at));
+    el.classList.add("at");
+    el.scrollIntoView({ block: "center" });
+  }
   document.addEventListener("keydown", function (e) {
     if (e.ctrlKey || e.metaKey || e.altKey || /^(INPUT|SELECT|TEXTAREA)$/.test(e.target.tagName)) return;
     const rel = { j: "next", ArrowRight: "next", k: "prev", ArrowLeft: "prev" }[e.key];

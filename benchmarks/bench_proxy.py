@@ -1,0 +1,281 @@
+"""What ``rlreplay proxy`` adds to a model call: latency (p50/p99) and the proxy's CPU per request,
+at 1 and 256 concurrent streams, beside calling the upstream directly and beside a bare aiohttp
+forwarder (forwarding alone, the HTTP parsing floor).
+
+The upstream is a fast stand-in (it measures the proxy, not a model): an aiohttp server answering
+``/v1/chat/completions`` as vLLM does, with a 1,000-token prompt and a 200-token answer, and token
+ids and float32 log-probs when asked. Each party runs in its own process; CPU is read from
+``/proc/PID/stat`` over the measured requests, and printed as a ratio to the forwarder's. Needs the
+``proxy`` extra; Linux.
+
+With ``--callgrind`` (valgrind installed) the forwarder and the proxy each run under callgrind instead,
+and the instructions per call are counted (independent of the machine's load), the proxy's split into
+its event loop (HTTP, JSON, handing spans to the recorder) and the recorder's threads.
+
+    .venv/bin/python benchmarks/bench_proxy.py [--requests 2000] [--streams 1,256]
+    .venv/bin/python benchmarks/bench_proxy.py --callgrind [--requests 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+PROMPT_IDS = 1000
+ANSWER_IDS = 200
+
+UPSTREAM = r"""
+import sys, orjson, random, struct
+from aiohttp import web
+rng = random.Random(0)
+prompt = [rng.randrange(50000) for _ in range(int(sys.argv[2]))]
+ids = [rng.randrange(50000) for _ in range(int(sys.argv[3]))]
+# float32 values, as vLLM's log-prob tensors give them
+lps = [struct.unpack("f", struct.pack("f", -rng.random() * 3))[0] for _ in ids]
+text = " ".join(f"w{i}" for i in ids)
+async def chat(request):
+    body = orjson.loads(await request.read())
+    choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
+              "logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": None}
+    if body.get("logprobs"):
+        content = [{"token": "w", "logprob": lp, "bytes": [119], "top_logprobs": []} for lp in lps]
+        choice["logprobs"] = {"content": content}
+    if body.get("return_token_ids"):
+        choice["token_ids"] = ids
+    n, m = len(prompt), len(ids)
+    usage = {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+    answer = {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "m",
+              "choices": [choice], "usage": usage, "prompt_logprobs": None,
+              "prompt_token_ids": prompt if body.get("return_token_ids") else None}
+    return web.Response(body=orjson.dumps(answer), content_type="application/json")
+app = web.Application(); app.router.add_post("/v1/chat/completions", chat)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+"""
+
+FORWARDER = r"""
+import sys, aiohttp
+from aiohttp import web
+up = sys.argv[2]
+async def start(app):
+    app["s"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+async def fwd(request):
+    body = await request.read()
+    headers = {"Content-Type": "application/json"}
+    async with request.app["s"].post(up + request.path, data=body, headers=headers) as r:
+        return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+app = web.Application(); app.on_startup.append(start); app.router.add_post("/v1/chat/completions", fwd)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def wait_up(url: str, tries: int = 600) -> None:
+    async with aiohttp.ClientSession() as s:
+        for _ in range(tries):
+            try:
+                async with s.get(url) as r:
+                    await r.read()
+                    return
+            except aiohttp.ClientError:
+                await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not start")
+
+
+def request_body() -> bytes:
+    rng = random.Random(1)
+    words = " ".join(f"t{rng.randrange(9999)}" for _ in range(PROMPT_IDS))
+    return orjson.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": words}], "max_tokens": ANSWER_IDS}
+    )
+
+
+async def load(url: str, total: int, streams: int, body: bytes) -> list[float]:
+    """Latencies (s) of ``total`` calls over ``streams`` concurrent streams, each a new trajectory."""
+    latencies: list[float] = []
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def one(k: int) -> None:
+            for _i in range(total // streams):
+                t = time.perf_counter()
+                async with session.post(url, data=body, headers=headers) as r:
+                    await r.read()
+                latencies.append(time.perf_counter() - t)
+
+        await asyncio.gather(*(one(k) for k in range(streams)))
+    return latencies
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * q))] * 1e3
+
+
+def measure(
+    url: str, pid: int | None, total: int, streams: int, body: bytes
+) -> tuple[float, float, float | None]:
+    asyncio.run(load(url, min(total, 200), streams, body))  # warm up
+    before = cpu_s(pid) if pid else 0.0
+    latencies = asyncio.run(load(url, total, streams, body))
+    cpu = (cpu_s(pid) - before) / len(latencies) * 1e6 if pid else None
+    return pct(latencies, 0.5), pct(latencies, 0.99), cpu
+
+
+def start(argv: list[str], procs: list[subprocess.Popen]) -> subprocess.Popen:
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs.append(proc)
+    return proc
+
+
+def proxy_argv(port: int | str, upstream: str, out: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "rlreplay",
+        "proxy",
+        "--upstream",
+        upstream,
+        "--port",
+        str(port),
+        "--out",
+        str(out),
+        "--idle-close",
+        "5",
+    ]
+
+
+def timed(args: argparse.Namespace, procs: list[subprocess.Popen], tmp: Path, upstream: str) -> None:
+    """Latency and CPU per call, the three side by side, at each number of streams."""
+    fwd_port, proxy_port = free_port(), free_port()
+    forwarder = start([sys.executable, "-c", FORWARDER, str(fwd_port), upstream], procs)
+    proxy = start(proxy_argv(proxy_port, upstream, tmp / "run"), procs)
+    for port in (fwd_port, proxy_port):
+        asyncio.run(wait_up(f"http://127.0.0.1:{port}/health"))
+    body = request_body()
+    print(
+        f"load average {os.getloadavg()[0]:.1f}; {args.requests} calls per row; "
+        f"prompt {PROMPT_IDS} ids, answer {ANSWER_IDS} ids"
+    )
+    print(
+        "| streams | direct p50 / p99 | bare forwarder: added p50 / p99, CPU/call | "
+        "rlreplay proxy: added p50 / p99, CPU/call | proxy CPU / forwarder CPU |"
+    )
+    print("|---:|---:|---:|---:|---:|")
+    for streams in (int(s) for s in args.streams.split(",")):
+        d50, d99, _ = measure(f"{upstream}/v1/chat/completions", None, args.requests, streams, body)
+        f50, f99, fcpu = measure(
+            f"http://127.0.0.1:{fwd_port}/v1/chat/completions", forwarder.pid, args.requests, streams, body
+        )
+        p50, p99, pcpu = measure(
+            f"http://127.0.0.1:{proxy_port}/v1/chat/completions", proxy.pid, args.requests, streams, body
+        )
+        print(
+            f"| {streams} | {d50:.2f} / {d99:.2f} ms "
+            f"| +{f50 - d50:.2f} / +{f99 - d99:.2f} ms, {fcpu:,.0f} µs "
+            f"| +{p50 - d50:.2f} / +{p99 - d99:.2f} ms, {pcpu:,.0f} µs | {pcpu / fcpu:.1f}× |"
+        )
+
+
+def counted(
+    argv: list[str], calls: int, tmp: Path, name: str, procs: list[subprocess.Popen]
+) -> dict[int, float]:
+    """Instructions per call of one process under callgrind, by thread (1: the main thread):
+    ``calls`` calls at one stream, counted after a warm-up, and the writer's tail after them."""
+    port = free_port()
+    argv = [a.replace("{port}", str(port)) for a in argv]
+    out = tmp / f"cg-{name}"
+    out.mkdir()
+    cg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes"]
+    proc = start([*cg, f"--callgrind-out-file={out}/cg", *argv], procs)
+    asyncio.run(wait_up(f"http://127.0.0.1:{port}/health", tries=3000))
+    url, body = f"http://127.0.0.1:{port}/v1/chat/completions", request_body()
+    asyncio.run(load(url, 30, 1, body))
+    subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], capture_output=True, check=True)
+    asyncio.run(load(url, calls, 1, body))
+    time.sleep(15)  # the recorder writes (and seals) what the calls queued
+    subprocess.run(["callgrind_control", "-i", "off", str(proc.pid)], capture_output=True, check=True)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(600)
+    per_thread = {}
+    for path in out.glob("cg-*"):
+        totals = [
+            line for line in path.read_text(errors="replace").splitlines() if line.startswith("totals:")
+        ]
+        per_thread[int(path.name.rsplit("-", 1)[1])] = int(totals[-1].split()[1]) / calls if totals else 0.0
+    return per_thread
+
+
+def instructions(args: argparse.Namespace, procs: list[subprocess.Popen], tmp: Path, upstream: str) -> None:
+    """Instructions per call under callgrind (independent of the machine's load)."""
+    calls = args.requests
+    forwarder = counted([sys.executable, "-c", FORWARDER, "{port}", upstream], calls, tmp, "fwd", procs)
+    proxy = counted(proxy_argv("{port}", upstream, tmp / "run"), calls, tmp, "proxy", procs)
+    fwd = sum(forwarder.values())
+    loop = proxy.get(1, 0.0)
+    recorder = sum(v for k, v in proxy.items() if k != 1)
+    print(f"instructions per call under callgrind, {calls} calls at 1 stream; ", end="")
+    print(f"prompt {PROMPT_IDS} ids, answer {ANSWER_IDS} ids")
+    print("| process, thread | instructions per call | ÷ bare forwarder |")
+    print("|---|---:|---:|")
+    rows = [
+        ("bare forwarder", fwd),
+        ("rlreplay proxy, event loop (HTTP, JSON, handing spans over)", loop),
+        ("rlreplay proxy, recorder threads (encode, write, seal)", recorder),
+        ("rlreplay proxy, whole process", loop + recorder),
+    ]
+    for name, value in rows:
+        print(f"| {name} | {value / 1e6:.2f} M | {value / fwd:.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--requests", type=int, default=None, help="calls per row (2,000; 300 with --callgrind)"
+    )
+    parser.add_argument("--streams", default="1,256")
+    parser.add_argument(
+        "--callgrind", action="store_true", help="instructions per call under callgrind (needs valgrind)"
+    )
+    args = parser.parse_args()
+    args.requests = args.requests or (300 if args.callgrind else 2000)
+    procs: list[subprocess.Popen] = []
+    tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
+    try:
+        up_port = free_port()
+        upstream = f"http://127.0.0.1:{up_port}"
+        start([sys.executable, "-c", UPSTREAM, str(up_port), str(PROMPT_IDS), str(ANSWER_IDS)], procs)
+        asyncio.run(wait_up(f"{upstream}/health"))
+        (instructions if args.callgrind else timed)(args, procs, tmp, upstream)
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(600)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

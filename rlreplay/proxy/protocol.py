@@ -1,0 +1,376 @@
+"""The inference servers' request and response shapes the proxy reads: which routes generate, what to
+ask the server for so that token ids and log-probs are recorded, and how to give the client exactly
+what it would have got without the proxy.
+
+Routes: vLLM's (and SGLang's) OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions``
+(``return_token_ids`` gives ``prompt_token_ids`` and per-choice ``token_ids``; ``logprobs`` the
+sampled tokens' log-probs; streamed as SSE, ``prompt_token_ids`` in the first chunk and the delta's
+``token_ids`` in each), and SGLang's native ``/generate`` (``input_ids`` or ``text``,
+``sampling_params``, ``return_logprob``; ``output_ids`` and ``meta_info`` with ``finish_reason``,
+token counts, ``cached_tokens``, ``e2e_latency``, ``weight_version`` and
+``output_token_logprobs`` as ``[logprob, token id, text]``). Asking for ids and log-probs changes no
+sampling; what the proxy asked for is taken out of the answer before the client sees it (set to
+null in a whole answer, as the servers write fields nobody asked for; left out of streamed chunks,
+as they do there). Pure functions over JSON values: no HTTP here.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+GENERATE = "/generate"
+#: The generating routes and the name their spans get.
+GENERATING = {CHAT: "chat.completions", COMPLETIONS: "completions", GENERATE: "generate"}
+
+#: Weight updates, after which the next generation belongs to a new step: vLLM's weight-transfer
+#: routes and SGLang's ``/update_weights_from_*``.
+WEIGHT_UPDATES = frozenset({"/update_weights", "/start_weight_update", "/finish_weight_update"})
+WEIGHT_UPDATE_PREFIX = "/update_weights_from_"
+
+# What the proxy may add to a request: asked-for token ids, log-probs
+ADDED_IDS = "ids"
+ADDED_LOGPROBS = "logprobs"
+
+_SGLANG_LOGPROB_KEYS = (
+    "input_token_logprobs",
+    "output_token_logprobs",
+    "input_top_logprobs",
+    "output_top_logprobs",
+    "input_token_ids_logprobs",
+    "output_token_ids_logprobs",
+)
+
+
+def is_weight_update(path: str) -> bool:
+    return path in WEIGHT_UPDATES or path.startswith(WEIGHT_UPDATE_PREFIX)
+
+
+def is_streamed(body: dict[str, Any]) -> bool:
+    return bool(body.get("stream"))
+
+
+def ask_for_tokens(route: str, body: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
+    """The request the upstream gets (token ids and log-probs asked for when the client did not),
+    and what was added."""
+    added = set()
+    upstream = dict(body)
+    if route == GENERATE:
+        if not body.get("return_logprob"):
+            upstream["return_logprob"] = True
+            added.add(ADDED_LOGPROBS)
+        return upstream, frozenset(added)
+    if not body.get("return_token_ids"):
+        upstream["return_token_ids"] = True
+        added.add(ADDED_IDS)
+    if route == CHAT and not body.get("logprobs"):
+        upstream["logprobs"] = True
+        added.add(ADDED_LOGPROBS)
+    elif route == COMPLETIONS and body.get("logprobs") is None:
+        upstream["logprobs"] = 0  # the sampled token's log-prob alone
+        added.add(ADDED_LOGPROBS)
+    return upstream, frozenset(added)
+
+
+def _drop(obj: dict[str, Any], key: str, streamed: bool) -> None:
+    if key in obj:
+        if streamed:
+            del obj[key]
+        else:
+            obj[key] = None
+
+
+def as_client_sees(route: str, obj: Any, added: frozenset[str], streamed: bool = False) -> Any:
+    """``obj`` (a whole answer or one streamed chunk) without what the proxy asked for: a copy where
+    it differs (``obj`` itself is left as it is), ``obj`` where nothing was added."""
+    if not added or not isinstance(obj, dict):
+        return obj
+    out = dict(obj)
+    if route == GENERATE:
+        meta = out.get("meta_info")
+        if ADDED_LOGPROBS in added and isinstance(meta, dict):
+            out["meta_info"] = {k: v for k, v in meta.items() if k not in _SGLANG_LOGPROB_KEYS}
+        return out
+    if ADDED_IDS in added:
+        _drop(out, "prompt_token_ids", streamed)
+    choices = out.get("choices")
+    if isinstance(choices, list):
+        out["choices"] = [_choice_as_client_sees(c, added, streamed) for c in choices]
+    return out
+
+
+def _choice_as_client_sees(choice: Any, added: frozenset[str], streamed: bool) -> Any:
+    if not isinstance(choice, dict):
+        return choice
+    choice = dict(choice)
+    if ADDED_IDS in added:
+        _drop(choice, "token_ids", streamed)
+        _drop(choice, "prompt_token_ids", streamed)
+    if ADDED_LOGPROBS in added and "logprobs" in choice:
+        choice["logprobs"] = None
+    return choice
+
+
+# ---- what a generation says about itself ---------------------------------------------------------
+
+
+@dataclass
+class Generated:
+    """What the proxy records of one generation besides the answer itself."""
+
+    prompt_ids: list[int] | None = None
+    choices: list[dict[str, Any]] = field(default_factory=list)  # token_ids, log_probs, finish_reason
+    usage: dict[str, Any] | None = None
+    engine: dict[str, Any] = field(default_factory=dict)  # cached tokens, latency, weight version
+
+    def record(self) -> dict[str, Any]:
+        """The span output's fields (besides the answer): the first choice's ids and log-probs at
+        the top, as every reader looks for them; the others under ``choices``."""
+        out: dict[str, Any] = {}
+        first = self.choices[0] if self.choices else {}
+        for key in ("token_ids", "log_probs", "finish_reason"):
+            if first.get(key) is not None:
+                out[key] = first[key]
+        if len(self.choices) > 1:
+            out["choices"] = self.choices
+        if self.usage is not None:
+            out["usage"] = self.usage
+        if self.engine:
+            out["engine"] = self.engine
+        return out
+
+
+def _ids(value: Any) -> list[int] | None:
+    """``value`` when it is a list of token ids, else None. ``sum`` tells ints (and bools, which
+    the recorder then keeps as JSON) from anything else at C speed: ids lists are long, and this
+    runs on every answer."""
+    if not isinstance(value, list):
+        return None
+    try:
+        return value if type(sum(value)) is int else None
+    except TypeError:
+        return None
+
+
+_LOGPROB = operator.itemgetter("logprob")
+
+
+def _chat_logprobs(logprobs: Any) -> list[float] | None:
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list):
+        return None
+    try:
+        return list(map(_LOGPROB, content))  # every entry a dict with its log-prob: in C
+    except (KeyError, TypeError):
+        return [c.get("logprob") for c in content if isinstance(c, dict)]
+
+
+def _completion_logprobs(logprobs: Any) -> list[float] | None:
+    values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+    return list(values) if isinstance(values, list) else None
+
+
+def _engine_openai(obj: dict[str, Any], engine: dict[str, Any]) -> None:
+    usage = obj.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+        engine["cached_tokens"] = details["cached_tokens"]
+    for key in ("model", "system_fingerprint", "weight_version"):
+        if obj.get(key) is not None:
+            engine[key] = obj[key]
+
+
+def _sglang_logprobs(meta: dict[str, Any]) -> tuple[list[float] | None, list[int] | None]:
+    rows = meta.get("output_token_logprobs")
+    if not isinstance(rows, list):
+        return None, None
+    values, ids = [], []
+    for row in rows:
+        if isinstance(row, (list, tuple)) and len(row) >= 2:
+            values.append(row[0])
+            ids.append(row[1])
+        elif isinstance(row, dict):
+            values.append(row.get("logprob"))
+            ids.append(row.get("token_id", row.get("id")))
+    return values, ids
+
+
+def _finish(value: Any) -> Any:
+    return value.get("type") if isinstance(value, dict) else value
+
+
+_SGLANG_ENGINE = ("id", "cached_tokens", "e2e_latency", "weight_version", "spec_verify_ct")
+
+
+def generated(route: str, body: dict[str, Any], obj: Any) -> Generated:
+    """What a whole answer ``obj`` says (before ``as_client_sees``)."""
+    found = Generated()
+    if not isinstance(obj, dict):
+        return found
+    if route == GENERATE:
+        meta = obj.get("meta_info") if isinstance(obj.get("meta_info"), dict) else {}
+        found.prompt_ids = _ids(body.get("input_ids"))
+        log_probs, lp_ids = _sglang_logprobs(meta)
+        ids = _ids(obj.get("output_ids"))
+        if ids is None:
+            ids = _ids(lp_ids)
+        found.choices = [
+            {"token_ids": ids, "log_probs": log_probs, "finish_reason": _finish(meta.get("finish_reason"))}
+        ]
+        usage = {k: meta[k] for k in ("prompt_tokens", "completion_tokens") if k in meta}
+        found.usage = usage or None
+        found.engine = {k: meta[k] for k in _SGLANG_ENGINE if meta.get(k) is not None}
+        return found
+    found.prompt_ids = _ids(obj.get("prompt_token_ids"))
+    for choice in obj.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if found.prompt_ids is None:
+            found.prompt_ids = _ids(choice.get("prompt_token_ids"))
+        if route == CHAT:
+            log_probs = _chat_logprobs(choice.get("logprobs"))
+        else:
+            log_probs = _completion_logprobs(choice.get("logprobs"))
+        found.choices.append(
+            {
+                "token_ids": _ids(choice.get("token_ids")),
+                "log_probs": log_probs,
+                "finish_reason": choice.get("finish_reason"),
+            }
+        )
+    if isinstance(obj.get("usage"), dict):
+        found.usage = obj["usage"]
+    _engine_openai(obj, found.engine)
+    return found
+
+
+class StreamedAnswer:
+    """A streamed answer put back together from its chunks (JSON values, in order): what
+    :func:`generated` says of a whole one, and the text of each choice."""
+
+    def __init__(self, route: str, body: dict[str, Any]) -> None:
+        self.route = route
+        self.body = body
+        self.chunks: list[dict[str, Any]] = []
+
+    def add(self, chunk: Any) -> None:
+        if isinstance(chunk, dict):
+            self.chunks.append(chunk)
+
+    def generated(self) -> Generated:
+        if self.route == GENERATE:
+            return self._generate()
+        found = Generated()
+        by_index: dict[int, dict[str, Any]] = {}
+        for chunk in self.chunks:
+            if found.prompt_ids is None:
+                found.prompt_ids = _ids(chunk.get("prompt_token_ids"))
+            if isinstance(chunk.get("usage"), dict):
+                found.usage = chunk["usage"]
+            _engine_openai(chunk, found.engine)
+            for choice in chunk.get("choices") or ():
+                if not isinstance(choice, dict):
+                    continue
+                one = by_index.setdefault(int(choice.get("index") or 0), {"token_ids": [], "log_probs": []})
+                if found.prompt_ids is None:
+                    found.prompt_ids = _ids(choice.get("prompt_token_ids"))
+                ids = _ids(choice.get("token_ids"))
+                if ids is None:
+                    one["token_ids"] = None if not one["token_ids"] else one["token_ids"]
+                elif one["token_ids"] is not None:
+                    one["token_ids"].extend(ids)
+                if self.route == CHAT:
+                    values = _chat_logprobs(choice.get("logprobs"))
+                else:
+                    values = _completion_logprobs(choice.get("logprobs"))
+                if values:
+                    one["log_probs"].extend(values)
+                if choice.get("finish_reason") is not None:
+                    one["finish_reason"] = choice["finish_reason"]
+        for index in sorted(by_index):
+            one = by_index[index]
+            found.choices.append(
+                {
+                    "token_ids": one["token_ids"] or None,
+                    "log_probs": one["log_probs"] or None,
+                    "finish_reason": one.get("finish_reason"),
+                }
+            )
+        return found
+
+    def _generate(self) -> Generated:
+        """SGLang streams the answer so far in each chunk (or, with incremental output, each
+        chunk's new part): the last chunk when it holds every token, else all chunks joined."""
+        if not self.chunks:
+            return Generated(prompt_ids=_ids(self.body.get("input_ids")))
+        last = self.chunks[-1]
+        found = generated(GENERATE, self.body, last)
+        meta = last.get("meta_info") if isinstance(last.get("meta_info"), dict) else {}
+        total = meta.get("completion_tokens")
+        choice = found.choices[0]
+        if isinstance(total, int) and len(choice.get("token_ids") or ()) < total:
+            ids: list[int] = []
+            values: list[float] = []
+            for chunk in self.chunks:
+                one = generated(GENERATE, self.body, chunk).choices[0]
+                ids.extend(one.get("token_ids") or ())
+                values.extend(one.get("log_probs") or ())
+            choice["token_ids"], choice["log_probs"] = ids or None, values or None
+        return found
+
+
+# ---- what a client asked, for trajectories ---------------------------------------------------------
+
+
+def prompt_of(route: str, body: dict[str, Any]) -> Any:
+    """The prompt a request continues from: chat messages, completion prompt (text or ids), or
+    ``/generate``'s ``input_ids`` or ``text``."""
+    if route == CHAT:
+        return body.get("messages")
+    if route == COMPLETIONS:
+        return body.get("prompt")
+    return body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
+
+
+def answer_of(route: str, record: dict[str, Any]) -> Any:
+    """What the first choice of a recorded answer (the span output: ``body`` or ``stream`` as the
+    client got it, ``token_ids``) said, in the shape the next prompt would hold it: the assistant
+    message (chat), else the text and the ids."""
+    ids = _ids(record.get("token_ids")) if route != CHAT else None  # a chat prompt holds messages
+    chunks = [c for c in record.get("stream") or () if isinstance(c, dict)]
+    body = record.get("body") if isinstance(record.get("body"), dict) else None
+    if route == GENERATE:
+        source = body if body is not None else chunks[-1] if chunks else {}
+        return {"text": source.get("text"), "ids": ids}
+    if body is not None:
+        choices = [c for c in body.get("choices") or () if isinstance(c, dict)]
+        first = choices[0] if choices else {}
+        if route == CHAT:
+            return first.get("message")
+        return {"text": first.get("text"), "ids": ids}
+    content: list[str] = []
+    calls: dict[int, dict[str, str]] = {}
+    for chunk in chunks:
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict) or int(choice.get("index") or 0) != 0:
+                continue
+            if route != CHAT:
+                content.append(choice.get("text") or "")
+                continue
+            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            content.append(delta.get("content") or "")
+            for call in delta.get("tool_calls") or ():
+                if isinstance(call, dict):
+                    one = calls.setdefault(int(call.get("index") or 0), {"name": "", "arguments": ""})
+                    fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+                    one["name"] += fn.get("name") or ""
+                    one["arguments"] += fn.get("arguments") or ""
+    if route != CHAT:
+        return {"text": "".join(content), "ids": ids}
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+    if calls:
+        message["tool_calls"] = [{"type": "function", "function": calls[i]} for i in sorted(calls)]
+    return message
