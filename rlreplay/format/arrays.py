@@ -220,9 +220,18 @@ class Arrays:
         return placeholder
 
     def columns(self) -> tuple[Any, Any, Any]:
-        """The span's values per typed column (token_ids, token_masks, token_logprobs): a numpy array,
-        a list of arrays to be taken end to end (not concatenated here: a batch of rows is, once),
-        or None."""
+        """The span's values per typed column (token_ids, token_masks, token_logprobs): a numpy
+        array, or None."""
+        import numpy as np
+
+        return tuple(  # type: ignore[return-value]
+            parts if parts is None or not isinstance(parts, list) else np.concatenate(parts)
+            for parts in self.column_parts()
+        )
+
+    def column_parts(self) -> tuple[Any, Any, Any]:
+        """As :meth:`columns`, but a column of several arrays is the list of them, to be taken end to
+        end (a batch of rows concatenates them once: ``rows.StepBuffer``)."""
         out = []
         for dtype in (_I32, _I8, _F32):
             parts = self.parts[dtype]

@@ -354,7 +354,7 @@ def _encode_row(
         attributes,
         inputs_text,
         output_text,
-        *arrays.columns(),
+        *arrays.column_parts(),
     )
     return row, 200 + len(inputs_text or "") + len(output_text or "") + arrays.bytes
 

@@ -33,7 +33,7 @@ SORT_KEYS = [
     ("trajectory_id", "ascending"),
     ("start_ns", "ascending"),
 ]
-ROW_GROUP_BYTES = 2 << 20
+ROW_GROUP_BYTES = 512 << 10
 _DICTIONARY_COLUMNS = ["trajectory_id", "name", "kind", "status", "experiment", "worker"]
 
 
