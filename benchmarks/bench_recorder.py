@@ -58,6 +58,7 @@ import hashlib
 import logging
 import mmap
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -538,6 +539,8 @@ class LimitArm(Arm):
         import queue
         import threading
 
+        import pyarrow.parquet  # noqa: F401  imported before the clock starts, as rlreplay.init imports it
+
         self.queue: Any = queue.SimpleQueue()
         self.backlog = 0  # the most calls waiting in the queue
         self.thread = threading.Thread(target=limit_writer, args=(self.queue, path), name="limit-writer")
@@ -766,14 +769,15 @@ def collect(procs: list[Any]) -> list[dict[str, Any]]:
 
 def limit_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--calls", type=int, default=2000, help="model calls per run")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, help="model calls per run (default 2,000; --quick 400)")
+    parser.add_argument("--rounds", type=int, help="rounds of interleaved runs (default 3; --quick 1)")
     parser.add_argument(
         "--tree", action="append", default=[], metavar="LABEL=PATH", help="another tree's rlreplay too"
     )
-    parser.add_argument("--quick", action="store_true", help="total and calling-thread CPU only (unshared)")
-    parser.add_argument("--paced-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="every figure, from fewer calls and one round")
     args = parser.parse_args(argv)
+    calls = args.calls or (400 if args.quick else 2000)
+    rounds = args.rounds or (1 if args.quick else 3)
     tmp = Path(tempfile.mkdtemp(prefix="rlreplay-bench-"))
     pool = real_text_pool(Path(tempfile.gettempdir()) / "rlreplay-bench-real-text-ids.npy")
     trees: dict[str, Path] = {"rlreplay": ROOT}
@@ -781,26 +785,21 @@ def limit_main(argv: list[str]) -> None:
         label, _, path = item.partition("=")
         trees[label] = Path(path).resolve()
     arms = ["limit", *trees]
-    calls = args.calls - args.calls % (SPANS_PER_TRAJECTORY * TURNS)
+    calls = max(calls - calls % (SPANS_PER_TRAJECTORY * TURNS), SPANS_PER_TRAJECTORY * TURNS)
     # (workload, paced, processes): what each figure needs
     setups = [("unshared", False, 1), ("unshared", True, 1), ("growing", False, 1)]
     setups += [("unshared", False, 4), ("unshared", True, 4)]
-    if args.quick:  # one process, unshared: the CPU figures alone
-        setups = setups[:2]
-    if args.paced_only:
-        setups = [("unshared", True, 1)]
     results: dict[tuple, list[dict[str, Any]]] = {}
-    loads: list[float] = []
     n = 0
     print(
         f"python {sys.version.split()[0]}, {os.cpu_count()} cpus; {calls:,} model calls per run, "
-        f"{args.rounds} rounds; trees: " + ", ".join(f"{k}={v}" for k, v in trees.items()),
+        f"{rounds} rounds; trees: " + ", ".join(f"{k}={v}" for k, v in trees.items()),
         flush=True,
     )
-    for r in range(args.rounds):
+    for r in range(rounds):
         for workload, paced, procs in setups:
             for arm in (["bare"] if procs == 1 else []) + arms:
-                loads.append(os.getloadavg()[0])
+                load = os.getloadavg()[0]
                 specs = []
                 for k in range(procs):
                     n += 1
@@ -812,6 +811,7 @@ def limit_main(argv: list[str]) -> None:
                 runs = collect([spawn(spec, tree) for spec, tree in specs])
                 results.setdefault((workload, paced, procs, arm), []).append(
                     {
+                        "load": load,
                         "cpu_ns": sum(x["cpu_ns"] for x in runs),
                         "calls": sum(x["calls"] for x in runs),
                         "spans": sum(x.get("spans", 0) for x in runs),
@@ -824,99 +824,141 @@ def limit_main(argv: list[str]) -> None:
                         },
                     }
                 )
-        print(f"  round {r + 1} done, load {os.getloadavg()[0]:.1f}", flush=True)
-    report(results, arms, loads, calls)
+        print(f"  round {r + 1} of {rounds} done, load {os.getloadavg()[0]:.1f}", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    report(results, arms, calls)
 
 
-def report(
-    results: dict[tuple, list[dict[str, Any]]], arms: list[str], loads: list[float], calls: int
-) -> None:
-    def med(key: tuple, field: str) -> float:
-        return statistics.median(run[field] for run in results[key])
+class Figures:
+    """The figures of one run of ``limit_main``: medians over the rounds, per arm."""
 
-    def cpu_per_call(workload: str, paced: bool, arm: str) -> float:
-        bare = med((workload, paced, 1, "bare"), "cpu_ns")
-        return (med((workload, paced, 1, arm), "cpu_ns") - bare) / calls / 1e3
+    def __init__(self, results: dict[tuple, list[dict[str, Any]]], calls: int) -> None:
+        self.results = results
+        self.calls = calls
 
-    def thread(paced: bool, arm: str, field: str) -> float:
-        return (med(("unshared", paced, 1, arm), field) - med(("unshared", paced, 1, "bare"), field)) / 1e3
+    def med(self, key: tuple, field: str) -> float:
+        return statistics.median(run[field] for run in self.results[key])
 
-    def spilled(paced: bool, procs: int, arm: str) -> str:
-        if arm == "limit":
-            return (
-                f"(backlog ≤ {max(r['backlog'] for r in results[('unshared', paced, procs, arm)]):,} calls)"
-            )
-        runs = results[("unshared", paced, procs, arm)]
-        spans = statistics.median(r["spans"] for r in runs)
-        return f"{statistics.median(r['spilled'] for r in runs) / spans:.1%}"
+    def load(self, *setups: tuple) -> str:
+        """The load average at the starts of the runs behind a figure (every arm's, bare's)."""
+        loads = [run["load"] for key, runs in self.results.items() if key[:3] in setups for run in runs]
+        return f"{min(loads):.1f}–{max(loads):.1f}"
 
-    def per_token(workload: str, arm: str) -> float:
-        run = results[(workload, False, 1, arm)][0]
-        return run["bytes"] / run["ids"]
+    def total(self, workload: str, paced: bool, arm: str) -> float:
+        """Process CPU per model call over the bare loop's (µs)."""
+        bare = self.med((workload, paced, 1, "bare"), "cpu_ns")
+        return (self.med((workload, paced, 1, arm), "cpu_ns") - bare) / self.calls / 1e3
 
+    def thread(self, paced: bool, arm: str, field: str) -> float:
+        """The calling thread's CPU per call over the bare call's (µs)."""
+        bare = self.med(("unshared", paced, 1, "bare"), field)
+        return (self.med(("unshared", paced, 1, arm), field) - bare) / 1e3
+
+    def spilled(self, paced: bool, procs: int, arm: str) -> float:
+        """The share of spans encoded on the calling thread (the limit never spills: None)."""
+        runs = self.results[("unshared", paced, procs, arm)]
+        return statistics.median(r["spilled"] / max(r["spans"], 1) for r in runs)
+
+    def backlog(self, paced: bool, procs: int) -> int:
+        return max(r["backlog"] for r in self.results[("unshared", paced, procs, "limit")])
+
+    def per_token(self, workload: str, arm: str) -> float:
+        """Bytes on disk per token id given to the model calls (prompt + response ids)."""
+        return self.med((workload, False, 1, arm), "bytes") / self.med((workload, False, 1, arm), "ids")
+
+
+def report(results: dict[tuple, list[dict[str, Any]]], arms: list[str], calls: int) -> None:
+    fig = Figures(results, calls)
+    ub, up, gb = ("unshared", False, 1), ("unshared", True, 1), ("growing", False, 1)
+    ub4, up4 = ("unshared", False, 4), ("unshared", True, 4)
+    # label, the arm's figure, how it compares with the limit's ("×": ratio, "+": difference), setups
+    rows: list[tuple[str, Callable[[str], float], str, tuple]] = [
+        ("total CPU per call, back to back (µs)", lambda a: fig.total(*ub[:2], a), "×", (ub,)),
+        ("total CPU per call, paced 1 ms (µs)", lambda a: fig.total(*up[:2], a), "×", (up,)),
+        ("total CPU per call, growing prefix (µs)", lambda a: fig.total(*gb[:2], a), "×", (gb,)),
+        (
+            "calling thread, back to back, median (µs)",
+            lambda a: fig.thread(False, a, "thread_median_ns"),
+            "+",
+            (ub,),
+        ),
+        (
+            "calling thread, back to back, mean (µs)",
+            lambda a: fig.thread(False, a, "thread_mean_ns"),
+            "+",
+            (ub,),
+        ),
+        (
+            "calling thread, paced 1 ms, median (µs)",
+            lambda a: fig.thread(True, a, "thread_median_ns"),
+            "+",
+            (up,),
+        ),
+        (
+            "calling thread, paced 1 ms, mean (µs)",
+            lambda a: fig.thread(True, a, "thread_mean_ns"),
+            "+",
+            (up,),
+        ),
+        ("spilled, 1 process, back to back (%)", lambda a: 100 * fig.spilled(False, 1, a), "", (ub,)),
+        ("spilled, 1 process, paced 1 ms (%)", lambda a: 100 * fig.spilled(True, 1, a), "", (up,)),
+        ("spilled, 4 processes, back to back (%)", lambda a: 100 * fig.spilled(False, 4, a), "", (ub4,)),
+        ("spilled, 4 processes, paced 1 ms (%)", lambda a: 100 * fig.spilled(True, 4, a), "", (up4,)),
+        ("bytes per token id, unshared", lambda a: fig.per_token("unshared", a), "×", (ub,)),
+        ("bytes per token id, growing prefix", lambda a: fig.per_token("growing", a), "×", (gb,)),
+    ]
+    ours = arms[1:]
     print(
         f"\nper model call of {PROMPT_IDS:,} prompt ids, {OUTPUT_IDS:,} response ids and {OUTPUT_IDS:,} "
-        f"log-probs, median of rounds; load average {min(loads):.1f}–{max(loads):.1f} at the runs' starts"
+        f"log-probs (growing prefix: {TURNS} turns of {TURN_IDS} ids), median of the rounds; CPU and "
+        "calling thread over the bare loop's; load: the load average at the runs' starts"
     )
-    header = f"{'':44s}" + "".join(f"{a:>14s}" for a in arms)
+    width = 43
+    header = f"{'':{width}s}" + "".join(f"{a:>10s}" for a in arms)
+    header += "".join(f"{a[:8] + ' vs limit':>18s}" for a in ours) + f"{'load':>10s}"
     print(header)
-    rows: list[tuple[str, Callable[[str], str]]] = [
-        ("total CPU per call, back to back (µs)", lambda a: f"{cpu_per_call('unshared', False, a):.0f}"),
-        ("total CPU per call, paced 1 ms (µs)", lambda a: f"{cpu_per_call('unshared', True, a):.0f}"),
-        ("total CPU per call, growing prefix (µs)", lambda a: f"{cpu_per_call('growing', False, a):.0f}"),
-        (
-            "calling thread, back to back: med/mean (µs)",
-            lambda a: f"{thread(False, a, 'thread_median_ns'):.1f}/{thread(False, a, 'thread_mean_ns'):.1f}",
-        ),
-        (
-            "calling thread, paced 1 ms: med/mean (µs)",
-            lambda a: f"{thread(True, a, 'thread_median_ns'):.1f}/{thread(True, a, 'thread_mean_ns'):.1f}",
-        ),
-        ("spilled, 1 process, back to back", lambda a: spilled(False, 1, a)),
-        ("spilled, 1 process, paced 1 ms", lambda a: spilled(True, 1, a)),
-        ("spilled, 4 processes, back to back", lambda a: spilled(False, 4, a)),
-        ("spilled, 4 processes, paced 1 ms", lambda a: spilled(True, 4, a)),
-        ("bytes per token id, unshared", lambda a: f"{per_token('unshared', a):.3f}"),
-        ("bytes per token id, growing prefix", lambda a: f"{per_token('growing', a):.3f}"),
-    ]
-    for label, cell in rows:
-        cells = []
+    for label, value, compare, setups in rows:
+        cells, versus = [], []
         for a in arms:
-            try:
-                cells.append(cell(a))
-            except KeyError:  # not measured in this run (--quick)
-                cells.append("-")
-        print(f"{label:44s}" + "".join(f"{c:>14s}" for c in cells))
-    for arm in arms[1:]:
-        verdict = []
-        for paced in (False, True):
-            key, bare = ("unshared", paced, 1, arm), ("unshared", paced, 1, "bare")
-            limit = ("unshared", paced, 1, "limit")
-            if key not in results:
+            if a == "limit" and label.startswith("spilled"):
+                paced, procs = "paced" in label, 4 if "4 processes" in label else 1
+                cells.append(f"(≤{fig.backlog(paced, procs)} q)")
                 continue
-            ratios = [
-                (r["cpu_ns"] - b["cpu_ns"]) / (lim["cpu_ns"] - b["cpu_ns"])
-                for r, b, lim in zip(results[key], results[bare], results[limit])
-            ]
-            ratio = cpu_per_call("unshared", paced, arm) / cpu_per_call("unshared", paced, "limit")
-            mode = "paced" if paced else "back to back"
-            rounds = ", ".join(f"{x:.2f}" for x in ratios)
-            verdict.append(f"total {mode} {ratio:.2f}× the limit (rounds {rounds})")
-        with contextlib.suppress(KeyError):
-            paced_over = thread(True, arm, "thread_mean_ns") - thread(True, "limit", "thread_mean_ns")
-            verdict.append(f"calling thread paced {paced_over:+.1f} µs over the limit's copy (mean)")
-        with contextlib.suppress(KeyError):
-            verdict.append(f"spilled with 4 processes paced {spilled(True, 4, arm)}")
-            unshared = per_token("unshared", arm) / per_token("unshared", "limit")
-            verdict.append(f"bytes unshared {unshared:.3f}× the limit's")
+            v = value(a)
+            cells.append(f"{v:.3f}" if label.startswith("bytes") else f"{v:.1f}")
+            if a != "limit" and compare:
+                lim = value("limit")
+                versus.append(f"{v / lim:.2f}×" if compare == "×" else f"{v - lim:+.1f} µs")
+            elif a != "limit":
+                versus.append("")
+        line = f"{label:{width}s}" + "".join(f"{c:>10s}" for c in cells)
+        print(line + "".join(f"{c:>18s}" for c in versus) + f"{fig.load(*setups):>10s}")
+    print("(the limit's spill rows: the most calls its queue held, it never spills)")
+    for arm in ours:
+        checks = []
+        for mode, (w, paced) in (("back to back", ub[:2]), ("paced", up[:2])):
+            ratio = fig.total(w, paced, arm) / fig.total(w, paced, "limit")
+            checks.append((f"total CPU {mode} {ratio:.2f}× the limit (≤ 1.25×)", ratio <= 1.25))
+        over = fig.thread(True, arm, "thread_mean_ns") - fig.thread(True, "limit", "thread_mean_ns")
+        checks.append((f"calling thread paced {over:+.1f} µs over the limit's copy (≤ 15)", over <= 15))
+        spill = fig.spilled(True, 4, arm)
+        checks.append((f"spilled with 4 processes paced {spill:.1%} (none)", spill == 0))
+        unshared = fig.per_token("unshared", arm) / fig.per_token("unshared", "limit")
+        checks.append((f"bytes unshared {unshared:.3f}× the limit's (≤ 1)", unshared <= 1))
+        for other in ours:
+            if other != arm:
+                growing = fig.per_token("growing", arm) / fig.per_token("growing", other)
+                checks.append(
+                    (
+                        f"bytes growing prefix {growing:.3f}× {other}'s",
+                        growing <= 1 if other == "main" else None,
+                    )
+                )
         losses = [x for key, runs in results.items() if key[3] == arm for r in runs for x in r["losses"]]
         if losses:
-            verdict.append(f"losses {losses}")
-        print(f"{arm}: " + "; ".join(verdict))
-    print(
-        "targets: total ≤ 1.25× the limit; calling thread paced ≤ 15 µs over the limit's copy; "
-        "no spill with 4 processes paced; bytes ≤ the limit's file (unshared), ≤ main's (growing prefix)"
-    )
+            checks.append((f"spans lost {losses}", False))
+        verdicts = {True: "met", False: "MISSED", None: "-"}
+        print(f"{arm}: " + "; ".join(f"{text} {verdicts[ok]}" for text, ok in checks))
 
 
 def main() -> None:
