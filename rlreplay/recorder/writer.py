@@ -23,6 +23,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from rlreplay.format import manifest
+from rlreplay.format.keys import TrajectoryKey
 from rlreplay.recorder.events import (
     CLOSE,
     FLUSH,
@@ -542,9 +543,7 @@ def warm_up() -> None:
     _warmed_up = True
     with contextlib.suppress(Exception):
         meta = OpMeta(name="warm-up")
-        traj = OpenTrajectory.__new__(OpenTrajectory)
-        traj.id, traj.step, traj.sample_index, traj.rollout_n = 0, 0, 0, 0
-        traj.validate, traj.experiment, traj.attributes, traj.explicit = False, "x", {"a": 1}, False
+        traj = OpenTrajectory(TrajectoryKey(0, 0, 0, experiment="x"), {"a": 1}, explicit=False)
         event = SpanEvent(traj, 1, None, meta, 0, 1, None, ([1, 2],), {"k": "v"}, {"token_ids": [3]}, 0)
         row, nbytes, _ = encode_row(event, RecorderConfig(run_dir=Path(".")), "w")
         buf = StepBuffer()
