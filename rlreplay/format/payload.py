@@ -68,7 +68,8 @@ class Marker(dict):
     __slots__ = ()
 
 
-def _float_marker(value: float) -> Marker:
+def float_marker(value: float) -> Marker:
+    """The ``float`` marker of a NaN or an infinity (a NaN other than the usual one keeps its bits)."""
     marker = Marker(__type__="float", value=repr(value))
     if value != value:
         bits = struct.unpack("<Q", struct.pack("<d", value))[0]
@@ -266,7 +267,7 @@ class _Simplifier:
         if cls is int:
             return value if not self.strict or _INT_MIN <= value <= _INT_MAX else _int_marker(value)
         if cls is float:
-            return value if math.isfinite(value) else _float_marker(value)
+            return value if math.isfinite(value) else float_marker(value)
         if depth > MAX_DEPTH:
             return Marker(__type__="repr", **{"class": _type_name(value), "repr": "<too deep>"})
         if cls is list or cls is tuple:
