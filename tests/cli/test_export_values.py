@@ -132,6 +132,7 @@ class Collector:
 
     def __init__(self) -> None:
         self.spans: list[Any] = []
+        self.bodies: list[bytes] = []  # each request, uncompressed
         collector = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -144,6 +145,7 @@ class Collector:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
+                collector.bodies.append(body)
                 request = ExportTraceServiceRequest()
                 request.ParseFromString(body)
                 for rs in request.resource_spans:
