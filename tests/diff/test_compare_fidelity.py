@@ -26,7 +26,10 @@ from rlreplay.compare import compare_runs
 sys.path.insert(0, str(Path(__file__).parents[1] / "format"))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from test_payload_fidelity import FLOATS, INTS, bits
-from value_job import NAME, Engine, encode
+from value_job import NAME, encode
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "recorder"))
+from test_replay_fidelity import record  # each reply from a model call of its own trajectory
 
 JOB = Path(__file__).resolve().parents[1] / "value_job.py"
 #: Over the 4 MiB a field is kept whole: recorded as a ``truncated`` marker.
@@ -113,17 +116,6 @@ def test_compare_of_a_run_and_its_replay_says_same_only_for_values_got_bit_for_b
     cli(tmp_path, "replay", str(source), "--serve", "tool", "--out", str(tmp_path / "live"), *job, env=other)
     expected = {i: bits(a) == bits(b) for i, (a, b) in enumerate(PAIRS)}
     assert verdicts(tmp_path, source, tmp_path / "live") == expected
-
-
-def record(run_dir: Path, replies: list[Any]) -> None:
-    rlreplay.init(run_dir, worker="w0")
-    try:
-        engine = Engine(replies)
-        for i in range(len(replies)):
-            with rlreplay.trajectory(step=0, sample_index=i, rollout_n=0):
-                engine.generate([1, 2, i], sample=i)
-    finally:
-        rlreplay.close()
 
 
 SCALARS = FLOATS | INTS | st.booleans() | st.none() | st.text(max_size=4) | st.binary(max_size=4)
