@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
+import bisect
 import struct
-from typing import Any, ClassVar
+from typing import Any
 
 import orjson
 
-from rlreplay.format.payload import ESCAPED, MARKER, MAX_PROBES, MIN_ARRAY, MIN_SHARED, TOKENS
+from rlreplay.format.payload import ESCAPED, MARKER, MIN_ARRAY, MIN_SHARED, TOKENS
 
 #
 # A number list of a span's inputs/output goes to a typed column; the JSON keeps a placeholder
@@ -16,16 +16,19 @@ from rlreplay.format.payload import ESCAPED, MARKER, MAX_PROBES, MIN_ARRAY, MIN_
 # "r": [[span, start, length, at], ...]}``. ``r`` lists stretches copied from earlier spans of the
 # same trajectory (their "stream": all their arrays of that dtype, end to end): ``length`` values
 # of span ``span`` from ``start`` go at position ``at``; the stored values fill the rest in order.
-# That is how a model call's prompt (the previous prompt + response + an observation) and the
-# agent's response ids and log-probs (every turn's) are kept once.
+#
+# The writer shares token ids only where a model call continues the trajectory's latest ids: an
+# id array that begins with an array of the latest span that held ids (a prompt = the previous
+# prompt + response + an observation: verl's agent loop), or goes on where the span's previous
+# array stopped in it (the agent's response ids after its prompt), one comparison of int32 arrays
+# each; and log-probs that begin with an earlier call's log-probs and go on with the later calls'
+# in order, gaps between them allowed (the agent's response log-probs: every turn's, and the tool
+# observations' zeros). Nothing is searched for: a call's own new values cost a lookup of their
+# first value. Readers resolve any ``r`` (earlier files share stretches found by a general search).
 
 _I8, _I32, _F32 = "i8", "i32", "f32"
 #: Placeholder dtype → typed column (see ``rlreplay.format.schema.TOKEN_COLUMNS``).
 DTYPE_COLUMNS = {_I32: "token_ids", _I8: "token_masks", _F32: "token_logprobs"}
-_SHARED = (_I32, _F32)  # dtypes whose stretches are shared between spans
-
-
-_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 
 
 def _small_ints(values: list | tuple) -> Any:
@@ -41,15 +44,25 @@ def _small_ints(values: list | tuple) -> Any:
 
 def _int32(values: list | tuple) -> Any:
     """Ints as an int32 array; OverflowError for one beyond int32 (``struct`` packs them with a
-    third of the instructions numpy's conversion takes)."""
+    third of the instructions numpy's conversion takes; ``pack(*values)`` alone unpacks the list
+    once, where ``pack_into(buffer, 0, *values)`` copies it twice)."""
     import numpy as np
 
-    out = np.empty(len(values), dtype=np.int32)
     try:
-        struct.pack_into(f"={len(values)}i", out, 0, *values)
+        return np.frombuffer(struct.Struct(f"={len(values)}i").pack(*values), dtype=np.int32)
     except struct.error:
         return np.array(values, dtype=np.int32)  # says why: OverflowError
-    return out
+
+
+def _float64(values: list | tuple) -> Any:
+    """Numbers as a float64 array (``struct`` again: twice as fast as numpy's conversion);
+    OverflowError for an int beyond float64, TypeError for anything that is not a number."""
+    import numpy as np
+
+    try:
+        return np.frombuffer(struct.Struct(f"={len(values)}d").pack(*values), dtype=np.float64)
+    except struct.error as exc:
+        raise TypeError(str(exc)) from None
 
 
 def _types_at(values: list | tuple, positions: Any) -> set[type]:
@@ -66,19 +79,21 @@ def _types_at(values: list | tuple, positions: Any) -> set[type]:
 class Arrays:
     """Collects a span's number lists as typed arrays, leaving placeholders in its JSON.
 
-    ``shared`` (a ``SharedIndex`` of the trajectory, optional) lets a list store only what earlier
-    spans of the trajectory do not already hold.
+    ``shared`` (a ``SharedIndex`` of the trajectory, optional) lets an id list store only what the
+    trajectory's latest ids do not already hold.
     """
 
     def __init__(self, shared: Any = None, kinds: dict[int, Any] | None = None) -> None:
-        self.kinds = kinds  # from to_jsonable: number lists already summed
+        self.kinds = kinds  # from to_payload: number lists already checked (summed, or by ``ints``)
+        self.converted: dict[int, tuple[Any, Any]] = {}  # id → (list, its int32 array): ``ints``
         self.parts: dict[str, list[Any]] = {_I32: [], _I8: [], _F32: []}
         self.sizes = dict.fromkeys(self.parts, 0)
-        self.streams: dict[str, list[Any]] = {_I32: [], _F32: []}  # full arrays, in order
-        self.stream_len = dict.fromkeys(self.streams, 0)
-        self.lists: list[Any] = []  # the id lists as given, parallel to streams[_I32]
+        self.id_arrays: list[Any] = []  # the span's id stream: its full id arrays, in order
+        self.id_count = 0
+        self.float_arrays: list[Any] = []  # the span's float32 arrays (its log-prob stream), in order
+        self.float_count = 0
         self.shared = shared
-        self._last: tuple[str, int] | None = None  # where the previous array's last stretch ended
+        self._last: tuple[str, int] | None = None  # where the previous id array ended in a shared stream
         self.bytes = 0
 
     def extract(self, data: Any, key: str = "") -> Any:
@@ -93,6 +108,21 @@ class Arrays:
             if any(type(v) in (dict, list, tuple) for v in data):
                 return [self.extract(v, key) for v in data]
         return data
+
+    def ints(self, values: list | tuple) -> type | None:
+        """``int`` when every item of ``values`` is an int (or bool) within int32, their array kept
+        for ``extract``: a ``numbers`` check for ``payload.to_payload``, which then need not sum
+        them; else None."""
+        import numpy as np
+
+        if type(values[0]) is not int:
+            return None
+        try:
+            array = np.frombuffer(struct.Struct(f"={len(values)}i").pack(*values), dtype=np.int32)
+        except struct.error:  # not an int, or beyond int32
+            return None
+        self.converted[id(values)] = (values, array)
+        return int
 
     def _take(self, key: str, values: list | tuple) -> dict[str, Any] | None:
         # sum() tells, at C speed, int lists (ints and bools) from float lists (floats, maybe ints,
@@ -115,63 +145,57 @@ class Arrays:
         return None
 
     def _ints(self, key: str, values: list | tuple) -> dict[str, Any] | None:
-        """Ints exactly (bools refused), as int8 (masks) or int32 (shared with earlier spans)."""
+        """Ints exactly (bools refused), as int8 (masks) or int32 (shared with the latest ids)."""
         import numpy as np
 
-        mask = "mask" in key.lower()
-        found: list[list[Any]] = []
-        after = self._last
-        if not mask and self.shared is not None and type(values) is list and len(values) >= MIN_SHARED:
-            found, after = self.shared.list_cover(values, self._last)  # no conversion of what repeats
-        array = _small_ints(values) if mask else None  # 0..127: bytes() converts 3x faster than numpy
-        if array is None and mask:
-            with contextlib.suppress(OverflowError):
-                array = np.array(values, dtype=np.int8)
-        if array is None:  # numpy refuses a value beyond int32 (OverflowError): JSON keeps them
-            array = self._int32(values, found)
-        # a bool counts as 0 or 1 to sum() and numpy: only those positions need a look
-        small = np.flatnonzero(array.view(np.uint32 if array.dtype == np.int32 else np.uint8) < 2)
+        known = self.converted.get(id(values))
+        converted = known[1] if known is not None and known[0] is values else None
+        array = None
+        if "mask" in key.lower():
+            if converted is not None:
+                if len(converted) and (converted.min() < -128 or converted.max() > 127):
+                    return None  # beyond int8: JSON keeps them
+                array = converted.astype(np.int8)
+            else:
+                array = _small_ints(values)  # 0..127: bytes() converts 3x faster than numpy
+                if array is None:
+                    array = np.array(values, dtype=np.int8)  # OverflowError beyond int8: JSON then
+        if array is None:
+            # a value beyond int32: OverflowError (JSON keeps them)
+            array = converted if converted is not None else _int32(values)
+        # a bool counts as 0 or 1 to sum(), bytes(), struct and numpy; an object that packs as an
+        # int (numpy's) may only be 0 or 1 (numpy's bool): only those positions need a look
+        small = (array.view(np.uint32 if array.dtype == np.int32 else np.uint8) < 2).nonzero()[0]
         if len(small) > 256:
             if b"e" in orjson.dumps(values):  # true/false; JSON integers have no "e"
                 return None
-        elif bool in _types_at(values, small):
+        elif not _types_at(values, small) <= {int}:
             return None
         if array.dtype == np.int8:
             return self._add(_I8, array)
-        return self._shared(_I32, array, values, found, after)
-
-    def _int32(self, values: list | tuple, found: list[list[Any]]) -> Any:
-        """``values`` as int32: the stretches ``found`` in the latest id stream copied from it, only
-        the rest converted."""
-        import numpy as np
-
-        if not found:
-            return _int32(values)
-        stream = self.shared.latest[2]
-        pieces, pos = [], 0
-        for _, start, length, at in found:
-            if at > pos:
-                pieces.append(_int32(values[pos:at]))
-            pieces.append(stream[start : start + length])
-            pos = at + length
-        if pos < len(values):
-            pieces.append(_int32(values[pos:]))
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        return self._ids(array)
 
     def _floats(self, values: list | tuple) -> dict[str, Any] | None:
         """Floats exact in float32 (bit for bit: -0.0, NaN payloads); else None (JSON keeps them)."""
         import numpy as np
 
-        array = np.array(values, dtype=np.float64)
+        array = _float64(values)
         single = array.astype(np.float32)
         if not np.array_equal(single.astype(np.float64).view(np.int64), array.view(np.int64)):
             return None
         # ints and bools among the floats have whole values: only those positions need a look
-        whole = np.flatnonzero(array == np.trunc(array))
+        whole = (array == np.trunc(array)).nonzero()[0]
         types = set(map(type, values)) if len(whole) > 256 else _types_at(values, whole)
         if types - {float} and not all(issubclass(t, float) for t in types):
             return None
-        return self._shared(_F32, single)
+        found = self.shared.float_cover(single) if self.shared is not None else []
+        placeholder = self._add(_F32, _without(single, found) if found else single)
+        placeholder["s"] = self.float_count
+        if found:
+            placeholder["r"] = found
+        self.float_arrays.append(single)
+        self.float_count += len(single)
+        return placeholder
 
     def _add(self, dtype: str, array: Any) -> dict[str, Any]:
         placeholder = {"__type__": TOKENS, "t": dtype, "o": self.sizes[dtype], "n": len(array)}
@@ -180,293 +204,183 @@ class Arrays:
         self.bytes += array.nbytes
         return placeholder
 
-    def _shared(
-        self,
-        dtype: str,
-        array: Any,
-        values: Any = None,
-        found: list[list[Any]] | None = None,
-        after: tuple[str, int] | None = None,
-    ) -> dict[str, Any]:
-        """Store ``array`` less the stretches earlier spans hold; ``found``: stretches
-        ``[span, start, length, at]`` already found on the values as given (``list_cover``), and
-        ``after`` where the last of them ended; the gaps between them are searched as arrays."""
-        import numpy as np
-
-        refs: list[list[Any]] = []
+    def _ids(self, array: Any) -> dict[str, Any]:
+        """Store ids (int32) less the stretch at their start that the trajectory's latest ids hold."""
+        found: list[list[Any]] = []
+        after = None
+        if self.shared is not None and len(array) >= MIN_SHARED:
+            found, after = self.shared.id_cover(array, self._last)
+        placeholder = self._add(_I32, _without(array, found) if found else array)
+        placeholder["s"] = self.id_count
         if found:
-            state, pos = self._last, 0
-            for ref in found:
-                refs += self._cover_gap(dtype, array, pos, ref[3], state)
-                refs.append(ref)
-                pos = ref[3] + ref[2]
-                state = (ref[0], ref[1] + ref[2])
-            self._last = state
-            refs += self._cover_gap(dtype, array, pos, len(array), after)
-        else:
-            refs = self._cover_gap(dtype, array, 0, len(array), self._last)
-        stored = array
-        if len(refs) == 1 and refs[0][2] == len(array):
-            stored = array[:0]
-        elif refs:
-            keep = np.ones(len(array), dtype=bool)
-            for _, _, length, at in refs:
-                keep[at : at + length] = False
-            stored = array[keep]
-        placeholder = self._add(dtype, stored)
-        placeholder["s"] = self.stream_len[dtype]
-        if refs:
-            placeholder["r"] = refs
-        self.streams[dtype].append(array)
-        self.stream_len[dtype] += len(array)
-        if dtype == _I32:
-            self.lists.append(values if type(values) is list else None)
+            placeholder["r"] = found
+        self._last = after
+        self.id_arrays.append(array)
+        self.id_count += len(array)
         return placeholder
 
-    def _cover_gap(
-        self, dtype: str, array: Any, begin: int, end: int, after: tuple[str, int] | None
-    ) -> list[list[Any]]:
-        """Stretches of earlier streams that make up parts of ``array[begin:end]`` (``after``: where
-        the stretch before it ended); sets where the last one ended."""
-        if end <= begin:
-            self._last = after
-            return []
-        if self.shared is None or end - begin < MIN_SHARED:
-            self._last = None  # a gap too short to share: the next stretch cannot continue one
-            return []
-        part = array[begin:end] if begin or end < len(array) else array
-        more, self._last = self.shared.cover(dtype, part, after)
-        return [[span, start, length, at + begin] for span, start, length, at in more]
-
     def columns(self) -> tuple[Any, Any, Any]:
-        """The span's values per typed column (token_ids, token_masks, token_logprobs)."""
+        """The span's values per typed column (token_ids, token_masks, token_logprobs): a numpy
+        array, or None."""
         import numpy as np
 
+        return tuple(  # type: ignore[return-value]
+            parts if parts is None or not isinstance(parts, list) else np.concatenate(parts)
+            for parts in self.column_parts()
+        )
+
+    def column_parts(self) -> tuple[Any, Any, Any]:
+        """As :meth:`columns`, but a column of several arrays is the list of them, to be taken end to
+        end (a batch of rows concatenates them once: ``rows.StepBuffer``)."""
         out = []
         for dtype in (_I32, _I8, _F32):
             parts = self.parts[dtype]
-            if not parts:
-                out.append(None)
-            else:
-                out.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
+            out.append(None if not parts else parts[0] if len(parts) == 1 else parts)
         return tuple(out)  # type: ignore[return-value]
 
 
-class SharedIndex:
-    """The id and log-prob streams of a trajectory's latest spans, to share stretches with."""
+def _without(array: Any, found: list[list[Any]]) -> Any:
+    """``array`` less the stretches ``found`` (``[span, start, length, at]``)."""
+    import numpy as np
 
-    __slots__ = ("by_first", "latest", "streams")
-    #: streams kept per dtype: an id stream holds the ones before it; log-probs are per call
-    KEEP: ClassVar[dict[str, int]] = {_I32: 6, _F32: 32}
+    if len(found) == 1 and found[0][2] == len(array):
+        return array[:0]
+    keep = np.ones(len(array), dtype=bool)
+    for _, _, length, at in found:
+        keep[at : at + length] = False
+    return array[keep]
+
+
+class SharedIndex:
+    """What later spans of a trajectory may share: its latest id stream (the last span that held
+    ids) and its latest log-prob arrays."""
+
+    __slots__ = ("dropped", "float_bytes", "floats", "latest", "starts")
+    #: log-prob arrays kept (a model call's each): the turns an agent span's log-probs may repeat
+    KEEP_FLOATS = 32
 
     def __init__(self) -> None:
-        # (span, values, [(start key, start)]) of the latest streams per dtype, oldest first
-        self.streams: dict[str, list[tuple[str, Any, list[tuple[int, int]]]]] = {_I32: [], _F32: []}
-        # per dtype: the bits of the first two values of each kept array → (span, stream bits, start);
-        # values are compared as bits (-0.0 is not 0.0), two at a time (one common id starts many)
-        self.by_first: dict[str, dict[int, list[tuple[str, Any, int]]]] = {_I32: {}, _F32: {}}
-        # the latest id stream as given (span, one list of its ids, stream, where its arrays begin):
-        # the next model call's prompt usually repeats stretches of it, which list comparisons find
-        # before any conversion
-        self.latest: tuple[str, list[int], Any, list[int]] | None = None
+        # (span, its id arrays (int32), where each begins in its stream, their first ids): our own
+        # copies, which no caller can change
+        self.latest: tuple[str, list[Any], list[int], list[Any]] | None = None
+        # (span, bits of a float32 array, its position in the span's float stream), oldest first
+        self.floats: list[tuple[str, Any, int]] = []
+        self.dropped = 0  # log-prob arrays let go from the front of ``floats``
+        # bits of an array's first value → its place among all arrays kept so far (less ``dropped``:
+        # its place in ``floats``; a negative one was let go)
+        self.starts: dict[int, int] = {}
+        self.float_bytes = 0
 
     def add(self, span_id: str, arrays: Arrays) -> None:
+        """``arrays`` (a span's) become the latest ids, and its log-probs are kept, when they hold
+        enough to share."""
+        self._add_floats(span_id, arrays)
+        if arrays.id_count < MIN_SHARED:
+            return
+        parts = arrays.id_arrays
+        starts, pos = [], 0
+        for part in parts:
+            starts.append(pos)
+            pos += len(part)
+        self.latest = (span_id, parts, starts, [int(part[0]) if len(part) else None for part in parts])
+
+    def id_cover(
+        self, array: Any, after: tuple[str, int] | None
+    ) -> tuple[list[list[Any]], tuple[str, int] | None]:
+        """The stretch ``[[span, start, length, 0]]`` of the latest id stream that ``array`` (int32)
+        begins with: from where the span's previous array ended in it (``after``), or from one of
+        its arrays' starts, the longest, up to the first value that differs; and where it ended,
+        when it covers all of ``array``. A first id that matches none costs a list lookup."""
+        if self.latest is None:
+            return [], None
+        span, parts, starts, firsts = self.latest
+        first, n = int(array[0]), len(array)
+        # (array, offset in it) to compare from: ``after`` first (it wins ties), then array starts
+        options = []
+        if after is not None and after[0] == span:
+            k = bisect.bisect_right(starts, after[1]) - 1
+            offset = after[1] - starts[k]
+            if offset < len(parts[k]) and int(parts[k][offset]) == first:
+                options.append((k, offset))
+        options += [(k, 0) for k, value in enumerate(firsts) if value == first]
+        best, best_start = 0, 0
+        for k, offset in options:
+            length = _common(array, parts, k, offset)
+            if length > best:
+                best, best_start = length, starts[k] + offset
+        if best < MIN_SHARED:
+            return [], None
+        return [[span, best_start, best, 0]], (span, best_start + best) if best == n else None
+
+    def _add_floats(self, span_id: str, arrays: Arrays) -> None:
         import numpy as np
 
-        for dtype, parts in arrays.streams.items():
-            if not parts or arrays.stream_len[dtype] < MIN_SHARED:
-                continue
-            stream = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            starts, pos = [], 0
-            for part in parts:
-                starts.append(pos)
-                pos += len(part)
-            kept = self.streams[dtype]
-            keys = _start_keys(stream, starts)
-            kept.append((span_id, stream, keys))
-            by_first = self.by_first[dtype]
-            for old_span, _, old_keys in kept[: -self.KEEP[dtype]]:  # no longer kept: forget its starts
-                for key, _ in old_keys:
-                    left = [e for e in by_first.get(key, ()) if e[0] != old_span]
-                    if left:
-                        by_first[key] = left
-                    else:
-                        by_first.pop(key, None)
-            del kept[: -self.KEEP[dtype]]
-            bits = stream.view(np.uint32)
-            for key, start in keys:
-                by_first.setdefault(key, []).append((span_id, bits, start))
-            if dtype == _I32:  # a copy: a caller may change a list it gave after the call returns
-                lists = arrays.lists
-                self.latest = None
-                if None not in lists:
-                    flat: list[int] = []
-                    for part in lists:
-                        flat += part
-                    self.latest = (span_id, flat, stream, starts)
+        pos = 0
+        floats, starts = self.floats, self.starts
+        for array in arrays.float_arrays:
+            if len(array) >= MIN_SHARED:
+                bits = array.view(np.uint32)
+                starts[int(bits[0])] = self.dropped + len(floats)
+                floats.append((span_id, bits, pos))
+                self.float_bytes += bits.nbytes
+            pos += len(array)
+        extra = len(floats) - self.KEEP_FLOATS
+        if extra > 0:
+            for _, bits, _ in floats[:extra]:
+                self.float_bytes -= bits.nbytes
+            del floats[:extra]
+            self.dropped += extra
+            if len(starts) > 2 * self.KEEP_FLOATS:  # forget the starts of arrays let go
+                self.starts = {k: i for k, i in starts.items() if i >= self.dropped}
 
-    def list_cover(
-        self, values: list, after: tuple[str, int] | None
-    ) -> tuple[list[list[Any]], tuple[str, int] | None]:
-        """Stretches ``[span, start, length, at]`` of the latest id stream that make up parts of
-        ``values`` (greedy, longest first at each position, as ``cover``), and where the last one
-        ended; found by comparing lists (C speed, no conversion) from the stream's array starts and
-        from ``after`` (where the span's previous array ended in it)."""
-        if self.latest is None:
-            return [], after
-        span, flat, _, starts = self.latest
-        size, n = len(flat), len(values)
-        by_first: dict[int, list[int]] = {}
-        for start in starts:
-            if size - start >= MIN_SHARED:
-                by_first.setdefault(flat[start], []).append(start)
-        cont = after[1] if after is not None and after[0] == span else None
+    def float_cover(self, array: Any) -> list[list[Any]]:
+        """Stretches ``[span, start, length, at]`` of the kept log-prob arrays that ``array`` (float32)
+        is made of: it begins with one of them, bit for bit (``-0.0`` is not ``0.0``), and may go on
+        with the ones kept after it, in order, each wherever its first value next appears."""
+        import numpy as np
+
+        bits = array.view(np.uint32)
+        n = len(bits)
+        i = self.starts.get(int(bits[0]), -1) - self.dropped if n >= MIN_SHARED else -1
         refs: list[list[Any]] = []
-        p, probes = 0, 0
-        while n - p >= MIN_SHARED and probes < MAX_PROBES:
-            probes += 1
-            options = by_first.get(values[p], [])
-            if cont is not None and cont not in options:
-                options = [*options, cont]
-            best, best_start = 0, 0
-            for start in reversed(options):  # ``after`` first, then the latest array: they win ties
-                m = min(n - p, size - start)
-                if m < MIN_SHARED or best >= m:
-                    continue
-                length = _common(values, p, flat, start, m)
-                if length > best:
-                    best, best_start = length, start
-            if best >= MIN_SHARED:
-                refs.append([span, best_start, best, p])
-                p += best
-                cont = best_start + best
-                after = (span, cont)
-                continue
-            cont, after = None, None
-            limit = n - MIN_SHARED + 1  # the next position where one of its arrays begins
-            for first in by_first:
-                with contextlib.suppress(ValueError):
-                    limit = values.index(first, p + 1, limit)
-            if limit > n - MIN_SHARED:
+        p = 0
+        while 0 <= i < len(self.floats):
+            span, kept, start = self.floats[i]
+            m = min(len(kept), n - p)
+            same = bits[p : p + m] == kept[:m]
+            length = m if same.all() else int(same.argmin())
+            if length >= MIN_SHARED:
+                refs.append([span, start, length, p])
+                p += length
+            if length < len(kept) or p >= n or i + 1 >= len(self.floats):
                 break
-            p = limit
-        return refs, after
+            i += 1  # the next kept array, where its first value next appears
+            later = (bits[p:] == self.floats[i][1][0]).nonzero()[0]
+            if not len(later):
+                break
+            p += int(later[0])
+        return refs
 
     @property
     def nbytes(self) -> int:
-        # the kept lists: an 8-byte pointer per item, and the int itself when the caller has let
-        # go of it (counted always: a bound, not a guess)
-        lists = 40 * len(self.latest[1]) if self.latest is not None else 0
-        return lists + sum(s[1].nbytes for kept in self.streams.values() for s in kept)
-
-    def cover(
-        self, dtype: str, array: Any, after: tuple[str, int] | None
-    ) -> tuple[list[list[Any]], tuple[str, int] | None]:
-        """Stretches ``[span, start, length, at]`` of earlier streams that make up parts of ``array``
-        (greedy, longest first at each position), and where the last one ended."""
-        import numpy as np
-
-        kept = self.streams[dtype]
-        if not kept:
-            return [], None
-        by_first = self.by_first[dtype]
-        bits = array.view(np.uint32)
-        maybe = None  # where an earlier array may begin again (computed at the first miss)
-        by_span = {span_id: stream.view(np.uint32) for span_id, stream, _ in kept}
-        refs: list[list[Any]] = []
-        n, p, probes = len(array), 0, 0
-        while p < n - 1 and probes < MAX_PROBES:
-            probes += 1
-            options = list(by_first.get((int(bits[p]) << 32) | int(bits[p + 1]), ()))
-            if after is not None and after[0] in by_span:
-                options.append((after[0], by_span[after[0]], after[1]))
-            best: tuple[str, int, int] | None = None
-            for span_id, stream, start in reversed(options):  # the latest first: it wins ties
-                m = min(n - p, len(stream) - start)
-                if m < MIN_SHARED or (bits[p : p + MIN_SHARED] != stream[start : start + MIN_SHARED]).any():
-                    continue
-                same = bits[p : p + m] == stream[start : start + m]
-                length = m if same.all() else int(same.argmin())
-                if best is None or length > best[2]:
-                    best = (span_id, start, length)
-                    if length == n - p:
-                        break  # all the rest of the array: none can do better
-            if best is not None:
-                refs.append([best[0], best[1], best[2], p])
-                after = (best[0], best[1] + best[2])
-                p += best[2]
-                continue
-            after = None
-            if maybe is None:
-                maybe = _positions_of(bits, by_first)
-            i = int(np.searchsorted(maybe, p + 1))
-            if i >= len(maybe):
-                break
-            p = int(maybe[i])
-        return refs, after
+        """The memory it holds: the latest ids and the kept log-probs."""
+        latest = self.latest
+        return self.float_bytes + (sum(part.nbytes for part in latest[1]) if latest is not None else 0)
 
 
-def _start_keys(stream: Any, starts: list[int]) -> list[tuple[int, int]]:
-    """The ``by_first`` key (bits of its first two values) of each start that has ``MIN_SHARED``
-    values after it (a few starts: read one by one, cheaper than numpy's fancy indexing)."""
-    import numpy as np
-
-    bits = stream.view(np.uint32)
-    n = len(stream)
-    keys = []
-    for start in starts:
-        if n - start >= MIN_SHARED:
-            first, second = bits[start : start + 2].tolist()
-            keys.append(((first << 32) | second, start))
-    return keys
-
-
-def _positions_of(bits: Any, keys: Any) -> Any:
-    """Positions in ``bits`` where a pair of values in ``keys`` begins: first the positions of their
-    first values (a few: one comparison pass each, which beats ``np.isin``'s sort), then the pairs."""
-    import numpy as np
-
-    firsts = {key >> 32 for key in keys}
-    head = bits[:-1]
-    if len(firsts) > 16:
-        found = np.isin(head, np.fromiter(firsts, dtype=np.uint32, count=len(firsts)))
-    else:
-        found = np.zeros(len(head), dtype=bool)
-        for first in firsts:
-            found |= head == first
-    at = found.nonzero()[0]
-    if len(at) > 64:
-        pairs = (bits[at].astype(np.uint64) << np.uint64(32)) | bits[at + 1]
-        return at[np.isin(pairs, np.fromiter(keys, dtype=np.uint64, count=len(keys)))]
-    # a few candidates (the usual case): a set lookup each, no sort
-    seconds = bits[at + 1].tolist()
-    return np.array(
-        [
-            a
-            for a, first, second in zip(at.tolist(), bits[at].tolist(), seconds)
-            if (first << 32 | second) in keys
-        ],
-        dtype=np.int64,
-    )
-
-
-def _common(values: list, at: int, other: list, start: int, m: int) -> int:
-    """How many of ``values[at:at + m]`` equal ``other[start:start + m]`` from the first on (slices
-    compared at C speed; a binary search for where they first differ)."""
-    if values[at] != other[start]:
-        return 0
-    mine = values if not at and m == len(values) else values[at : at + m]  # no copy of a whole list
-    theirs = other if not start and m == len(other) else other[start : start + m]
-    if mine == theirs:
-        return m
-    lo, hi = 0, m  # the first lo are equal; the first hi are not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if values[at + lo : at + mid] == other[start + lo : start + mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+def _common(array: Any, parts: list[Any], k: int, offset: int) -> int:
+    """How many values from the start of ``array`` equal those of ``parts`` (arrays end to end) from
+    ``parts[k][offset]`` on."""
+    n, p = len(array), 0
+    while k < len(parts) and p < n:
+        part = parts[k][offset:]
+        m = min(n - p, len(part))
+        same = array[p : p + m] == part[:m]
+        if not same.all():
+            return p + int(same.argmin())
+        p += m
+        k, offset = k + 1, 0
+    return p
 
 
 _NESTED = frozenset((dict, list))

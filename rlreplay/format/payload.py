@@ -186,6 +186,7 @@ class _Simplifier:
         issues: list[str] | None = None,
         kinds: dict[int, Any] | None = None,
         redact: bool = False,
+        numbers: Any = None,
         escape: bool = True,
         types: list[list[Any]] | None = None,
     ) -> None:
@@ -193,6 +194,7 @@ class _Simplifier:
         self.strict = strict
         self.issues = issues if issues is not None else []
         self.kinds = kinds
+        self.numbers = numbers
         self.redact = redact
         self.env = redaction.environment_secrets() if redact else []  # looked up once per walk
         self.escape = escape
@@ -275,7 +277,11 @@ class _Simplifier:
             if not value:
                 return [] if cls is tuple else value
             if not self.strict:
-                kind = _plain_numbers(value)
+                kind = None
+                if self.numbers is not None and len(value) >= MIN_ARRAY:
+                    kind = self.numbers(value)  # the caller's typed arrays, converted as they are checked
+                if kind is None:
+                    kind = _plain_numbers(value)
                 if kind is not None:
                     if self.kinds is not None and len(value) >= MIN_ARRAY:
                         self.kinds[id(value)] = (value, kind)  # spares Arrays a second sum()
@@ -484,13 +490,18 @@ def to_payload(
     value: Any,
     issues: list[str] | None = None,
     kinds: dict[int, Any] | None = None,
+    numbers: Callable[[list | tuple], type | None] | None = None,
     types: dict[str, str] | None = None,
 ) -> tuple[Any, int]:
     """``redact_data(to_jsonable(value))`` in one walk, and its token id count (the items of its
-    lists under keys ending in ``ids``, reached through mappings alone). ``types`` (a dict) is
-    filled with the value's type record (see :func:`from_json`)."""
+    lists under keys ending in ``ids``, reached through mappings alone).
+
+    ``numbers`` (optional) is asked first about each list of at least ``MIN_ARRAY`` items: ``int``
+    when it found every item an int (ints and bools, as the ``sum()`` check would), None to have
+    the list checked as usual. It lets a caller convert an id list in the one pass that checks it.
+    ``types`` (a dict) is filled with the value's type record (see :func:`from_json`)."""
     entries: list[list[Any]] | None = [] if types is not None else None
-    walk = _Simplifier(False, issues, kinds, redact=True, types=entries)
+    walk = _Simplifier(False, issues, kinds, redact=True, numbers=numbers, types=entries)
     data = walk(value)
     if types is not None:
         types.update(type_record(value, entries or ()))
@@ -740,5 +751,3 @@ TOKENS = "tokens"
 MIN_ARRAY = 64
 #: A stretch shorter than this is stored rather than referenced.
 MIN_SHARED = 64
-#: Tries to find a shared stretch per array, beyond those at the start of each earlier array.
-MAX_PROBES = 128

@@ -135,8 +135,9 @@ def _nothing_to_compare(run: Any, counts: Counts) -> str:
         return f"no trajectories selected in {where}"
     if counts.compared == 0 and counts.no_trainer == 0:
         return (
-            f"none of the {counts.selected} selected trajectories in {where} has an agent span with "
-            f"the rollout's log-probs per token (response_logprobs); {HOW_TO_RECORD}"
+            f"none of the {counts.selected} selected trajectories in {where} has the rollout's "
+            f"log-probs per token (an agent span's response_logprobs, or its model calls' log_probs); "
+            f"{HOW_TO_RECORD}"
         )
     return (
         f"no trainer log-probs per token in the {counts.selected} selected trajectories of {where}: "
@@ -156,8 +157,8 @@ def _notes(counts: Counts) -> list[str]:
         )
     if counts.no_rollout:
         notes.append(
-            f"{counts.no_rollout} of {counts.selected} selected trajectories have no agent span with "
-            "rollout log-probs and are left out"
+            f"{counts.no_rollout} of {counts.selected} selected trajectories have no rollout "
+            "log-probs per token and are left out"
         )
     if counts.issues:
         more = f" (+{len(counts.issues) - 1} more)" if len(counts.issues) > 1 else ""

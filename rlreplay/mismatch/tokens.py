@@ -1,11 +1,14 @@
 """Each recorded response's tokens with the rollout's and the trainer's log-probs, and which count.
 
-The rollout side is the agent span's response log-probs (verl: ``AgentLoopOutput.response_logprobs``)
-with its response mask (``response_mask``: 1 = a token the model sampled, 0 = a tool or observation
-token); the trainer side is the ``signals`` span's ``old_log_probs`` (verl with ``rlreplay record
---token-signals``; with the generic API, ``record_signals(..., output={"old_log_probs": [...]})``),
-one per response token. A token *counts* when the mask says the model sampled it and both
-log-probs are numbers: the one definition the mismatch numbers, the audit and the UI overlay use.
+The rollout side is where the run's framework adapter says its response is (``fields.response_in``):
+the agent span's response log-probs (verl: ``AgentLoopOutput.response_logprobs``) with its response
+mask (``response_mask``: 1 = a token the model sampled, 0 = a tool or observation token); or the
+model calls' generated ids and log-probs end to end, in call order, every token the model's (the
+``llm`` spans of ``rlreplay proxy``). The trainer side is the ``signals`` span's ``old_log_probs``
+(verl with ``rlreplay record --token-signals``; with the generic API, ``record_signals(...,
+output={"old_log_probs": [...]})``), one per response token. A token *counts* when the mask says
+the model sampled it and both log-probs are numbers: the one definition the mismatch numbers, the
+audit and the UI overlay use.
 
 :func:`read_batches` reads a selection a step at a time (one pass over each step's files, the
 token arrays as numpy, never as Python lists); :func:`of_trajectory` takes one loaded trajectory.
@@ -27,7 +30,7 @@ from rlreplay.format.arrays import DTYPE_COLUMNS, Restorer
 from rlreplay.format.kinds import KIND_AGENT, KIND_LLM, KIND_SIGNALS
 from rlreplay.format.payload import TOKENS, decode_safe, from_json, unwrapped
 from rlreplay.read.filters import Filters
-from rlreplay.text.conversation import ConversationFields
+from rlreplay.text.conversation import RESPONSE_IN_CALLS, ConversationFields
 
 #: Where the trainer's per-token log-probs live in a ``signals`` span's output (verl: old_log_probs).
 TRAINER_KEYS = ("old_log_probs", "trainer_log_probs", "log_probs", "logprobs")
@@ -41,7 +44,9 @@ HOW_TO_RECORD = (
     "record verl with `rlreplay record --token-signals ...` (or RLREPLAY_TOKEN_SIGNALS=1); with the "
     'generic API, `rlreplay.recorder.record_signals(trajectory_id, ..., output={"old_log_probs": [...]})` '
     "with one trainer log-prob per response token, beside an agent span whose output holds "
-    "response_ids, response_mask and response_logprobs"
+    "response_ids, response_mask and response_logprobs; behind `rlreplay proxy`, "
+    '`POST /rlreplay/signals` with {"output": {"old_log_probs": [...]}}, one per generated token '
+    "of the trajectory's calls in call order"
 )
 
 
@@ -176,11 +181,49 @@ def version_of(output: Any) -> int | None:
     return value if type(value) is int else None
 
 
+def of_calls(calls: Sequence[tuple[Any, Any]], trainer: Any) -> Part | None:
+    """A response made of model calls' ``(generated ids, log-probs)`` in call order: each call by
+    :func:`part`'s rules, end to end, every token the model's; the trainer's log-probs one per
+    token of the whole (cut or padded with NaN); a call with ids and no log-probs keeps its place
+    (NaN: not counted). None when no call has log-probs."""
+    if all(lps is None for _, lps in calls):
+        return None
+    parts = []
+    for ids, lps in calls:
+        if lps is None and isinstance(ids, (list, np.ndarray)):
+            lps = np.full(len(ids), np.nan)
+        found = part(ids, None, lps, None)
+        if found is not None:
+            parts.append(found)
+    if not parts:
+        return None
+    n = sum(p.n for p in parts)
+    ids = None
+    if any(p.ids is not None for p in parts):
+        ids = np.concatenate(
+            [p.ids.astype(np.int64) if p.ids is not None else np.full(p.n, -1, dtype=np.int64) for p in parts]
+        )
+    rollout = np.concatenate([p.rollout.astype(np.float64, copy=False) for p in parts])
+    return Part(n, ids, None, rollout, _numbers(trainer, n) if trainer is not None else None, None)
+
+
 def of_trajectory(traj: Any, fields: ConversationFields | None = None) -> Response | None:
-    """A loaded trajectory's response: its agent span's ids, mask and log-probs, the latest
-    signals span's trainer log-probs (NaN where none were recorded); None without an agent span
-    holding rollout log-probs."""
+    """A loaded trajectory's response: its agent span's ids, mask and log-probs (or, where
+    ``fields.response_in`` says so, its model calls' ids and log-probs end to end), the latest
+    signals span's trainer log-probs (NaN where none were recorded); None without rollout log-probs."""
     fields = fields or ConversationFields()
+    trainer = None
+    for span in sorted(traj.by_kind(KIND_SIGNALS), key=lambda s: s.end_ns, reverse=True):
+        trainer = trainer_values(span.output)
+        if trainer is not None:
+            break
+    if fields.response_in == RESPONSE_IN_CALLS:
+        calls = sorted(traj.by_kind(KIND_LLM), key=lambda s: (s.start_ns, s.end_ns))
+        found = of_calls(
+            [(_first(s.output, fields.llm_output), _first(s.output, fields.log_probs)) for s in calls],
+            trainer,
+        )
+        return response(found.ids, None, found.rollout, found.trainer) if found is not None else None
     agents = sorted(traj.by_kind(KIND_AGENT), key=lambda s: s.start_ns)
     agent = next(
         (s.output for s in agents if _first(s.output, fields.log_probs) is not None),
@@ -188,11 +231,6 @@ def of_trajectory(traj: Any, fields: ConversationFields | None = None) -> Respon
     )
     if agent is None:
         return None
-    trainer = None
-    for span in sorted(traj.by_kind(KIND_SIGNALS), key=lambda s: s.end_ns, reverse=True):
-        trainer = trainer_values(span.output)
-        if trainer is not None:
-            break
     return response(
         _first(agent, fields.response),
         _first(agent, fields.mask),
@@ -293,7 +331,7 @@ class Counts:
 
     selected: int = 0
     compared: int = 0
-    no_rollout: int = 0  # no agent span with rollout log-probs
+    no_rollout: int = 0  # no rollout log-probs (where the adapter says the response is)
     no_trainer: int = 0  # no per-token trainer log-probs
     no_trainer_validation: int = 0  # of those, validation trajectories (verl computes none there)
     issues: list[str] = field(default_factory=list)
@@ -388,7 +426,9 @@ class _StepRows:
         self.starts = np.searchsorted(at[order], np.arange(len(rows) + 1))
         self.kinds = kind[order].tolist()
         self.end_ns = table["end_ns"].to_numpy(zero_copy_only=False)[order]
-        payload_rows = order[kind[order] != _LLM]  # the llm rows' only when a stretch refers to them
+        self.in_calls = fields.response_in == RESPONSE_IN_CALLS
+        # the llm rows' payloads only when they hold the response, or a stretch refers to them
+        payload_rows = order if self.in_calls else order[kind[order] != _LLM]
         texts = ops.take(table["output"], pa.array(payload_rows, pa.int64())).to_pylist()
         self.outputs: dict[int, Any] = dict(zip(payload_rows.tolist(), texts))
         self.typed = {}
@@ -438,9 +478,12 @@ class _StepRows:
         version."""
         agent = trainer = None
         latest = -1
+        calls: list[tuple[int, Any]] = []
         for k in range(lo, hi):
             kind = self.kinds[k]
-            if kind == _AGENT and agent is None:
+            if kind == _LLM and self.in_calls:
+                calls.append((int(self.order[k]), self.output(int(self.order[k]), counts)))
+            elif kind == _AGENT and agent is None and not self.in_calls:
                 output = self.output(int(self.order[k]), counts)
                 if _first(output, self.fields.log_probs) is not None:
                     agent = (int(self.order[k]), output)
@@ -448,6 +491,21 @@ class _StepRows:
                 values = trainer_values(self.output(int(self.order[k]), counts))
                 if values is not None:
                     trainer, latest = (int(self.order[k]), values), self.end_ns[k]
+        if self.in_calls:
+            context = _Stretches(self, range(lo, hi), counts)
+            fields = self.fields
+            found = of_calls(
+                [
+                    (
+                        context.array(_first(output, fields.llm_output), row),
+                        context.array(_first(output, fields.log_probs), row),
+                    )
+                    for row, output in calls
+                ],
+                context.array(trainer[1], trainer[0]) if trainer is not None else None,
+            )
+            context.done()
+            return (found, None) if found is not None else None
         if agent is None:
             return None
         row, output = agent

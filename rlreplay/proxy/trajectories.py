@@ -9,13 +9,14 @@ A trajectory is written when it has been idle for ``idle_s``, when signals are p
 when the proxy stops; a call the upstream never answered leaves no trajectory behind.
 
 Steps advance on weight updates that pass through (consecutive updates with no generation between
-them count once) or ``POST /rlreplay/step``. Spans go through the recorder's own queue
-(``Recorder.on_end``): the proxy never waits for the disk.
+them count once) or ``POST /rlreplay/step``. Spans go to the recorder through a hand-off
+(``rlreplay.proxy.handoff``): the proxy's event loop never encodes spans or waits for the disk.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import time
 from collections import OrderedDict
@@ -27,6 +28,7 @@ import orjson
 from rlreplay.errors import ProxyError
 from rlreplay.format.keys import TrajectoryKey, parse_bool, parse_int
 from rlreplay.format.schema import KIND_LLM, KIND_TRAJECTORY
+from rlreplay.proxy.handoff import Handoff
 from rlreplay.proxy.protocol import CHAT, answer_of, prompt_of
 from rlreplay.recorder import events
 from rlreplay.recorder.events import OPEN, OPEN_BYTES, Control, OpenTrajectory, OpMeta, SpanEvent
@@ -226,6 +228,7 @@ class Trajectories:
 
     def __init__(self, recorder: Any, idle_s: float = 300.0, experiment: str | None = None) -> None:
         self.recorder = recorder
+        self.handoff = Handoff(recorder) if recorder is not None else None
         self.idle_s = idle_s
         self.experiment = experiment
         self.step = 0
@@ -343,19 +346,19 @@ class Trajectories:
         error: BaseException | None = None,
     ) -> None:
         """One generation of ``traj`` as an ``llm`` span (``status``/``reason``: a replay's mark)."""
-        rec = self.recorder
+        rec, handoff = self.recorder, self.handoff
         traj.last_used = time.monotonic()
-        if rec is None:
+        if rec is None or handoff is None:
             return
         try:
             if not traj.spans:
                 self.allocate(traj)
                 traj.start_ns = start_ns
-                rec.submit(Control(OPEN, traj.open, OPEN_BYTES))
+                handoff.give(Control(OPEN, traj.open, OPEN_BYTES))
             span_id = next(events.span_ids)
             nbytes = events.payload_bytes((), inputs, output)
             meta = self._meta(name, status, reason)
-            rec.on_end(
+            handoff.give(
                 SpanEvent(
                     traj.open,
                     span_id,
@@ -381,13 +384,13 @@ class Trajectories:
         self.index.remove(traj)
         if traj.explicit and self.by_key.get(traj.key) is traj:
             del self.by_key[traj.key]
-        if not traj.spans or self.recorder is None:
+        if not traj.spans or self.recorder is None or self.handoff is None:
             return
         if traj.replay is not None:
             traj.open.attributes = {**(traj.open.attributes or {}), **traj.replay.attributes()}
         end = time.time_ns()
         with contextlib.suppress(Exception):
-            self.recorder.on_end(
+            self.handoff.give(
                 SpanEvent(
                     traj.open, traj.root_span, None, _ROOT_META, traj.start_ns, end, None, (), {}, None, 256
                 )
@@ -405,9 +408,12 @@ class Trajectories:
             self.close(traj)
         return len(idle)
 
-    def close_all(self) -> None:
+    def close_all(self, timeout: float | None = None) -> bool:
+        """Write every open trajectory and hand on all that waits for the recorder (waiting for the
+        disk as long as it takes, or ``timeout``); True when nothing was left waiting."""
         for traj in list(self.open):
             self.close(traj)
+        return self.handoff.close(timeout) if self.handoff is not None else True
 
     def drop_if_empty(self, traj: ProxyTrajectory) -> None:
         """A new trajectory whose first call was never answered: gone without a trace."""
@@ -447,17 +453,24 @@ class Trajectories:
         attributes = data.get("attributes") if isinstance(data.get("attributes"), dict) else None
         # e.g. the trainer's per-token log-probs: {"old_log_probs": [...]}, one per response token
         output = data.get("output") if isinstance(data.get("output"), dict) else None
-        ok = record_signals(
-            str(trajectory_id),
-            step=key.step,
-            sample_index=key.sample_index,
-            rollout_n=key.rollout_n,
-            validate=key.validate,
-            attributes=attributes,
-            output=output,
-            root_span_id=root,
-            **values,
-        )
-        if not ok:
+        from rlreplay.recorder.api import get_recorder
+
+        if self.handoff is None or get_recorder() is None:
             raise ProxyError("signals could not be recorded (is recording on?)")
+        # on the hand-off thread, after the trajectory's root span: a copy of the output and a full
+        # queue are that thread's to pay for (what cannot be recorded is counted there)
+        self.handoff.call(
+            functools.partial(
+                record_signals,
+                str(trajectory_id),
+                step=key.step,
+                sample_index=key.sample_index,
+                rollout_n=key.rollout_n,
+                validate=key.validate,
+                attributes=attributes,
+                output=output,
+                root_span_id=root,
+                **values,
+            )
+        )
         return str(trajectory_id)

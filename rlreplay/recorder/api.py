@@ -30,9 +30,9 @@ from rlreplay.recorder.events import (
     SpanEvent,
     format_span_id,
     format_trajectory_id,
+    given_keys,
     payload_bytes,
 )
-from rlreplay.recorder.rows import key_int
 from rlreplay.recorder.workers import ENV_WORKER
 from rlreplay.recorder.writer import (
     ENV_MAX_QUEUE_MB,
@@ -388,14 +388,10 @@ class trajectory:
         self._trace = trace
         self._write_at_end = write_at_end
         self._traj = OpenTrajectory(
-            key_int(step),
-            key_int(sample_index),
-            key_int(rollout_n),
-            bool(validate),
-            experiment,
+            TrajectoryKey.of(step, sample_index, rollout_n, validate, experiment),
             attributes or None,
+            given=given_keys(step, sample_index, rollout_n),
         )
-        self._traj.keys = (step, sample_index, rollout_n)
         self._meta = _trajectory_meta(name)
         self._token: Any = None
         self._rec: Recorder | None = None
@@ -410,10 +406,7 @@ class trajectory:
             return self
         self._rec = rec
         if _replay is not None:
-            step, sample_index, rollout_n = self._traj.keys
-            self._traj.replay = _replay.open(
-                TrajectoryKey.of(step, sample_index, rollout_n, self._traj.validate)
-            )
+            self._traj.replay = _replay.open(self._traj.key)
         self._span_id = next(events.span_ids)
         rec.submit(Control(OPEN, self._traj, OPEN_BYTES))
         self._token = _CURRENT.set((self._traj, self._span_id))

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
+from rlreplay.format.keys import TrajectoryKey
 from rlreplay.format.schema import KIND_OP
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -33,40 +34,45 @@ def reset_ids() -> None:
     trajectory_ids, span_ids, id_salt = _id_source()
 
 
+NO_KEY = TrajectoryKey()
+
+
 class OpenTrajectory:
-    __slots__ = (
-        "attributes",
-        "experiment",
-        "explicit",
-        "id",
-        "keys",
-        "replay",
-        "rollout_n",
-        "sample_index",
-        "step",
-        "validate",
-    )
+    """A trajectory being recorded: its id, its key, its attributes.
+
+    ``step`` is the partition its spans are written to (an int step, else none); ``validate`` is the
+    key's, or None where it is not known (signals for a trajectory recorded elsewhere); ``given``
+    holds the key values as the caller gave them when one was neither an int nor a string (the
+    writer says how it stored them); ``columns`` is the writer's: the key's stored columns, made once.
+    """
+
+    __slots__ = ("attributes", "columns", "explicit", "given", "id", "key", "replay", "step", "validate")
 
     def __init__(
         self,
-        step: int | None = None,
-        sample_index: int | None = None,
-        rollout_n: int | None = None,
-        validate: bool | None = None,
-        experiment: str | None = None,
+        key: TrajectoryKey = NO_KEY,
         attributes: dict[str, Any] | None = None,
         explicit: bool = True,
+        given: tuple[Any, Any, Any] | None = None,
     ) -> None:
-        self.id = next(trajectory_ids)
-        self.step = step
-        self.sample_index = sample_index
-        self.rollout_n = rollout_n
-        self.validate = validate
-        self.experiment = experiment
+        self.id: int | str = next(trajectory_ids)
+        self.key = key
+        self.step = key.step if type(key.step) is int else None
+        self.validate: bool | None = key.validate
+        self.given = given
         self.attributes = attributes
         self.explicit = explicit
-        self.keys: tuple[Any, Any, Any] | None = None  # as given, when not plain ints
+        self.columns: Any = None
         self.replay: Any = None  # its replay state (rlreplay.recorder.replay), when a replay is on
+
+
+def given_keys(*values: Any) -> tuple[Any, ...] | None:
+    """Key values as a caller gave them, kept only when one is neither an int nor a string (numpy
+    ints, floats, objects): the writer then says how it stored them."""
+    return values if any(type(v) not in _PLAIN_KEYS for v in values) else None
+
+
+_PLAIN_KEYS = (int, str, type(None))  # key values stored as given
 
 
 def format_trajectory_id(n: int) -> str:

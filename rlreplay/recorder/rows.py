@@ -87,10 +87,9 @@ class StepBuffer:
             columns = zip(*table) if table else ([] for _ in COLUMN_NAMES)
             arrays = [_column(list(values), f, problems) for values, f in zip(columns, _SCALARS)]
             return pa.RecordBatch.from_arrays([*arrays, *tokens], schema=SPAN_SCHEMA), problems
-        batch = pa.RecordBatch.from_struct_array(scalars)  # no Python object per column
-        for (_, field), column in zip(_TOKEN_FIELDS, tokens):
-            batch = batch.append_column(field, column)
-        return batch.replace_schema_metadata(SPAN_SCHEMA.metadata), problems
+        # SPAN_SCHEMA itself: a stream writer compares a batch's schema with its own at each write,
+        # at once when they are the same object, by fingerprints (~17k instructions) otherwise
+        return pa.RecordBatch.from_arrays([*scalars.flatten(), *tokens], schema=SPAN_SCHEMA), problems
 
 
 def trajectory_ids(table: list[tuple]) -> set[str]:
@@ -130,15 +129,22 @@ def _column(values: list, field: pa.Field, problems: list[Problem]) -> pa.Array:
 
 
 def _list_column(values: list, typ: pa.DataType) -> pa.Array:
-    """A large_list column from per-row numpy arrays (None: empty)."""
+    """A large_list column from per-row numpy arrays (a list of arrays: taken end to end; None:
+    empty), in one copy."""
     value_type = typ.value_type
-    offsets = np.zeros(len(values) + 1, dtype=np.int64)
+    lengths = [0] * len(values)
     parts = []
     for i, array in enumerate(values):
-        n = 0 if array is None else len(array)
-        offsets[i + 1] = offsets[i] + n
-        if n:
+        if array is None:
+            continue
+        if type(array) is list:
+            lengths[i] = sum(map(len, array))
+            parts += array
+        elif len(array):
+            lengths[i] = len(array)
             parts.append(array)
+    offsets = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
     dtype = _NUMPY_TYPES[str(value_type)]
     flat = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
     return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat, type=value_type))
@@ -200,10 +206,21 @@ def key_parts(value: Any) -> tuple[int | None, str | None, str | None]:
     return None, safe, f"a key of type {type(value).__name__} was stored as the string {safe[:40]!r}"
 
 
-def key_int(value: Any) -> int | None:
-    """The integer a key value stands for (its partition), or None."""
-    stored = key_value(value)
-    return stored if isinstance(stored, int) else None
+def key_columns(traj: Any, experiment: str | None) -> tuple[list, list, str | None, list[str]]:
+    """A trajectory's key as its rows store it: the int and string columns of step, sample_index
+    and rollout_n, the experiment (``experiment``: the recorder's, when the trajectory names
+    none), and what storing them changed."""
+    issues: list[str] = []
+    key = traj.key
+    ints, strs = [], []
+    for value in traj.given or (key.step, key.sample_index, key.rollout_n):
+        number, text, issue = key_parts(value)
+        ints.append(number)
+        strs.append(text)
+        if issue:
+            issues.append(issue)
+    name = key.experiment or experiment
+    return ints, strs, None if name is None else _text(name, issues), issues
 
 
 def encode_row(
@@ -245,6 +262,10 @@ def _encode_row(
     pid = None if parent_id is None else parent_id if type(parent_id) is str else format_span_id(parent_id)
     signals: dict[str, Any] = {}
     kinds: dict[int, Any] = {}  # number lists to_jsonable kept, for Arrays
+    index = None
+    if prefixes is not None:  # signals come after a trajectory ended: they open no index
+        index = prefixes.peek(tid) if meta.kind == KIND_SIGNALS else prefixes.get(tid)
+    arrays = token_arrays.Arrays(index, kinds)
     inputs_data: Any = None
     num_tokens = 0
     if meta.kind == KIND_SIGNALS:
@@ -253,7 +274,7 @@ def _encode_row(
         inputs_obj = _bound(meta, args, kwargs, problems)
         if meta.reduce_inputs is not None:
             inputs_obj = _reduce(meta, "reduce_inputs", meta.reduce_inputs, inputs_obj, problems)
-        inputs_data, num_tokens = payload.to_payload(inputs_obj, issues, kinds)
+        inputs_data, num_tokens = payload.to_payload(inputs_obj, issues, kinds, arrays.ints)
     reward = None
     output_type: dict[str, str] | None = None  # what the JSON form does not say (replay reads it)
     if exc is not None:
@@ -266,7 +287,7 @@ def _encode_row(
         output_data = None
         if out is not None:
             output_type = {} if meta.kind not in (KIND_TRAJECTORY, KIND_SIGNALS) else None
-            output_data, output_tokens = payload.to_payload(out, issues, kinds, output_type)
+            output_data, output_tokens = payload.to_payload(out, issues, kinds, arrays.ints, output_type)
             num_tokens += output_tokens
             if output_type is not None and meta.reduce_output is not None:
                 output_type = {"": payload.REDUCED}
@@ -280,10 +301,6 @@ def _encode_row(
         reward = as_reward(signals.get("reward"))
     prompt_tokens, response_tokens = token_counts(meta.kind, inputs_data, output_data)
 
-    index = None
-    if prefixes is not None:  # signals come after a trajectory ended: they open no index
-        index = prefixes.peek(tid) if meta.kind == KIND_SIGNALS else prefixes.get(tid)
-    arrays = token_arrays.Arrays(index, kinds)
     inputs_text = None
     if inputs_data is not None:
         inputs_text = payload.dumps(arrays.extract(inputs_data), cap, issues)
@@ -293,7 +310,7 @@ def _encode_row(
     if index is not None:
         if parent_id is None and meta.kind != KIND_SIGNALS:
             prefixes.drop(tid)  # the trajectory ended
-        elif any(arrays.stream_len.values()) and not (_truncated(inputs_text) or _truncated(output_text)):
+        elif arrays.id_count and not (_truncated(inputs_text) or _truncated(output_text)):
             before = index.nbytes
             index.add(sid, arrays)
             prefixes.added(tid, before, index.nbytes)
@@ -308,17 +325,10 @@ def _encode_row(
     elif output_type:
         attributes = payload.dumps({payload.OUTPUT_TYPE: output_type}, None, issues)
 
-    keys = getattr(traj, "keys", None) or (traj.step, traj.sample_index, traj.rollout_n)
-    ints, strs = [], []
-    for value in keys:
-        number, text, issue = key_parts(value)
-        ints.append(number)
-        strs.append(text)
-        if issue:
-            issues.append(issue)
-    experiment = traj.experiment or config.experiment
-    if experiment is not None:
-        experiment = _text(experiment, issues)
+    if traj.columns is None:  # once per trajectory
+        traj.columns = key_columns(traj, config.experiment)
+    ints, strs, experiment, key_issues = traj.columns
+    issues += key_issues
     for issue in issues:
         problems.append(Problem("encode:value", f"a value could not be recorded as given: {issue}"))
     row = (
@@ -344,7 +354,7 @@ def _encode_row(
         attributes,
         inputs_text,
         output_text,
-        *arrays.columns(),
+        *arrays.column_parts(),
     )
     return row, 200 + len(inputs_text or "") + len(output_text or "") + arrays.bytes
 

@@ -21,35 +21,6 @@ __all__ = ["record_signals"]
 log = logging.getLogger("rlreplay")
 
 
-class _SignalsTrajectory:
-    """The recorder's view of an existing trajectory (its id is the recorded 32-hex string)."""
-
-    __slots__ = (
-        "attributes",
-        "experiment",
-        "explicit",
-        "id",
-        "keys",
-        "rollout_n",
-        "sample_index",
-        "step",
-        "validate",
-    )
-
-    def __init__(
-        self, trajectory_id: str, keys: tuple[Any, Any, Any], validate: bool | None, attributes: Any
-    ) -> None:
-        from rlreplay.recorder.rows import key_int
-
-        self.id = trajectory_id
-        self.keys = keys
-        self.step, self.sample_index, self.rollout_n = (key_int(k) for k in keys)
-        self.validate = None if validate is None else bool(validate)
-        self.experiment = None
-        self.attributes = attributes or None
-        self.explicit = False
-
-
 _meta: Any = None
 
 
@@ -78,6 +49,7 @@ def record_signals(
     global _meta
     rec = None
     try:
+        from rlreplay.format.keys import TrajectoryKey
         from rlreplay.format.payload import snapshot
         from rlreplay.recorder import api, events
 
@@ -86,7 +58,15 @@ def record_signals(
             return False
         if _meta is None:
             _meta = events.OpMeta(name="signals", kind=KIND_SIGNALS)
-        traj = _SignalsTrajectory(str(trajectory_id), (step, sample_index, rollout_n), validate, attributes)
+        # the recorder's view of the trajectory, recorded elsewhere: its recorded id and its key
+        traj = events.OpenTrajectory(
+            TrajectoryKey.of(step, sample_index, rollout_n),
+            attributes or None,
+            explicit=False,
+            given=events.given_keys(step, sample_index, rollout_n),
+        )
+        traj.id = str(trajectory_id)
+        traj.validate = None if validate is None else bool(validate)  # None: not known here
         values = {
             "reward": reward,
             "advantage": advantage,

@@ -23,6 +23,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from rlreplay.format import manifest
+from rlreplay.format.keys import TrajectoryKey
 from rlreplay.recorder.events import (
     CLOSE,
     FLUSH,
@@ -68,6 +69,9 @@ class RecorderConfig:
     max_partial_bytes: int = 16 << 20
     max_partial_age_s: float = 600.0
     seal_idle_s: float = 30.0
+    #: makes the sink batches go to (``ShardSink``'s arguments); None: ``ShardSink``, span files
+    #: in ``run_dir`` (another: e.g. a disk that stalls, to test who waits for it)
+    sink: Callable[..., ShardSink] | None = None
 
 
 # The writer works in slices and lets the GIL go between them, so an event loop waiting for it
@@ -117,7 +121,8 @@ class Recorder:
         self._steps: dict[int | None, _Step] = {}
         self._prefixes = PrefixCache()
         self._max_step: int | None = None
-        self._sink = ShardSink(config.run_dir, config, self._worker, self._warn_once, self._on_sealed)
+        make_sink = config.sink or ShardSink
+        self._sink = make_sink(config.run_dir, config, self._worker, self._warn_once, self._on_sealed)
         self._last_fsync = time.monotonic()
         self._last_counters = 0.0
         self._counters_dirty = False
@@ -150,6 +155,19 @@ class Recorder:
             return
         if self._thread is None:
             self.start()
+
+    def offer(self, event: SpanEvent | Control) -> bool:
+        """Queue ``event`` when the queue has room for it and say True; False, with nothing done, when
+        it is full (a thread that must never wait hands it to one that may: ``on_end`` there).
+        Never blocks, never encodes, never raises."""
+        try:
+            full = self._enqueued - self._written > self.config.max_queue_bytes
+            if event.kind == SPAN and full and not self._closed:
+                return False
+            self.submit(event)
+            return True
+        except Exception:
+            return False
 
     def submit(self, event: SpanEvent | Control) -> None:
         """Queue an event (a span goes to ``on_end``)."""
@@ -525,9 +543,7 @@ def warm_up() -> None:
     _warmed_up = True
     with contextlib.suppress(Exception):
         meta = OpMeta(name="warm-up")
-        traj = OpenTrajectory.__new__(OpenTrajectory)
-        traj.id, traj.step, traj.sample_index, traj.rollout_n = 0, 0, 0, 0
-        traj.validate, traj.experiment, traj.attributes, traj.explicit = False, "x", {"a": 1}, False
+        traj = OpenTrajectory(TrajectoryKey(0, 0, 0, experiment="x"), {"a": 1}, explicit=False)
         event = SpanEvent(traj, 1, None, meta, 0, 1, None, ([1, 2],), {"k": "v"}, {"token_ids": [3]}, 0)
         row, nbytes, _ = encode_row(event, RecorderConfig(run_dir=Path(".")), "w")
         buf = StepBuffer()

@@ -114,7 +114,9 @@ class PartialContents:
 
 def read_partial(path: Path) -> PartialContents:
     """Every whole batch of a stream file, stopping cleanly at a torn tail (what a writer that is
-    still writing, or that died mid-write, leaves).
+    still writing, or that died mid-write, leaves). The batches are read from a memory map of the
+    file, in place (no copy: the file's pages are mapped, the fresh memory a copy would need costs
+    more than the copy itself).
 
     The stream's header must be the span schema, and each batch match the CRC-32 it was written
     with (:func:`check_batch`); where either does not, or where readable batches follow bytes
@@ -124,7 +126,7 @@ def read_partial(path: Path) -> PartialContents:
     good_end = 0
     clean = False
     checked = 0
-    with pa.OSFile(str(path)) as f:
+    with pa.memory_map(str(path)) as f:
         try:
             reader = pa.ipc.open_stream(f)
         except (pa.ArrowException, OSError, ValueError) as exc:

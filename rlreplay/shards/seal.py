@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +25,9 @@ from rlreplay.shards.layout import fsync_dir, sealed_path_for
 from rlreplay.shards.live import read_partial
 
 SEALED_ZSTD_LEVEL = 3
+#: token ids of real text compress ~7% smaller at zstd 6 than at 3 (512 KiB row groups) for ~60 µs
+#: of sealing per model call of 3,000 ids (2-core VM); log-probs gain nothing from a higher level
+IDS_ZSTD_LEVEL = 6
 SORT_KEYS = [
     ("sample_index", "ascending"),
     (KEY_STR["sample_index"], "ascending"),
@@ -62,49 +65,56 @@ def seal(partial: Path, *, recovered: bool = False) -> SealResult:
     if rows == 0:
         partial.unlink(missing_ok=True)
         return SealResult(None, 0, discarded, recovered)
-    table = contents.table.combine_chunks()  # one copy; the file's batches are let go
-    del contents
     write_sealed(
-        table,
+        contents.table,
         final,
         {
             b"rlreplay.recovered": b"true" if recovered else b"false",
             b"rlreplay.discarded_bytes": str(discarded).encode(),
         },
     )
+    del contents
     partial.unlink()
     return SealResult(final, rows, discarded, recovered)
+
+
+def parquet_options() -> dict[str, Any]:
+    """How a sealed shard's Parquet is written (``pq.ParquetWriter`` keywords)."""
+    return {
+        "compression": "zstd",
+        "compression_level": {
+            f"{f.name}.list.element" if pa.types.is_large_list(f.type) else f.name: IDS_ZSTD_LEVEL
+            if f.name == "token_ids"
+            else SEALED_ZSTD_LEVEL
+            for f in SPAN_SCHEMA
+        },
+        "use_dictionary": _DICTIONARY_COLUMNS,
+        "write_statistics": META_COLUMNS,
+        "use_byte_stream_split": ["token_logprobs.list.element"],
+        "data_page_size": 1 << 20,
+        "write_page_checksum": True,
+    }
 
 
 def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes] | None = None) -> None:
     """Sort and write a sealed shard and its index durably: temp names, fsync, rename, directory fsync.
 
-    Rows are sorted by index and taken one row group at a time, so writing needs ``table`` and one
-    row group in memory, not a sorted copy of it."""
+    ``table`` may be in chunks (the live file's batches, as written): each row group is gathered
+    from them in sorted order, runs of consecutive rows at a time, so writing holds ``table`` and
+    one row group, never a combined or sorted copy of the whole."""
     if final.exists():
         raise FileExistsError(final)
     metadata = {**SPAN_SCHEMA.metadata, **(extra_metadata or {})}
-    table = table.replace_schema_metadata(metadata).combine_chunks()
-    order = ops.sort_indices(table, SORT_KEYS)
-    sizes = ops.take(row_sizes(table), order)
+    table = table.replace_schema_metadata(metadata)
+    order = ops.sort_indices(table, SORT_KEYS).to_numpy()
     spans = ops.take(table.select(tindex.SPAN_COLUMNS), order)
-    bounds = row_group_bounds(spans, sizes=sizes)
-    row_group_of = [i for i, (a, b) in enumerate(bounds) for _ in range(b - a)]
+    bounds = row_group_bounds(spans, sizes=pa.array(row_sizes(table).to_numpy()[order]))
+    row_group_of = np.repeat(np.arange(len(bounds)), [b - a for a, b in bounds]).tolist()
     tmp = final.with_name("_" + final.name + ".tmp")
     with open(tmp, "xb") as f:
-        writer = pq.ParquetWriter(
-            f,
-            table.schema,
-            compression="zstd",
-            compression_level=SEALED_ZSTD_LEVEL,
-            use_dictionary=_DICTIONARY_COLUMNS,
-            write_statistics=META_COLUMNS,
-            use_byte_stream_split=["token_logprobs.list.element"],
-            data_page_size=1 << 20,
-            write_page_checksum=True,
-        )
+        writer = pq.ParquetWriter(f, table.schema, **parquet_options())
         for start, stop in bounds:
-            writer.write_table(ops.take(table, order[start:stop]), row_group_size=stop - start)
+            writer.write_table(_gather(table, order[start:stop]), row_group_size=stop - start)
         write_checksums(writer, f, tmp, len(bounds))
         os.fsync(f.fileno())
         size = f.tell()
@@ -112,6 +122,18 @@ def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes
     tindex.write(index, tindex.index_path(final), size)
     os.rename(tmp, final)
     fsync_dir(final.parent)
+
+
+def _gather(table: pa.Table, rows: np.ndarray) -> pa.Table:
+    """``table``'s ``rows`` in that order, as one copy: a slice per run of consecutive rows (rows
+    arrive in the order their spans ended, a trajectory's mostly together), concatenated."""
+    if len(rows) == 0:
+        return table.slice(0, 0)
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = rows[np.concatenate(([0], breaks))].tolist()
+    lengths = np.diff(np.concatenate(([0], breaks, [len(rows)]))).tolist()
+    parts = [table.slice(start, length) for start, length in zip(starts, lengths)]
+    return pa.concat_tables(parts).combine_chunks()
 
 
 def write_checksums(writer: pq.ParquetWriter, f: BinaryIO, path: Path, row_groups: int) -> None:

@@ -49,6 +49,15 @@ class ConversationFields:
     max_tokens: tuple[str, ...] = ("max_tokens", "max_new_tokens")  # llm inputs (or sampling params)
     #: stop reasons meaning the call hit its length limit
     length_stops: tuple[str, ...] = ("length", "max_tokens")
+    #: where a trajectory's response and its rollout log-probs are (``rlreplay.mismatch``):
+    #: ``RESPONSE_IN_AGENT``, the agent span's response ids, mask and log-probs; or
+    #: ``RESPONSE_IN_CALLS``, each model call's generated ids and log-probs, in call order (model
+    #: tokens only: the trainer's log-probs come one per generated token, in that order)
+    response_in: str = "agent"
+
+
+RESPONSE_IN_AGENT = "agent"
+RESPONSE_IN_CALLS = "llm"
 
 
 @dataclass

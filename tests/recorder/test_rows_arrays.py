@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import rlreplay
 from rlreplay.format import arrays as token_arrays
@@ -141,10 +143,11 @@ def test_values_that_are_not_plain_ints_or_float32_read_back_as_given(tmp_path: 
     assert third.output["token_ids"] == [*base, *more, *base]
 
 
-def test_list_cover_claims_only_equal_runs() -> None:
-    """The list comparison finds the longest runs of the latest id stream in the new list, from the
-    stream's array starts or where the span's previous array ended, wherever they begin in the new
-    list, each to the exact value where it stops; a run shorter than MIN_SHARED is not claimed."""
+def test_id_cover_claims_only_the_equal_start_of_an_array() -> None:
+    """An id array shares the stretch of the latest id stream it begins with: from one of the
+    stream's array starts or where the span's previous array ended, the longest, up to the exact
+    value where they differ; nothing shorter than MIN_SHARED, nothing that begins elsewhere (no
+    search), and where it ended only when it covers the whole array."""
     rng = np.random.default_rng(3)
     a, b = rng.integers(0, VOCAB, 120).tolist(), rng.integers(0, VOCAB, 90).tolist()
     index = token_arrays.SharedIndex()
@@ -152,24 +155,61 @@ def test_list_cover_claims_only_equal_runs() -> None:
     arrays.extract({"prompt_ids": a, "token_ids": b})
     index.add("s1", arrays)
     stream = a + b
-    for start in (0, 50):
-        after = ("s1", start) if start else None
-        refs, last = index.list_cover([*stream[start:], 5, 6], after)
-        assert refs == [["s1", start, len(stream) - start, 0]]
-        assert last == ("s1", len(stream))
-    assert index.list_cover(a[:100], None)[0] == [["s1", 0, 100, 0]]
-    assert index.list_cover(a[: payload.MIN_SHARED - 1] + [-1] * 100, None) == ([], None)
-    assert index.list_cover([-1, *a], ("s2", 0))[0] == [["s1", 0, len(a), 1]]  # a run starting later
+
+    def cover(values: list[int], after: tuple[str, int] | None = None) -> tuple[list, Any]:
+        return index.id_cover(np.array(values, dtype=np.int32), after)
+
+    assert cover([*stream, 5, 6]) == ([["s1", 0, len(stream), 0]], None)  # a turn: prompt + reply + more
+    assert cover(stream) == ([["s1", 0, len(stream), 0]], ("s1", len(stream)))
+    assert cover(b) == ([["s1", len(a), len(b), 0]], ("s1", len(stream)))  # the reply's own start
+    assert cover(stream[50:], ("s1", 50)) == ([["s1", 50, len(stream) - 50, 0]], ("s1", len(stream)))
+    assert cover(stream[50:]) == ([], None)  # where no array starts, and no ``after``
+    assert cover(stream[50:], ("s2", 50)) == ([], None)  # ``after`` in another span
+    assert cover(a[:100]) == ([["s1", 0, 100, 0]], ("s1", 100))
     edited = [*a[:70], a[70] + 1, *a[71:]]
-    assert index.list_cover(edited, None)[0] == [["s1", 0, 70, 0]]  # up to the value that differs
-    # a new id, then the stream moved by one (a sliding window): the run begins at the second value
-    window = [-7, *stream[:-1]]
-    assert index.list_cover(window, None)[0] == [["s1", 0, len(stream) - 1, 1]]
-    # two runs with a new stretch between them
-    spliced = [*a, *([-3] * 80), *b]
-    assert index.list_cover(spliced, None)[0] == [["s1", 0, len(a), 0], ["s1", len(a), len(b), len(a) + 80]]
+    assert cover(edited) == ([["s1", 0, 70, 0]], None)  # up to the value that differs
+    assert cover(a[: payload.MIN_SHARED - 1] + [-1] * 100) == ([], None)
+    assert cover([-7, *stream]) == ([], None)  # a window moved by one: not searched for
     placeholder = token_arrays.Arrays(index).extract({"prompt_ids": edited})["prompt_ids"]
-    assert placeholder["r"][0][:3] == ["s1", 0, 70]
+    assert placeholder["r"] == [["s1", 0, 70, 0]] and placeholder["n"] == len(edited) - 70
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 5), min_size=1, max_size=4),  # the stream's arrays, by the size of each
+    st.integers(0, 3),  # the array the candidate starts from
+    st.integers(0, 300),  # where it stops copying the stream
+    st.lists(st.integers(-3, 3), max_size=80),  # then its own values
+    st.booleans(),
+)
+def test_id_cover_claims_equal_values_whatever_the_arrays(
+    sizes: list[int], first: int, stop: int, tail: list[int], with_after: bool
+) -> None:
+    """Whatever the stream and the candidate, every id the cover claims equals the stream's value it
+    points at, and the claim stops at the first value that differs."""
+    rng = np.random.default_rng(sum(sizes) * 1000 + first * 100 + stop)
+    parts = [rng.integers(0, 4, size * 40).tolist() for size in sizes]  # few values: many near-misses
+    index = token_arrays.SharedIndex()
+    arrays = token_arrays.Arrays(index)
+    arrays.extract({f"ids{i}": part for i, part in enumerate(parts)})
+    index.add("s", arrays)
+    stream = [v for part in parts if len(part) >= payload.MIN_ARRAY for v in part]
+    starts = [0]
+    for part in parts:
+        if len(part) >= payload.MIN_ARRAY:
+            starts.append(starts[-1] + len(part))
+    begin = starts[min(first, len(starts) - 1)]
+    values = stream[begin : begin + stop] + tail
+    if not values:
+        return
+    after = ("s", begin) if with_after else None
+    refs, end = index.id_cover(np.array(values, dtype=np.int32), after)
+    for span, start, length, at in refs:
+        assert span == "s" and at == 0 and length >= payload.MIN_SHARED
+        assert values[:length] == stream[start : start + length]
+        if length < len(values) and start + length < len(stream):  # it stops where they differ
+            assert values[length] != stream[start + length]
+    assert end == (("s", refs[0][1] + refs[0][2]) if refs and refs[0][2] == len(values) else None)
 
 
 def test_log_probs_equal_in_value_but_not_in_bits_are_not_shared(tmp_path: Path) -> None:
@@ -189,10 +229,10 @@ def test_log_probs_equal_in_value_but_not_in_bits_are_not_shared(tmp_path: Path)
     assert _bits(second.output["log_probs"]) == _bits(zeros)
 
 
-def test_prompts_that_slide_splice_and_edit_read_back_and_share(tmp_path: Path) -> None:
+def test_prompts_that_slide_splice_and_edit_read_back_as_sent(tmp_path: Path) -> None:
     """Prompts made of stretches of the previous call's ids at any position (a window moved by a few
-    ids, two stretches with new ids between them, an edited value, a bool among them): each reads
-    back as sent, and the stretches are stored once."""
+    ids, two stretches with new ids between them, an edited value, a bool among them) read back as
+    sent, whatever of them is shared."""
     rng = np.random.default_rng(11)
 
     def ids(n: int) -> list[int]:
@@ -227,6 +267,59 @@ def test_prompts_that_slide_splice_and_edit_read_back_and_share(tmp_path: Path) 
         assert span.inputs["prompt_ids"] == prompt
         assert [type(x) for x in span.inputs["prompt_ids"]] == [type(x) for x in prompt]
         assert span.output["token_ids"] == reply
-    # every id kept once, except the new ones each prompt brings: well under the ids sent
-    sent = sum(len(p) + len(r) for p, r in zip(prompts, replies))
-    assert _stored_ids(run_dir) < sent / 4
+
+
+_TURNS: list[tuple[list[int], list[float], list[int]]] = []
+
+
+@rlreplay.trace_op(kind="agent")
+def _agent_loop(prompt: list[int]) -> dict:
+    """verl's agent loop: each turn's prompt is the previous prompt + response + tool ids."""
+    context, mask, logprobs = list(prompt), [], []
+    for response, response_logprobs, tool in _TURNS:
+        generate(prompt_ids=context, reply={"token_ids": response, "log_probs": response_logprobs})
+        context = context + response + tool
+        mask += [1] * len(response) + [0] * len(tool)
+        logprobs += response_logprobs + [0.0] * len(tool)
+    return {
+        "prompt_ids": prompt,
+        "response_ids": context[len(prompt) :],
+        "response_mask": mask,
+        "response_logprobs": logprobs,
+    }
+
+
+def test_an_agent_loop_stores_each_id_and_log_prob_once(tmp_path: Path) -> None:
+    """The common agent workload: every prompt continues the previous one, and the agent span repeats
+    the first prompt, every turn's response and tool ids, and every turn's log-probs. Each id and
+    log-prob is stored once (the tool ids' zeros among the agent's log-probs excepted, a stretch too
+    short to share), and every span reads back as recorded."""
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(2, VOCAB, 700).tolist()
+    turns = []
+    for n in (300, 250, 400, 200):
+        response = rng.integers(2, VOCAB, n).tolist()
+        logprobs = (-np.abs(rng.normal(0, 1, n))).astype(np.float32).tolist()
+        turns.append((response, logprobs, rng.integers(2, VOCAB, 40).tolist()))
+    turns[-1] = (*turns[-1][:2], [])  # no tool call after the last turn
+    run_dir = tmp_path / "run"
+    rlreplay.init(run_dir, worker="w")
+    _TURNS[:] = turns
+    with rlreplay.trajectory(step=0, sample_index=0):
+        out = _agent_loop(prompt)
+    rlreplay.close()
+    run = rlreplay.open_run(run_dir)
+    (traj,) = [run.trajectory(row["id"]) for row in run.trajectories().to_pylist()]
+    (agent,) = traj.by_kind("agent")
+    assert agent.output == out
+    assert _bits(agent.output["response_logprobs"]) == _bits(out["response_logprobs"])
+    context = list(prompt)
+    for span, (response, logprobs, tool) in zip(sorted(traj.by_kind("llm"), key=lambda s: s.start_ns), turns):
+        assert span.inputs["prompt_ids"] == context
+        assert span.output == {"token_ids": response, "log_probs": logprobs}
+        context += response + tool
+    table = run.spans(columns=["token_ids", "token_logprobs"])
+    stored_ids = sum(len(v) for v in table["token_ids"].to_pylist() if v is not None)
+    stored_logprobs = sum(len(v) for v in table["token_logprobs"].to_pylist() if v is not None)
+    assert stored_ids == len(prompt) + sum(len(r) + len(t) for r, _, t in turns)
+    assert stored_logprobs == sum(len(lp) + len(t) for _, lp, t in turns)

@@ -8,12 +8,24 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
+import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import rlreplay
+from rlreplay.format.keys import TrajectoryKey
 from rlreplay.format.schema import SPAN_SCHEMA
-from rlreplay.recorder.events import OpenTrajectory, OpMeta, SpanEvent, format_span_id, format_trajectory_id
+from rlreplay.recorder.events import (
+    OpenTrajectory,
+    OpMeta,
+    SpanEvent,
+    format_span_id,
+    format_trajectory_id,
+    given_keys,
+)
 from rlreplay.recorder.rows import PrefixCache, Problem, encode_row
 from rlreplay.recorder.writer import RecorderConfig
 
@@ -52,7 +64,7 @@ def as_dict(row: tuple | None) -> dict[str, Any]:
 
 
 def test_a_span_events_fields_become_its_row() -> None:
-    traj = OpenTrajectory(step=4, sample_index=2, rollout_n=1, validate=False)
+    traj = OpenTrajectory(TrajectoryKey.of(step=4, sample_index=2, rollout_n=1, validate=False))
     row, nbytes, problems = encode_row(event(traj), CONFIG, "w0")
     assert problems == [] and nbytes > 200
     r = as_dict(row)
@@ -73,14 +85,15 @@ def test_a_span_events_fields_become_its_row() -> None:
     )
     assert orjson.loads(r["inputs"])["request_id"] == "r1"
     assert (r["prompt_tokens"], r["response_tokens"]) == (300, 200)
-    assert list(r["token_ids"]) == [*range(300), *range(1000, 1200)]
+    ids = r["token_ids"]  # an array, or arrays taken end to end
+    ids = np.concatenate(ids) if type(ids) is list else ids
+    assert ids.tolist() == [*range(300), *range(1000, 1200)]
 
     failed = as_dict(encode_row(event(traj, exc=ValueError("boom"), result=None), CONFIG, "w0")[0])
     assert failed["status"] == "error" and failed["error"] == "ValueError: boom"
     # a recorded id (a signals span of a trajectory recorded elsewhere) is kept as it is
-    signals = OpenTrajectory.__new__(OpenTrajectory)
-    signals.id, signals.step, signals.sample_index, signals.rollout_n = "ab" * 16, 4, 2, 1
-    signals.validate, signals.experiment, signals.attributes, signals.explicit = False, None, None, False
+    signals = OpenTrajectory(TrajectoryKey(4, 2, 1), explicit=False)
+    signals.id = "ab" * 16
     recorded = as_dict(encode_row(event(signals, span_id="cd" * 8, parent_id="ef" * 8), CONFIG, "w0")[0])
     assert (recorded["trajectory_id"], recorded["span_id"], recorded["parent_id"]) == (
         "ab" * 16,
@@ -89,8 +102,28 @@ def test_a_span_events_fields_become_its_row() -> None:
     )
 
 
+def test_a_trajectory_holds_its_key_and_its_spans_store_it() -> None:
+    """An open trajectory holds one TrajectoryKey (values as the format keeps them); every span's row
+    stores it, a value that is neither an int nor a string as its string, said for each span."""
+    given = (np.int64(3), "s1", 1.5)
+    traj = OpenTrajectory(TrajectoryKey.of(*given, validate=True, experiment="e2"), given=given_keys(*given))
+    assert traj.key == TrajectoryKey(3, "s1", "1.5", True, "e2")
+    assert type(traj.key.step) is int and traj.step == 3 and traj.validate is True
+    for span_id in (5, 6):
+        row, _, problems = encode_row(event(traj, span_id=span_id), CONFIG, "w0")
+        r = as_dict(row)
+        assert (r["step"], r["sample_index"], r["rollout_n"]) == (3, None, None)
+        assert (r["step_str"], r["sample_index_str"], r["rollout_n_str"]) == (None, "s1", "1.5")
+        assert (r["validate"], r["experiment"]) == (True, "e2")
+        assert [p.message for p in problems] == [
+            "a value could not be recorded as given: a key of type float was stored as the string '1.5'"
+        ]
+    assert OpenTrajectory(TrajectoryKey.of("7")).step is None  # a string step partitions nowhere
+    assert given_keys(3, "s1", None) is None  # ints and strings are stored as given
+
+
 def test_values_encoding_changed_come_back_as_counted_problems() -> None:
-    traj = OpenTrajectory(step=0, sample_index=0)
+    traj = OpenTrajectory(TrajectoryKey.of(step=0, sample_index=0))
     bad = event(traj, args=("caf\udce9",), result={"text": "x\udcff"})
     row, _, problems = encode_row(bad, CONFIG, "w0")
     r = as_dict(row)
@@ -105,7 +138,7 @@ def test_a_failing_reducer_is_a_warning_and_its_span_keeps_a_marker() -> None:
         raise KeyError("reducer bug")
 
     meta = OpMeta(name="generate", kind="llm", fn=generate, reduce_output=reducer)
-    row, _, problems = encode_row(event(OpenTrajectory(step=0), meta=meta), CONFIG, "w0")
+    row, _, problems = encode_row(event(OpenTrajectory(TrajectoryKey.of(step=0)), meta=meta), CONFIG, "w0")
     assert problems == [
         Problem(
             "reduce:generate:reduce_output", "reduce_output of generate raised KeyError: 'reducer bug'", False
@@ -116,7 +149,7 @@ def test_a_failing_reducer_is_a_warning_and_its_span_keeps_a_marker() -> None:
 
 
 def test_a_span_that_cannot_be_encoded_has_no_row_and_its_trajectory_shares_nothing_older() -> None:
-    traj = OpenTrajectory(step=0, sample_index=0)
+    traj = OpenTrajectory(TrajectoryKey.of(step=0, sample_index=0))
     prefixes = PrefixCache()
     first = event(traj)
     assert encode_row(first, CONFIG, "w0", prefixes)[2] == []
@@ -159,3 +192,89 @@ def test_the_recorder_counts_the_counted_problems_and_warns_once_per_kind(
     assert sum("could not encode a span" in m for m in messages) == 1
     names = rlreplay.open_run(run_dir).spans(columns=["name"])["name"].to_pylist()
     assert sorted(names) == sorted(["trajectory", "reduced", *[echo.__qualname__] * 3])
+
+
+# ---- every list a span carries reads back as given, whatever is shared --------------------------
+
+_IDS = st.integers(0, 151_000)
+_EDGE_INTS = st.sampled_from([0, 1, True, False, np.int64(7), np.int64(1), np.bool_(True), 1 << 31, -1])
+_FLOATS = st.sampled_from([-0.0, 0.0, 1e-45, -3.5, np.float32(-0.25).item(), 0.1, 1.0, 2.0**-130])
+
+
+@st.composite
+def _turns(draw: Any) -> list[dict[str, Any]]:
+    """Model calls of one trajectory: prompts that continue the previous call's ids (or cut them,
+    or start anew), replies, masks and log-probs, with values that must not be stored as typed
+    arrays (bools, numpy scalars, ints beyond int32, floats float32 cannot hold) here and there."""
+    calls: list[dict[str, Any]] = []
+    stream: list[Any] = []
+    logprobs: list[list[float]] = []
+    for _ in range(draw(st.integers(1, 5))):
+        how = draw(st.sampled_from(["continue", "cut", "edit", "new"]))
+        own = draw(st.lists(_IDS, min_size=0, max_size=90))
+        if how == "continue":
+            prompt = stream + own
+        elif how == "cut" and len(stream) > 64:  # the previous ids up to somewhere, then others
+            prompt = [*stream[: draw(st.integers(60, len(stream) - 1))], -1, *own]
+        elif how == "edit" and stream:  # the previous ids, one of them changed
+            prompt = list(stream)
+            prompt[draw(st.integers(0, len(stream) - 1))] = -2
+        else:
+            prompt = own + draw(st.lists(_IDS, min_size=60, max_size=120))
+        reply = draw(st.lists(_IDS, min_size=64, max_size=150))
+        if draw(st.booleans()) and prompt:  # an odd value among the ids
+            prompt[draw(st.integers(0, len(prompt) - 1))] = draw(_EDGE_INTS)
+        n = len(reply)
+        lp = draw(st.lists(st.floats(-20, 0, width=32), min_size=n, max_size=n))
+        if draw(st.booleans()) and lp:
+            lp[draw(st.integers(0, n - 1))] = draw(_FLOATS)
+        if draw(st.booleans()) and logprobs:  # an agent's log-probs: earlier calls', gaps between
+            agent = [v for old in logprobs for v in [*old, 0.0, -0.0]]
+            if draw(st.booleans()) and agent:  # one changed, maybe only in its sign bit
+                at = draw(st.integers(0, len(agent) - 1))
+                agent[at] = -agent[at] if agent[at] == 0.0 else agent[at] / 2
+            lp = agent + lp
+        mask = [draw(st.sampled_from([0, 1, True]))] + [1] * len(lp) if draw(st.booleans()) else None
+        output: dict[str, Any] = {"token_ids": reply, "log_probs": lp}
+        if mask is not None:
+            output["response_mask"] = mask
+        calls.append({"prompt_ids": prompt, "output": output})
+        stream = prompt + reply
+        logprobs.append(lp)
+    return calls
+
+
+def _same(got: Any, want: Any) -> bool:
+    """Equal as recorded: the same types (a bool is not an int; a numpy int reads back as an int),
+    floats bit for bit."""
+    if isinstance(want, (np.integer, np.bool_)):
+        want = want.item()
+    if type(want) is float:
+        return type(got) is float and np.float64(got).tobytes() == np.float64(want).tobytes()
+    if type(want) is list:
+        return type(got) is list and len(got) == len(want) and all(map(_same, got, want))
+    if type(want) is dict:
+        return type(got) is dict and got.keys() == want.keys() and all(_same(got[k], want[k]) for k in want)
+    return type(got) is type(want) and got == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(_turns())
+def test_every_list_reads_back_as_given_whatever_is_shared(calls: list[dict[str, Any]]) -> None:
+    from rlreplay.model import trajectory_from_table
+    from rlreplay.recorder.rows import StepBuffer
+
+    traj = OpenTrajectory(TrajectoryKey.of(step=0, sample_index=0))
+    prefixes = PrefixCache()
+    buffer = StepBuffer()
+    for i, call in enumerate(calls):
+        kwargs = {"prompt_ids": list(call["prompt_ids"])}
+        spanned = event(traj, span_id=10 + i, start_ns=i, end_ns=i, kwargs=kwargs, result=call["output"])
+        row, nbytes, _ = encode_row(spanned, CONFIG, "w0", prefixes)
+        buffer.append(row, nbytes)
+    batch, problems = buffer.take_batch()
+    assert problems == []
+    spans = sorted(trajectory_from_table(pa.Table.from_batches([batch])).spans, key=lambda s: s.start_ns)
+    for span, call in zip(spans, calls, strict=True):
+        assert _same(span.inputs["prompt_ids"], call["prompt_ids"])
+        assert _same(span.output, call["output"])
