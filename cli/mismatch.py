@@ -78,15 +78,17 @@ def mismatch_command(
     opened = open_run_arg(run, run_path)
     listing = selection.trajectories(opened).select(LISTING_COLUMNS)  # the rest goes now
     decoder = _decoder(opened, tokenizer, wanted=by == "token" or not as_json)
-    report = compute(
-        opened,
-        listing,
-        by=by,
-        top=WORST if shown is None else (shown or None),
-        decoder=decoder,
-        token_ids=not as_json,  # --json prints no token (but with --by token)
-    )
-    report_warnings(opened)
+    try:
+        report = compute(
+            opened,
+            listing,
+            by=by,
+            top=WORST if shown is None else (shown or None),
+            decoder=decoder,
+            token_ids=not as_json,  # --json prints no token (but with --by token)
+        )
+    finally:  # before any error: a damaged file may be why nothing could be compared
+        report_warnings(opened)
     if as_json:
         _write_json(report)
         return

@@ -64,6 +64,13 @@ class ReplayPlan:
                 else ""
             )
         ]
+        for source_id in diverged[:SHOWN_IDS]:  # why, for the first few; ls has every one's
+            lines.append(f"rlreplay: replay: {source_id} diverged: {summary['divergences'][source_id]}")
+        if len(diverged) > SHOWN_IDS:
+            lines.append(
+                f"rlreplay: replay: why the other {len(diverged) - SHOWN_IDS} diverged: "
+                f"replay_reason in `rlreplay ls {new_run.address} --json`"
+            )
         for why, count in unserved.items():
             lines.append(f"rlreplay: replay: {count} trajectories were not served: {why}")
         if summary["source_problem"]:

@@ -25,6 +25,7 @@ import orjson
 from rlreplay.adapters.registry import adapter_for_run, get_adapter
 from rlreplay.diff.align import first_divergence
 from rlreplay.format.keys import FIELDS, KEY_STR
+from rlreplay.format.payload import same
 from rlreplay.format.schema import KIND_SIGNALS
 from rlreplay.model import Span, Trajectory, listing_rows
 from rlreplay.read.filters import Filters
@@ -174,7 +175,7 @@ def first_difference(
             va, vb = getattr(sa, name), getattr(sb, name)
             if name in ("inputs", "output"):
                 va, vb = comparable(va, ignored), comparable(vb, ignored)
-            if va != vb:
+            if not same(va, vb):
                 path = None
                 if name in ("inputs", "output"):
                     path, va, vb = first_values(va, vb)

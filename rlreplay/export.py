@@ -11,11 +11,14 @@ Per-token fields for RL datasets: with ``ids``, the agent span's ``prompt_ids``,
 and ``response_mask`` (1 = model token); with ``logprobs``, ``rollout_log_probs`` (the agent span's,
 one per response token) and ``trainer_log_probs`` (the trainer's ``old_log_probs`` from its signals
 span, when recorded). JSON lines and Parquet files load with the same types in ``datasets``,
-DuckDB and polars (JSON has no int or float widths: 64 bits there).
+DuckDB and polars (JSON has no int or float widths: 64 bits there). JSON has no NaN or infinity
+either: JSON lines hold such a float as the format's ``float`` marker (``{"__type__": "float",
+"value": "nan"}``; Parquet keeps it as it is).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,8 @@ import orjson
 import pyarrow as pa
 
 from rlreplay.adapters.registry import adapter_for_run, openai_messages
+from rlreplay.errors import NotExact
+from rlreplay.format import payload as json_form
 from rlreplay.format.index import merged
 from rlreplay.format.keys import KEYS
 from rlreplay.format.schema import KIND_AGENT, KIND_SIGNALS
@@ -35,6 +40,8 @@ FORMATS = ("jsonl", "parquet")
 RECORD_FIELDS = ("id", *KEYS, "validate", "experiment", "reward", "advantage")
 ID_FIELDS = ("prompt_ids", "response_ids", "response_mask")
 LOGPROB_FIELDS = ("rollout_log_probs", "trainer_log_probs")
+#: The fields that hold floats (JSON lines write NaN and ±inf in them as markers).
+FLOAT_FIELDS = ("reward", "advantage", *LOGPROB_FIELDS)
 #: The trainer's per-token log-probs in its signals span (``record --token-signals``).
 TRAINER_LOGPROBS = "old_log_probs"
 #: Trajectories read (with payloads) at a time.
@@ -88,10 +95,29 @@ def log_probs(traj: Trajectory, adapter: Any) -> dict[str, list[float] | None]:
         if isinstance(value, list):
             trainer = value
             break
-    return {
-        "rollout_log_probs": rollout if isinstance(rollout, list) else None,
-        "trainer_log_probs": trainer,
-    }
+    return {"rollout_log_probs": _numbers(rollout), "trainer_log_probs": _numbers(trainer)}
+
+
+def _numbers(values: Any) -> list[float] | None:
+    """A recorded list of numbers as floats (NaN and ±inf from their markers); None when it is not one."""
+    if not isinstance(values, list):
+        return None
+    try:
+        out = json_form.from_json(values)
+    except NotExact:
+        return None
+    if not all(type(v) in (int, float) for v in out):
+        return None
+    return [float(v) for v in out]
+
+
+def _json_floats(value: Any) -> Any:
+    """``value`` with each NaN or infinity as the format's ``float`` marker (JSON has neither)."""
+    if type(value) is float:
+        return value if math.isfinite(value) else json_form.float_marker(value)
+    if type(value) is list:
+        return [_json_floats(v) for v in value]
+    return value
 
 
 def _message(m: dict[str, Any]) -> dict[str, Any]:
@@ -143,6 +169,11 @@ def records(
         yield out
 
 
+def _json_line(record: dict[str, Any]) -> bytes:
+    floats = {k: _json_floats(record[k]) for k in FLOAT_FIELDS if k in record}
+    return orjson.dumps({**record, **floats}, option=orjson.OPT_NON_STR_KEYS) + b"\n"
+
+
 def schema(listing: pa.Table, with_ids: bool, with_logprobs: bool = False) -> pa.Schema:
     """The Parquet schema of an export of ``listing``'s rows."""
     shown = merged(listing)
@@ -178,7 +209,7 @@ def write(
     if fmt == "jsonl":
         with open(path, "wb") as fh:
             for batch in batches:
-                fh.write(b"".join(orjson.dumps(r, option=orjson.OPT_NON_STR_KEYS) + b"\n" for r in batch))
+                fh.write(b"".join(_json_line(r) for r in batch))
                 count += len(batch)
                 if progress is not None:
                     progress(count)

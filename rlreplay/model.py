@@ -68,6 +68,10 @@ class Span:
 KEY_ATTRIBUTES = tuple("experiment_name" if f == "experiment" else f for f in FIELDS)
 
 
+#: The counts of a trajectory, one name and one meaning everywhere (``tool_errors``: ``format.tool_errors``).
+COUNTS = ("model_calls", "tool_calls", "tool_errors")
+
+
 @dataclass
 class Trajectory:
     id: str
@@ -120,6 +124,11 @@ class Trajectory:
     @property
     def reward(self) -> float | None:
         return self.row["reward"]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """:data:`COUNTS` by name: what every surface (listing, ``show``, ``diff``, uploads) calls them."""
+        return {name: self.row[name] for name in COUNTS}
 
     @property
     def model_calls(self) -> int:

@@ -10,8 +10,9 @@ Config (a dict, or JSON as the one argument): ``steps``, ``samples``, ``rollouts
 that model call), ``extra`` and ``skip`` (lists of ``[step, sample, rollout]``), ``tool_seed``,
 ``tool_shape`` (more keys of every tool reply, e.g. a ``__type__``),
 ``spawn`` (each step in its own process), ``exit_zero`` (exit 0 even when a trajectory
-raised), ``remove`` (a run directory or URI deleted before the
-first trajectory: a replay's source going away while the replay runs).
+raised), ``exit_code`` (the code to exit with when one did; default 1), ``remove`` (a run
+directory or URI deleted before the first trajectory: a replay's source going away while the
+replay runs), ``remove_after`` (``[n, run]``: deleted after the first ``n`` trajectories).
 """
 
 from __future__ import annotations
@@ -180,7 +181,10 @@ def run_job(config: dict[str, Any]) -> dict[tuple[int, int, int], Any]:
                 results[(step, sample, n)] = exc
 
     async def go() -> None:
-        for k in keys(config):
+        remove_after = config.get("remove_after")
+        for done, k in enumerate(keys(config)):
+            if remove_after and done == remove_after[0]:
+                remove(remove_after[1])
             await one(*k)
 
     asyncio.run(go())
@@ -192,7 +196,7 @@ def _main(config: dict[str, Any]) -> None:
     errors = [k for k, v in result.items() if isinstance(v, Exception)]
     print(f"{len(result)} trajectories, {len(errors)} errors", file=sys.stderr)
     if errors and not config.get("exit_zero"):
-        sys.exit(1)
+        sys.exit(config.get("exit_code", 1))
 
 
 if __name__ == "__main__":

@@ -120,6 +120,7 @@ def encode_trajectory(traj: Trajectory, experiment: str) -> bytes:
             attrs.setdefault(str(key), value)
         if is_root:
             attrs["rlreplay.trajectory_id"] = traj.id
+            attrs.update({f"rlreplay.{name}": n for name, n in traj.counts.items()})
             for key, value in tags.items():
                 attrs[ATTR_TAG_PREFIX + key] = _tag_value(value)
         return attrs

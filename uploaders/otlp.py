@@ -192,8 +192,10 @@ def span_attributes(traj: Trajectory, messages: list[dict[str, Any]]) -> Any:
                 attrs["rlreplay.trajectory_reward"] = reward
             if advantage is not None:
                 attrs["rlreplay.advantage"] = advantage
+            counts = traj.counts
+            attrs.update({f"rlreplay.{name}": n for name, n in counts.items()})
             metadata = {k.removeprefix("rlreplay."): v for k, v in keys.items()}
-            metadata.update(reward=reward, advantage=advantage, status=traj.status)
+            metadata.update(reward=reward, advantage=advantage, status=traj.status, **counts)
             attrs["metadata"] = _json(metadata)
         return attrs
 

@@ -68,7 +68,8 @@ class Marker(dict):
     __slots__ = ()
 
 
-def _float_marker(value: float) -> Marker:
+def float_marker(value: float) -> Marker:
+    """The ``float`` marker of a NaN or an infinity (a NaN other than the usual one keeps its bits)."""
     marker = Marker(__type__="float", value=repr(value))
     if value != value:
         bits = struct.unpack("<Q", struct.pack("<d", value))[0]
@@ -268,7 +269,7 @@ class _Simplifier:
         if cls is int:
             return value if not self.strict or _INT_MIN <= value <= _INT_MAX else _int_marker(value)
         if cls is float:
-            return value if math.isfinite(value) else _float_marker(value)
+            return value if math.isfinite(value) else float_marker(value)
         if depth > MAX_DEPTH:
             return Marker(__type__="repr", **{"class": _type_name(value), "repr": "<too deep>"})
         if cls is list or cls is tuple:
@@ -560,8 +561,33 @@ def dumps(data: Any, max_field_bytes: int | None = None, issues: list[str] | Non
 
 
 def _truncated(text: bytes, max_bytes: int) -> Marker:
+    """A field's JSON over the limit: its size, a preview and the SHA-256 of the whole (what tells
+    two truncated values apart, :func:`same`)."""
+    import hashlib
+
     preview = text[: max(0, min(max_bytes, PREVIEW_BYTES) - 1)].decode(errors="ignore")
-    return Marker(__type__="truncated", bytes=len(text), preview=preview)
+    return Marker(
+        __type__="truncated", bytes=len(text), preview=preview, sha256=hashlib.sha256(text).hexdigest()
+    )
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether two JSON forms hold the same value bit for bit: of one type at every place (``1``,
+    ``1.0`` and ``true`` differ), floats by their bits (``-0.0`` is not ``0.0``; a NaN is itself),
+    dicts by their keys and values; a ``truncated`` marker is the same only as one whose whole
+    value had the same SHA-256 (one recorded without it never is: its value is not known)."""
+    cls = type(a)
+    if cls is not type(b):
+        return False
+    if cls is float:
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if cls is list:
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if cls is dict:
+        if a.get(MARKER) == "truncated" and "sha256" not in a:
+            return False
+        return a.keys() == b.keys() and all(same(v, b[k]) for k, v in a.items())
+    return a == b
 
 
 def cap_field(value: Any, max_bytes: int) -> Any:

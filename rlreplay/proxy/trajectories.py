@@ -32,7 +32,6 @@ from rlreplay.proxy.handoff import Handoff
 from rlreplay.proxy.protocol import CHAT, answer_of, prompt_of
 from rlreplay.recorder import events
 from rlreplay.recorder.events import OPEN, OPEN_BYTES, Control, OpenTrajectory, OpMeta, SpanEvent
-from rlreplay.recorder.rows import key_int
 from rlreplay.recorder.signals import record_signals
 
 HEADER = "X-Rlreplay-Trajectory"
@@ -323,13 +322,8 @@ class Trajectories:
         if traj.open is None:
             key = traj.key
             traj.open = OpenTrajectory(
-                key_int(key.step),
-                key_int(key.sample_index),
-                key_int(key.rollout_n),
-                key.validate,
-                self.experiment,
+                TrajectoryKey.of(key.step, key.sample_index, key.rollout_n, key.validate, self.experiment)
             )
-            traj.open.keys = (key.step, key.sample_index, key.rollout_n)
             traj.root_span = next(events.span_ids)
         return events.format_trajectory_id(traj.open.id)
 

@@ -2,8 +2,9 @@
 
 Two trajectories are equal as stored when, spans taken in order of start time (then name), signals
 rows aside, each pair of spans has the same name, kind, error, parent (by position), typed token
-values (bit for bit) and the same inputs and output JSON once the keys ``ignored`` drop out and the
-spans that shared stretches refer to are named by position instead of by id. Reading restores
+values (bit for bit) and the same inputs and output JSON (``payload.same``: bit for bit) once the
+keys ``ignored`` drop out and the spans that shared stretches refer to are named by position
+instead of by id. Reading restores
 values from exactly these, so trajectories equal as stored read back equal; the converse need not
 hold (a caller compares the others span by span). Token log-probs holding a NaN are never equal
 here: a NaN read back is not equal to itself.
@@ -16,7 +17,7 @@ from typing import Any
 import orjson
 
 from rlreplay.format import arrow_ops as ops
-from rlreplay.format.payload import TOKENS
+from rlreplay.format.payload import TOKENS, same
 from rlreplay.format.schema import KIND_SIGNALS, TOKEN_COLUMNS
 from rlreplay.read.scan import POSITION, StepSpans
 
@@ -137,8 +138,8 @@ def _payloads_equal(
         text_a = ops.take(ta[name], ops.from_numpy(rows_a))
         text_b = ops.take(tb[name], ops.from_numpy(rows_b))
         same_text = _same_or_both_null(text_a, text_b)
-        refers = ops.fill_null(ops.match_substring(text_a, '"r":'), False).to_numpy(zero_copy_only=False)
-        refers |= ops.fill_null(ops.match_substring(text_b, '"r":'), False).to_numpy(zero_copy_only=False)
+        refers = _holds(text_a, '"r":') | _holds(text_b, '"r":')
+        refers |= _holds(text_a, '"truncated"')  # one without its SHA-256 is never the same
         look = np.flatnonzero(out & (refers | ~same_text))
         if not len(look):
             continue
@@ -147,11 +148,15 @@ def _payloads_equal(
         for row, va, vb in zip(look.tolist(), values_a, values_b):
             pair = pairs[row]
             try:
-                equal = _canonical(va, places_a, pair, ignored) == _canonical(vb, places_b, pair, ignored)
+                equal = same(_canonical(va, places_a, pair, ignored), _canonical(vb, places_b, pair, ignored))
             except _Unsure:
                 equal = False
             out[row] = equal
     return out
+
+
+def _holds(texts: Any, part: str) -> Any:
+    return ops.fill_null(ops.match_substring(texts, part), False).to_numpy(zero_copy_only=False)
 
 
 def _canonical(

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from rlreplay.format.payload import same
+
 #: Types of JSON scalars: a list of only these (token ids, log-probs) is kept as it is.
 JSON_SCALARS = frozenset({int, float, str, bool, type(None)})
 
@@ -130,7 +132,7 @@ def first_values(a: Any, b: Any, at: str = "") -> tuple[str, Any, Any]:
     holds there (:data:`ABSENT` for a side that has nothing at that path)."""
     if isinstance(a, dict) and isinstance(b, dict):
         for key in list(a) + [k for k in b if k not in a]:
-            if key not in a or key not in b or a[key] != b[key]:
+            if key not in a or key not in b or not same(a[key], b[key]):
                 inner = f"{at}.{key}" if at else str(key)
                 if key in a and key in b:
                     return first_values(a[key], b[key], inner)
@@ -138,7 +140,7 @@ def first_values(a: Any, b: Any, at: str = "") -> tuple[str, Any, Any]:
         return at, a, b
     if isinstance(a, list) and isinstance(b, list):
         for i, (x, y) in enumerate(zip(a, b)):
-            if x != y:
+            if not same(x, y):
                 return first_values(x, y, f"{at}[{i}]")
         n = min(len(a), len(b))
         return f"{at}[{n}]", a[n] if n < len(a) else ABSENT, b[n] if n < len(b) else ABSENT

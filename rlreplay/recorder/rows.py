@@ -442,6 +442,10 @@ def exception_data(exc: BaseException) -> dict[str, str]:
 
 
 def as_reward(value: Any) -> float | None:
+    """A number as the reward column's float (NaN and ±inf also from their JSON form's marker)."""
+    if isinstance(value, dict) and value.get(payload.MARKER) == "float":
+        with contextlib.suppress(payload.NotExact):
+            value = payload.from_json(value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         try:
             return float(value)

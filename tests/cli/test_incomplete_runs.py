@@ -128,14 +128,18 @@ def test_info_says_what_it_could_not_read_beside_the_recorders_counts(
         ("ls", "{run}", "--finding", "empty_response"),
         ("diff", "{run}", "step=0,sample_index=0,rollout_n=0", "rollout_n=1", "--ids"),
         ("upload", "{run}", "-b", "otlp", "--endpoint", "http://127.0.0.1:9/v1/traces", "--dry-run"),
+        ("compare", "{run}", "{intact}"),
+        ("compare", "{intact}", "{run}"),
+        ("mismatch", "{run}"),
+        ("ls", "{run}", "--grep", "0", "--tokenizer", "{tokenizer}"),
     ],
-    ids=lambda a: a[0],
+    ids=lambda a: "-".join(a[:1] + tuple(x for x in a[1:] if x.startswith("--"))),
 )
 def test_every_reading_command_says_the_run_cannot_be_read_in_full(
-    damaged: tuple[Path, str, int, int], tmp_path: Path, args: tuple[str, ...]
+    damaged: tuple[Path, str, int, int], one_shard_run: Path, tmp_path: Path, args: tuple[str, ...]
 ) -> None:
     run_dir, rel, spans, trajectories = damaged
-    names = {"run": run_dir, "tmp": tmp_path, "tokenizer": qwen_tokenizer_dir()}
+    names = {"run": run_dir, "tmp": tmp_path, "tokenizer": qwen_tokenizer_dir(), "intact": one_shard_run}
     proc = cli(*(a.format(**names) for a in args), cwd=tmp_path)
     # diff with nothing to compare: one line, exit 2; upload: what it could not send, exit 1
     assert proc.returncode in (0, 1, 2), proc.stderr
@@ -212,6 +216,46 @@ def test_record_of_a_program_that_cannot_run_leaves_no_tokenizer_copy(tmp_path: 
     )
     assert proc.returncode == 2 and "cannot be started" in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists(), sorted(p.name for p in out.iterdir())
+
+
+#: ``rlreplay`` in a child whose file system refuses to remove a run's manifest (an audit hook
+#: raising where ``os.remove`` would run: a directory the user may write but not delete from).
+UNREMOVABLE_MANIFEST = textwrap.dedent(
+    """
+    import sys
+
+    def refuse(event, args):
+        if event == "os.remove" and str(args[0]).endswith("run.json"):
+            raise PermissionError(13, "Permission denied", str(args[0]))
+
+    sys.addaudithook(refuse)
+    from rlreplay.cli.main import main
+
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_a_run_whose_command_never_started_and_cannot_be_removed_is_marked_not_started(
+    tmp_path: Path,
+) -> None:
+    from rlreplay.format import manifest
+
+    program = tmp_path / "not-a-program"
+    program.write_bytes(b"\x00\x01binary junk, no #! line\n")
+    program.chmod(0o755)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", UNREMOVABLE_MANIFEST, "record", "--out", str(run_dir), "--", str(program)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2 and "cannot be started" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == [manifest.MANIFEST]  # all else went
+    assert manifest.read_manifest(run_dir)["status"] == "not started"
+    assert manifest.read_manifest(run_dir)["ended_at"] is not None
 
 
 def test_an_upload_that_never_reached_its_server_leaves_no_ledger(
@@ -295,3 +339,35 @@ def test_audit_exit_codes_are_0_clean_1_findings_2_could_not_run(
         proc = cli("audit", str(one_shard_run), *args, env=broken_plugins)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr)
     assert cli("audit", str(damaged[0]), "--fail-on", "none").returncode == 2
+
+
+def test_stats_from_an_intact_index_are_the_recorded_ones(
+    damaged: tuple[Path, str, int, int], one_shard_run: Path
+) -> None:
+    """``stats`` and ``ls`` read only the index files: an intact index gives the numbers as recorded
+    (the intact run's), and no span file was left unread, so nothing is said."""
+    run_dir, _, _, _ = damaged
+    for args in (("stats", "--json"), ("stats",), ("ls", "--json")):
+        got, want = cli(args[0], str(run_dir), *args[1:]), cli(args[0], str(one_shard_run), *args[1:])
+        assert got.returncode == want.returncode == 0 and got.stderr == want.stderr == "", got.stderr
+        assert got.stdout == want.stdout.replace(str(one_shard_run), str(run_dir)) and got.stdout, args
+
+
+def test_the_ui_says_the_run_cannot_be_read_in_full(damaged: tuple[Path, str, int, int]) -> None:
+    """The web UI's pages that read spans: the trajectory page names the damaged file, and the
+    overview then carries the line of counts."""
+    from starlette.testclient import TestClient
+
+    from rlreplay.read.run import Run
+    from rlreplay.ui.app import create_app
+
+    run_dir, rel, spans, trajectories = damaged
+    first = Run(run_dir).trajectories()["id"][0].as_py()
+    with TestClient(create_app(run_dir), raise_server_exceptions=False) as client:
+        page = client.get(f"/r/{run_dir.name}/t/{first}")
+        assert page.status_code in (404, 400, 500) and rel in page.text, page.text
+        overview = client.get(f"/r/{run_dir.name}/")
+        assert overview.status_code == 200
+        text = " ".join(overview.text.split())
+        assert rel in text and "could not be read in full" in text, text
+        assert f"{spans} spans of {trajectories} trajectories left out" in text, text

@@ -293,3 +293,86 @@ def test_under_fail_a_divergence_is_the_exit_code_even_when_the_job_swallows_it(
     assert proc.returncode == code, proc.stderr
     diverged = [r for r in ls_rows(tmp_path / "new").values() if r["replay"] == "diverged"]
     assert diverged and f"{len(diverged)} trajectories diverged" in summary_lines(proc.stderr)[0]
+
+
+def test_the_summary_says_why_each_diverged_for_at_most_five_and_points_at_the_rest(tmp_path: Path) -> None:
+    config = {"steps": 1, "samples": 24, "rollouts": 1, "seed": 0}
+    source = recorded(tmp_path, config)
+    facts = source_facts(source)
+    diverged = sorted(
+        f["id"] for f in facts.values() if f["calls"] >= 2
+    )  # another tool reply: call 2 differs
+    assert len(diverged) > 5
+    new = tmp_path / "new"
+    proc = cli(tmp_path, "replay", str(source), "--out", str(new), "--", *job({**config, "tool_seed": 1}))
+    assert proc.returncode == 0, proc.stderr
+    lines = summary_lines(proc.stderr)
+    shown = lines[0].split(f"{len(diverged)} trajectories diverged (", 1)[1].split(")", 1)[0]
+    ids = shown.split(", ... ")[0].split(", ")
+    assert len(ids) == 5 and set(ids) <= set(diverged)
+    assert shown.endswith(f", ... {len(diverged) - 5} more")
+    why = {r["replay_of"]: r["replay_reason"] for r in ls_rows(new).values() if r["replay"] == "diverged"}
+    assert sorted(why) == diverged
+    said = [line for line in lines[1:-1] if " diverged: " in line]
+    assert said == [f"rlreplay: replay: {i} diverged: {why[i]}" for i in ids]
+    assert lines[-1] == (
+        f"rlreplay: replay: why the other {len(diverged) - 5} diverged: "
+        f"replay_reason in `rlreplay ls {new} --json`"
+    )
+
+
+@pytest.mark.parametrize("on_diverge", ["live", "fail"])
+def test_a_source_removed_after_some_trajectories_were_served_serves_what_it_read_or_says_why(
+    tmp_path: Path, on_diverge: str
+) -> None:
+    """The source goes away after the job's third trajectory: each later one is served as recorded
+    (read before it went: ``compare`` finds it the same) or diverges naming the source; under
+    ``fail`` that is a non-zero exit."""
+    source = recorded(tmp_path, PLAIN)
+    kept = tmp_path / "kept"
+    shutil.copytree(source, kept)
+    facts = source_facts(kept)
+    new = tmp_path / "new"
+    args = ("replay", str(source), "--on-diverge", on_diverge, "--out", str(new))
+    proc = cli(tmp_path, *args, "--", *job({**PLAIN, "remove_after": [3, str(source)]}))
+    assert not source.exists()
+    rows = ls_rows(new)
+    assert set(rows) == set(facts)
+    order = sorted(rows)  # the job's order: step, sample_index, rollout_n
+    for k in order[:3]:
+        assert (rows[k]["replay"], rows[k]["replay_of"]) == ("served", facts[k]["id"])
+    unserved = [k for k in order[3:] if rows[k]["replay"] != "served"]
+    for k in unserved:
+        assert rows[k]["replay"] == "diverged"
+        assert rows[k]["replay_reason"].startswith(f"the source run could not be read (source run {source}")
+    for k in order[3:]:
+        if k not in unserved:
+            assert rows[k]["replay_of"] == facts[k]["id"]
+    lines = summary_lines(proc.stderr)
+    served = sum(facts[k]["calls"] for k in order if k not in unserved)
+    assert lines[0].startswith(f"rlreplay: replay of {source}: {served} ops served")
+    if unserved:
+        assert f"rlreplay: replay: {len(unserved)} trajectories were not served: the source run" in lines
+    # what was served is what the source held, bit for bit
+    pairs = cli(tmp_path, "compare", str(kept), str(new), "--json").stdout.splitlines()
+    assert len(pairs) == len(facts)
+    for pair in map(json.loads, pairs):
+        keys = (pair["step"], pair["sample_index"], pair["rollout_n"])
+        assert pair["same"] == (keys not in unserved), pair
+    if on_diverge == "fail":
+        assert (proc.returncode != 0) == bool(unserved), proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("on_diverge", ["live", "fail"])
+def test_the_jobs_own_non_zero_exit_code_comes_first(tmp_path: Path, on_diverge: str) -> None:
+    """The job fails (its diverged calls raise: the engine is down, or ``ReplayDivergence``) and exits 3:
+    the command exits 3, not 1."""
+    source = recorded(tmp_path, PLAIN)
+    config = {**PLAIN, "tool_seed": 1, "exit_code": 3}
+    args = ("replay", str(source), "--on-diverge", on_diverge, "--out", str(tmp_path / "new"))
+    proc = cli(tmp_path, *args, "--", *job(config), env={"REPLAY_JOB_ENGINE_DOWN": "1"})
+    diverged = [r for r in ls_rows(tmp_path / "new").values() if r["replay"] == "diverged"]
+    assert diverged and f"{len(diverged)} trajectories diverged" in summary_lines(proc.stderr)[0]
+    assert proc.returncode == 3, proc.stderr

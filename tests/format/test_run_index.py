@@ -418,6 +418,27 @@ def test_a_run_index_damaged_where_it_still_parses_is_ignored_and_rebuilt(
     assert listed(again.trajectories()) == want and not again.warnings
 
 
+def test_any_byte_of_a_run_index_segment_lists_identical_or_is_rebuilt(run_dir: Path) -> None:
+    """A changed byte anywhere in a segment (every 53rd byte of its ~26 KB, each page and the
+    footer): the listing is the undamaged one, read from the shards' own index files when the
+    segment's checksums refuse it, and only the segment is named."""
+    want = rlreplay.open_run(run_dir).trajectories().sort_by("id")
+    [path] = segment_files(run_dir)
+    original = path.read_bytes()
+    refused = 0
+    for at in range(0, len(original), 53):
+        for stale in segment_files(run_dir):  # the one rebuilt after the last damaged one
+            stale.unlink()
+        data = bytearray(original)
+        data[at] ^= 0xFF
+        path.write_bytes(bytes(data))
+        run = rlreplay.open_run(run_dir)
+        assert run.trajectories().sort_by("id").equals(want), at
+        assert all("run index" in w and path.name in w for w in run.warnings), (at, run.warnings)
+        refused += bool(run.warnings)
+    assert refused >= len(range(0, len(original), 53)) - 2  # only the magic number goes unread
+
+
 def test_a_shard_index_damaged_where_it_still_parses_is_ignored(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 

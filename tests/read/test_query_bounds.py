@@ -127,6 +127,71 @@ def test_memory_is_limited_by_default_and_on_the_command_line(
     assert list(tmp_path.iterdir()) == []
 
 
+def _shown_limit(nbytes: int) -> str:
+    """How DuckDB itself shows a memory limit of ``nbytes`` (a connection of its own)."""
+    import duckdb
+
+    with duckdb.connect(":memory:", config={"memory_limit": f"{nbytes}B"}) as con:
+        return con.sql("SELECT current_setting('memory_limit')").fetchall()[0][0]
+
+
+def _limit_is(nbytes: int) -> str:
+    """A --where expression that holds only on a connection whose memory limit is ``nbytes``."""
+    return f"current_setting('memory_limit') = '{_shown_limit(nbytes)}'"
+
+
+def test_where_and_stats_connections_are_limited_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--where`` (in ``ls`` and ``stats``) and the ``stats`` query run on connections holding the
+    default limit, asked of DuckDB on those very connections."""
+    from rlreplay.read.open import open_run
+
+    other = 300_000_000
+    assert _shown_limit(other) != _shown_limit(where.DEFAULT_MEMORY_BYTES)
+    total = open_run(SAMPLE).trajectories().num_rows
+    rc, out, err = cli(capsys, "ls", SAMPLE, "--where", _limit_is(where.DEFAULT_MEMORY_BYTES), "--json")
+    assert rc == 0 and len(out.splitlines()) == total > 0, err
+    rc, out, err = cli(capsys, "ls", SAMPLE, "--where", _limit_is(other), "--json")
+    assert rc == 0 and out == "", err
+    rc, everything, err = cli(capsys, "stats", SAMPLE, "--json")
+    assert rc == 0 and everything, err
+    rc, out, err = cli(capsys, "stats", SAMPLE, "--where", _limit_is(where.DEFAULT_MEMORY_BYTES), "--json")
+    assert (rc, out) == (0, everything), err
+    con = where.shared_connection()  # the connection ``stats`` queried on (this thread's)
+    assert con.sql("SELECT current_setting('memory_limit')").fetchall()[0][0] == _shown_limit(
+        where.DEFAULT_MEMORY_BYTES
+    )
+
+
+def test_the_uis_queries_are_limited_by_ui_memory_limit() -> None:
+    """``rlreplay ui --memory-limit``: the where box runs on the server's connections, which hold
+    that limit (and not the default)."""
+    import urllib.parse
+    import urllib.request
+
+    from rlreplay.read.open import open_run
+
+    total = open_run(SAMPLE).trajectories().num_rows
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlreplay", "ui", str(SAMPLE), "--port", "0", "--memory-limit", "300MB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        url = proc.stdout.readline().split()[2]  # type: ignore[union-attr]
+        counts = {}
+        for nbytes in (300_000_000, where.DEFAULT_MEMORY_BYTES):
+            query = urllib.parse.urlencode({"where": _limit_is(nbytes)})
+            with urllib.request.urlopen(f"{url}r/{SAMPLE.name}/trajectories?{query}", timeout=60) as page:
+                text = page.read().decode()
+            counts[nbytes] = int(text.split('<span id="count">')[1].split("<")[0])
+        assert counts == {300_000_000: total, where.DEFAULT_MEMORY_BYTES: 0}
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=20)
+
+
 def _bytes(shown: str) -> float:
     number, unit = shown.split()
     return float(number) * {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}[unit]
@@ -140,9 +205,19 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def test_ctrl_c_stops_sql_within_a_second(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("sql", f"SELECT {ENDLESS} AS n"),
+        ("ls", "--where", f"{ENDLESS} > 0"),
+        ("stats", "--where", f"{ENDLESS} > 0"),
+    ],
+    ids=lambda a: " ".join(a[:2] if a[0] != "sql" else a[:1]),
+)
+def test_ctrl_c_stops_a_query_within_a_second(args: tuple[str, ...]) -> None:
+    """Any query: ``sql``'s, and ``--where`` in ``ls`` and ``stats``."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlreplay", "sql", str(SAMPLE), f"SELECT {ENDLESS} AS n"],
+        [sys.executable, "-m", "rlreplay", args[0], str(SAMPLE), *args[1:]],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -193,3 +268,54 @@ def test_every_ui_query_has_a_time_budget(budget: float | None, tmp_path: Path) 
         cpu = time.process_time()
         time.sleep(1.0)
         assert time.process_time() - cpu < 0.3  # the query was stopped, not left running
+
+
+def test_no_page_of_the_ui_computes_past_its_budget(tmp_path: Path) -> None:
+    """Every page of a run, sent an endless where (in every parameter that takes one), answers
+    within its budget and leaves nothing computing; the pages that run it say it was stopped.
+    Every page runs its queries inside the budget (the wrapper that sets it)."""
+    import shutil
+    import urllib.parse
+
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from rlreplay.read.open import open_run
+    from rlreplay.ui.app import create_app
+
+    budget = 1.0
+    for name in ("a", "b"):
+        shutil.copytree(SAMPLE, tmp_path / name)
+    ids = open_run(SAMPLE).trajectories()["id"].to_pylist()
+    endless = f"{ENDLESS} > 0"
+    within = urllib.parse.urlencode({"where": endless})
+    params = {  # what each page of a run takes, an endless where in each
+        "/r/{run}/": {"where": endless},
+        "/r/{run}/trajectories": {"where": endless},
+        "/r/{run}/t/{tid}": {"in": within, "where": endless},
+        "/r/{run}/group/{tid}": {"where": endless},
+        "/r/{run}/prompt": {"sample_index": 0, "validate": "false", "where": endless},
+        "/r/{run}/diff": {"a": ids[0], "b": ids[1], "where": endless},
+        "/r/{run}/findings": {"where": endless},
+        "/r/{run}/mismatch": {"where": endless},
+        "/r/{run}/compare": {"with": "b", "where": endless},
+        "/r/{run}/api/version": {"where": endless},
+    }
+    stopped = {"/r/{run}/trajectories"}  # the pages that run the where box
+    app = create_app(tmp_path, poll_ms=60_000, query_budget_s=budget)
+    pages = [r for r in app.routes if isinstance(r, Route) and r.path.startswith("/r/")]
+    assert sorted(r.path for r in pages) == sorted(params)  # a new page is added here
+    assert all(getattr(r.endpoint, "__wrapped__", None) for r in pages)  # each inside its budget
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert client.get("/r/a/trajectories").status_code == 200  # the listing read
+        for path, query in params.items():
+            url = path.format(run="a", tid=ids[0]) + "?" + urllib.parse.urlencode(query)
+            start = time.monotonic()
+            page = client.get(url)
+            took = time.monotonic() - start
+            assert page.status_code in (200, 400, 404) and took < budget + 3.0, (path, took, page.status_code)
+            if path in stopped:
+                assert page.status_code == 400 and f"stopped after {budget:g} s" in page.text, path
+            cpu = time.process_time()
+            time.sleep(0.5)
+            assert time.process_time() - cpu < 0.2, path  # nothing left computing

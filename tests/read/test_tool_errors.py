@@ -11,6 +11,7 @@ import glob
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +248,63 @@ def test_a_run_recorded_before_reasons_were_written_counts_alike(
             path,
         )
     assert_every_surface_counts(run, capsys)
+
+
+def otlp_root_attributes(bodies: list[bytes]) -> dict[str, dict[str, Any]]:
+    """Per trajectory id: the attributes of the root span OTLP requests carried (values decoded)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    out = {}
+    for body in bodies:
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        for span in (s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans):
+            if span.parent_span_id:
+                continue
+            attrs = {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in span.attributes}
+            out[attrs["rlreplay.trajectory_id"]] = attrs
+    return out
+
+
+def test_diff_and_what_uploads_send_count_the_same_tool_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README: the counts are the same in ``diff``, ``--json`` and uploads (OTLP to a loopback
+    collector; MLflow's OTLP request, which its uploader posts to the tracking server)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "cli"))
+    from test_export_values import Collector
+
+    from rlreplay.uploaders.mlflow import encode_trajectory as mlflow_request
+
+    truth = expected_errors(SAMPLE)
+    rows = [json.loads(line) for line in cli(capsys, "ls", SAMPLE, "--json").splitlines()]
+    failed = next(r for r in rows if truth[r["id"]])
+    fine = next(r for r in rows if not truth[r["id"]])
+    pair = json.loads(cli(capsys, "diff", SAMPLE, failed["id"], fine["id"], "--json"))
+    assert (pair["a"]["tool_errors"], pair["b"]["tool_errors"]) == (truth[failed["id"]], 0)
+    group = json.loads(cli(capsys, "diff", SAMPLE, failed["id"], "--group", "--json"))
+    assert len(group["rollouts"]) > 1
+    assert {r["id"]: r["tool_errors"] for r in group["rollouts"]} == {
+        r["id"]: truth[r["id"]] for r in group["rollouts"]
+    }
+
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run)  # the upload's ledger goes into the run
+    collector = Collector()
+    try:
+        args = ["upload", run, "-b", "otlp", "--endpoint", collector.url, "--project", "errors"]
+        cli(capsys, *args, "--step", str(failed["step"]))
+    finally:
+        collector.server.shutdown()
+        collector.server.server_close()
+    sent = otlp_root_attributes(collector.bodies)
+    assert len(sent) == sum(r["step"] == failed["step"] for r in rows)
+    assert any(truth[i] for i in sent) and not all(truth[i] for i in sent)
+    for trajectory_id, attrs in sent.items():
+        assert attrs["rlreplay.tool_errors"] == truth[trajectory_id]
+        assert json.loads(attrs["metadata"])["tool_errors"] == truth[trajectory_id]
+
+    opened = rlreplay.open_run(SAMPLE)
+    for traj in opened.load(list(truth)):
+        [attrs] = otlp_root_attributes([mlflow_request(traj, "errors")]).values()
+        assert attrs["rlreplay.tool_errors"] == truth[traj.id]

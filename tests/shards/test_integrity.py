@@ -321,3 +321,116 @@ def test_a_live_file_that_does_not_match_is_never_sealed_and_recover_keeps_the_r
     kept = Run(run_dir).spans().sort_by("span_id")
     ids = pa.array(sorted(set(kept["span_id"].to_pylist())))
     assert kept.equals(expected.filter(pc.is_in(expected["span_id"], ids)).sort_by("span_id"))
+
+
+def _command(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _identical_or_refused(answer: tuple[int, str, str], expected: tuple[int, str, str], rel: str) -> str:
+    """The command's answer is the undamaged run's, or it names the file and gives none of its rows:
+    exit 0 with the count line (what it could read: nothing), or one line and exit 2."""
+    rc, out, err = answer
+    if answer == expected:
+        return "identical"
+    unverified = '"unverified_files": 1,', '"unverified_files": 0,'
+    if (rc, out.replace(*unverified), err) == expected and not err:
+        return "identical"  # the checksums' key changed: read as written before checksums, and said
+    assert "Traceback" not in err and rel in err, answer
+    if rc == 2:
+        assert err.startswith("rlreplay: error:") and err.count("\n") == 1, err
+    else:
+        assert rc == 0 and "could not be read in full" in err, answer
+    return "refused"
+
+
+def test_every_byte_of_a_sealed_shard_reads_identical_or_refused_in_sql_info_and_ls(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The commands the issue names, each on its own read path (``sql`` reads through a pyarrow
+    dataset, ``info`` counts the files, ``ls`` lists from the index). ``sql``'s read on every byte
+    of the column chunks (where values are) and every 16th of the footer (its checksum refuses it
+    whole: byte by byte in the tests above); the three commands on every 16th byte."""
+    from rlreplay.errors import QueryError
+    from rlreplay.read.query import sql
+
+    run_dir = tmp_path / "run"
+    shard = _sealed_run(run_dir, batches=2, per_batch=1, ids_per_span=4)
+    rel = shard.relative_to(run_dir).as_posix()
+    original = shard.read_bytes()
+    meta = pq.ParquetFile(shard).metadata
+    chunks = [
+        meta.row_group(g).column(c) for g in range(meta.num_row_groups) for c in range(meta.num_columns)
+    ]
+    starts = [c.dictionary_page_offset or c.data_page_offset for c in chunks]
+    values = set().union(*(range(s, s + c.total_compressed_size) for s, c in zip(starts, chunks)))
+    query = "SELECT * FROM spans ORDER BY span_id"
+    commands = {
+        "sql": ("sql", str(run_dir), query, "--json"),
+        "info": ("info", str(run_dir), "--json"),
+        "ls": ("ls", str(run_dir), "--json"),
+    }
+    expected = {name: _command(capsys, *args) for name, args in commands.items()}
+    assert all(rc == 0 and err == "" for rc, _, err in expected.values()), expected
+    assert len(expected["sql"][1].splitlines()) == 4  # the shard's 4 spans
+    rows = sql(Run(run_dir), query)
+    outcomes = {name: {"identical": 0, "refused": 0} for name in ("read", *commands)}
+    for at in range(len(original)):
+        if at not in values and at % 16:
+            continue
+        _flipped(shard, original, at, 0xFF)
+        run = Run(run_dir)
+        try:
+            table = sql(run, query)
+        except QueryError as exc:
+            assert rel in str(exc), (at, exc)
+            outcomes["read"]["refused"] += 1
+        else:
+            if run.unreadable:
+                assert table.num_rows == 0 and rel in run.unreadable and run.incomplete(), at
+                outcomes["read"]["refused"] += 1
+            else:
+                assert table.equals(rows) and not run.warnings, at  # never other values
+                outcomes["read"]["identical"] += 1
+        if at % 16 == 0:
+            for name, args in commands.items():
+                outcomes[name][_identical_or_refused(_command(capsys, *args), expected[name], rel)] += 1
+    assert outcomes["read"]["identical"] <= 4 + len(b"rlreplay.crc32"), outcomes
+    assert outcomes["read"]["refused"] >= len(values) - 4, outcomes
+    assert outcomes["info"]["refused"] > 0 and outcomes["sql"]["refused"] > 0, outcomes
+    shard.write_bytes(original)
+    assert {name: _command(capsys, *args) for name, args in commands.items()} == expected
+
+
+def test_a_damaged_shard_is_named_with_readmes_exit_codes_in_a_new_process(tmp_path: Path) -> None:
+    """A few flips end to end: ``sql``, ``info`` and ``ls`` answer as for the undamaged run (a
+    command that does not read the damaged part), or name the file and exit 0 with the line of
+    counts (or 2 in one line), never a traceback."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    shard = _sealed_run(run_dir, batches=2, per_batch=1, ids_per_span=4)
+    rel = shard.relative_to(run_dir).as_posix()
+    original = shard.read_bytes()
+    column = pq.ParquetFile(shard).metadata.row_group(0).column(SPAN_SCHEMA.get_field_index("span_id"))
+    start = column.dictionary_page_offset or column.data_page_offset
+    footer = len(original) - 8 - int.from_bytes(original[-8:-4], "little")
+
+    def answer(*args: str) -> tuple[int, str, str]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "rlreplay", args[0], str(run_dir), *args[1:]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        return proc.returncode, proc.stdout, proc.stderr
+
+    commands = [("sql", "SELECT span_id FROM spans ORDER BY span_id"), ("info",), ("ls",)]
+    expected = {args: answer(*args) for args in commands}
+    for at in (start + column.total_compressed_size // 2, footer + 40):
+        _flipped(shard, original, at, 0x01)
+        outcomes = [_identical_or_refused(answer(*args), expected[args], rel) for args in commands]
+        assert outcomes[0] == "refused" and (at < footer or outcomes[1] == "refused"), (at, outcomes)

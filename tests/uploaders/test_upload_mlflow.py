@@ -418,6 +418,7 @@ def test_unreachable_server_is_one_line(
     )
     assert time.monotonic() - started < 30
     assert ledger_entries(run_copy) == 0
+    assert not (run_copy / "_uploads").exists(), list((run_copy / "_uploads").rglob("*"))  # no ledger file
 
 
 @pytest.mark.parametrize(
