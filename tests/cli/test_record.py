@@ -54,6 +54,15 @@ def record(
     )
 
 
+def record_job(
+    tmp_path: Path, tokenizer: str, job: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``rlreplay record --out RUN --tokenizer T -- python job.py ARGS``, the job's source written first."""
+    (tmp_path / "job.py").write_text(job)
+    command = ["--out", str(tmp_path / "run"), "--tokenizer", tokenizer, "--", sys.executable, "job.py"]
+    return record(tmp_path, *command, *args, env=env)
+
+
 def test_record_activates_every_process_and_keeps_exit_code(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(JOB)
@@ -261,12 +270,8 @@ def test_record_keeps_the_tokenizer_files_and_readers_use_them_without_the_model
             "chat_template.jinja",
         )
     }
-    (tmp_path / "job.py").write_text(TOKENIZER_JOB)
     out = tmp_path / "run"
-    proc = record(
-        tmp_path, "--out", str(out), "--tokenizer", str(model), "--", sys.executable, "job.py",
-        str(model / "tokenizer.json"),
-    )  # fmt: skip
+    proc = record_job(tmp_path, str(model), TOKENIZER_JOB, str(model / "tokenizer.json"))
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "run.json").read_text())
     assert manifest["tokenizer_snapshot"] == sorted(expected)
@@ -339,12 +344,15 @@ def test_a_tokenizer_the_job_fetches_is_kept_at_the_end(tmp_path: Path) -> None:
         "tok = Tokenizer.from_file(sys.argv[1])",
         "import shutil\nshutil.copytree(sys.argv[2], sys.argv[3])\ntok = Tokenizer.from_file(sys.argv[1])",
     )
-    (tmp_path / "job.py").write_text(job)
     out = tmp_path / "run"
-    proc = record(
-        tmp_path, "--out", str(out), "--tokenizer", str(later), "--", sys.executable, "job.py",
-        str(qwen_tokenizer_dir() / "tokenizer.json"), str(qwen_tokenizer_dir()), str(later),
-    )  # fmt: skip
+    proc = record_job(
+        tmp_path,
+        str(later),
+        job,
+        str(qwen_tokenizer_dir() / "tokenizer.json"),
+        str(qwen_tokenizer_dir()),
+        str(later),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "keeps no copy" not in proc.stderr
     assert json.loads((out / "run.json").read_text())["tokenizer_snapshot"] == [
