@@ -17,7 +17,7 @@ import numpy as np
 
 from rlreplay.errors import RunError, SelectionError
 from rlreplay.format import arrow_ops as ops
-from rlreplay.format.keys import key_order
+from rlreplay.format.keys import KEY_STR, KEYS, key_order
 from rlreplay.mismatch import BY
 from rlreplay.mismatch import metrics as m
 from rlreplay.mismatch.tokens import HOW_TO_RECORD, Batch, Counts, read_batches
@@ -28,9 +28,9 @@ WORST = 20
 #: The metric the trend is drawn from.
 TREND_METRIC = "logprob_diff_mean"
 #: What a response is known by in a report's rows.
-ROW_KEYS = ("id", "step", "sample_index", "rollout_n", "validate", "worker")
+ROW_KEYS = ("id", *KEYS, "validate", "worker")
 #: The listing columns a report reads (a caller may hand it only these).
-LISTING_COLUMNS = [*ROW_KEYS, "step_str", "sample_index_str", "rollout_n_str"]
+LISTING_COLUMNS = [*ROW_KEYS, *KEY_STR.values()]
 
 
 @dataclass

@@ -20,13 +20,13 @@ import functools
 import itertools
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
 
 from rlreplay.errors import ProxyError
-from rlreplay.format.keys import TrajectoryKey, parse_bool, parse_int
+from rlreplay.format.keys import KEYS, TrajectoryKey, parse_bool, parse_int
 from rlreplay.format.schema import KIND_LLM, KIND_TRAJECTORY
 from rlreplay.proxy.handoff import Handoff
 from rlreplay.proxy.protocol import CHAT, answer_of, prompt_of
@@ -36,7 +36,7 @@ from rlreplay.recorder.signals import record_signals
 
 HEADER = "X-Rlreplay-Trajectory"
 METADATA_KEY = "rlreplay_trajectory"
-_KEY_NAMES = ("step", "sample_index", "rollout_n", "validate")
+_KEY_NAMES = (*KEYS, "validate")
 
 
 def parse_key(text: str) -> TrajectoryKey:
@@ -321,9 +321,7 @@ class Trajectories:
         """``traj``'s id (the recorder's trajectory, made on first need; written only with a span)."""
         if traj.open is None:
             key = traj.key
-            traj.open = OpenTrajectory(
-                TrajectoryKey.of(key.step, key.sample_index, key.rollout_n, key.validate, self.experiment)
-            )
+            traj.open = OpenTrajectory(replace(key, experiment=self.experiment))
             traj.root_span = next(events.span_ids)
         return events.format_trajectory_id(traj.open.id)
 
