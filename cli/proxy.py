@@ -116,7 +116,7 @@ def run_proxy(
     import asyncio
 
     import rlreplay
-    from rlreplay.cli.record import default_out
+    from rlreplay.cli.record import default_out, keep_tokenizer, keep_tokenizer_at_end, snapshot_fields
     from rlreplay.errors import RlreplayError
     from rlreplay.format import manifest
     from rlreplay.proxy.replaying import ProxyReplay
@@ -125,6 +125,7 @@ def run_proxy(
     from rlreplay.remote import location
 
     cassette = config = None
+    kept: list[str] = []
     if replay is not None:
         from rlreplay.playback import ReplayConfig, open_source, source_framework
 
@@ -156,8 +157,10 @@ def run_proxy(
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             fail(f"--out {run_dir}: cannot create the run there ({exc.strerror or exc})")
+        kept, _ = keep_tokenizer(tokenizer, run_dir)  # as `record` does: the run decodes on any machine
         manifest.write_json_atomic(
-            run_dir / manifest.MANIFEST, manifest.new_manifest(experiment, command, status="running", **extra)
+            run_dir / manifest.MANIFEST,
+            manifest.new_manifest(experiment, command, status="running", **extra, **snapshot_fields(kept)),
         )
         target: str = str(run_dir)
     else:
@@ -197,8 +200,12 @@ def run_proxy(
     finally:
         rlreplay.close()
         if uri is None:
+            kept = keep_tokenizer_at_end(tokenizer, run_dir, kept)
             manifest.update_manifest(
-                run_dir, status="finished" if code == 0 else "failed", ended_at=time.time()
+                run_dir,
+                **snapshot_fields(kept),
+                status="finished" if code == 0 else "failed",
+                ended_at=time.time(),
             )
     if cassette is not None:
         print(f"rlreplay: replay of {config.source}: {cassette.summary()}", file=sys.stderr)

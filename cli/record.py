@@ -51,6 +51,39 @@ def default_out(command: list[str], experiment: str | None) -> Path:
     return path
 
 
+def keep_tokenizer(tokenizer: str | None, run_dir: Path) -> tuple[list[str], str | None]:
+    """Copy the tokenizer's files (tokenizer.json, its config and chat template, special tokens)
+    into the run, so that it decodes and renders prompts on any machine: (names copied, why none
+    were). Never raises: a tokenizer that is not on this machine leaves the recording as it is."""
+    from rlreplay.errors import TokenizerUnavailable
+    from rlreplay.text.token2text import snapshot_tokenizer
+
+    if not tokenizer:
+        return [], "no tokenizer named (--tokenizer DIR keeps its files with the run)"
+    try:
+        return snapshot_tokenizer(tokenizer, run_dir), None
+    except (TokenizerUnavailable, OSError) as exc:
+        return [], str(exc)
+
+
+def keep_tokenizer_at_end(tokenizer: str | None, run_dir: Path, kept: list[str]) -> list[str]:
+    """When a recording ends: the tokenizer files the run keeps, copied now if they were not on this
+    machine when it started (the job may have fetched them: a hub model into the local cache); says
+    in one line why the run keeps none."""
+    if not kept:
+        kept, problem = keep_tokenizer(tokenizer, run_dir)
+        if problem:
+            print(f"rlreplay: the run keeps no copy of the tokenizer: {problem}", file=sys.stderr)
+    return kept
+
+
+def snapshot_fields(kept: list[str]) -> dict[str, list[str]]:
+    """The manifest's field that lists the tokenizer files kept in the run (none when there are none)."""
+    from rlreplay.text.token2text import SNAPSHOT_KEY
+
+    return {SNAPSHOT_KEY: kept} if kept else {}
+
+
 @app.command(
     "record",
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
@@ -137,6 +170,8 @@ def record_run(
             raise PermissionError(13, "Permission denied")
     except OSError as exc:
         fail(f"--out {run_dir}: cannot create the run there ({exc.strerror or exc})")
+    tokenizer = tokenizer or guessed_tokenizer
+    kept, _ = keep_tokenizer(tokenizer, run_dir)  # before the job: the files it renders prompts with
     framework = framework.strip().lower()
     auto = framework == AUTO_FRAMEWORK
     manifest.write_json_atomic(
@@ -144,10 +179,11 @@ def record_run(
         manifest.new_manifest(
             experiment,
             command,
-            tokenizer=tokenizer or guessed_tokenizer,
+            tokenizer=tokenizer,
             status="running",
             # under auto, the job's processes name verl when they trace through it
             **({} if auto else {ADAPTER_KEY: framework}),
+            **snapshot_fields(kept),
             **(replay.manifest() if replay is not None else {}),
         ),
     )
@@ -158,16 +194,18 @@ def record_run(
     try:
         code = run_forwarding_signals(command, env)
     except CommandNotStarted:
-        _never_started(run_dir, made)
+        _never_started(run_dir, made, kept)
         raise
 
     recovered = recover(run_dir, wait_s=grace, shards=False)  # just sealed: `recover` checks them
+    kept = keep_tokenizer_at_end(tokenizer, run_dir, kept)
     summary = run_summary(open_run(run_dir))
     detected = {}
     if auto and not manifest.read_manifest(run_dir).get(ADAPTER_KEY):
         detected = {ADAPTER_KEY: DEFAULT_ADAPTER}  # nothing traced through a framework's hook
     manifest.update_manifest(
         run_dir,
+        **snapshot_fields(kept),
         **detected,
         ended_at=time.time(),
         exit_code=code,
@@ -194,13 +232,16 @@ def record_run(
     return code
 
 
-def _never_started(run_dir: Path, made: list[Path]) -> None:
+def _never_started(run_dir: Path, made: list[Path], kept: list[str]) -> None:
     """The command never started: the run is marked so, then what ``record`` created for it (its
-    manifest, the folders it made) is removed; what cannot be removed stays marked."""
+    manifest, the tokenizer files it kept, the folders it made) is removed; what cannot be removed
+    stays marked."""
     from rlreplay.format import manifest
 
     with contextlib.suppress(OSError):
         manifest.update_manifest(run_dir, status="not started", ended_at=time.time())
+        for file in kept:
+            (run_dir / file).unlink(missing_ok=True)
         (run_dir / manifest.MANIFEST).unlink()
         for folder in made:  # deepest first; a folder something else wrote into stays
             folder.rmdir()

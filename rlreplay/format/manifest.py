@@ -38,6 +38,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "status": (str,),
     "tokenizer": (str,),
     "tokenizer_files": (str,),
+    "tokenizer_snapshot": (list,),
     "started_at": _NUMBER,
     "ended_at": _NUMBER,
     "exit_code": (int,),

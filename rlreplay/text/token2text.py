@@ -260,10 +260,90 @@ _BY_NAME: dict[str, Decoder] = {}
 #: Manifest keys naming the run's tokenizer: a hub name or path, and a copy that ships with a
 #: package (``<package>:<subdir>`` or ``pkg:<package>/<subdir>``) so that a run decodes offline.
 MANIFEST_KEYS = ("tokenizer", "tokenizer_files")
+#: Manifest key listing the tokenizer files ``record`` copied into the run (its top folder).
+SNAPSHOT_KEY = "tokenizer_snapshot"
+#: The files of a tokenizer a run keeps: decoding, special tokens and the chat template (in
+#: tokenizer_config.json or a file of its own). A few MB, once per run.
+SNAPSHOT_FILES = (
+    TOKENIZER_FILE,
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+#: What a tokenizer without ``tokenizer.json`` decodes with (kept only then).
+SNAPSHOT_FALLBACK = ("vocab.json", "merges.txt", "tokenizer.model")
+#: A file larger than this is not copied (no tokenizer file is near it).
+SNAPSHOT_MAX_BYTES = 64 * 1024 * 1024
+
+
+def tokenizer_files(name: str) -> dict[str, Path]:
+    """The files of tokenizer ``name`` (a folder, a ``tokenizer.json``, ``pkg:...`` or a cached hub
+    name) found on this machine, by file name: what ``snapshot_tokenizer`` copies. Raises
+    ``TokenizerUnavailable`` when there is no such tokenizer here."""
+    kind, where = _locate(name)
+    if kind == "transformers" and not Path(where).is_dir():  # a hub name in the local cache
+        from huggingface_hub import try_to_load_from_cache
+
+        found = {}
+        for file in (*SNAPSHOT_FILES, *SNAPSHOT_FALLBACK):
+            try:
+                cached = try_to_load_from_cache(where, file)
+            except Exception:  # an invalid repo id, an unreadable cache
+                cached = None
+            if isinstance(cached, str):
+                found[file] = Path(cached)
+    else:
+        path = Path(where)
+        if kind == "file" and path.name != TOKENIZER_FILE:  # a lone tokenizer file: only itself
+            return {TOKENIZER_FILE: path}
+        folder = path.parent if kind == "file" else path
+        found = {f: folder / f for f in (*SNAPSHOT_FILES, *SNAPSHOT_FALLBACK) if (folder / f).is_file()}
+    if TOKENIZER_FILE in found:
+        found = {f: p for f, p in found.items() if f not in SNAPSHOT_FALLBACK}
+    return found
+
+
+def snapshot_tokenizer(name: str, run_dir: str | os.PathLike[str]) -> list[str]:
+    """Copy the files of tokenizer ``name`` into the top folder of ``run_dir`` (byte for byte, each
+    written whole), so that the run decodes and renders its chat template on any machine
+    (``AutoTokenizer.from_pretrained(run_dir)``). Returns the names copied, sorted; raises
+    ``TokenizerUnavailable`` when the tokenizer is not on this machine, ``OSError`` when a copy fails."""
+    import shutil
+
+    from rlreplay.format.manifest import safe_run_path
+
+    copied = []
+    for file, source in tokenizer_files(name).items():
+        if source.stat().st_size > SNAPSHOT_MAX_BYTES:
+            continue
+        target = safe_run_path(run_dir, file)
+        tmp = target.with_name(f".{file}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+        try:
+            shutil.copyfile(source, tmp)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+        copied.append(file)
+    return sorted(copied)
+
+
+def _snapshot_dir(run: Any, manifest: dict[str, Any]) -> str | None:
+    """The run's own folder when it holds the tokenizer files ``record`` copied into it."""
+    kept = manifest.get(SNAPSHOT_KEY)
+    path = getattr(run, "path", None)
+    if not isinstance(kept, list) or path is None:
+        return None
+    files = [f for f in kept if isinstance(f, str) and f in (*SNAPSHOT_FILES, *SNAPSHOT_FALLBACK)]
+    if files and all((Path(path) / f).is_file() for f in files):
+        return str(path)
+    return None
 
 
 def resolve_tokenizer(run: Any, override: str | None) -> str | None:
-    """The tokenizer to use: ``override``, else the one the run's manifest names (or None).
+    """The tokenizer to use: ``override``, else the copy ``record`` kept in the run, else the one
+    the run's manifest names (or None).
 
     Of the manifest's ``tokenizer`` and ``tokenizer_files``, the first found on this machine wins
     (a local copy before a hub name); when neither is, ``tokenizer``, so that the error names it.
@@ -272,6 +352,9 @@ def resolve_tokenizer(run: Any, override: str | None) -> str | None:
     if override:
         return override
     manifest = getattr(run, "manifest", None) or {}
+    snapshot = _snapshot_dir(run, manifest)
+    if snapshot is not None:  # the files that rendered and decoded the run, kept with it
+        return snapshot
     names: list[str] = []
     for key in MANIFEST_KEYS:
         value = manifest.get(key)

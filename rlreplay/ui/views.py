@@ -527,6 +527,8 @@ def tokens(traj: Trajectory, decoder: Any, fields: Any = None) -> TokenView | No
     values = {
         "logprob": _json_values(rollout) if present[0] else None,
         "trainer": _json_values(trainer) if present[1] else None,
+        # |Δ| from the stored log-probs, as `rlreplay mismatch` takes it (not from the rounded ones)
+        "gap": _json_values(gap) if present[1] else None,
         "entropy": _json_values(entropy) if present[2] else None,
     }
     note = None

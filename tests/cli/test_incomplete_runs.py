@@ -198,6 +198,26 @@ def test_record_of_a_program_the_system_cannot_run_leaves_no_run(tmp_path: Path)
     assert not (tmp_path / "run").exists()
 
 
+def test_record_of_a_program_that_cannot_run_leaves_no_tokenizer_copy(tmp_path: Path) -> None:
+    """The tokenizer files kept before the job started go with the run made for it."""
+    program = tmp_path / "not-a-program"
+    program.write_bytes(b"\x00\x01binary junk, no #! line\n")
+    program.chmod(0o755)
+    out = tmp_path / "run"
+    proc = cli(
+        "record",
+        "--out",
+        str(out),
+        "--tokenizer",
+        str(qwen_tokenizer_dir()),
+        "--",
+        str(program),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2 and "cannot be started" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
+
+
 #: ``rlreplay`` in a child whose file system refuses to remove a run's manifest (an audit hook
 #: raising where ``os.remove`` would run: a directory the user may write but not delete from).
 UNREMOVABLE_MANIFEST = textwrap.dedent(

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 
 from rlreplay.cli.main import command_group, main
@@ -79,6 +80,7 @@ def base(command: str, runs: dict[str, Path], tmp: Path) -> list[str]:
         "record": ["record", "--out", str(tmp / "recorded"), "--", *py],
         "ui": ["ui", a, "--port", "0"],
         "sql": ["sql", a, "SELECT count(*) FROM trajectories"],
+        "mismatch": ["mismatch", a],
         "proxy": ["proxy", "--upstream", "http://127.0.0.1:9", "--port", "0", "--out", str(tmp / "proxied")],
     }[command]
 
@@ -237,17 +239,20 @@ def test_show_given_two_trajectories_says_so(
     runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     a = str(runs["a"])
-    for first, second in (
-        ("5524ea3f8d6c", "f77d60f40cb2"),
-        ("step=1,sample_index=26,rollout_n=0", "5524ea3f8d6c"),
-    ):
+    ids = {  # from the span files: (step, sample_index, rollout_n) -> the short id `show` takes
+        (r["step"], r["sample_index"], r["rollout_n"]): r["trajectory_id"][:12]
+        for f in runs["a"].glob("spans/*/*/*.parquet")
+        for r in pq.read_table(f, columns=["trajectory_id", "step", "sample_index", "rollout_n"]).to_pylist()
+    }
+    one, other = ids[(1, 26, 0)], ids[(1, 26, 1)]
+    for first, second in ((one, other), ("step=1,sample_index=26,rollout_n=0", one)):
         assert main(["show", "-r", a, first, second]) == 2
         err = capsys.readouterr().err
         assert "two trajectories" in err and "two runs" not in err and err.count("\n") == 1, err
     # the run given twice is fine; two different runs are two runs
-    assert main(["show", "-r", a, a, "5524ea3f8d6c", "--no-text"]) == 0
+    assert main(["show", "-r", a, a, one, "--no-text"]) == 0
     capsys.readouterr()
-    assert main(["show", "-r", a, str(runs["b"]), "5524ea3f8d6c"]) == 2
+    assert main(["show", "-r", a, str(runs["b"]), one]) == 2
     assert "two runs" in capsys.readouterr().err
 
 

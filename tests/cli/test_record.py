@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+
+from support import qwen_tokenizer_dir
 
 import rlreplay
 
@@ -49,6 +52,15 @@ def record(
         timeout=120,
         **kw,
     )
+
+
+def record_job(
+    tmp_path: Path, tokenizer: str, job: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``rlreplay record --out RUN --tokenizer T -- python job.py ARGS``, the job's source written first."""
+    (tmp_path / "job.py").write_text(job)
+    command = ["--out", str(tmp_path / "run"), "--tokenizer", tokenizer, "--", sys.executable, "job.py"]
+    return record(tmp_path, *command, *args, env=env)
 
 
 def test_record_activates_every_process_and_keeps_exit_code(tmp_path: Path) -> None:
@@ -220,3 +232,130 @@ def test_record_waits_for_processes_that_outlive_the_driver(tmp_path: Path) -> N
     assert manifest["trajectories"] == 2
     assert sorted(rlreplay.open_run(out).trajectories()["sample_index"].to_pylist()) == [0, 1]
     assert not list(out.rglob("*.partial")) and not list(out.rglob("_lease-*"))
+
+
+TOKENIZER_JOB = textwrap.dedent(
+    """
+    import json, sys, rlreplay
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(sys.argv[1])
+
+    @rlreplay.trace_op(kind="llm")
+    def generate(prompt_ids):
+        return {"token_ids": tok.encode("The answer is 42.", add_special_tokens=False).ids}
+
+    with rlreplay.trajectory(step=1, sample_index=0, rollout_n=0):
+        generate(tok.encode("What is six times seven?", add_special_tokens=False).ids)
+    """
+)
+
+
+def test_record_keeps_the_tokenizer_files_and_readers_use_them_without_the_model_folder(
+    tmp_path: Path,
+) -> None:
+    """The run holds the tokenizer that rendered its prompts (chat template included): it decodes and
+    renders on a machine where the folder it was recorded with is gone."""
+    model = tmp_path / "model"
+    shutil.copytree(qwen_tokenizer_dir(), model)  # tokenizer.json, its config with the chat template, vocab
+    (model / "special_tokens_map.json").write_text('{"eos_token": "<|im_end|>"}')
+    (model / "chat_template.jinja").write_text("{{ 'x' }}")
+    (model / "config.json").write_text("{}")  # a model's file, not the tokenizer's
+    expected = {
+        name: (model / name).read_bytes()
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "chat_template.jinja",
+        )
+    }
+    out = tmp_path / "run"
+    proc = record_job(tmp_path, str(model), TOKENIZER_JOB, str(model / "tokenizer.json"))
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["tokenizer_snapshot"] == sorted(expected)
+    for name, data in expected.items():  # byte for byte
+        assert (out / name).read_bytes() == data, name
+    for name in ("vocab.json", "merges.txt", "config.json"):  # tokenizer.json makes these unneeded
+        assert not (out / name).exists(), name
+    shutil.rmtree(model)
+    moved = tmp_path / "elsewhere" / "run"
+    out.rename(moved.parent.mkdir() or moved)  # another machine: only the run folder
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    shown = subprocess.run(
+        [sys.executable, "-m", "rlreplay", "show", "-r", str(moved), "step=1,sample_index=0,rollout_n=0"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert "What is six times seven?" in shown.stdout and "The answer is 42." in shown.stdout
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(moved)  # the run folder is a tokenizer folder
+    assert tok.decode(tok.encode("What is six times seven?")) == "What is six times seven?"
+    assert tok.chat_template == "{{ 'x' }}"  # chat_template.jinja wins over the config's, as it did
+
+
+def test_record_names_a_tokenizer_it_cannot_find_in_one_line_and_records_anyway(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(JOB)
+    out = tmp_path / "run"
+    proc = record(
+        tmp_path, "--out", str(out), "--tokenizer", "no-such-org/no-such-model", "--",
+        sys.executable, "job.py", "0",
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if "no-such-model" in line]
+    assert len(notes) == 1 and "no-such-org/no-such-model" in notes[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["tokenizer"] == "no-such-org/no-such-model" and "tokenizer_snapshot" not in manifest
+    assert len(rlreplay.open_run(out).trajectories()) == 3
+
+
+def test_record_keeps_a_cached_hub_tokenizer(tmp_path: Path) -> None:
+    """A hub name is taken from the local Hugging Face cache (never downloaded), its files kept."""
+    hf = tmp_path / "hf"
+    snapshot = hf / "hub" / "models--acme--tiny" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (hf / "hub" / "models--acme--tiny" / "refs").mkdir()
+    (hf / "hub" / "models--acme--tiny" / "refs" / "main").write_text("0" * 40)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(qwen_tokenizer_dir() / name, snapshot / name)
+    (tmp_path / "job.py").write_text(JOB)
+    out = tmp_path / "run"
+    proc = record(
+        tmp_path, "--out", str(out), "--tokenizer", "acme/tiny", "--", sys.executable, "job.py", "0",
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(hf)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((out / "run.json").read_text())["tokenizer_snapshot"] == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert (out / "tokenizer.json").read_bytes() == (qwen_tokenizer_dir() / "tokenizer.json").read_bytes()
+
+
+def test_a_tokenizer_the_job_fetches_is_kept_at_the_end(tmp_path: Path) -> None:
+    """A job that brings its tokenizer itself (a hub model it downloads on start): the files are
+    copied once the job is done."""
+    later = tmp_path / "fetched"
+    job = TOKENIZER_JOB.replace(
+        "tok = Tokenizer.from_file(sys.argv[1])",
+        "import shutil\nshutil.copytree(sys.argv[2], sys.argv[3])\ntok = Tokenizer.from_file(sys.argv[1])",
+    )
+    out = tmp_path / "run"
+    proc = record_job(
+        tmp_path,
+        str(later),
+        job,
+        str(qwen_tokenizer_dir() / "tokenizer.json"),
+        str(qwen_tokenizer_dir()),
+        str(later),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "keeps no copy" not in proc.stderr
+    assert json.loads((out / "run.json").read_text())["tokenizer_snapshot"] == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]

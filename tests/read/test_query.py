@@ -914,7 +914,13 @@ def test_finding_filters_before_the_sort_and_the_limit(capsys: pytest.CaptureFix
     flagged = {f["trajectory_id"] for f in json_lines(out)}
     rc, out, _ = cli(capsys, "ls", ARITH, "--json")
     listing = [r for r in json_lines(out) if r["id"] in flagged]
-    assert len(listing) == len(flagged) == 39  # the README's count
+    cut = {  # from the span files: the trajectories with a model call stopped on its length limit
+        r["trajectory_id"]
+        for f in ARITH.glob("spans/*/*/*.parquet")
+        for r in pq.read_table(f, columns=["trajectory_id", "kind", "output"]).to_pylist()
+        if r["kind"] == "llm" and json.loads(r["output"]).get("stop_reason") == "length"
+    }
+    assert len(listing) == len(flagged) == len(cut) > 0
     cases = [
         (["--limit", "1"], listing[:1]),
         (["--limit", "5"], listing[:5]),

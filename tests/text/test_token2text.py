@@ -407,6 +407,23 @@ def test_resolve_tokenizer_prefers_override_then_a_local_copy(run_dir: Path, tmp
     assert resolve_tokenizer(rlreplay.open_run(other), None) == str(other / "tok")
 
 
+def test_the_copy_record_kept_wins_over_the_names_and_a_partial_copy_is_not_used(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "run2"
+    shutil.copytree(run_dir, other)
+    manifest.update_manifest(other, tokenizer=str(tmp_path / "gone"), tokenizer_files=None)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(qwen_dir() / name, other / name)
+    manifest.update_manifest(other, tokenizer_snapshot=["tokenizer.json", "tokenizer_config.json"])
+    run = rlreplay.open_run(other)
+    assert resolve_tokenizer(run, None) == str(other)
+    assert resolve_tokenizer(run, "/some/dir") == "/some/dir"  # --tokenizer still wins
+    assert Decoder.load(resolve_tokenizer(run, None)).decode(encode("2 + 2 = 4")) == "2 + 2 = 4"
+    (other / "tokenizer_config.json").unlink()  # a copy that lost a file: the names, as before
+    assert resolve_tokenizer(rlreplay.open_run(other), None) == str(tmp_path / "gone")
+
+
 def test_show_json_contains_decoded_text(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = cli(capsys, "show", one_id(run_dir, 0), "--run", run_dir, "--json")
     assert rc == 0

@@ -8,7 +8,6 @@ folder, and (in the live test) a run being recorded by another process.
 from __future__ import annotations
 
 import http.client
-import os
 import shutil
 import socket
 import subprocess
@@ -31,7 +30,6 @@ HERE = Path(__file__).parents[1]
 SAMPLE = HERE.parent / "sample_runs" / "gsm8k-grpo-qwen3"
 JOB = HERE / "ui_record_job.py"
 CHROMIUM = "/usr/bin/chromium"
-DOCS_SHOT = HERE.parent / "docs" / "ui-overview.png"
 
 sys.path.insert(0, str(HERE))
 from ui_record_job import (  # noqa: E402
@@ -119,17 +117,6 @@ def _shot(page, path: Path) -> None:
     assert path.stat().st_size > 1000
 
 
-def save_readme_screenshot(page, dest: Path) -> Path:
-    """The README's picture: the top of the page, as a small palette PNG."""
-    from PIL import Image
-
-    raw = dest.with_suffix(".raw.png")
-    page.screenshot(path=str(raw), clip={"x": 0, "y": 0, "width": 1100, "height": 620})
-    Image.open(raw).convert("RGB").quantize(colors=64).save(dest, optimize=True)
-    raw.unlink()
-    return dest
-
-
 # ---- clicking through the pages ---------------------------------------------------------------
 
 
@@ -150,8 +137,6 @@ def test_click_from_overview_to_step_trajectory_group_and_diff(server, page, tmp
     assert page.locator("#losses").count() == 0  # nothing lost in the sample run
     assert "gsm8k-grpo-qwen3" in page.inner_text("#manifest")
     _shot(page, tmp_path / "1-overview.png")
-    if os.environ.get("RLREPLAY_WRITE_DOCS"):
-        save_readme_screenshot(page, DOCS_SHOT)
 
     page.click("#train-stats a.step-link:text-is('step 5')")
     page.wait_for_selector("a.traj-link")

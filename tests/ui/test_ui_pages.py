@@ -7,7 +7,7 @@ import re
 import urllib.request
 from pathlib import Path
 
-from ui_support import SHOWCASE, TREND, cli_json, screenshot
+from ui_support import SHOWCASE, TREND, cli_json
 
 
 def _get(url: str) -> str:
@@ -91,7 +91,6 @@ def test_overview_trends_hover_and_click_to_the_step(ui_url, ui_runs: Path, tab)
     assert _close(values["p10"], _percentile(rewards, 0.1)) and _close(
         values["p90"], _percentile(rewards, 0.9)
     )
-    screenshot(tab, "overview")
 
     chart.locator("a.point:has(rect[data-step='3'])").click()
     tab.wait_for_selector("#count")
@@ -144,7 +143,6 @@ def test_step_page_distributions_groups_sort_filter_columns(ui_url, ui_runs: Pat
         "ls => Math.max(...ls.map(l => l.getBoundingClientRect().right))"
     )
     assert right <= 1280
-    screenshot(tab, "step")
 
     tab.click("table.list th a.sort[data-col=response_tokens]")
     tab.click("table.list th a.sort[data-col=response_tokens]")  # second click: descending
@@ -180,7 +178,6 @@ def test_prompt_history_across_steps(ui_url, ui_runs: Path, tab) -> None:
         assert line.locator(".length").inner_text() == str(r["response_tokens"])
         answer = line.locator(".answer").inner_text()
         assert "The answer is" in answer and "<|im_end|>" not in answer
-    screenshot(tab, "prompt-history")
     tab.click(f"section.pstep[data-step='{steps[-1]}'] a.group-link")
     tab.wait_for_selector("#group")
     tab.click("#prompt-link")  # and back from the group page
@@ -269,8 +266,6 @@ def test_group_page_chat_side_by_side(ui_url, ui_runs: Path, tab) -> None:
         assert tab.locator("#group .bubble.assistant").count() >= len(members)
         if len({m["reward"] for m in members.values()}) > 1:
             assert "diverges at turn" in tab.inner_text("#group")
-        if run == TREND:
-            screenshot(tab, "group")
     assert tab.errors == []
 
 
@@ -310,7 +305,6 @@ def test_drill_down_from_an_overview_point_to_a_token(ui_url, ui_runs: Path, tab
     assert f"logprob {rollout_lp:.4f}" in tip and f"trainer {trainer_lp:.4f}" in tip
     assert f"|Δ| {abs(trainer_lp - rollout_lp):.4f}" in tip
     assert f"entropy {trend_entropy(len(trainer))[k]:.4f}" in tip
-    screenshot(tab, "trajectory")
     tab.check("#overlay-switch input[value=entropy]")
     zero, high = (tokens.nth(i).evaluate("e => getComputedStyle(e).backgroundColor") for i in (0, 8))
     assert zero != high  # entropy 0 vs the highest

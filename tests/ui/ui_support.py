@@ -16,7 +16,7 @@ from typing import Any
 
 TESTS = Path(__file__).parents[1]
 REPO = TESTS.parent
-#: The run the page tests drive (switch to the showcase verl run when it lands).
+#: The shipped verl run the page tests drive and the README's screenshots show.
 SHOWCASE = REPO / "sample_runs" / "verl-arith-smollm2"
 TREND = "trend"
 CHROMIUM = "/usr/bin/chromium"
@@ -54,11 +54,17 @@ def serving(app: Any) -> Iterator[str]:
 
 
 def screenshot(page: Any, name: str, at: str | None = None) -> None:
-    """With ``RLREPLAY_SCREENSHOTS=1``: what the window shows as ``docs/screenshots/NAME.png`` (for
-    the README); ``at``: scrolled to this element first."""
-    if not os.environ.get("RLREPLAY_SCREENSHOTS"):
+    """With ``RLREPLAY_WRITE_DOCS=1``: what the window shows as ``docs/screenshots/NAME.png`` (for
+    the README), of a page of a run that ships in ``sample_runs/``; ``at``: scrolled to this element
+    first."""
+    if not os.environ.get("RLREPLAY_WRITE_DOCS"):
         return
+    from urllib.parse import urlsplit
+
     from PIL import Image
+
+    shown = urlsplit(page.url).path.split("/")  # /r/RUN/...
+    assert shown[1] == "r" and (REPO / "sample_runs" / shown[2] / "run.json").is_file(), page.url
 
     if at is not None:
         page.locator(at).evaluate("e => e.scrollIntoView({block: 'start'})")

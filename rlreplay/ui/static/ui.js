@@ -61,7 +61,7 @@
     const en = values.entropy ? values.entropy[k] : null;
     if (lp !== null) t += " · logprob " + num(lp);
     if (tr !== null && data.mask[k] !== "1") t += " · trainer " + num(tr) + " · not counted in |Δ| (not the model's token)";
-    else if (tr !== null && lp !== null) t += " · trainer " + num(tr) + " (|Δ| " + num(Math.abs(tr - lp)) + ")";
+    else if (tr !== null && lp !== null) t += " · trainer " + num(tr) + " (|Δ| " + num(values.gap[k] !== null ? values.gap[k] : Math.abs(tr - lp)) + ")";
     if (en !== null) t += " · entropy " + num(en);
     return t;
   }
