@@ -51,6 +51,8 @@ def test_grep_finds_what_the_decoded_text_holds(truth, capsys, cache: Path) -> N
         assert set(ls_ids(capsys, str(RUN), "--grep", pattern)) == expected, pattern
     hits = [grep_truth(truth, p) for p in PATTERNS]
     assert all(hits) and all(h != everyone for h in hits)
+    # a pattern that matches the empty string matches every trajectory, with text or without
+    assert set(ls_ids(capsys, str(RUN), "--grep", "q*")) == grep_truth(truth, "q*") == everyone
     assert any(cache.rglob("*.parquet"))
     # the prompt is not searched: a phrase every prompt holds finds nothing
     assert all(PROMPT_ONLY in prompt for _, prompt in truth.values())
