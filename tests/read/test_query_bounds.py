@@ -205,6 +205,10 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _sigint_as_on_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -221,6 +225,8 @@ def test_ctrl_c_stops_a_query_within_a_second(args: tuple[str, ...]) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # a terminal's Ctrl-C: a suite started in the background inherits SIGINT ignored
+        preexec_fn=_sigint_as_on_a_terminal,
     )
     try:
         started = time.monotonic()
