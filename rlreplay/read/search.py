@@ -58,11 +58,7 @@ def matching(table: pa.Table, pattern: str, texts: TextSearch) -> pa.Table:
     check_pattern(pattern)
     if not table.num_rows:
         return table
-    regex = FLAGS + pattern
-    if ops.match_substring_regex(pa.array([""], pa.large_string()), regex)[0].as_py():
-        # a row without text matches too: search each row's text, "" where there is none
-        return ops.filter(table, ops.match_substring_regex(texts.column(table), regex))
-    return ops.filter(table, ops.is_in(table["id"], texts.matching_ids(table, regex)))
+    return ops.filter(table, ops.match_substring_regex(texts.column(table), FLAGS + pattern))
 
 
 def _cache_root() -> Path:
@@ -132,15 +128,6 @@ class TextSearch:
         parts = [self._step_texts(step, ids) for step, ids in by_step(listing).items()]
         known = pa.concat_tables(parts) if parts else TEXT_SCHEMA.empty_table()
         return ops.fill_null(ops.take(known["text"], ops.index_in(listing["id"], known["id"])), "")
-
-    def matching_ids(self, listing: pa.Table, regex: str) -> pa.Array:
-        """The ids of ``listing``'s rows (and of others kept beside them) whose text matches
-        ``regex``, searched a step at a time (no gather of the texts into the listing's order)."""
-        found = []
-        for step, ids in by_step(listing).items():
-            texts = self._step_texts(step, ids)
-            found.append(ops.filter(texts["id"], ops.match_substring_regex(texts["text"], regex)))
-        return pa.chunked_array(found, pa.string()).combine_chunks()
 
     def _step_texts(self, step: Any, ids: Sequence[str]) -> pa.Table:
         """The texts (``id``, ``text``) of at least ``ids``, all of one step: those kept when they
