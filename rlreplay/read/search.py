@@ -13,6 +13,10 @@ Decoding is most of the work, so the texts of a step are kept in the user's cach
 made from (the step's sealed shards, their sizes and times, the tokenizer file, the adapter): a
 later search reads them instead of decoding again, and a changed shard or tokenizer makes a new
 one. A step with live files is decoded every time. The run directory is never written.
+
+A search reads and searches the kept texts of its steps in parallel (threads: Parquet reads and
+the regex kernel leave the interpreter lock), then decodes the steps that have none, one after
+another.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +34,7 @@ from rlreplay.adapters.registry import MANIFEST_KEY
 from rlreplay.errors import SelectionError
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format.kinds import KIND_AGENT, KIND_LLM, KIND_TOOL
-from rlreplay.read.scan import by_step, step_calls
+from rlreplay.read.scan import step_calls
 
 #: The span kinds that hold what is searched: model calls (the turns after the prompt) and tools; the
 #: agent span only for a trajectory without model calls (its whole response).
@@ -58,7 +63,36 @@ def matching(table: pa.Table, pattern: str, texts: TextSearch) -> pa.Table:
     check_pattern(pattern)
     if not table.num_rows:
         return table
-    return ops.filter(table, ops.match_substring_regex(texts.column(table), FLAGS + pattern))
+    return ops.filter(table, texts.matches(table, FLAGS + pattern))
+
+
+def step_rows(listing: pa.Table) -> list[tuple[Any, Any]]:
+    """(step, the positions of its rows) for each step of ``listing``, in the order steps first
+    appear (a step recorded as a string: its string); the positions as numpy int64, ascending."""
+    import numpy as np
+
+    step = listing["step"]
+    if step.null_count == len(step):
+        ints = np.zeros(0, np.int64)
+        known = np.zeros(0, np.int64)
+    else:
+        valid = ops.is_valid(step).to_numpy(zero_copy_only=False)
+        known = np.flatnonzero(valid)
+        ints = ops.fill_null(step, 0).to_numpy(zero_copy_only=False)[known]
+    order = np.argsort(ints, kind="stable")
+    values, starts = np.unique(ints[order], return_index=True)
+    groups: list[tuple[Any, Any, int]] = [
+        (int(v), rows, int(rows[0]))
+        for v, rows in zip(values, np.split(known[order], starts[1:]) if len(order) else [])
+    ]
+    if len(known) < listing.num_rows:  # steps recorded as strings: few rows, grouped here
+        others: dict[Any, list[int]] = {}
+        unknown = np.setdiff1d(np.arange(listing.num_rows), known)
+        for row, name in zip(unknown.tolist(), ops.take(listing["step_str"], unknown).to_pylist()):
+            others.setdefault(name, []).append(row)
+        groups += [(name, np.array(rows, np.int64), rows[0]) for name, rows in others.items()]
+    groups.sort(key=lambda g: g[2])
+    return [(s, rows) for s, rows, _ in groups]
 
 
 def _cache_root() -> Path:
@@ -77,9 +111,12 @@ def _stamp(path: str) -> list[int]:
 class TextSearch:
     """The searched texts of one run's trajectories, decoded on demand and kept (in this object, and
     per step in the user's cache). ``decoder``: a decoder, or the tokenizer name ``Decoder.load``
-    takes (loaded only when something is to be decoded)."""
+    takes (loaded only when something is to be decoded); ``threads``: how many steps' kept texts
+    are read and searched at once (default: one a CPU)."""
 
-    def __init__(self, run: Any, decoder: Any, adapter: Any = None, cache: bool = True) -> None:
+    def __init__(
+        self, run: Any, decoder: Any, adapter: Any = None, cache: bool = True, threads: int | None = None
+    ) -> None:
         from rlreplay.text.token2text import tokenizer_source
 
         self.run = run
@@ -90,7 +127,9 @@ class TextSearch:
             self.source = str(getattr(decoder, "source", getattr(decoder, "name", "")))
         self._adapter = adapter
         self.cache = cache
+        self.threads = threads or os.cpu_count() or 1
         self._steps: dict[Any, tuple[tuple[Any, ...], pa.Table]] = {}  # step -> (made from, id/text)
+        self._run_key: str | None = None
 
     @classmethod
     def for_run(cls, run: Any, tokenizer: str | None = None) -> TextSearch:
@@ -123,15 +162,40 @@ class TextSearch:
             self._decoder = Decoder.load(self._decoder)
         return self._decoder
 
-    def column(self, listing: pa.Table) -> pa.Array:
-        """The searched text of each row of ``listing``, in its order."""
-        parts = [self._step_texts(step, ids) for step, ids in by_step(listing).items()]
-        known = pa.concat_tables(parts) if parts else TEXT_SCHEMA.empty_table()
-        return ops.fill_null(ops.take(known["text"], ops.index_in(listing["id"], known["id"])), "")
+    def matches(self, listing: pa.Table, regex: str) -> pa.Array:
+        """Whether the searched text of each row of ``listing`` matches ``regex`` (RE2, flags
+        included; a row without text is searched as ""), in its order. The steps whose texts are
+        kept are read and searched in parallel; the others are decoded after, one at a time."""
+        import numpy as np
 
-    def _step_texts(self, step: Any, ids: Sequence[str]) -> pa.Table:
+        ids = listing["id"]
+        empty = ops.match_substring_regex(pa.array([""], pa.large_string()), regex)[0].as_py()
+
+        def search(step: Any, rows: Any, decode: bool) -> Any:
+            wanted = ops.take(ids, rows).combine_chunks()
+            texts = self._step_texts(step, wanted, decode)
+            if texts is None:
+                return None  # some texts are not kept: decoded later
+            found = ops.match_substring_regex(texts["text"], regex)
+            hit = ops.fill_null(ops.take(found, ops.index_in(wanted, texts["id"])), empty)
+            return hit.to_numpy(zero_copy_only=False)
+
+        groups = step_rows(listing)
+        threads = min(len(groups), self.threads)
+        if threads > 1:
+            with ThreadPoolExecutor(threads, thread_name_prefix="rlreplay-search") as pool:
+                hits = list(pool.map(lambda group: search(*group, decode=False), groups))
+        else:
+            hits = [None] * len(groups)
+        mask = np.zeros(listing.num_rows, np.bool_)
+        for (step, rows), hit in zip(groups, hits):
+            mask[rows] = search(step, rows, decode=True) if hit is None else hit
+        return pa.array(mask)
+
+    def _step_texts(self, step: Any, ids: Sequence[str] | pa.Array, decode: bool = True) -> pa.Table | None:
         """The texts (``id``, ``text``) of at least ``ids``, all of one step: those kept when they
-        were made from the step's files as they are, the others decoded now (and kept)."""
+        were made from the step's files as they are, the others decoded now (and kept); None when
+        some are not kept and not ``decode``."""
         key = self._step_key(step)
         kept = self._steps.get(step)
         if key is None:
@@ -140,8 +204,12 @@ class TextSearch:
             table = kept[1]
         else:
             table = self._cached(step, key)
-        wanted = pa.array(list(ids), pa.string())
+        wanted = ids if isinstance(ids, pa.Array) else pa.array(list(ids), pa.string())
         missing = ops.filter(wanted, ops.invert(ops.is_in(wanted, table["id"]))).to_pylist()
+        if missing and not decode:
+            if key is not None:
+                self._steps[step] = (key, table)  # read once: the decoding call takes it from here
+            return None
         if missing:
             new = self._decode(step, missing)
             table = pa.concat_tables([table, pa.table(new, schema=TEXT_SCHEMA)])
@@ -165,10 +233,11 @@ class TextSearch:
         return (TEXT_VERSION, str(framework), self.source, *_stamp(self.source), shards)
 
     def _file(self, step: int, key: tuple[Any, ...]) -> Path:
-        where = self.run.address if self.run.store.uri else str(Path(self.run.path).resolve())
-        run_key = hashlib.sha256(where.encode()).hexdigest()[:24]
+        if self._run_key is None:
+            where = self.run.address if self.run.store.uri else str(Path(self.run.path).resolve())
+            self._run_key = hashlib.sha256(where.encode()).hexdigest()[:24]
         made_from = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
-        return _cache_root() / run_key / f"step={step}" / f"{made_from}.parquet"
+        return _cache_root() / self._run_key / f"step={step}" / f"{made_from}.parquet"
 
     def _cached(self, step: int, key: tuple[Any, ...]) -> pa.Table:
         """The step's kept texts (none when there are none, or they cannot be read or do not match

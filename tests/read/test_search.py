@@ -13,6 +13,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support import grep_truth, memory_store_copy, qwen_tokenizer_dir, searched_texts
 
 from rlreplay.cli.main import main
@@ -187,3 +189,127 @@ def test_a_run_on_an_object_store_is_searched_as_its_folder(truth, tmp_path: Pat
         assert selection.trajectories(again, texts=TextSearch.for_run(again, tokenizer)).equals(got)
     finally:
         remove()
+
+
+# ---- many steps: searched in parallel, from kept texts, damaged ones and missing ones ---------------
+
+MANY_STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def many_steps(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tuple[list[str], str]]]:
+    """The sample run's four steps written again as ``MANY_STEPS`` steps (ids of their own), with its
+    manifest and tokenizer; and its searched texts, worked out as ``truth`` is."""
+    import synthetic_run
+
+    from rlreplay.read.open import open_run
+
+    run_dir = tmp_path_factory.mktemp("many") / "run"
+    run_dir.mkdir()
+    for name in ("run.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(RUN / name, run_dir / name)
+    sample = open_run(RUN)
+    templates = [sample.spans(step=s) for s in (1, 2, 3, 4)]
+    for step in range(MANY_STEPS):
+        synthetic_run.write_step(run_dir, synthetic_run.as_step(templates[step % 4], step), step)
+    return run_dir, searched_texts(run_dir, run_dir / "tokenizer.json")
+
+
+def searched_mask(run_dir: Path, listing, pattern: str, threads: int) -> list[bool]:
+    from rlreplay.read.open import open_run
+    from rlreplay.read.search import FLAGS, TextSearch
+
+    search = TextSearch(open_run(run_dir), str(run_dir / "tokenizer.json"), threads=threads)
+    return search.matches(listing, FLAGS + pattern).to_pylist()
+
+
+def test_many_steps_searched_at_once_give_what_one_thread_gives(many_steps, cache: Path) -> None:
+    """Steps read and searched on several threads: the same rows, in the listing's order (one
+    whose steps interleave), as one thread and as the texts themselves say; from decoding, from
+    the kept texts, and with some steps' kept texts gone."""
+    from rlreplay.read.open import open_run
+    from rlreplay.read.selection import Selection
+
+    run_dir, texts = many_steps
+    listing = Selection(sort="reward desc, duration_s").trajectories(open_run(run_dir))
+    steps = listing["step"].to_pylist()
+    assert len(set(steps)) == MANY_STEPS and steps != sorted(steps)  # the steps interleave
+    ids = listing["id"].to_pylist()
+    for pattern in (*PATTERNS, "q*"):
+        expected = [i in grep_truth(texts, pattern) for i in ids]
+        assert sum(expected) > 0, pattern
+        for threads in (4, 1, 3):  # the first decodes every step, the others read the kept texts
+            assert searched_mask(run_dir, listing, pattern, threads) == expected, (pattern, threads)
+    kept = sorted(cache.rglob("*.parquet"))
+    assert len(kept) == MANY_STEPS
+    for path in kept[::3]:
+        path.unlink()
+    expected = [i in grep_truth(texts, "error") for i in ids]
+    assert searched_mask(run_dir, listing, "error", 4) == expected
+    assert len(sorted(cache.rglob("*.parquet"))) == MANY_STEPS  # made again
+
+
+def test_a_damaged_kept_text_file_is_decoded_again(many_steps, cache: Path) -> None:
+    """Kept texts whose bytes changed (a flipped byte in the texts, in the footer, a cut file, other
+    bytes entirely) are not searched: their steps are decoded again, and their files made anew."""
+    from rlreplay.format import checksums
+    from rlreplay.read.open import open_run
+    from rlreplay.read.selection import Selection
+
+    run_dir, texts = many_steps
+    listing = Selection().trajectories(open_run(run_dir))
+    ids = listing["id"].to_pylist()
+    pattern = r"\d+\.\d+"
+    expected = [i in grep_truth(texts, pattern) for i in ids]
+    assert searched_mask(run_dir, listing, pattern, 4) == expected
+    kept = sorted(cache.rglob("*.parquet"))
+    data = {path: path.read_bytes() for path in kept}
+    damaged = kept[1:9:2]
+    first, footer, cut, other = damaged
+    flipped = bytearray(data[first])
+    flipped[len(flipped) // 3] ^= 0x20
+    first.write_bytes(bytes(flipped))
+    flipped = bytearray(data[footer])
+    flipped[-12] ^= 0x01
+    footer.write_bytes(bytes(flipped))
+    cut.write_bytes(data[cut][: len(data[cut]) // 2])
+    other.write_bytes(b"PAR1" + os.urandom(200) + b"PAR1")
+    for path in damaged:
+        with pytest.raises((OSError, ValueError)):
+            checksums.read_table(path)
+    for threads in (4, 1):
+        assert searched_mask(run_dir, listing, pattern, threads) == expected
+        assert searched_mask(run_dir, listing, "q*", threads) == [True] * len(ids)
+    assert sorted(cache.rglob("*.parquet")) == kept  # each step's file made anew where it was
+    for path in damaged:
+        assert checksums.read_table(path).num_rows > 0  # the step's texts kept again, whole
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.integers(-3, 40), st.sampled_from([None, "warmup", "7", ""])), min_size=0, max_size=60
+    )
+)
+def test_step_rows_groups_the_rows_of_each_step_in_first_seen_order(steps: list) -> None:
+    """A listing's rows by step (an integer step, else the step as recorded as a string), the steps
+    in the order their first row comes, each step's rows ascending."""
+    import pyarrow as pa
+
+    from rlreplay.read.search import step_rows
+
+    listing = pa.table(
+        {
+            "id": [f"t{i}" for i in range(len(steps))],
+            "step": pa.array([s if isinstance(s, int) else None for s in steps], pa.int64()),
+            "step_str": pa.array([s if isinstance(s, str) else None for s in steps], pa.string()),
+        }
+    )
+    expected: dict = {}
+    for row, step in enumerate(steps):
+        expected.setdefault(("int", step) if isinstance(step, int) else ("str", step), []).append(row)
+    got = [
+        (("int", step) if isinstance(step, int) else ("str", step), rows.tolist())
+        for step, rows in step_rows(listing)
+    ]
+    assert got == list(expected.items())
