@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -183,7 +184,7 @@ def ls_command(
             replayed = replay_rows(opened, selection.filters())
             served = [replayed.get(i, {}) for i in table["id"].to_pylist()]
             extra = {k: [r.get(k) for r in served] for k in COLUMNS}
-        for text in listing_json(table, extra):
+        for text in listing_json(table, extra, chunk=32768, threads=os.cpu_count() or 1):
             sys.stdout.write(text)
         return
     shown = table.num_rows

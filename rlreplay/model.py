@@ -380,12 +380,15 @@ def listing_rows(table: pa.Table) -> list[dict[str, Any]]:
 
 
 def listing_json(
-    table: pa.Table, extra: dict[str, list[Any]] | None = None, chunk: int = 65536
+    table: pa.Table, extra: dict[str, list[Any]] | None = None, chunk: int = 65536, threads: int = 1
 ) -> Iterator[str]:
     """:func:`listing_rows` as JSON lines (the bytes ``orjson.dumps`` gives row by row), with the
-    ``extra`` columns (one value per row) after them, in slices of ``chunk`` rows; column-wise."""
+    ``extra`` columns (one value per row) after them, in slices of ``chunk`` rows; column-wise.
+    ``threads``: how many slices are made at once (in order; Arrow's kernels, which do most of the
+    work, leave the interpreter lock)."""
     names = table.column_names
-    for start, length in json_lines.chunks(table.num_rows, chunk):
+
+    def lines(start: int, length: int) -> str:
         part = table.slice(start, length)
         columns = []
         for name in names:
@@ -401,4 +404,21 @@ def listing_json(
                 columns.append((key, json_lines.texts(strings)))
         for name, values in (extra or {}).items():
             columns.append((name, json_lines.encode(values[start : start + length])))
-        yield json_lines.lines(columns)
+        return json_lines.lines(columns)
+
+    slices = list(json_lines.chunks(table.num_rows, chunk))
+    if threads <= 1 or len(slices) <= 1:
+        for start, length in slices:
+            yield lines(start, length)
+        return
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="rlreplay-json") as pool:
+        made: deque[Any] = deque()
+        for start, length in slices:  # at most ``threads`` slices made ahead of the one written
+            made.append(pool.submit(lines, start, length))
+            if len(made) > threads:
+                yield made.popleft().result()
+        while made:
+            yield made.popleft().result()

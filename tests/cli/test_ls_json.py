@@ -96,5 +96,14 @@ def test_listing_json_matches_row_by_row_over_many_distinct_values() -> None:
         columns[name] = values
     table = pa.table(columns, schema=LISTING_SCHEMA)
     extra = {"replay": ["served" if i % 3 else None for i in range(n)], "replay_of": [None] * n}
-    assert "".join(listing_json(table, extra, chunk=6000)) == expected_lines(table, extra)
+    expected = expected_lines(table, extra)
+    assert "".join(listing_json(table, extra, chunk=6000)) == expected
+    # slices made on several threads come out in order, each whole
+    for threads, chunk in ((2, 999), (4, 1000), (3, n)):
+        assert "".join(listing_json(table, extra, chunk=chunk, threads=threads)) == expected
     assert "".join(listing_json(table.slice(0, 0))) == ""
+    assert "".join(listing_json(table.slice(0, 0), threads=4)) == ""
+    # a reader that stops early (a closed pipe): what was made ahead is dropped, nothing hangs
+    lines = listing_json(table, extra, chunk=500, threads=2)
+    assert next(lines) == "".join(expected.splitlines(keepends=True)[:500])
+    lines.close()
