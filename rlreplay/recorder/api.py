@@ -365,10 +365,11 @@ def trace_op(
 class trajectory:
     """Open a trajectory: its root span carries step, sample_index, rollout_n, validate, experiment.
 
-    Usable as ``with`` or ``async with``; ``trace=False`` disables recording inside the block. The
-    writer takes a finished trajectory at once; with ``write_at_end=False``, at its next cycle
-    (within ``flush_interval_s``), for callers that make a whole batch durable themselves
-    (``Recorder.request_flush``, ``Recorder.wait_written``): each wake-up of an idle writer costs.
+    Usable as ``with`` or ``async with``; ``trace=False`` disables recording inside the block. A
+    finished trajectory wakes the writer, which writes it with the step's others that end meanwhile
+    (within ``min_write_interval_s``, 50 ms, of the step's last batch); with ``write_at_end=False``,
+    at its next cycle (within ``flush_interval_s``), for callers that make a whole batch durable
+    themselves (``Recorder.request_flush``, ``Recorder.wait_written``): each wake-up costs.
     """
 
     __slots__ = ("_meta", "_rec", "_span_id", "_start", "_token", "_trace", "_traj", "_write_at_end")
@@ -428,7 +429,7 @@ class trajectory:
                 )
             )
             if self._write_at_end:
-                rec.wake()  # write the finished trajectory now: Ray kills actors without atexit
+                rec.wake()  # write the finished trajectory soon: Ray kills actors without atexit
 
     async def __aenter__(self) -> trajectory:
         return self.__enter__()

@@ -60,6 +60,9 @@ class RecorderConfig:
     max_queue_bytes: int = 32 << 20  # what queued spans keep alive (see _nbytes), not list lengths
     flush_interval_s: float = 0.2
     max_batch_age_s: float = 1.0
+    #: a step's ended trajectories are written at most this often, each within this long of its end
+    #: (one batch per trajectory costs the writer more than the trajectory's numbers do)
+    min_write_interval_s: float = 0.05
     max_batch_bytes: int = 8 << 20
     fsync_interval_s: float = 1.0
     max_field_bytes: int | None = 4 << 20
@@ -77,6 +80,9 @@ class RecorderConfig:
 # The writer works in slices and lets the GIL go between them, so an event loop waiting for it
 # waits a slice, not the interpreter's 5 ms switch interval.
 _WORK_SLICE_S = 0.001
+#: queued bytes that wake the writer before its next cycle (it encodes spans while their lists are
+#: still in the CPU's caches, and the queue does not fill between cycles)
+WAKE_BYTES = 512 << 10
 _YIELD_S = 0.0001
 
 
@@ -129,6 +135,7 @@ class Recorder:
         self._warned: set[str] = set()
         self._closed = False
         self._urgent = False
+        self._next_write: float | None = None  # when a step's ended trajectories are next due (monotonic)
         self.worker: str | None = safe_name(config.worker) if config.worker else None
         self._pid = os.getpid()
         try:
@@ -150,6 +157,8 @@ class Recorder:
                 return
             self._enqueued += span.nbytes
             self._queue.append(span)
+            if self._enqueued - self._written > WAKE_BYTES and not self._wake.is_set():
+                self._wake.set()
         except Exception as exc:
             self.count_loss("lost", 1, "submit", f"could not queue a span ({type(exc).__name__}: {exc})")
             return
@@ -261,7 +270,10 @@ class Recorder:
     def _run(self) -> None:
         warm_up()
         while True:
-            self._wake.wait(self.config.flush_interval_s)
+            wait = self.config.flush_interval_s
+            if self._next_write is not None:
+                wait = min(wait, max(self._next_write - time.monotonic(), 0.0))
+            self._wake.wait(wait)
             self._wake.clear()
             try:
                 self._cycle()
@@ -316,16 +328,26 @@ class Recorder:
         now = time.monotonic()
         force = force or bool(flushes)
         config = self.config
+        next_write = None
         with self._lock:
             for step_key, step in list(self._steps.items()):
                 buf = step.buffer
-                if buf.rows and (
+                if not buf.rows:
+                    continue
+                ended_due = step.root_ended and (
+                    step.last_write is None or now - step.last_write >= config.min_write_interval_s
+                )
+                if (
                     force
-                    or step.root_ended
+                    or ended_due
                     or now - buf.first_at >= config.max_batch_age_s
                     or buf.nbytes >= config.max_batch_bytes
                 ):
                     self._write(step_key, step)
+                elif step.root_ended:  # due once the step's last batch is old enough
+                    due = step.last_write + config.min_write_interval_s
+                    next_write = due if next_write is None else min(next_write, due)
+            self._next_write = next_write
             if force or now - self._last_fsync >= config.fsync_interval_s:
                 self._fsync()
             self._finish_steps()

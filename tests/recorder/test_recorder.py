@@ -577,6 +577,46 @@ def test_write_at_end_false_leaves_a_trajectory_to_the_writers_next_cycle(run_di
     assert wakes.sets == 1
 
 
+def test_trajectories_ending_close_together_are_written_together_within_the_write_interval(
+    run_dir: Path,
+) -> None:
+    """Each ended trajectory is on disk within ``min_write_interval_s`` of the step's last batch,
+    without a flush and long before the writer's next cycle; those that end meanwhile share a batch
+    (one batch per trajectory costs the writer more than the trajectory's numbers)."""
+    from rlreplay.shards.live import read_partial
+
+    rec = get_recorder()
+    rec.config.flush_interval_s = 60.0  # no cycle writes anything during the test
+    time.sleep(0.5)  # the writer waits on the new interval from its next cycle on
+    started = time.monotonic()
+    for i in range(20):
+        with rlreplay.trajectory(step=0, sample_index=i):
+            add(i)
+        time.sleep(0.005)
+    elapsed = time.monotonic() - started
+    deadline = time.monotonic() + 20
+    while rlreplay.open_run(run_dir).spans(step=0).num_rows < 40 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rlreplay.open_run(run_dir).spans(step=0).num_rows == 40
+    (live,) = list_files(run_dir, step=0)[1]
+    batches = read_partial(live).batches
+    assert batches <= elapsed / rec.config.min_write_interval_s + 2, (batches, elapsed)
+
+
+def test_a_queue_growing_past_wake_bytes_wakes_the_writer_before_its_cycle(run_dir: Path) -> None:
+    from rlreplay.recorder.writer import WAKE_BYTES
+
+    rec = get_recorder()
+    rec._wake = wakes = _CountedWake()
+    time.sleep(0.3)
+    with rlreplay.trajectory(step=0, sample_index=0, write_at_end=False):
+        add(1)  # a few hundred bytes queued: left to the next cycle
+    assert wakes.sets == 0
+    with rlreplay.trajectory(step=0, sample_index=1, write_at_end=False):
+        add(1, ids=list(range(WAKE_BYTES // 8)))  # ints and their list: more than WAKE_BYTES
+    assert wakes.sets == 1
+
+
 def test_queue_accounting_does_not_leak(tmp_path: Path) -> None:
     """Opens, exceptions and flushes give back their queue bytes: a tiny queue never fills when drained."""
     rlreplay.init(tmp_path / "run", worker="w0", policy="drop", max_queue_mb=8 / 1024)

@@ -23,7 +23,7 @@ from rlreplay.format.schema import SPAN_SCHEMA
 from rlreplay.read.run import Run
 from rlreplay.shards.layout import list_files, partition_dir
 from rlreplay.shards.live import PartialWriter
-from rlreplay.shards.seal import seal
+from rlreplay.shards.seal import ROW_GROUP_BYTES, seal
 
 STEP = 3
 
@@ -229,10 +229,11 @@ def test_sealed_shards_carry_page_checksums_too(tmp_path: Path) -> None:
 
 
 def _row_groups_run(run_dir: Path) -> Path:
-    """A shard of 3 row groups (3 trajectories each, ~225 KB of token arrays per span)."""
+    """A shard of 3 row groups (3 trajectories each: a span holds ~5/12 of a row group's bytes, 9
+    bytes per token: id, mask and log-prob)."""
     manifest.ensure_manifest(run_dir, "integrity")
     writer = PartialWriter(partition_dir(run_dir, STEP, "w0"))
-    rows = [r for r in _rows(0, 9, ids_per_span=25_000) if r["kind"] == "llm"]
+    rows = [r for r in _rows(0, 9, ids_per_span=ROW_GROUP_BYTES * 5 // (12 * 9)) if r["kind"] == "llm"]
     for r in rows:
         r["parent_id"] = None
     writer.write(pa.RecordBatch.from_pylist(rows, schema=SPAN_SCHEMA))
