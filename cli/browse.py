@@ -184,7 +184,8 @@ def ls_command(
             replayed = replay_rows(opened, selection.filters())
             served = [replayed.get(i, {}) for i in table["id"].to_pylist()]
             extra = {k: [r.get(k) for r in served] for k in COLUMNS}
-        for text in listing_json(table, extra, chunk=32768, threads=os.cpu_count() or 1):
+        # slices made on up to 4 threads (each slice made ahead holds its text: memory stays small)
+        for text in listing_json(table, extra, chunk=32768, threads=min(os.cpu_count() or 1, 4)):
             sys.stdout.write(text)
         return
     shown = table.num_rows

@@ -45,6 +45,8 @@ FLAGS = "(?m)"
 #: Changes when what a cached text holds changes (older files are then not used).
 TEXT_VERSION = "1"
 TEXT_SCHEMA = pa.schema([("id", pa.string()), ("text", pa.large_string())])
+#: At most this many steps' kept texts are read and searched at once (by default one a CPU).
+MAX_THREADS = 16
 
 
 def check_pattern(pattern: str) -> None:
@@ -112,7 +114,7 @@ class TextSearch:
     """The searched texts of one run's trajectories, decoded on demand and kept (in this object, and
     per step in the user's cache). ``decoder``: a decoder, or the tokenizer name ``Decoder.load``
     takes (loaded only when something is to be decoded); ``threads``: how many steps' kept texts
-    are read and searched at once (default: one a CPU)."""
+    are read and searched at once (default: one a CPU, ``MAX_THREADS`` at most)."""
 
     def __init__(
         self, run: Any, decoder: Any, adapter: Any = None, cache: bool = True, threads: int | None = None
@@ -127,7 +129,7 @@ class TextSearch:
             self.source = str(getattr(decoder, "source", getattr(decoder, "name", "")))
         self._adapter = adapter
         self.cache = cache
-        self.threads = threads or os.cpu_count() or 1
+        self.threads = threads or min(os.cpu_count() or 1, MAX_THREADS)
         self._steps: dict[Any, tuple[tuple[Any, ...], pa.Table]] = {}  # step -> (made from, id/text)
         self._run_key: str | None = None
 
