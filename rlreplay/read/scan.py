@@ -58,12 +58,39 @@ def step_spans(run: Any, step: int, ids: Sequence[str], columns: Sequence[str] |
     return StepSpans(list(ids), table, np.r_[0, np.cumsum(counts)])
 
 
+def step_rows(listing: pa.Table) -> list[tuple[Any, Any]]:
+    """(step, the positions of its rows) for each step of ``listing``, in the order steps first
+    appear (a step recorded as a string: its string); the positions as numpy int64, ascending."""
+    import numpy as np
+
+    step = listing["step"]
+    if step.null_count == len(step):
+        ints = np.zeros(0, np.int64)
+        known = np.zeros(0, np.int64)
+    else:
+        valid = ops.is_valid(step).to_numpy(zero_copy_only=False)
+        known = np.flatnonzero(valid)
+        ints = ops.fill_null(step, 0).to_numpy(zero_copy_only=False)[known]
+    order = np.argsort(ints, kind="stable")
+    values, starts = np.unique(ints[order], return_index=True)
+    groups: list[tuple[Any, Any, int]] = [
+        (int(v), rows, int(rows[0]))
+        for v, rows in zip(values, np.split(known[order], starts[1:]) if len(order) else [])
+    ]
+    if len(known) < listing.num_rows:  # steps recorded as strings: few rows, grouped here
+        others: dict[Any, list[int]] = {}
+        unknown = np.setdiff1d(np.arange(listing.num_rows), known)
+        for row, name in zip(unknown.tolist(), ops.take(listing["step_str"], unknown).to_pylist()):
+            others.setdefault(name, []).append(row)
+        groups += [(name, np.array(rows, np.int64), rows[0]) for name, rows in others.items()]
+    groups.sort(key=lambda g: g[2])
+    return [(s, rows) for s, rows, _ in groups]
+
+
 def by_step(listing: pa.Table) -> dict[Any, list[str]]:
-    """The listing's trajectory ids by step (a step recorded as a string: its string)."""
-    out: dict[Any, list[str]] = {}
-    for tid, step, step_str in zip(*(listing[c].to_pylist() for c in ("id", "step", "step_str"))):
-        out.setdefault(step if step is not None else step_str, []).append(tid)
-    return out
+    """The listing's trajectory ids by step (:func:`step_rows`), in listing order within a step."""
+    ids = listing["id"]
+    return {step: ops.take(ids, rows).to_pylist() for step, rows in step_rows(listing)}
 
 
 def stream(run: Any, listing: pa.Table) -> Iterator[Trajectory]:

@@ -34,7 +34,7 @@ from rlreplay.adapters.registry import MANIFEST_KEY
 from rlreplay.errors import SelectionError
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format.kinds import KIND_AGENT, KIND_LLM, KIND_TOOL
-from rlreplay.read.scan import step_calls
+from rlreplay.read.scan import step_calls, step_rows
 
 #: The span kinds that hold what is searched: model calls (the turns after the prompt) and tools; the
 #: agent span only for a trajectory without model calls (its whole response).
@@ -66,35 +66,6 @@ def matching(table: pa.Table, pattern: str, texts: TextSearch) -> pa.Table:
     if not table.num_rows:
         return table
     return ops.filter(table, texts.matches(table, FLAGS + pattern))
-
-
-def step_rows(listing: pa.Table) -> list[tuple[Any, Any]]:
-    """(step, the positions of its rows) for each step of ``listing``, in the order steps first
-    appear (a step recorded as a string: its string); the positions as numpy int64, ascending."""
-    import numpy as np
-
-    step = listing["step"]
-    if step.null_count == len(step):
-        ints = np.zeros(0, np.int64)
-        known = np.zeros(0, np.int64)
-    else:
-        valid = ops.is_valid(step).to_numpy(zero_copy_only=False)
-        known = np.flatnonzero(valid)
-        ints = ops.fill_null(step, 0).to_numpy(zero_copy_only=False)[known]
-    order = np.argsort(ints, kind="stable")
-    values, starts = np.unique(ints[order], return_index=True)
-    groups: list[tuple[Any, Any, int]] = [
-        (int(v), rows, int(rows[0]))
-        for v, rows in zip(values, np.split(known[order], starts[1:]) if len(order) else [])
-    ]
-    if len(known) < listing.num_rows:  # steps recorded as strings: few rows, grouped here
-        others: dict[Any, list[int]] = {}
-        unknown = np.setdiff1d(np.arange(listing.num_rows), known)
-        for row, name in zip(unknown.tolist(), ops.take(listing["step_str"], unknown).to_pylist()):
-            others.setdefault(name, []).append(row)
-        groups += [(name, np.array(rows, np.int64), rows[0]) for name, rows in others.items()]
-    groups.sort(key=lambda g: g[2])
-    return [(s, rows) for s, rows, _ in groups]
 
 
 def _cache_root() -> Path:

@@ -152,12 +152,13 @@ class Recorder:
             if self._closed:
                 self.count_loss("lost", 1, "closed", "a span ended after rlreplay.close(); not recorded")
                 return
-            if self._enqueued - self._written > self.config.max_queue_bytes:
+            queued = self._enqueued - self._written
+            if queued > self.config.max_queue_bytes:
                 self._overflow(span)
                 return
             self._enqueued += span.nbytes
             self._queue.append(span)
-            if self._enqueued - self._written > WAKE_BYTES and not self._wake.is_set():
+            if queued + span.nbytes > WAKE_BYTES and not self._wake.is_set():
                 self._wake.set()
         except Exception as exc:
             self.count_loss("lost", 1, "submit", f"could not queue a span ({type(exc).__name__}: {exc})")

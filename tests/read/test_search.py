@@ -296,7 +296,7 @@ def test_step_rows_groups_the_rows_of_each_step_in_first_seen_order(steps: list)
     in the order their first row comes, each step's rows ascending."""
     import pyarrow as pa
 
-    from rlreplay.read.search import step_rows
+    from rlreplay.read.scan import step_rows
 
     listing = pa.table(
         {
