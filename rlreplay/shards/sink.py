@@ -28,9 +28,13 @@ import pyarrow as pa
 from rlreplay.format import manifest
 from rlreplay.shards.layout import partition_dir
 from rlreplay.shards.live import PartialWriter
-from rlreplay.shards.seal import seal
+from rlreplay.shards.seal import seal, sealing_pool
 
 Warn = Callable[[str, str], None]  # (key, message): warn once per key
+#: Memory a seal freed goes back to the system once no seal has come for this long: given back after
+#: each seal, a run of them (a step's files rotating) would fault the same pages in again, zeroed,
+#: at every seal (a third of sealing's CPU).
+RELEASE_IDLE_S = 2.0
 
 
 class FileLimits(Protocol):
@@ -66,12 +70,16 @@ class ShardSink:
         worker: Callable[[], str],
         warn: Warn,
         on_sealed: Callable[[], None] = lambda: None,
+        release_memory: Callable[[], None] | None = None,
+        release_idle_s: float = RELEASE_IDLE_S,
     ) -> None:
         self.run_dir = run_dir
         self.limits = limits
         self.worker = worker  # the worker's name, resolved when the first file is opened
         self.warn = warn
         self.on_sealed = on_sealed  # after each seal, on the sealing thread
+        self.release_memory = release_memory or _release_memory
+        self.release_idle_s = release_idle_s
         self._files: dict[int | None, PartialWriter] = {}
         self._orphans: list[PartialWriter] = []  # files given up after an error; sealed at shutdown
         self._seal_queue: deque[PartialWriter] = deque()
@@ -203,22 +211,31 @@ class ShardSink:
         if sealer is not None and sealer.is_alive():
             self._seal_wake.set()
             sealer.join(timeout)
-        if sealer is None or not sealer.is_alive():
-            self._seal_queued()
+        if (sealer is None or not sealer.is_alive()) and self._seal_queued():
+            self.release_memory()
 
     # ---- the sealing thread -----------------------------------------------------------------------
 
     def _seal_loop(self) -> None:
+        release_at: float | None = None  # when freed memory goes back, unless another seal comes first
         while True:
-            self._seal_wake.wait(1.0)
+            wait = 1.0 if release_at is None else min(1.0, max(release_at - time.monotonic(), 0.0))
+            self._seal_wake.wait(wait)
             self._seal_wake.clear()
-            self._seal_queued()
+            if self._seal_queued():
+                release_at = time.monotonic() + self.release_idle_s
+            elif release_at is not None and time.monotonic() >= release_at:
+                release_at = None
+                self.release_memory()
             if self._closed:
-                self._seal_queued()
+                if self._seal_queued() or release_at is not None:
+                    self.release_memory()
                 return
 
-    def _seal_queued(self) -> None:
+    def _seal_queued(self) -> bool:
+        """Seal every queued file; whether there was one."""
         queue = self._seal_queue
+        sealed = bool(queue)
         while queue:
             writer = queue.popleft()
             try:
@@ -226,23 +243,25 @@ class ShardSink:
                     seal(writer.path)
             except Exception as exc:
                 self.warn("seal", f"could not seal {writer.path.name} ({exc}); it stays recoverable")
-            _release_memory()
             with self._sealed_cond:
                 self._sealing -= 1
                 self._sealed_cond.notify_all()
             with contextlib.suppress(Exception):
                 self.on_sealed()
+        return sealed
 
 
 _malloc_trim: Any = None
 
 
 def _release_memory() -> None:
-    """Give freed memory back to the system: Arrow's pool, and the C heap's free pages (numpy arrays
-    of the threads that encoded spans live in glibc arenas, which keep what they once held)."""
+    """Give freed memory back to the system: Arrow's pools (the default one, sealing's), and the C
+    heap's free pages (numpy arrays of the threads that encoded spans live in glibc arenas, which
+    keep what they once held)."""
     global _malloc_trim
-    with contextlib.suppress(Exception):
-        pa.default_memory_pool().release_unused()
+    for pool in (pa.default_memory_pool(), sealing_pool()):
+        with contextlib.suppress(Exception):
+            pool.release_unused()
     if _malloc_trim is None:
         try:
             import ctypes

@@ -3,6 +3,7 @@ and are sealed on the sealing thread; a refused batch, a removed file come back 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,3 +146,44 @@ def test_a_live_file_removed_under_the_sink_comes_back_as_gone(tmp_path: Path) -
     assert sink.finish(0) == GoneFile(0, again, 3)
     sink.shutdown(30)
     assert list_files(s.run_dir) == ([], []) and s.sealed == 0 and s.warnings == []
+
+
+def test_freed_memory_goes_back_once_sealing_is_idle_not_after_each_seal(tmp_path: Path) -> None:
+    """Given back after every seal, a run of seals faults the same pages in again, zeroed, each time."""
+    run_dir = tmp_path / "run"
+    manifest.ensure_manifest(run_dir, "sink")
+    released: list[float] = []
+    idle = 1.5
+    sink = ShardSink(
+        run_dir, Limits(), lambda: "w0", lambda key, message: None,
+        release_memory=lambda: released.append(time.monotonic()), release_idle_s=idle,
+    )  # fmt: skip
+
+    def burst(steps: range) -> float:
+        for step in steps:
+            assert sink.export(step, batch(step, 100 * step, 4)) == Export(4)
+        started = time.monotonic()
+        for step in steps:
+            assert sink.finish(step) is None
+        assert sink.force_flush(30)
+        return started
+
+    def wait_released(count: int) -> None:
+        deadline = time.monotonic() + 30
+        while len(released) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    first = burst(range(3))
+    assert len(list_files(run_dir)[0]) == 3
+    assert released == []  # three seals, nothing given back between them
+    wait_released(1)
+    assert len(released) == 1 and released[0] - first >= idle
+
+    second = burst(range(3, 5))  # sealing again after memory went back: it goes back again
+    wait_released(2)
+    assert len(released) == 2 and released[1] - second >= idle
+
+    sink.finish_all()
+    sink.shutdown(30)
+    time.sleep(0.1)
+    assert len(released) == 2  # nothing sealed since: nothing more to give back
