@@ -212,7 +212,7 @@ class ShardSink:
             self._seal_wake.set()
             sealer.join(timeout)
         if (sealer is None or not sealer.is_alive()) and self._seal_queued():
-            self.release_memory()
+            self._release()
 
     # ---- the sealing thread -----------------------------------------------------------------------
 
@@ -226,11 +226,15 @@ class ShardSink:
                 release_at = time.monotonic() + self.release_idle_s
             elif release_at is not None and time.monotonic() >= release_at:
                 release_at = None
-                self.release_memory()
+                self._release()
             if self._closed:
                 if self._seal_queued() or release_at is not None:
-                    self.release_memory()
+                    self._release()
                 return
+
+    def _release(self) -> None:
+        with contextlib.suppress(Exception):
+            self.release_memory()
 
     def _seal_queued(self) -> bool:
         """Seal every queued file; whether there was one."""
