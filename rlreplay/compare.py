@@ -25,7 +25,7 @@ import orjson
 from rlreplay.adapters.registry import adapter_for_run, get_adapter
 from rlreplay.diff.align import first_divergence
 from rlreplay.format.keys import FIELDS, KEY_STR
-from rlreplay.format.payload import same
+from rlreplay.format.payload import first_type_difference, pointer_keys, same
 from rlreplay.format.schema import KIND_SIGNALS
 from rlreplay.model import Span, Trajectory, listing_rows
 from rlreplay.read.filters import Filters
@@ -183,6 +183,10 @@ def first_difference(
                 found["a"], found["b"] = excerpts(va, vb)
                 found["ended"] = None
                 break
+            if name == "output":
+                found = _type_difference(index_a[id(sa)], sa, sb, va, ignored)
+                if found is not None:
+                    break
         if found:
             break
     if found is None:
@@ -190,6 +194,34 @@ def first_difference(
     divergence = first_divergence(turns(a, None, adapter_a), turns(b, None, adapter_b))
     found["turn"] = divergence.turn if divergence is not None else None
     return found
+
+
+def _type_difference(
+    at: int, sa: Span, sb: Span, output: Any, ignored: frozenset[str]
+) -> dict[str, Any] | None:
+    """Outputs of the same JSON form that were of other types (a tuple and a list): the first
+    place where their type records differ, with the types there (``output_type``)."""
+    pointer = first_type_difference(sa.output_type, sb.output_type, ignored)
+    if pointer is None:
+        return None
+    path, node = "", output
+    for key in pointer_keys(pointer):
+        if type(node) is list and key.isdigit() and int(key) < len(node):
+            path, node = f"{path}[{key}]", node[int(key)]
+        else:
+            path, node = (f"{path}.{key}" if path else key), node.get(key) if type(node) is dict else None
+    natural = f"builtins.{type(node).__name__}"  # a record names only what JSON does not say
+    types = [record.get(pointer, natural) for record in (sa.output_type or {}, sb.output_type or {})]
+    a, b = excerpts(*types)
+    return {
+        "span": at,
+        "name": sa.name,
+        "field": "output_type",
+        "path": path or None,
+        "a": a,
+        "b": b,
+        "ended": None,
+    }
 
 
 def where(diff: dict[str, Any] | None) -> str:

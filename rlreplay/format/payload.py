@@ -590,6 +590,26 @@ def same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def pointer_keys(pointer: str) -> list[str]:
+    """A type record's JSON pointer as its keys: ``/a~1b/0`` is ``["a/b", "0"]``."""
+    return [key.replace("~1", "/").replace("~0", "~") for key in pointer.split("/")[1:]]
+
+
+def first_type_difference(
+    a: Mapping[str, str] | None, b: Mapping[str, str] | None, ignored: frozenset[str] = frozenset()
+) -> str | None:
+    """Where two values of the same JSON form were of other types (a tuple and a list), by their
+    type records (:func:`type_record`): the first pointer whose types differ, pointers through an
+    ``ignored`` key aside; None when they agree, or when a value was recorded without a record
+    (its types are not known)."""
+    if a is None or b is None or a == b:
+        return None
+    for pointer in [*a, *(p for p in b if p not in a)]:
+        if a.get(pointer) != b.get(pointer) and not ignored.intersection(pointer_keys(pointer)):
+            return pointer
+    return None
+
+
 def cap_field(value: Any, max_bytes: int) -> Any:
     """``value`` unchanged if its JSON fits in ``max_bytes``, else a ``truncated`` marker with a preview."""
     try:

@@ -2,9 +2,9 @@
 
 Two trajectories are equal as stored when, spans taken in order of start time (then name), signals
 rows aside, each pair of spans has the same name, kind, error, parent (by position), typed token
-values (bit for bit) and the same inputs and output JSON (``payload.same``: bit for bit) once the
-keys ``ignored`` drop out and the spans that shared stretches refer to are named by position
-instead of by id. Reading restores
+values (bit for bit), the same inputs and output JSON (``payload.same``: bit for bit) and output
+type records (a tuple is not a list) once the keys ``ignored`` drop out and the spans that shared
+stretches refer to are named by position instead of by id. Reading restores
 values from exactly these, so trajectories equal as stored read back equal; the converse need not
 hold (a caller compares the others span by span). Token log-probs holding a NaN are never equal
 here: a NaN read back is not equal to itself.
@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from rlreplay.format import arrow_ops as ops
-from rlreplay.format.payload import TOKENS, same
+from rlreplay.format.payload import OUTPUT_TYPE, TOKENS, first_type_difference, same
 from rlreplay.format.schema import KIND_SIGNALS, TOKEN_COLUMNS
 from rlreplay.read.scan import POSITION, StepSpans
 
@@ -53,6 +53,7 @@ def equal_as_stored(a: StepSpans, b: StepSpans, ignored: frozenset[str]) -> Any:
             ok &= _lists_equal(ta[name], rows_a, tb[name], rows_b, name == "token_logprobs")
     position = pos_a[rows_a]
     ok &= _payloads_equal(ta, rows_a, tb, rows_b, position, ok, ignored)
+    ok &= _output_types_equal(ta, rows_a, tb, rows_b, ok, ignored)
     bad = np.bincount(position[~ok], minlength=n)
     return candidate & (bad == 0)
 
@@ -153,6 +154,34 @@ def _payloads_equal(
                 equal = False
             out[row] = equal
     return out
+
+
+def _output_types_equal(ta: Any, rows_a: Any, tb: Any, rows_b: Any, ok: Any, ignored: frozenset[str]) -> Any:
+    """Row by row: the outputs' type records agree (``payload.first_type_difference``: a tuple is
+    not a list), where the attributes that hold them differ as stored."""
+    import numpy as np
+
+    text_a = ops.take(ta["attributes"], ops.from_numpy(rows_a))
+    text_b = ops.take(tb["attributes"], ops.from_numpy(rows_b))
+    out = ok.copy()
+    look = np.flatnonzero(out & ~_same_or_both_null(text_a, text_b))
+    if not len(look):
+        return out
+    values_a = ops.take(text_a, ops.from_numpy(look)).to_pylist()
+    values_b = ops.take(text_b, ops.from_numpy(look)).to_pylist()
+    for row, va, vb in zip(look.tolist(), values_a, values_b):
+        out[row] = first_type_difference(_output_type(va), _output_type(vb), ignored) is None
+    return out
+
+
+def _output_type(attributes: str | None) -> Any:
+    """The output's type record in a span's attributes (None: none, or unreadable)."""
+    try:
+        value = orjson.loads(attributes) if attributes is not None else None
+    except orjson.JSONDecodeError:
+        return None
+    record = value.get(OUTPUT_TYPE) if type(value) is dict else None
+    return record if type(record) is dict else None
 
 
 def _holds(texts: Any, part: str) -> Any:

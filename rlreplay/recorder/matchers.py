@@ -63,8 +63,9 @@ def name(op: RecordedOp, call: Call) -> str | None:
 
 
 def inputs(op: RecordedOp, call: Call) -> str | None:
-    """The same inputs, volatile keys aside."""
-    if op.inputs == call.inputs:
+    """The same inputs, volatile keys aside, bit for bit (``-0.0`` is not ``0.0``; ``1``, ``1.0``
+    and ``true`` differ)."""
+    if same(op.inputs, call.inputs):
         return None
     where = first_path(op.inputs, call.inputs)
     return f"{call.name} call {call.position + 1} has other inputs than recorded span {op.span_id}" + (

@@ -1,6 +1,7 @@
 """``compare`` of a run and its replay calls a pair *same* exactly when the replay got each value
 bit for bit: floats by their bits (NaN payloads, ``-0.0``, subnormals, ±inf), ints apart from floats
-and bools, and outputs recorded truncated (over 4 MiB) by their whole content, not their preview.
+and bools, tuples apart from lists, and outputs recorded truncated (over 4 MiB) by their whole
+content, not their preview.
 
 Real runs: ``rlreplay record`` of ``tests/value_job.py``, ``rlreplay replay`` of it, ``rlreplay
 compare --json``; and, for the property over the value class, runs recorded in this process. The
@@ -121,7 +122,11 @@ def test_compare_of_a_run_and_its_replay_says_same_only_for_values_got_bit_for_b
 SCALARS = FLOATS | INTS | st.booleans() | st.none() | st.text(max_size=4) | st.binary(max_size=4)
 VALUES = st.recursive(
     SCALARS,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from("abc"), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.lists(inner, max_size=4).map(tuple)
+        | st.dictionaries(st.sampled_from("abc"), inner, max_size=3)
+    ),
     max_leaves=12,
 )
 
@@ -136,8 +141,9 @@ def near(value: Any) -> st.SearchStrategy:
         )
     if cls is int and not isinstance(value, bool):
         return st.sampled_from([value, value + 1, float(value) if abs(value) < 2**53 else value, value == 1])
-    if cls is list:
-        return st.tuples(*(near(v) for v in value)).map(list) if value else st.just([])
+    if cls in (list, tuple):  # of the same JSON form either way: a tuple is not a list
+        items = st.tuples(*(near(v) for v in value)) if value else st.just(())
+        return items.map(list) | items.map(tuple)
     if cls is dict:
         in_order = list(value)  # the keys in a's order (compare, like ==, does not weigh the order)
         return st.fixed_dictionaries({k: near(v) for k, v in value.items()}).map(
@@ -164,3 +170,16 @@ def test_compare_calls_a_pair_same_exactly_when_its_values_have_the_same_bits(pa
             assert [p.same for p in sorted(found, key=lambda p: p.sample_index)] == expected, fast
             for p in found:
                 assert p.same or p.first_difference["name"] in (NAME, "trajectory")
+
+
+def test_a_tuple_where_a_list_was_is_named_with_its_path_and_both_types(tmp_path: Path) -> None:
+    record(tmp_path / "a", [{"x": [1, (2, 3)]}, (4,)])
+    record(tmp_path / "b", [{"x": [1, [2, 3]]}, [4]])
+    for fast in (True, False):
+        found = compare_runs(rlreplay.open_run(tmp_path / "a"), rlreplay.open_run(tmp_path / "b"), fast=fast)
+        differences = [p.first_difference for p in sorted(found, key=lambda p: p.sample_index)]
+        got = [(d["name"], d["field"], d["path"], d["a"], d["b"]) for d in differences]
+        assert got == [
+            (NAME, "output_type", "x[1]", '"builtins.tuple"', '"builtins.list"'),
+            (NAME, "output_type", None, '"builtins.tuple"', '"builtins.list"'),
+        ], fast
