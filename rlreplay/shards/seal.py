@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,20 +38,17 @@ SORT_KEYS = [
 #: of real text), for half the sealing CPU; a trajectory read alone reads at most ~1 MB of them.
 ROW_GROUP_BYTES = 2 << 20
 _DICTIONARY_COLUMNS = ["trajectory_id", "name", "kind", "status", "experiment", "worker"]
-_pool: pa.MemoryPool | None = None
 
 
+@functools.cache
 def sealing_pool() -> pa.MemoryPool:
     """The memory pool a seal's row groups and Parquet writer allocate from: jemalloc where pyarrow
     has it. Arrow's default pool (mimalloc) reserves arenas advised for transparent huge pages,
     where each first touch zeroes 2 MiB: a seal's fresh buffers cost a third more CPU there."""
-    global _pool
-    if _pool is None:
-        try:
-            _pool = pa.jemalloc_memory_pool()
-        except NotImplementedError:  # a pyarrow built without jemalloc
-            _pool = pa.default_memory_pool()
-    return _pool
+    try:
+        return pa.jemalloc_memory_pool()
+    except NotImplementedError:  # a pyarrow built without jemalloc
+        return pa.default_memory_pool()
 
 
 @dataclass
