@@ -63,8 +63,10 @@ SIGNALS_SHOWN = {
     "rlreplay stats": ("reward_mean", "advantage_std", "logprob_diff_p95", "importance_ratio_p5"),
 }
 
-#: The verl recipe's claims: the replay ran no model call, and compare finds the runs the same.
+#: The verl recipe's claims: mismatch compares every rollout token by token (``--token-signals``),
+#: the replay ran no model call, and compare finds the runs the same.
 RECIPE_SHOWN = {
+    "rlreplay mismatch verl-step": ("model tokens in 4 of 4 selected trajectories", "compute_offpolicy_metrics"),
     "rlreplay replay verl-step ": ("generate_calls=0",),
     "rlreplay compare verl-step verl-step-replay": (" same, 0 changed, 0 only in A, 0 only in B",),
 }
