@@ -113,7 +113,6 @@ def mismatch_command(
             token_ids=not as_json,  # --json prints no token (but with --by token)
         )
     except NothingToCompare as exc:  # what the run does not have is an answer, not bad input
-        report_warnings(opened)
         if as_json:
             print(f"rlreplay: note: {exc}", file=sys.stderr)
         else:

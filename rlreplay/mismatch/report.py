@@ -196,9 +196,11 @@ def per_rollout(listing: Any, counts: Counts | None = None, how: str = HOW_TO_RE
     notes = []
     shown = int(np.count_nonzero(finite))
     if shown < listing.num_rows:
+        without = ~finite
+        why = " (validation: verl computes none there)" if validate[without].all() else ""
         notes.append(
             f"{listing.num_rows - shown} of {listing.num_rows} selected trajectories have no "
-            "per-rollout figures"
+            f"per-rollout figures{why}"
         )
     not_finite = int(np.count_nonzero(recorded & ~finite))
     if not_finite:
