@@ -239,3 +239,23 @@ def test_a_trend_and_its_sparkline_over_non_finite_values() -> None:
     assert trend.shape is not None and INF not in (trend.first, trend.last)
     line = sparkline(values)
     assert len(line) == len(values) and line[2] == " " and line[4] == " "
+
+
+def test_counts_of_parts_of_a_selection_add_up() -> None:
+    """What a selection read in parts left out adds up to what it left out read whole."""
+    from rlreplay.mismatch.tokens import Counts
+
+    a = Counts(selected=5, compared=3, no_trainer=1, lengths_differ=1, lengths_differ_at={(0, False): 1})
+    a.lengths_example = "trainer log probs: 4 for 10 tokens"
+    b = Counts(
+        selected=4,
+        compared=2,
+        no_rollout=1,
+        lengths_differ=2,
+        lengths_differ_at={(0, False): 1, (1, True): 1},
+    )
+    b.issues.append("span x: unreadable")
+    a.merge(b)
+    assert (a.selected, a.compared, a.no_trainer, a.no_rollout, a.lengths_differ) == (9, 5, 1, 1, 3)
+    assert a.lengths_differ_at == {(0, False): 2, (1, True): 1} and a.issues == ["span x: unreadable"]
+    assert a.lengths_example == "trainer log probs: 4 for 10 tokens"
