@@ -42,16 +42,8 @@ ENTROPY_KEYS = ("entropy", "entropies", "token_entropy")
 #: The weights version a response was generated with (verl: the agent output's ``extra_fields``;
 #: the latest version its model calls saw, verl's ``trajectory_param_versions``).
 VERSION_FIELDS = ("max_global_steps", "global_steps")
-#: How to record what the mismatch numbers need, said where a run lacks it.
-HOW_TO_RECORD = (
-    "record verl with `rlreplay record --token-signals ...` (or RLREPLAY_TOKEN_SIGNALS=1); with the "
-    'generic API, `rlreplay.recorder.record_signals(trajectory_id, ..., output={"old_log_probs": [...]})` '
-    "with one trainer log-prob per response token, beside an agent span whose output holds "
-    "response_ids, response_mask and response_logprobs; behind `rlreplay proxy`, "
-    '`POST /rlreplay/signals` with {"output": {"old_log_probs": [...]}}, one per generated token '
-    "of the trajectory's calls in call order"
-)
-#: The same, in one short line: for a verl (agent span) run, and for a run behind the proxy.
+#: How to record what the per-token numbers need, in one short line: for a verl (agent span) run,
+#: and for a run behind the proxy (``rlreplay mismatch --help`` says every way).
 HOW_TO_RECORD_SHORT = "per-token figures: record with `rlreplay record --token-signals`"
 HOW_TO_RECORD_CALLS = 'per-token figures: POST /rlreplay/signals {"output": {"old_log_probs": [...]}}'
 
