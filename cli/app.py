@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import sys
 import weakref
@@ -242,7 +243,9 @@ SPARK_WIDTH = 48
 
 
 def sparkline(values: list[float | None], width: int = SPARK_WIDTH) -> str:
-    """One character per value (averaged into ``width`` buckets), blank where there is none."""
+    """One character per value (averaged into ``width`` buckets), blank where there is none
+    (NaN and ±inf included)."""
+    values = [v if v is not None and math.isfinite(v) else None for v in values]
     if len(values) > width:
         buckets = [values[i * len(values) // width : (i + 1) * len(values) // width] for i in range(width)]
         values = [_mean(b) for b in buckets]

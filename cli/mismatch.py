@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Annotated, Any
 
@@ -21,6 +22,9 @@ from rlreplay.cli.app import (
     whole_number,
 )
 from rlreplay.mismatch import BY as BY_KEYS
+
+#: Said beside per-rollout figures.
+PER_ROLLOUT = "per rollout, not per token: the trainer's figures of each rollout"
 
 #: worst responses and tokens the text report shows
 SHOWN = 5
@@ -47,7 +51,27 @@ and a verdict; then the trend over steps and the worst responses and tokens.
   version      the weights version a response was generated with (verl's max_global_steps)
   staleness    step - 1 - weights version (verl's trajectory_staleness)
 
-Exit code: 0; 2 on bad input or when the selection holds no per-token trainer log-probs.
+\b
+What counts: a model token whose trainer − rollout log-prob difference is a finite number. A
+token with a NaN or ±inf log-prob on either side is left out and counted (tokens_not_finite in
+--json); a response whose trainer log-probs (or rollout log-probs, or mask) are not one per
+response token is left out whole and counted (lengths_differ), never cut or padded. A figure past
+float64 from finite tokens is ±inf (--json: {"__type__": "float", "value": "inf"}).
+
+\b
+Without per-token trainer log-probs (verl recorded without --token-signals): the trainer's
+per-rollout figures instead, labelled "per rollout" ("per": "rollout" in --json): the largest |Δ|
+and its percentiles over rollouts, seq_logprob_diff_mean (mean over rollouts of each one's mean
+|Δ|), chi2_seq and the sequence-level TIS/IcePop fractions from the importance ratio, computed
+from the listing's logprob_diff_mean, logprob_diff_max and importance_ratio with the same
+definitions; no verdict (it needs tokens). To record per-token trainer log-probs: verl, `rlreplay
+record --token-signals` (or RLREPLAY_TOKEN_SIGNALS=1); the generic API,
+`rlreplay.recorder.record_signals(trajectory_id, ..., output={"old_log_probs": [...]})`, one per
+response token; behind `rlreplay proxy`, POST /rlreplay/signals with {"output": {"old_log_probs":
+[...]}}, one per generated token of the trajectory's calls in call order.
+
+Exit code: 0, also when there is nothing to compare (it says so); 2 on bad input or an empty
+selection.
 """
 
 
@@ -70,6 +94,7 @@ def mismatch_command(
     *,
     selection: Any,
 ) -> None:
+    from rlreplay.errors import NothingToCompare
     from rlreplay.mismatch.report import LISTING_COLUMNS, WORST, compute
 
     if by not in BY_KEYS:
@@ -87,6 +112,12 @@ def mismatch_command(
             decoder=decoder,
             token_ids=not as_json,  # --json prints no token (but with --by token)
         )
+    except NothingToCompare as exc:  # what the run does not have is an answer, not bad input
+        if as_json:
+            print(f"rlreplay: note: {exc}", file=sys.stderr)
+        else:
+            sys.stdout.write(f"{exc.why}\n{exc.how}\n")
+        return
     finally:  # before any error: a damaged file may be why nothing could be compared
         report_warnings(opened)
     if as_json:
@@ -119,9 +150,14 @@ def _write_json(report: Any) -> None:
 
     for note in report.notes:
         print(f"rlreplay: note: {note}", file=sys.stderr)
+    from rlreplay.format.payload import float_marker
+
+    if report.per == "rollout":
+        print(f"rlreplay: note: {PER_ROLLOUT}; {report.how}", file=sys.stderr)
     rows = report.steps if report.buckets is None else report.buckets
     write = sys.stdout.write
-    for row in rows:
+    for row in rows:  # JSON has no NaN or infinity: the format's float marker says which
+        row = {k: float_marker(v) if type(v) is float and not math.isfinite(v) else v for k, v in row.items()}
         write(orjson.dumps(row).decode() + "\n")
 
 
@@ -225,6 +261,8 @@ WRAP = 100
 def render(report: Any, shown: int) -> str:
     from rlreplay.mismatch import metrics as m
 
+    if report.per == "rollout":
+        return render_per_rollout(report, shown)
     c = report.counts
     tokens = sum(r["tokens"] for r in report.steps)
     lines = prose(
@@ -252,13 +290,7 @@ def render(report: Any, shown: int) -> str:
             *table(["step", "split", "seqs", "tokens", *(h for h, _ in columns)], rows),
         ]
     lines += ["", *prose(NAMES, m.BOUNDS_RULE, m.VERDICT_RULE)]
-    trend = report.trend
-    if trend is not None:
-        spark = sparkline(trend.values)
-        lines += [
-            "",
-            *prose(f"trend of {trend.metric} over {len(trend.steps)} training steps: {spark}  {trend.text}"),
-        ]
+    lines += _trend_lines(report.trend)
     lines += ["", "worst responses (largest |Δ|):"]
     rows = [
         [r["id"][:12], fmt(r["step"]), fmt(r["sample_index"]), fmt(r["rollout_n"]), fmt(r["tokens"]),
@@ -285,6 +317,71 @@ def render(report: Any, shown: int) -> str:
     header = ["id", "step", "sample_index", "rollout_n", "position", "token", "rollout", "trainer", "|Δ|"]
     lines += table(header, rows, "  ")
     return "\n".join(lines) + "\n"
+
+
+#: The per-rollout table: (header, metric).
+ROLLOUT_TABLE = [
+    ("seq_diff_mean", "seq_logprob_diff_mean"),
+    ("diff_max", "logprob_diff_max"),
+    ("seq_max_p50", "seq_logprob_diff_max_p50"),
+    ("seq_max_p90", "seq_logprob_diff_max_p90"),
+    ("seq_max_p99", "seq_logprob_diff_max_p99"),
+    ("chi2_seq", "chi2_seq"),
+    ("tis_seq", "tis_seq_frac_high"),
+    ("icepop_seq", "icepop_seq_frac_out"),
+]
+ROLLOUT_NAMES = (
+    "from the listing's logprob_diff_mean, logprob_diff_max and importance_ratio (ρ_seq = "
+    "exp Σ(trainer − rollout)); columns are the --json names, shortened: seq_diff_mean = "
+    "seq_logprob_diff_mean (mean over rollouts of each one's mean |Δ|), diff_max = logprob_diff_max, "
+    "seq_max_* = seq_logprob_diff_max_* (over each rollout's largest |Δ|), tis_seq = tis_seq_frac_high "
+    "(ρ_seq > 2), icepop_seq = icepop_seq_frac_out (outside [0.5, 5]); no token-level figure or "
+    "verdict without per-token log-probs"
+)
+
+
+def render_per_rollout(report: Any, shown: int) -> str:
+    """The text report of the trainer's per-rollout figures."""
+    rollouts = sum(r["sequences"] for r in report.steps)
+    lines = [
+        *prose(
+            f"{PER_ROLLOUT}: {rollouts} of {report.counts.selected} selected trajectories",
+            *(f"note: {n}" for n in report.notes),
+        ),
+        report.how,
+    ]
+    if report.buckets is not None:
+        return "\n".join(lines) + "\n"
+    rows = [
+        [fmt(r["step"]), fmt(r["validate"]), fmt(r["sequences"]), *(fmt(r[k]) for _, k in ROLLOUT_TABLE)]
+        for r in report.steps
+    ]
+    lines += [
+        "",
+        "per rollout, per step:",
+        *table(["step", "split", "rollouts", *(h for h, _ in ROLLOUT_TABLE)], rows),
+    ]
+    lines += ["", *prose(ROLLOUT_NAMES)]
+    lines += _trend_lines(report.trend)
+    lines += ["", "worst rollouts (largest |Δ|, per rollout):"]
+    rows = [
+        [r["id"][:12], fmt(r["step"]), fmt(r["sample_index"]), fmt(r["rollout_n"]),
+         fmt(r["logprob_diff_max"]), fmt(r["logprob_diff_mean"]), fmt(r["importance_ratio"])]
+        for r in report.worst_rollouts[:shown]
+    ]  # fmt: skip
+    header = ["id", "step", "sample_index", "rollout_n", "diff_max", "diff_mean", "importance_ratio"]
+    lines += table(header, rows, "  ")
+    return "\n".join(lines) + "\n"
+
+
+def _trend_lines(trend: Any) -> list[str]:
+    if trend is None:
+        return []
+    spark = sparkline(trend.values)
+    return [
+        "",
+        *prose(f"trend of {trend.metric} over {len(trend.steps)} training steps: {spark}  {trend.text}"),
+    ]
 
 
 def _token(row: dict[str, Any]) -> str:

@@ -37,6 +37,16 @@ class SelectorError(SelectionError):
     trajectory (a selection's error: the selector is a selection)."""
 
 
+class NothingToCompare(RunError):
+    """A selection whose trajectories hold no trainer log-probs, per token or per rollout: nothing
+    for ``rlreplay mismatch`` to compare (it says so and how to record them, exit 0)."""
+
+    def __init__(self, why: str, how: str) -> None:
+        super().__init__(f"{why}; {how}")
+        self.why = why
+        self.how = how
+
+
 class NotFound(RunError):
     """A run or trajectory the web UI does not have (answered with 404)."""
 

@@ -63,8 +63,13 @@ SIGNALS_SHOWN = {
     "rlreplay stats": ("reward_mean", "advantage_std", "logprob_diff_p95", "importance_ratio_p5"),
 }
 
-#: The verl recipe's claims: the replay ran no model call, and compare finds the runs the same.
+#: The verl recipe's claims: mismatch compares every rollout token by token (``--token-signals``),
+#: the replay ran no model call, and compare finds the runs the same.
 RECIPE_SHOWN = {
+    "rlreplay mismatch verl-step": (
+        "model tokens in 4 of 4 selected trajectories",
+        "compute_offpolicy_metrics",
+    ),
     "rlreplay replay verl-step ": ("generate_calls=0",),
     "rlreplay compare verl-step verl-step-replay": (" same, 0 changed, 0 only in A, 0 only in B",),
 }
@@ -289,6 +294,16 @@ def test_block_runs(block: Block, scratch: Path) -> None:
         for command, shown in SIGNALS_SHOWN.items():
             if command in code:
                 assert all(word in proc.stdout for word in shown), (command, shown, proc.stdout[:3000])
+
+
+def test_the_verl_recipe_records_per_token_log_probs_and_compares_them() -> None:
+    """The guide's verl recipe keeps the trainer's per-token log-probs (``--token-signals``), so
+    the run it records has per-token ``mismatch`` figures (``RECIPE_SHOWN`` checks the output)."""
+    (recipe,) = [b for b in ALL if "make_verl_run.py" in b.code and not b.skip]
+    lines = recipe.code.splitlines()
+    record = next(line for line in lines if line.startswith("rlreplay record "))
+    assert "--token-signals" in record.split(" -- ")[0]
+    assert "rlreplay mismatch verl-step" in lines
 
 
 def test_the_blocker_blocks() -> None:

@@ -19,6 +19,18 @@ With ``log ρ = trainer − rollout`` per token (the log importance ratio):
   token weights truncated at 2).
 - A verdict per step from ``token_mult_prob_error``, and the trend over steps.
 
+Per-rollout figures (``rollout_metrics``), for a run that keeps only the trainer's summary of
+each response (the listing's ``logprob_diff_mean``, ``logprob_diff_max``, ``importance_ratio``):
+the sequence-level figures above that those determine, by the same definitions
+(``logprob_diff_max``, ``seq_logprob_diff_max_*``, ``chi2_seq``, ``tis_seq_frac_high``,
+``icepop_seq_frac_out``) and ``seq_logprob_diff_mean`` (the mean over responses of each one's
+mean |Δ|); never the token-weighted ones.
+
+Non-finite values: a token whose trainer − rollout difference is NaN or ±inf does not count (see
+``rlreplay.mismatch.tokens``), nor does a per-rollout figure that is not finite; a figure that
+overflows float64 from finite tokens (exp(|Δ|) for |Δ| > 709) is ±inf, one left undefined by
+that (inf − inf) is None.
+
 Numbers are computed in float64 from what was recorded. Per-response sums are kept (``SUMS``) so
 that any group of responses (a step, a worker, a weights version) gets its numbers exactly;
 token-level buckets (position, probability, ...) add up the same sums per bucket.
@@ -72,6 +84,7 @@ VERL_METRICS = (
 )
 GAP_METRICS = (
     "logprob_diff_mean",
+    "seq_logprob_diff_mean",
     "logprob_diff_p99",
     "logprob_diff_max",
     "seq_logprob_diff_max_p50",
@@ -107,11 +120,12 @@ def terms(trainer: Any, rollout: Any) -> Iterator[tuple[str, Any]]:
     """``(name, per-token values)`` of each summed term in ``TOKEN_SUMS`` for counted tokens
     (float64 arrays of their trainer and rollout log-probs), one at a time: a step of tokens holds
     a few arrays, not all of them. ``sum_abs`` comes second, its values are each token's |Δ|."""
-    log_ratio = trainer - rollout
+    with np.errstate(all="ignore"):
+        log_ratio = trainer - rollout
     yield "sum_log_ratio", log_ratio
     gap = np.abs(log_ratio)
     yield "sum_abs", gap
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+    with np.errstate(all="ignore"):
         rho = np.exp(np.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND))
         exp_lr = rho  # exp(log ρ), unclamped: the same but beyond the clamp
         far = gap > SAFETY_BOUND
@@ -141,7 +155,8 @@ class Segments:
     def add(self, values: Any) -> Any:
         out = np.zeros(self.size)
         if len(self.starts):
-            out[self.nonempty] = np.add.reduceat(values, self.starts, dtype=np.float64)
+            with np.errstate(all="ignore"):  # a sum past float64: ±inf
+                out[self.nonempty] = np.add.reduceat(values, self.starts, dtype=np.float64)
         return out
 
     def max(self, values: Any) -> Any:
@@ -248,6 +263,11 @@ def summarize(
     """The metrics of a group of tokens from its ``totals`` (``TOKEN_SUMS`` added up), with
     ``sequences`` (per-response ``SUMS`` arrays of its responses) when the group is made of whole
     responses, and ``gaps`` (every |Δ| of the group) for the percentile. Missing numbers are None."""
+    with np.errstate(all="ignore"):  # overflow: ±inf; inf − inf: None
+        return _summarize(totals, sequences, gaps)
+
+
+def _summarize(totals: dict[str, float], sequences: dict[str, Any] | None, gaps: Any) -> dict[str, Any]:
     out: dict[str, Any] = dict.fromkeys(METRICS)
     n = float(totals["tokens"])
     out["tokens"] = int(n)
@@ -278,27 +298,39 @@ def _sequence_metrics(s: dict[str, Any]) -> dict[str, Any]:
     trainer_mean = s["sum_trainer"] / count
     rollout_mean = s["sum_rollout"] / count
     diff = rollout_mean - trainer_mean
-    log_ratio = np.clip(s["sum_log_ratio"], -SAFETY_BOUND, SAFETY_BOUND)
-    with np.errstate(over="ignore"):
-        out = {
-            "training_ppl": _f(np.mean(np.exp(-trainer_mean))),
-            "training_log_ppl": _f(np.mean(-trainer_mean)),
-            "rollout_ppl": _f(np.mean(np.exp(-rollout_mean))),
-            "rollout_log_ppl": _f(np.mean(-rollout_mean)),
-            "log_ppl_diff": _f(np.mean(diff)),
-            "log_ppl_abs_diff": _f(np.mean(np.abs(diff))),
-            "log_ppl_diff_max": _f(np.max(diff)),
-            "log_ppl_diff_min": _f(np.min(diff)),
-            "ppl_ratio": _f(np.mean(np.exp(diff))),
-            "chi2_seq": _f(np.mean(np.exp(2.0 * log_ratio)) - 1.0),
-            "tis_seq_frac_high": _f(np.mean(s["sum_log_ratio"] > math.log(TIS_CAP))),
-            "icepop_seq_frac_out": _f(
-                np.mean(
-                    (s["sum_log_ratio"] < math.log(ICEPOP[0])) | (s["sum_log_ratio"] > math.log(ICEPOP[1]))
-                )
-            ),
-        }
-    largest = s["max_abs"][s["tokens"] > 0]
+    out = {
+        "training_ppl": _f(np.mean(np.exp(-trainer_mean))),
+        "training_log_ppl": _f(np.mean(-trainer_mean)),
+        "rollout_ppl": _f(np.mean(np.exp(-rollout_mean))),
+        "rollout_log_ppl": _f(np.mean(-rollout_mean)),
+        "log_ppl_diff": _f(np.mean(diff)),
+        "log_ppl_abs_diff": _f(np.mean(np.abs(diff))),
+        "log_ppl_diff_max": _f(np.max(diff)),
+        "log_ppl_diff_min": _f(np.min(diff)),
+        "ppl_ratio": _f(np.mean(np.exp(diff))),
+        **_ratio_metrics(s["sum_log_ratio"]),
+    }
+    some = s["tokens"] > 0
+    out.update(_largest_metrics(s["max_abs"][some], s["sum_abs"][some] / s["tokens"][some]))
+    return out
+
+
+def _ratio_metrics(log_ratio: Any) -> dict[str, Any]:
+    """The sequence-level figures of each response's log importance ratio Σ log ρ."""
+    if not len(log_ratio):
+        return dict.fromkeys(("chi2_seq", "tis_seq_frac_high", "icepop_seq_frac_out"))
+    clamped = np.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND)
+    outside = (log_ratio < math.log(ICEPOP[0])) | (log_ratio > math.log(ICEPOP[1]))
+    return {
+        "chi2_seq": _f(np.mean(np.exp(2.0 * clamped)) - 1.0),
+        "tis_seq_frac_high": _f(np.mean(log_ratio > math.log(TIS_CAP))),
+        "icepop_seq_frac_out": _f(np.mean(outside)),
+    }
+
+
+def _largest_metrics(largest: Any, means: Any) -> dict[str, Any]:
+    """The figures of each response's largest |Δ| (``largest``) and mean |Δ| (``means``)."""
+    out: dict[str, Any] = {"seq_logprob_diff_mean": _f(np.mean(means)) if len(means) else None}
     if len(largest):
         p50, p90, p99 = np.percentile(largest, [50, 90, 99])
         out.update(
@@ -306,6 +338,37 @@ def _sequence_metrics(s: dict[str, Any]) -> dict[str, Any]:
             seq_logprob_diff_max_p90=_f(p90),
             seq_logprob_diff_max_p99=_f(p99),
         )
+    return out
+
+
+#: What a per-rollout row holds beside ``sequences`` (the rest of ``METRICS`` is None there).
+ROLLOUT_METRICS = (
+    "seq_logprob_diff_mean",
+    "logprob_diff_max",
+    "seq_logprob_diff_max_p50",
+    "seq_logprob_diff_max_p90",
+    "seq_logprob_diff_max_p99",
+    "chi2_seq",
+    "tis_seq_frac_high",
+    "icepop_seq_frac_out",
+)
+
+
+def rollout_metrics(diff_mean: Any, diff_max: Any, ratio: Any) -> dict[str, Any]:
+    """``METRICS`` of a group of responses from the trainer's per-response figures (float64
+    arrays, NaN where none): each response's mean |Δ|, largest |Δ| and importance ratio
+    exp(Σ log ρ). Only ``ROLLOUT_METRICS`` have values; each over the responses where its figure
+    is finite (a ratio: finite and above 0); ``sequences``: those with one finite figure or more."""
+    out: dict[str, Any] = dict.fromkeys(METRICS)
+    with np.errstate(all="ignore"):
+        mean_ok, max_ok = np.isfinite(diff_mean), np.isfinite(diff_max)
+        log_ratio = np.log(np.where(ratio > 0, ratio, np.nan))
+        ratio_ok = np.isfinite(log_ratio)
+        out["sequences"] = int(np.count_nonzero(mean_ok | max_ok | ratio_ok))
+        largest = diff_max[max_ok]
+        out["logprob_diff_max"] = _f(largest.max()) if len(largest) else None
+        out.update(_largest_metrics(largest, diff_mean[mean_ok]))
+        out.update(_ratio_metrics(log_ratio[ratio_ok]))
     return out
 
 
@@ -318,7 +381,8 @@ def totals_of(sums: dict[str, Any], rows: Any = None) -> dict[str, float]:
             known = values[~np.isnan(values)]
             out[name] = float(known.max()) if len(known) else float("nan")
         else:
-            out[name] = float(values.sum())
+            with np.errstate(all="ignore"):  # a sum past float64: ±inf
+                out[name] = float(values.sum())
     return out
 
 
@@ -383,10 +447,10 @@ def _g(value: float | None) -> str:
 
 
 def trend(metric: str, steps: list[Any], values: list[float | None]) -> Trend:
-    """The shape of ``values`` over ``steps`` (in order): spikes first (a step above the median
+    """The shape of the finite ``values`` over ``steps`` (in order): spikes first (a step above the median
     by ``SPIKE_MADS`` scaled MADs and twice the median), then the last third of the other steps
     against the first third (``RISE``)."""
-    known = [(s, v) for s, v in zip(steps, values) if v is not None]
+    known = [(s, v) for s, v in zip(steps, values) if v is not None and math.isfinite(v)]
     if len(known) < TREND_MIN_STEPS:
         return Trend(metric, steps, values, None)
     x = np.array([v for _, v in known])

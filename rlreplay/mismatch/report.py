@@ -4,6 +4,10 @@ UI's mismatch page all show what :func:`compute` returns.
 
 The run is read a step at a time (``rlreplay.mismatch.tokens.read_batches``): memory holds one
 step's tokens, a few sums per response and per bucket, and the worst tokens seen so far.
+
+A selection without the trainer's per-token log-probs gets the per-rollout figures the trainer
+recorded, when it did (:func:`per_rollout`, ``Report.per == "rollout"``); one with neither raises
+``NothingToCompare``.
 """
 
 from __future__ import annotations
@@ -15,31 +19,51 @@ from typing import Any
 
 import numpy as np
 
-from rlreplay.errors import RunError, SelectionError
+from rlreplay.errors import NothingToCompare, RunError, SelectionError
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format.keys import KEY_STR, KEYS, key_order
 from rlreplay.mismatch import BY
 from rlreplay.mismatch import metrics as m
-from rlreplay.mismatch.tokens import HOW_TO_RECORD, Batch, Counts, read_batches
+from rlreplay.mismatch.tokens import (
+    HOW_TO_RECORD_CALLS,
+    HOW_TO_RECORD_SHORT,
+    Batch,
+    Counts,
+    by_step,
+    read_batches,
+)
 from rlreplay.model import listing_rows
+from rlreplay.text.conversation import RESPONSE_IN_CALLS
 
 #: Worst responses and tokens a report keeps.
 WORST = 20
-#: The metric the trend is drawn from.
+#: The metric the trend is drawn from (per token; per rollout).
 TREND_METRIC = "logprob_diff_mean"
+ROLLOUT_TREND_METRIC = "seq_logprob_diff_mean"
 #: What a response is known by in a report's rows.
 ROW_KEYS = ("id", *KEYS, "validate", "worker")
+#: The trainer's per-rollout figures in the listing (verl: joined from the trainer).
+ROLLOUT_COLUMNS = ("logprob_diff_mean", "logprob_diff_max", "importance_ratio")
 #: The listing columns a report reads (a caller may hand it only these).
-LISTING_COLUMNS = [*ROW_KEYS, *KEY_STR.values()]
+LISTING_COLUMNS = [*ROW_KEYS, *KEY_STR.values(), *ROLLOUT_COLUMNS]
+#: What the per-rollout figures are, said beside them.
+PER_ROLLOUT = (
+    "per rollout, not per token: the trainer's figures of each rollout (the listing's "
+    "logprob_diff_mean, logprob_diff_max, importance_ratio), no per-token trainer log-probs recorded"
+)
 
 
 @dataclass
 class Report:
     """What the mismatch numbers say about a selection of a run.
 
-    ``steps``: one dict per step and split (``step``, ``validate``, every metric, ``verdict``);
+    ``steps``: one dict per step and split (``step``, ``validate``, ``per``, every metric,
+    ``verdict``, ``tokens_not_finite``: model tokens left out for a non-finite log-prob or
+    difference, ``lengths_differ``: responses left out whose arrays are not one per token);
     ``buckets``: with ``by`` other than step, one dict per bucket (``by``, ``bucket``, the metrics);
     ``trend``: over the training steps; ``worst_rollouts`` and ``worst_tokens``: the largest |Δ|.
+    ``per``: "token", or "rollout" (the trainer's per-rollout figures: ``metrics.rollout_metrics``;
+    no tokens, no verdict; ``how`` says how to record per-token ones).
     """
 
     by: str
@@ -52,6 +76,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     #: per row of the listing the report was made for: its response's largest |Δ| (NaN: none)
     largest_gaps: Any = None
+    per: str = "token"
+    how: str | None = None
 
     def verdicts(self) -> dict[tuple[Any, bool], str | None]:
         return {(r["step"], r["validate"]): r["verdict"] for r in self.steps}
@@ -74,8 +100,10 @@ def compute(
     ``token_ids`` the ids are not read (the worst tokens' are -1; ``by="token"`` reads them);
     ``investigate`` and ``broken``: the verdicts' thresholds on token_mult_prob_error.
 
-    Raises ``RunError`` when no selected trajectory has both the rollout's and the trainer's
-    per-token log-probs (the message says how to record them)."""
+    Without the trainer's per-token log-probs in any selected trajectory: the trainer's
+    per-rollout figures (:func:`per_rollout`) where the listing has them, else
+    ``NothingToCompare`` (the message says how to record them); ``RunError`` when nothing is
+    selected."""
     if by not in BY:
         raise SelectionError(f"--by {by!r}: one of {', '.join(BY)}")
     if fields is None:
@@ -88,17 +116,115 @@ def compute(
         acc.add(batch)
         del batch
         ops.release_unused()  # what the step's read freed: memory stays one step's
+    how = (
+        HOW_TO_RECORD_CALLS
+        if getattr(fields, "response_in", None) == RESPONSE_IN_CALLS
+        else HOW_TO_RECORD_SHORT
+    )
     if not counts.compared:
-        raise RunError(_nothing_to_compare(run, counts))
-    steps = acc.step_rows()
+        return _without_tokens(run, listing, counts, by, how)
+    steps = acc.step_rows(counts)
     trained = [r for r in steps if not r["validate"] and isinstance(r["step"], int)]
     trend = m.trend(TREND_METRIC, [r["step"] for r in trained], [r[TREND_METRIC] for r in trained])
-    notes = _notes(counts)
+    notes = _notes(counts, sum(r["tokens_not_finite"] for r in steps))
     buckets = None if by == "step" else acc.bucket_rows(top, decoder, notes)
     worst_tokens = acc.worst_token_rows(decoder)
     largest = np.full(listing.num_rows, np.nan)
     largest[acc.all_rows()] = acc.sums()["max_abs"]
     return Report(by, counts, steps, trend, buckets, acc.worst_rollout_rows(), worst_tokens, notes, largest)
+
+
+def _without_tokens(run: Any, listing: Any, counts: Counts, by: str, how: str) -> Report:
+    """The per-rollout report where no selected trajectory has per-token trainer log-probs."""
+    where = getattr(run, "address", run)
+    if not counts.selected:
+        raise RunError(f"no trajectories selected in {where}")
+    report = per_rollout(listing, counts, how)
+    if not report.steps:
+        raise NothingToCompare(_nothing_to_compare(where, counts), how)
+    if by != "step":
+        report.by, report.buckets = by, []
+        report.notes.append(f"by {by}: needs the trainer's per-token log-probs")
+    return report
+
+
+def _floats(column: Any) -> Any:
+    """A listing column as float64 (NaN where null)."""
+    return ops.fill_null(column, float("nan")).to_numpy(zero_copy_only=False).astype(np.float64)
+
+
+def per_rollout(listing: Any, counts: Counts | None = None, how: str = HOW_TO_RECORD_SHORT) -> Report:
+    """The report of the trainer's per-rollout figures in ``listing`` (``ROLLOUT_COLUMNS``), per
+    step and split (``metrics.rollout_metrics``): for a run recorded without per-token trainer
+    log-probs. Steps without a finite figure have no row; no row at all: nothing recorded."""
+    import pyarrow as pa
+
+    present = [c for c in ROLLOUT_COLUMNS if c in listing.column_names]
+    values = {
+        c: _floats(listing[c]) if c in present else np.full(listing.num_rows, np.nan) for c in ROLLOUT_COLUMNS
+    }
+    recorded = np.zeros(listing.num_rows, dtype=bool)
+    for c in present:
+        recorded |= ops.is_valid(listing[c]).to_numpy(zero_copy_only=False)
+    with np.errstate(all="ignore"):
+        finite = np.isfinite(values["logprob_diff_mean"]) | np.isfinite(values["logprob_diff_max"])
+        finite |= np.isfinite(
+            np.log(np.where(values["importance_ratio"] > 0, values["importance_ratio"], np.nan))
+        )
+    validate = ops.fill_null(listing["validate"], False).to_numpy(zero_copy_only=False)
+    steps = []
+    for step, rows in by_step(listing).items():
+        for split in (False, True):
+            chosen = rows[validate[rows] == split]
+            if not len(chosen) or not finite[chosen].any():
+                continue
+            row: dict[str, Any] = {"step": step, "validate": split, "per": "rollout"}
+            row.update(m.rollout_metrics(*(values[c][chosen] for c in ROLLOUT_COLUMNS)))
+            row.update(
+                verdict=None,
+                tokens_not_finite=None,
+                lengths_differ=0,
+                rollouts_not_finite=int(np.count_nonzero(recorded[chosen] & ~finite[chosen])),
+            )
+            steps.append(row)
+    steps.sort(key=lambda r: (key_order(r["step"]), r["validate"]))
+    counts = counts if counts is not None else Counts(selected=listing.num_rows)
+    trained = [r for r in steps if not r["validate"] and isinstance(r["step"], int)]
+    trend = m.trend(
+        ROLLOUT_TREND_METRIC, [r["step"] for r in trained], [r[ROLLOUT_TREND_METRIC] for r in trained]
+    )
+    notes = []
+    shown = int(np.count_nonzero(finite))
+    if shown < listing.num_rows:
+        without = ~finite
+        why = " (validation: verl computes none there)" if validate[without].all() else ""
+        notes.append(
+            f"{listing.num_rows - shown} of {listing.num_rows} selected trajectories have no "
+            f"per-rollout figures{why}"
+        )
+    not_finite = int(np.count_nonzero(recorded & ~finite))
+    if not_finite:
+        notes.append(f"{not_finite} of them recorded figures that are not finite (NaN or ±inf): left out")
+    largest = values["logprob_diff_max"]
+    order = np.argsort(-np.where(np.isfinite(largest), largest, -np.inf), kind="stable")
+    order = order[: min(WORST, int(np.count_nonzero(np.isfinite(largest))))]
+    names = [c for c in listing.column_names if c.split("_str")[0] in ROW_KEYS]
+    worst = []
+    for i, found in zip(order, listing_rows(ops.take(listing.select(names), pa.array(order, pa.int64())))):
+        row = {k: found.get(k) for k in ROW_KEYS}
+        row.update(dict.fromkeys(m.METRICS), tokens=None)
+        row.update(
+            logprob_diff_mean=_finite(values["logprob_diff_mean"][i]),
+            logprob_diff_max=_finite(largest[i]),
+            importance_ratio=_finite(values["importance_ratio"][i]),
+        )
+        worst.append(row)
+    return Report("step", counts, steps, trend, None, worst, [], notes, largest, per="rollout", how=how)
+
+
+def _finite(value: Any) -> float | None:
+    value = float(value)
+    return value if np.isfinite(value) else None
 
 
 #: Training trajectories looked at to tell whether a run keeps the trainer's per-token log-probs.
@@ -129,24 +255,33 @@ def has_trainer_logprobs(run: Any, listing: Any, fields: Any = None) -> bool:
     return False
 
 
-def _nothing_to_compare(run: Any, counts: Counts) -> str:
-    where = getattr(run, "address", run)
-    if not counts.selected:
-        return f"no trajectories selected in {where}"
-    if counts.compared == 0 and counts.no_trainer == 0:
-        return (
-            f"none of the {counts.selected} selected trajectories in {where} has the rollout's "
-            f"log-probs per token (an agent span's response_logprobs, or its model calls' log_probs); "
-            f"{HOW_TO_RECORD}"
-        )
+def _nothing_to_compare(where: Any, counts: Counts) -> str:
+    """Why nothing could be compared, in one line."""
+    why = []
+    if counts.no_rollout:
+        why.append(f"{counts.no_rollout} without rollout log-probs per token")
+    if counts.lengths_differ:
+        why.append(f"{counts.lengths_differ} whose lengths differ ({counts.lengths_example})")
+    if counts.no_trainer_validation and counts.no_trainer_validation == counts.no_trainer:
+        why.append("validation: verl computes no trainer log-probs there")
+    said = f" ({'; '.join(why)})" if why else ""
     return (
-        f"no trainer log-probs per token in the {counts.selected} selected trajectories of {where}: "
-        f"{HOW_TO_RECORD}"
+        f"nothing to compare: no trainer log-probs per token or per rollout in the {counts.selected} "
+        f"selected trajectories of {where}{said}"
     )
 
 
-def _notes(counts: Counts) -> list[str]:
+def _notes(counts: Counts, not_finite: int = 0) -> list[str]:
     notes = []
+    if counts.lengths_differ:
+        notes.append(
+            f"{counts.lengths_differ} of {counts.selected} selected trajectories are left out because "
+            f"lengths differ (e.g. {counts.lengths_example}): never cut or padded"
+        )
+    if not_finite:
+        notes.append(
+            f"{not_finite} model tokens left out: a log-prob or their difference is not finite (NaN or ±inf)"
+        )
     if counts.no_trainer:
         why = (
             " (validation: verl computes no trainer log-probs there)" if counts.no_trainer_validation else ""
@@ -199,6 +334,7 @@ class _Accumulator:
                     self.buckets.add(key[at][keep[at]], name, values[keep[at]])
 
         sums = m.sequence_sums(batch, counted, each)
+        left_out = batch.mask & ~counted  # model tokens whose log-prob difference is not finite
         gap = np.concatenate(gaps) if len(gaps) != 1 else gaps[0]
         base = self.count
         self.count += len(batch.rows)
@@ -215,9 +351,14 @@ class _Accumulator:
                 gaps_of_split = gap
             else:
                 gaps_of_split = gap[np.repeat(batch.validate == split, np.diff(batch.offsets))[counted]]
-            row = {"step": step, "validate": split}
+            row = {"step": step, "validate": split, "per": "token"}
             row.update(m.summarize(m.totals_of(part), part, gaps_of_split))
             row["verdict"] = m.verdict(row["token_mult_prob_error"], *self.limits)
+            if len(chosen) == len(batch.validate):
+                row["tokens_not_finite"] = int(np.count_nonzero(left_out))
+            else:
+                of_split = np.repeat(batch.validate == split, np.diff(batch.offsets))
+                row["tokens_not_finite"] = int(np.count_nonzero(left_out & of_split))
             self.step_metrics.append(row)
         self.add_worst(batch, counted, gap, base)
 
@@ -280,8 +421,20 @@ class _Accumulator:
     def all_rows(self) -> Any:
         return np.concatenate(self.rows)
 
-    def step_rows(self) -> list[dict[str, Any]]:
-        return sorted(self.step_metrics, key=lambda r: (key_order(r["step"]), r["validate"]))
+    def step_rows(self, counts: Counts | None = None) -> list[dict[str, Any]]:
+        """Per step and split, its numbers and what was left out; a step and split of which
+        every response was left out for lengths that differ has a row of its own (no numbers)."""
+        differ = dict(counts.lengths_differ_at) if counts is not None else {}
+        rows = []
+        for row in self.step_metrics:
+            rows.append({**row, "lengths_differ": differ.pop((row["step"], row["validate"]), 0)})
+        for (step, split), k in differ.items():
+            empty = {**dict.fromkeys(m.METRICS), "sequences": 0, "tokens": 0}
+            rows.append(
+                {"step": step, "validate": split, "per": "token", **empty, "verdict": None}
+                | {"tokens_not_finite": 0, "lengths_differ": k}
+            )
+        return sorted(rows, key=lambda r: (key_order(r["step"]), r["validate"]))
 
     def listing_row(self, row: int) -> dict[str, Any]:
         """Listing row ``row`` (a number), as ``ROW_KEYS``."""

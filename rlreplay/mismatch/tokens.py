@@ -7,8 +7,11 @@ model calls' generated ids and log-probs end to end, in call order, every token 
 ``llm`` spans of ``rlreplay proxy``). The trainer side is the ``signals`` span's ``old_log_probs``
 (verl with ``rlreplay record --token-signals``; with the generic API, ``record_signals(...,
 output={"old_log_probs": [...]})``), one per response token. A token *counts* when the mask says
-the model sampled it and both log-probs are numbers: the one definition the mismatch numbers, the
-audit and the UI overlay use.
+the model sampled it and the difference of its two log-probs is a finite number (NaN, ±inf on
+either side: left out, and counted as such): the one definition the mismatch numbers, the audit and
+the UI overlay use. A response's arrays are one per response token: a response whose trainer's
+(or rollout's, or mask's) values are more or fewer is left out whole and counted, never cut or
+padded.
 
 :func:`read_batches` reads a selection a step at a time (one pass over each step's files, the
 token arrays as numpy, never as Python lists); :func:`of_trajectory` takes one loaded trajectory.
@@ -39,15 +42,19 @@ ENTROPY_KEYS = ("entropy", "entropies", "token_entropy")
 #: The weights version a response was generated with (verl: the agent output's ``extra_fields``;
 #: the latest version its model calls saw, verl's ``trajectory_param_versions``).
 VERSION_FIELDS = ("max_global_steps", "global_steps")
-#: How to record what the mismatch numbers need, said where a run lacks it.
-HOW_TO_RECORD = (
-    "record verl with `rlreplay record --token-signals ...` (or RLREPLAY_TOKEN_SIGNALS=1); with the "
-    'generic API, `rlreplay.recorder.record_signals(trajectory_id, ..., output={"old_log_probs": [...]})` '
-    "with one trainer log-prob per response token, beside an agent span whose output holds "
-    "response_ids, response_mask and response_logprobs; behind `rlreplay proxy`, "
-    '`POST /rlreplay/signals` with {"output": {"old_log_probs": [...]}}, one per generated token '
-    "of the trajectory's calls in call order"
-)
+#: How to record what the per-token numbers need, in one short line: for a verl (agent span) run,
+#: and for a run behind the proxy (``rlreplay mismatch --help`` says every way).
+HOW_TO_RECORD_SHORT = "per-token figures: record with `rlreplay record --token-signals`"
+HOW_TO_RECORD_CALLS = 'per-token figures: POST /rlreplay/signals {"output": {"old_log_probs": [...]}}'
+
+
+def counted_tokens(mask: Any, rollout: Any, trainer: Any) -> Any:
+    """Which tokens count (bool per token): model tokens (``mask``) whose trainer − rollout
+    log-prob difference, taken in float64, is a finite number."""
+    if rollout.dtype == np.float32 and trainer.dtype == np.float32:  # finite float32s: a finite float64 gap
+        return mask & np.isfinite(rollout) & np.isfinite(trainer)
+    with np.errstate(all="ignore"):
+        return mask & np.isfinite(trainer.astype(np.float64, copy=False) - rollout)
 
 
 @dataclass
@@ -62,10 +69,13 @@ class Response:
     mask: Any
     entropy: Any = None
 
+    #: what was not one per response token (its trainer log-probs then count nothing), or None
+    differs: str | None = None
+
     @property
     def counted(self) -> Any:
-        """The tokens the numbers count: model tokens with both log-probs."""
-        return self.mask & np.isfinite(self.rollout) & np.isfinite(self.trainer)
+        """The tokens the numbers count (:func:`counted_tokens`)."""
+        return counted_tokens(self.mask, self.rollout, self.trainer)
 
     def __len__(self) -> int:
         return len(self.rollout)
@@ -73,8 +83,8 @@ class Response:
 
 def _numbers(values: Any, n: int, fill: float = np.nan) -> Any:
     """``values`` (a list, or a numpy array kept in its dtype) as a numeric array of length ``n``:
-    cut, or padded with ``fill``; None when they are not numbers (None in a list: NaN; a float
-    marker, NaN or ±inf, its value)."""
+    cut, or padded with ``fill`` (for display: :func:`part` says when lengths differ); None when
+    they are not numbers (None in a list: NaN; a float marker, NaN or ±inf, its value)."""
     if isinstance(values, np.ndarray):
         array = values
     else:
@@ -97,7 +107,8 @@ def _numbers(values: Any, n: int, fill: float = np.nan) -> Any:
 @dataclass
 class Part:
     """One response's arrays as recorded (numpy in their own dtypes, or None: no ids, no mask =
-    every token the model's, no trainer or entropy), all of length ``n``."""
+    every token the model's, no trainer or entropy), all of length ``n``; ``differs`` says which
+    recorded array was not ``n`` long (the response is then not compared), else None."""
 
     n: int
     ids: Any
@@ -105,18 +116,38 @@ class Part:
     rollout: Any
     trainer: Any
     entropy: Any
+    differs: str | None = None
+
+
+def _length(values: Any) -> int | None:
+    try:
+        return len(values)
+    except TypeError:
+        return None
+
+
+def _differs(n: int, **arrays: Any) -> str | None:
+    """Which of ``arrays`` (recorded, not None) is not ``n`` long, said as "NAME: K for N tokens"."""
+    found = [
+        f"{name.replace('_', ' ')}: {k} for {n} tokens"
+        for name, values in arrays.items()
+        if values is not None and (k := _length(values)) is not None and k != n
+    ]
+    return "; ".join(found) or None
 
 
 def part(ids: Any, mask: Any, rollout: Any, trainer: Any, entropy: Any = None) -> Part | None:
     """The rules of what a response is: its length is the ids' (else the rollout log-probs');
-    the rollout's, trainer's and entropy values are cut or padded (NaN) to it; the mask is cut or
-    padded (0); None without rollout log-probs."""
+    the rollout's and trainer's log-probs and the mask are one per token, else ``differs`` says
+    so (their values are then cut or padded to it, for display only: the response is not
+    compared); entropy of another length counts as not recorded; None without rollout log-probs."""
     if rollout is None:
         return None
     n = len(ids) if ids is not None else len(rollout)
     roll = _numbers(rollout, n)
     if roll is None:
         return None
+    differs = _differs(n, rollout_log_probs=rollout, trainer_log_probs=trainer, response_mask=mask)
     token_ids = None
     if ids is not None:
         with contextlib.suppress(TypeError, ValueError, OverflowError):
@@ -130,7 +161,8 @@ def part(ids: Any, mask: Any, rollout: Any, trainer: Any, entropy: Any = None) -
         marks,
         roll,
         _numbers(trainer, n) if trainer is not None else None,
-        _numbers(entropy, n) if entropy is not None else None,
+        _numbers(entropy, n) if entropy is not None and _length(entropy) == n else None,
+        differs,
     )
 
 
@@ -147,12 +179,14 @@ def response(ids: Any, mask: Any, rollout: Any, trainer: Any, entropy: Any = Non
     if found is None:
         return None
     n = found.n
+    compared = found.trainer is not None and found.differs is None
     return Response(
         found.ids.astype(np.int64) if found.ids is not None else np.full(n, -1, dtype=np.int64),
         found.rollout.astype(np.float64),
-        found.trainer.astype(np.float64) if found.trainer is not None else np.full(n, np.nan),
+        found.trainer.astype(np.float64) if compared else np.full(n, np.nan),
         _model(found.mask) if found.mask is not None else np.ones(n, dtype=bool),
         found.entropy.astype(np.float64) if found.entropy is not None else None,
+        found.differs,
     )
 
 
@@ -198,13 +232,16 @@ def of_calls(calls: Sequence[tuple[Any, Any]], trainer: Any) -> Part | None:
     if not parts:
         return None
     n = sum(p.n for p in parts)
+    differs = "; ".join(p.differs for p in parts if p.differs) or None
+    if trainer is not None:
+        differs = "; ".join(filter(None, (differs, _differs(n, trainer_log_probs=trainer)))) or None
     ids = None
     if any(p.ids is not None for p in parts):
         ids = np.concatenate(
             [p.ids.astype(np.int64) if p.ids is not None else np.full(p.n, -1, dtype=np.int64) for p in parts]
         )
     rollout = np.concatenate([p.rollout.astype(np.float64, copy=False) for p in parts])
-    return Part(n, ids, None, rollout, _numbers(trainer, n) if trainer is not None else None, None)
+    return Part(n, ids, None, rollout, _numbers(trainer, n) if trainer is not None else None, None, differs)
 
 
 def of_trajectory(traj: Any, fields: ConversationFields | None = None) -> Response | None:
@@ -223,7 +260,13 @@ def of_trajectory(traj: Any, fields: ConversationFields | None = None) -> Respon
             [(_first(s.output, fields.llm_output), _first(s.output, fields.log_probs)) for s in calls],
             trainer,
         )
-        return response(found.ids, None, found.rollout, found.trainer) if found is not None else None
+        if found is None:
+            return None
+        made = response(found.ids, None, found.rollout, found.trainer)
+        if made is not None and found.differs:
+            made.trainer[:] = np.nan  # not one trainer log-prob per generated token: nothing counts
+            made.differs = found.differs
+        return made
     agents = sorted(traj.by_kind(KIND_AGENT), key=lambda s: s.start_ns)
     agent = next(
         (s.output for s in agents if _first(s.output, fields.log_probs) is not None),
@@ -263,7 +306,8 @@ class Batch:
 
     @property
     def counted(self) -> Any:
-        return self.mask & np.isfinite(self.rollout) & np.isfinite(self.trainer)
+        """The tokens the numbers count (:func:`counted_tokens`)."""
+        return counted_tokens(self.mask, self.rollout, self.trainer)
 
     @property
     def sequence(self) -> Any:
@@ -334,7 +378,27 @@ class Counts:
     no_rollout: int = 0  # no rollout log-probs (where the adapter says the response is)
     no_trainer: int = 0  # no per-token trainer log-probs
     no_trainer_validation: int = 0  # of those, validation trajectories (verl computes none there)
+    lengths_differ: int = 0  # trainer's or rollout's log-probs (or mask) not one per response token
+    #: of those, per (step, validate); and one example of what differed
+    lengths_differ_at: dict[tuple[Any, bool], int] = field(default_factory=dict)
+    lengths_example: str | None = None
     issues: list[str] = field(default_factory=list)
+
+    def merge(self, other: Counts) -> None:
+        """Add ``other``'s counts (another part of the same selection) to these."""
+        for name in (
+            "selected",
+            "compared",
+            "no_rollout",
+            "no_trainer",
+            "no_trainer_validation",
+            "lengths_differ",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for key, k in other.lengths_differ_at.items():
+            self.lengths_differ_at[key] = self.lengths_differ_at.get(key, 0) + k
+        self.lengths_example = self.lengths_example or other.lengths_example
+        self.issues.extend(other.issues)
 
 
 #: The span columns a step's read takes.
@@ -396,7 +460,7 @@ def read_batches(
         traj_ids = ops.take(listing["id"], pa.array(rows, pa.int64()))
         filters = Filters(step=step) if type(step) is int else Filters(trajectory_id=traj_ids.to_pylist())
         table = run.spans(filters, columns=columns)
-        batch = _StepRows(table, traj_ids, rows, validate[rows], fields).batch(counts)
+        batch = _StepRows(table, traj_ids, rows, validate[rows], fields).batch(counts, step)
         del table
         if batch is not None:
             yield batch
@@ -443,7 +507,7 @@ class _StepRows:
             name: values[offsets[row] : offsets[row + 1]] for name, (offsets, values) in self.typed.items()
         }
 
-    def batch(self, counts: Counts) -> Batch | None:
+    def batch(self, counts: Counts, step: Any = None) -> Batch | None:
         kept, parts, versions = [], [], []
         for i in range(len(self.rows)):
             found = self.response(int(self.starts[i]), int(self.starts[i + 1]), counts)
@@ -451,9 +515,15 @@ class _StepRows:
                 counts.no_rollout += 1
                 continue
             got, version = found
-            if got.trainer is None or not np.isfinite(got.trainer).any():
+            if got.trainer is None:
                 counts.no_trainer += 1
                 counts.no_trainer_validation += bool(self.validate[i])
+                continue
+            if got.differs is not None:
+                key = (step, bool(self.validate[i]))
+                counts.lengths_differ += 1
+                counts.lengths_differ_at[key] = counts.lengths_differ_at.get(key, 0) + 1
+                counts.lengths_example = counts.lengths_example or got.differs
                 continue
             counts.compared += 1
             kept.append(i)

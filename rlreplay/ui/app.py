@@ -483,6 +483,11 @@ class UI:
                 chart("token_mult_prob_error (mean exp|Δ|)", ("token_mult_prob_error",)),
                 chart("kl and k3_kl (verl)", ("kl", "k3_kl")),
                 chart("chi2_token (verl)", ("chi2_token",)),
+            ]
+            if report.per == "token"
+            else [  # the trainer's per-rollout figures only
+                chart("|Δ| per rollout", ("seq_logprob_diff_mean", "logprob_diff_max")),
+                chart("chi2_seq (verl)", ("chi2_seq",)),
             ],
             rules=(m.BOUNDS_RULE, m.VERDICT_RULE),
             labels=MISMATCH_LABELS,
@@ -575,6 +580,9 @@ MISMATCH_LABELS = {
     "logprob_diff_max": "max |Δ|",
     "seq_logprob_diff_max_p50": "rollout max p50",
     "seq_logprob_diff_max_p90": "rollout max p90",
+    "seq_logprob_diff_max_p99": "rollout max p99",
+    "seq_logprob_diff_mean": "rollout mean |Δ|",
+    "icepop_seq_frac_out": "Πρ ∉ [0.5, 5]",
     "token_mult_prob_error": "mult. prob. error",
     "tis_token_frac_high": "ρ > 2",
     "icepop_token_frac_out": "ρ ∉ [0.5, 5]",

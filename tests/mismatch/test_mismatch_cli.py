@@ -9,8 +9,6 @@ import sys
 import pytest
 from test_mismatch_verl import ROOT, SHOWCASE, mismatch_json
 
-NO_TOKEN_SIGNALS = ROOT / "sample_runs" / "verl-toolagent-smollm2"
-
 
 def rlreplay(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -25,9 +23,7 @@ def rlreplay(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        ([str(NO_TOKEN_SIGNALS)], "no trainer log-probs per token"),
         ([str(SHOWCASE), "--step", "9999"], "no trajectories selected"),
-        ([str(SHOWCASE), "--validate"], "no trainer log-probs per token"),  # verl computes none there
         ([str(SHOWCASE), "--by", "colour"], "--by 'colour': one of step, worker, position"),
         ([str(SHOWCASE), "--top", "-1"], "--top must be at least 0"),
         ([str(SHOWCASE), "--top", "x"], "--top: 'x' is not a whole number"),
@@ -39,8 +35,14 @@ def test_bad_input_is_one_line_exit_2(args: list[str], said: str) -> None:
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and said in lines[0], proc.stderr
     assert proc.stdout == "" and "Traceback" not in proc.stderr
-    if "per token" in said:  # says how to record them
-        assert "rlreplay record --token-signals" in lines[0] and "record_signals" in lines[0]
+
+
+def test_help_says_every_way_to_record_per_token_log_probs() -> None:
+    proc = rlreplay("--help")
+    text = " ".join(proc.stdout.split())
+    assert proc.returncode == 0
+    for way in ("record --token-signals", "record_signals(", "POST /rlreplay/signals", "per rollout"):
+        assert way in text, way
 
 
 def test_the_text_report_shows_the_json_numbers() -> None:

@@ -136,9 +136,11 @@ def test_a_proxy_run_without_trainer_log_probs_says_how_to_record_them(
     _chat(proxy.url, (0, 0), (3,))
     assert proxy.stop() == 0, proxy.stderr
     proc = rlreplay_cli("mismatch", "plain", cwd=tmp_path)
-    lines = proc.stderr.splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert "no trainer log-probs per token" in lines[0] and "/rlreplay/signals" in lines[0]
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and len(lines) == 2 and proc.stderr == "", proc.stderr
+    assert (
+        "nothing to compare: no trainer log-probs per token" in lines[0] and "/rlreplay/signals" in lines[1]
+    )
 
 
 def test_the_audit_flags_the_broken_step_of_a_proxy_run(proxy_run: tuple[Path, dict]) -> None:

@@ -145,7 +145,9 @@ def test_the_worst_token_leads_to_it_in_the_trajectory(ui_url, ui_runs: Path, ta
     assert tab.errors == []
 
 
-def test_a_run_without_trainer_log_probs_says_how_to_record_them(tmp_path: Path, chrome) -> None:
+def test_a_run_without_trainer_log_probs_per_token_shows_the_per_rollout_figures(
+    tmp_path: Path, chrome
+) -> None:
     import shutil
 
     from ui_support import serving
@@ -153,10 +155,24 @@ def test_a_run_without_trainer_log_probs_says_how_to_record_them(tmp_path: Path,
     from rlreplay.ui.app import create_app
 
     run = SHOWCASE.parent / "verl-toolagent-smollm2"  # recorded without --token-signals
-    shutil.copytree(run, tmp_path / run.name)
+    bare = SHOWCASE.parent / "gsm8k-grpo-qwen3"  # no trainer figure at all
+    for source in (run, bare):
+        shutil.copytree(source, tmp_path / source.name)
     page = chrome.new_page()
-    with serving(create_app(tmp_path / run.name, allowed_hosts=["127.0.0.1"])) as url:
+    with serving(create_app(tmp_path, allowed_hosts=["127.0.0.1"])) as url:
         page.goto(f"{url}/r/{run.name}/mismatch")
-        said = page.inner_text("#no-mismatch")
+        said = page.inner_text("#per-rollout")
+        summary = page.inner_text("#mismatch-summary")
+        shown = {
+            int(row.get_attribute("data-step")): row.locator("[data-metric=logprob_diff_max]").inner_text()
+            for row in page.locator("#mismatch-rollouts tr[data-step]").all()
+        }
+        page.goto(f"{url}/r/{bare.name}/mismatch")
+        nothing = page.inner_text("#no-mismatch")
     page.close()
-    assert "no trainer log-probs per token" in said and "--token-signals" in said
+    assert "--token-signals" in said and "Per rollout, not per token" in summary
+    want = {r["step"]: r["logprob_diff_max"] for r in cli_json("mismatch", str(run)) if not r["validate"]}
+    assert set(shown) == set(want)
+    for step, text in shown.items():
+        assert math.isclose(float(text), want[step], rel_tol=1e-3), (step, text)
+    assert "nothing to compare" in nothing and "--token-signals" in nothing
