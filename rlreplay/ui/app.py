@@ -111,6 +111,7 @@ class UI:
     def __init__(self, runs: RunSet, poll_ms: int = 1500) -> None:
         self.runs = runs
         self.env = _env()
+        self.env.filters["nopath"] = runs.without_paths
         self.poll_ms = poll_ms
         self.comparisons = Comparisons(runs)
 
@@ -171,7 +172,8 @@ class UI:
         stats = view.stats()
         counters = view.counters()
         losses = {k: v for k, v in counters.items() if k in LOSS_COUNTERS and v}
-        findings = _findings_per_step(view.listing_findings())
+        found, found_what = view.counted_findings()
+        findings = _findings_per_step(found)
         sections = []
         for split, label in ((False, "training"), (True, "validation")):
             rows = [s for s in stats if s["validate"] == split]
@@ -200,6 +202,8 @@ class UI:
             total=table.num_rows,
             status_counts=status_counts,
             sections=sections,
+            findings_total=len(found),
+            findings_what=found_what,
             warnings=view.run.notes(),
             crumbs=[],
         )
