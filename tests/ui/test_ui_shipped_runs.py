@@ -130,7 +130,7 @@ def page_kind(path: str) -> tuple[str, str]:
     return (found[1], found[2]) if found else ("", path)
 
 
-def test_no_page_shows_a_path_of_this_machine(shipped: Path, shipped_url: str) -> None:
+def test_no_page_shows_a_path_of_this_machine_or_damage(shipped: Path, shipped_url: str) -> None:
     import os
 
     runs = [p.name for p in SHIPPED]
@@ -155,6 +155,11 @@ def test_no_page_shows_a_path_of_this_machine(shipped: Path, shipped_url: str) -
     local = {str(shipped), str(shipped.resolve()), *(str(shipped / r) for r in runs), os.path.expanduser("~")}
     shown = {(path, where) for path, html in pages.items() for where in local if where in html}
     assert not shown, sorted(shown)
+    # and none calls the run damaged
+    warned = {
+        (path, w) for path, html in pages.items() for w in re.findall(r'class="warn"[^>]*>([^<]*)', html)
+    }
+    assert not [(path, w) for path, w in warned if DAMAGE.search(w)]
 
 
 def step_ids(run: Path) -> list[str]:
