@@ -343,10 +343,13 @@ def _exactly(source: Any, n: int) -> bytes:
 
 def serve() -> None:
     """A where process: answers ``_rows_elsewhere``'s queries (stdin, stdout) until stdin ends."""
+    import os
     import sys
 
     duckdb = duckdb_module()
-    source, out = sys.stdin.buffer, sys.stdout.buffer
+    source = sys.stdin.buffer
+    out = os.fdopen(os.dup(1), "wb")  # the answers' pipe: whatever else writes to stdout goes to stderr
+    os.dup2(2, 1)
     out.write(_READY)
     out.flush()
     while True:
