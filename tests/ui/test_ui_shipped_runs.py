@@ -258,3 +258,32 @@ AUDIT_CHECKS = (
     "length_drift",
     "reward_drift",
 )
+
+
+def test_a_damaged_file_is_named_and_only_it(tmp_path: Path, chrome: Any) -> None:
+    """A shard whose bytes changed: once a page read it, the front page names it, and calls nothing
+    else damaged."""
+    from rlreplay.ui.app import create_app
+
+    run = tmp_path / SHIPPED[0].name
+    shutil.copytree(SHIPPED[0], run)
+    shards = sorted(run.glob("spans/step=*/*/*.parquet"))
+    assert len(shards) >= 3
+    hurt = shards[0]
+    data = bytearray(hurt.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+    hurt.write_bytes(bytes(data))
+    name = hurt.relative_to(run).as_posix()
+    page = chrome.new_page()
+    try:
+        with serving(create_app(run, poll_ms=60_000)) as url:
+            for step, validate in step_pages(SHIPPED[0]):
+                page.goto(f"{url}/r/{run.name}/trajectories?step={step}&validate={str(validate).lower()}")
+            page.goto(f"{url}/r/{run.name}/")
+            banners = page.locator("#summary .warn").all_inner_texts()
+    finally:
+        page.close()
+    assert any(name in b and "unreadable" in b for b in banners), banners
+    for banner in banners:  # each names it, or counts it: no other file is blamed
+        assert set(re.findall(r"spans/\S+?\.parquet", banner)) <= {name}, banner
