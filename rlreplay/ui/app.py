@@ -103,6 +103,8 @@ def _when(value: Any) -> str:
         return "–"
 
 
+#: the page context's messages (errors, reasons), shown without this machine's paths
+MESSAGES = ("message", "why", "error", "decoder_error")
 #: findings listed on the findings page (the counts cover them all)
 FINDINGS_SHOWN = 1000
 
@@ -126,6 +128,11 @@ class UI:
             view.stats()
 
     def page(self, template: str, status: int = 200, **context: Any) -> HTMLResponse:
+        for key in MESSAGES:  # what a page says: no path of this machine
+            if isinstance(context.get(key), str):
+                context[key] = self.runs.without_paths(context[key])
+        if context.get("warnings"):
+            context["warnings"] = [self.runs.without_paths(w) for w in context["warnings"]]
         context.setdefault("view", None)
         context.setdefault("version", "")
         context.setdefault("crumbs", [])
