@@ -186,8 +186,8 @@ def test_a_message_names_a_run_never_its_folder(shipped: Path) -> None:
     assert folder.without_paths(f"no run in {shipped}") == f"no run in {shipped.name}"
 
 
-def audit_counts(run: Path, checks: set[str] | None = None) -> tuple[dict[tuple[int, bool], int], int]:
-    """Findings per (step, validate) and in all, by ``rlreplay audit --json`` (of ``checks``: all)."""
+def audit_findings(run: Path) -> list[dict[str, Any]]:
+    """What ``rlreplay audit --json`` finds in the run, run as the user runs it."""
     import json
     import subprocess
     import sys
@@ -196,7 +196,11 @@ def audit_counts(run: Path, checks: set[str] | None = None) -> tuple[dict[tuple[
         [sys.executable, "-m", "rlreplay", "audit", str(run), "--json"], capture_output=True, text=True
     )
     assert out.returncode in (0, 1), out.stderr
-    found = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+
+def counts(found: list[dict[str, Any]], checks: set[str] | None = None) -> tuple[dict[Any, int], int]:
+    """Findings (of ``checks``: all) per (step, validate), and in all."""
     found = [f for f in found if checks is None or f["check"] in checks]
     per_step: dict[tuple[int, bool], int] = {}
     for f in found:
@@ -222,7 +226,7 @@ def front_page_counts(page: Any) -> tuple[dict[tuple[int, bool], int], int, str]
 def test_the_front_pages_findings_are_the_audits_or_say_which(run: str, shipped: Path, chrome: Any) -> None:
     from rlreplay.ui.app import create_app
 
-    every, every_total = audit_counts(shipped / run)
+    audited = audit_findings(shipped / run)
     page = chrome.new_page()
     try:
         with serving(create_app(shipped / run, poll_ms=60_000)) as url:  # nothing audited yet
@@ -234,12 +238,12 @@ def test_the_front_pages_findings_are_the_audits_or_say_which(run: str, shipped:
                 assert what.startswith("only the checks over the listing") and "findings page" in what
                 assert checks and checks < set(AUDIT_CHECKS), what
                 # what they count is exactly what the audit's checks of those names find
-                assert (shown, total) == audit_counts(shipped / run, checks), what
+                assert (shown, total) == counts(audited, checks), what
             page.goto(f"{url}/r/{run}/findings")
             page.goto(f"{url}/r/{run}/")
             shown, total, what = front_page_counts(page)
             assert what.startswith("every check, as rlreplay audit"), what
-            assert (shown, total) == (every, every_total)
+            assert (shown, total) == counts(audited)
     finally:
         page.close()
 
