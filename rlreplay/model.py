@@ -227,11 +227,14 @@ def _build_tree(spans: list[Span]) -> None:
 _SPAN_SCALARS = (*SIGNAL_COLUMNS[1:], "prompt_tokens", "response_tokens")
 
 
-def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
+def trajectory_from_table(table: pa.Table, warn: Any = None, shown: Any = None) -> Trajectory:
     """One trajectory's spans (all rows share a trajectory_id, format 2 columns) as a tree.
 
     Token arrays go back where they were recorded, prefixes resolved; a payload that cannot be
-    read becomes an ``error`` marker and is reported through ``warn(message)``.
+    read becomes an ``error`` marker and is reported through ``warn(message)``. ``shown(kind)``
+    (default: every kind) chooses the spans the trajectory holds; the others are decoded only
+    where a token array of a chosen span shares their values, so a chosen span is exactly what
+    the whole trajectory holds.
     """
 
     table = ops.sort_by(table, [("start_ns", "ascending"), ("end_ns", "descending")]).combine_chunks()
@@ -251,15 +254,20 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
         return {n: v[o[i] : o[i + 1]] for n, (o, v) in tokens.items()}
 
     issues: list[str] = []
-    decoded: list[tuple[Any, Any, Any]] = []
-    for r in rows:
-        parts = []
-        for name in ("inputs", "output", "attributes"):
-            value, why = payload.decode_safe(r.get(name))
-            if why:
-                issues.append(f"span {r['span_id']}: {name}: {why}")
-            parts.append(value)
-        decoded.append(tuple(parts))  # type: ignore[arg-type]
+    decoded: dict[int, tuple[Any, Any, Any]] = {}
+
+    def payloads(i: int) -> tuple[Any, Any, Any]:
+        """Row ``i``'s inputs, output and attributes, decoded once."""
+        if i not in decoded:
+            parts = []
+            for name in ("inputs", "output", "attributes"):
+                value, why = payload.decode_safe(rows[i].get(name))
+                if why:
+                    issues.append(f"span {rows[i]['span_id']}: {name}: {why}")
+                parts.append(value)
+            decoded[i] = (parts[0], parts[1], parts[2])
+        return decoded[i]
+
     by_span = {r["span_id"]: i for i, r in enumerate(rows)}
     streams: dict[tuple[str, str], Any] = {}
     resolving: set[tuple[str, str]] = set()
@@ -273,7 +281,8 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
             return None
         resolving.add(key)
         cols = row_columns(i)
-        stream = restorer.span_stream(decoded[i][0], decoded[i][1], cols, dtype)
+        inputs, output, _ = payloads(i)
+        stream = restorer.span_stream(inputs, output, cols, dtype)
         streams[key] = stream
         resolving.discard(key)
         return stream
@@ -281,8 +290,10 @@ def trajectory_from_table(table: pa.Table, warn: Any = None) -> Trajectory:
     restorer = arrays.Restorer(resolve)
     spans = []
     for i, r in enumerate(rows):
+        if shown is not None and not shown(r["kind"]):
+            continue
         cols = row_columns(i)
-        inputs, output, attributes = decoded[i]
+        inputs, output, attributes = payloads(i)
         if tokens:
             inputs = restorer.restore(inputs, cols)
             output = restorer.restore(output, cols)

@@ -607,8 +607,9 @@ class Run:
         skip_kinds: Iterable[str] = (),
     ) -> list[Trajectory]:
         """Several trajectories at once, in the order given, reading only the row groups that hold them;
-        each holds only its spans of ``kinds`` (default: all) not in ``skip_kinds`` (the others are
-        not decoded)."""
+        each holds only its spans of ``kinds`` (default: all) not in ``skip_kinds``: the others are
+        decoded only where a chosen span's token array shares their values, so each span is as the
+        whole trajectory holds it; a trajectory without spans of those kinds is left out."""
         wanted = list(traj_ids)
         if not wanted:
             return []
@@ -632,14 +633,6 @@ class Run:
             else:
                 table = self._partial(f.path)
                 table = base.apply(table) if table is not None else None
-            if table is not None and kinds is not None:
-                table = ops.filter(table, ops.is_in(table["kind"], pa.array(list(kinds), pa.string())))
-            skip = list(skip_kinds)
-            if table is not None and skip:
-                table = ops.filter(
-                    table,
-                    ops.invert(ops.fill_null(ops.is_in(table["kind"], pa.array(skip, pa.string())), False)),
-                )
             if table is not None and table.num_rows:
                 tables.append(table)
         # one stable sort by id, then each trajectory's rows are a slice (one take per trajectory
@@ -650,13 +643,20 @@ class Run:
         for i, tid in enumerate(table["trajectory_id"].to_pylist()):
             start, _ = groups.get(tid, (i, 0))
             groups[tid] = (start, i + 1 - start)
-        return [
+        chosen, skipped = None if kinds is None else set(kinds), set(skip_kinds)
+        shown = None
+        if chosen is not None or skipped:
+            shown = lambda kind: (chosen is None or kind in chosen) and kind not in skipped  # noqa: E731
+        found = [
             trajectory_from_table(
-                table.slice(*groups[t]), lambda m, t=t: self.warn(f"{', '.join(sources.get(t, []))}: {m}")
+                table.slice(*groups[t]),
+                lambda m, t=t: self.warn(f"{', '.join(sources.get(t, []))}: {m}"),
+                shown,
             )
             for t in wanted
             if t in groups
         ]
+        return found if shown is None else [t for t in found if t.spans]  # none of those kinds: none
 
     def counters(self) -> dict[str, int]:
         """Spans dropped, spilled, lost or not encodable in the recording processes, and recoveries

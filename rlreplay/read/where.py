@@ -10,6 +10,7 @@ query runs, never at import.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import threading
 import time
@@ -182,18 +183,195 @@ def filter_where(table: pa.Table, expr: str) -> pa.Table:
         condition = duckdb.SQLExpression(expr)
     except duckdb.Error as exc:
         raise QueryError(f"{what}: not a single expression ({one_line(exc)})") from None
-    con = shared_connection()
     view = with_aliases(merged(table), expr)
     numbered = view.append_column(ROW_COLUMN, pa.array(range(view.num_rows), pa.int64()))
+    budget = _budget.get()
+    if budget is not None:  # DuckDB checks interrupt() between chunks only: a process can be ended
+        return ops.take(table, _rows_elsewhere(numbered, expr, what, budget))
+    return ops.take(table, _rows_here(numbered, condition, what))
+
+
+def _rows_here(numbered: pa.Table, condition: Any, what: str) -> pa.Array:
+    """The row numbers (``ROW_COLUMN``) of ``numbered`` where ``condition`` holds, in order."""
+    duckdb = duckdb_module()
+    con = shared_connection()
     con.register(_LISTING, numbered)  # a subquery may read it too: (SELECT avg(reward) FROM trajectories)
     try:
         relation = con.table(_LISTING).filter(condition)
-        rows = run_query(con, relation.project(ROW_COLUMN).order(ROW_COLUMN), what)[ROW_COLUMN]
+        return run_query(con, relation.project(ROW_COLUMN).order(ROW_COLUMN), what)[ROW_COLUMN]
     except duckdb.Error as exc:  # a column it names, or a type, DuckDB cannot bind
         raise QueryError(f"{what}: {one_line(exc)}") from None
     finally:
         con.unregister(_LISTING)
-    return ops.take(table, rows)
 
 
 _LISTING = "trajectories"
+
+
+# ---- a --where within a time budget runs in a process of its own ----------------------------
+#
+# DuckDB looks at interrupt() between chunks of rows: one chunk's expression (a levenshtein of
+# long strings, a list of millions) runs to its end first, for minutes. A where within a time
+# budget (the web UI's) runs in a child process that is ended when the budget ends.
+
+#: idle where processes kept for the next query (a process starts in ~0.3 s)
+_idle: list[Any] = []
+_idle_lock = threading.Lock()
+_IDLE_KEPT = 2
+#: seconds a where process may take to start (not counted in the budget)
+_START_S = 60.0
+_READY = b"R"
+
+
+def _rows_elsewhere(numbered: pa.Table, expr: str, what: str, budget: float) -> pa.Array:
+    """``_rows_here`` in a where process, ended (killed) when ``budget`` seconds of the query end."""
+    proc = _take_process()
+    started, done = threading.Event(), threading.Event()
+    box: dict[str, Any] = {}
+
+    def talk() -> None:
+        try:
+            if getattr(proc, "rlreplay_new", False) and proc.stdout.read(1) != _READY:
+                raise EOFError("it did not start")
+            started.set()
+            _send(proc.stdin, json.dumps({"expr": expr, "what": what, "memory": _memory["bytes"]}).encode())
+            _send(proc.stdin, _ipc(numbered))
+            proc.stdin.flush()
+            answer = json.loads(_receive(proc.stdout))
+            if "error" in answer:
+                box["error"] = answer["error"]
+            else:
+                box["rows"] = pa.ipc.open_stream(_receive(proc.stdout)).read_all()[ROW_COLUMN]
+        except (OSError, EOFError, ValueError, pa.ArrowException) as exc:
+            box["ended"] = f"{what}: the query's process ended ({one_line(exc)})"
+        finally:
+            started.set()
+            done.set()
+
+    threading.Thread(target=talk, name="rlreplay-where", daemon=True).start()
+    try:
+        started.wait(_START_S)
+        deadline = time.monotonic() + budget
+        while not done.wait(_POLL_S):
+            if time.monotonic() >= deadline:
+                _end(proc)
+                raise QueryError(f"{what}: stopped after {budget:g} s, the time a query may take here")
+    except KeyboardInterrupt:
+        _end(proc)
+        raise
+    if "ended" in box:
+        _end(proc)
+        raise QueryError(box["ended"])
+    _keep(proc)
+    if "error" in box:
+        raise QueryError(box["error"])
+    return box["rows"]
+
+
+def _take_process() -> Any:
+    """An idle where process, else a new one."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with _idle_lock:
+        while _idle:
+            proc = _idle.pop()
+            if proc.poll() is None:
+                return proc
+    env = dict(os.environ)
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    here = str(Path(__file__).resolve().parents[2])  # the folder holding the rlreplay package
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlreplay.read.where"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    proc.rlreplay_new = True  # type: ignore[attr-defined]
+    return proc
+
+
+def _keep(proc: Any) -> None:
+    """Keep a where process that answered for the next query (a few at most)."""
+    proc.rlreplay_new = False
+    with _idle_lock:
+        if len(_idle) < _IDLE_KEPT:
+            _idle.append(proc)
+            return
+    _end(proc)
+
+
+def _end(proc: Any) -> None:
+    """End a where process now, whatever it is computing."""
+    import subprocess
+
+    proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+    for pipe in (proc.stdin, proc.stdout):
+        with contextlib.suppress(OSError):
+            pipe.close()
+
+
+def _ipc(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _send(out: Any, data: bytes) -> None:
+    out.write(len(data).to_bytes(8, "little"))
+    out.write(data)
+
+
+def _receive(source: Any) -> bytes:
+    size = int.from_bytes(_exactly(source, 8), "little")
+    return _exactly(source, size)
+
+
+def _exactly(source: Any, n: int) -> bytes:
+    data = source.read(n)
+    if len(data) != n:
+        raise EOFError("the other end closed")
+    return data
+
+
+def serve() -> None:
+    """A where process: answers ``_rows_elsewhere``'s queries (stdin, stdout) until stdin ends."""
+    import os
+    import sys
+
+    duckdb = duckdb_module()
+    source = sys.stdin.buffer
+    out = os.fdopen(os.dup(1), "wb")  # the answers' pipe: whatever else writes to stdout goes to stderr
+    os.dup2(2, 1)
+    out.write(_READY)
+    out.flush()
+    while True:
+        try:
+            request = json.loads(_receive(source))
+            numbered = pa.ipc.open_stream(_receive(source)).read_all()
+        except EOFError:
+            return
+        what = request["what"]
+        try:
+            if request["memory"] != _memory["bytes"]:
+                set_memory_limit(request["memory"])
+            rows = _rows_here(numbered, duckdb.SQLExpression(request["expr"]), what)
+        except QueryError as exc:
+            _send(out, json.dumps({"error": str(exc)}).encode())
+        except Exception as exc:  # one line to the page, never a traceback
+            _send(out, json.dumps({"error": f"{what}: {one_line(exc)}"}).encode())
+        else:
+            _send(out, b"{}")
+            _send(out, _ipc(pa.table({ROW_COLUMN: rows})))
+        out.flush()
+
+
+if __name__ == "__main__":
+    serve()

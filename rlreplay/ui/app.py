@@ -103,6 +103,8 @@ def _when(value: Any) -> str:
         return "–"
 
 
+#: the page context's messages (errors, reasons), shown without this machine's paths
+MESSAGES = ("message", "why", "error", "decoder_error")
 #: findings listed on the findings page (the counts cover them all)
 FINDINGS_SHOWN = 1000
 
@@ -111,6 +113,7 @@ class UI:
     def __init__(self, runs: RunSet, poll_ms: int = 1500) -> None:
         self.runs = runs
         self.env = _env()
+        self.env.filters["nopath"] = runs.without_paths
         self.poll_ms = poll_ms
         self.comparisons = Comparisons(runs)
 
@@ -125,6 +128,11 @@ class UI:
             view.stats()
 
     def page(self, template: str, status: int = 200, **context: Any) -> HTMLResponse:
+        for key in MESSAGES:  # what a page says: no path of this machine
+            if isinstance(context.get(key), str):
+                context[key] = self.runs.without_paths(context[key])
+        if context.get("warnings"):
+            context["warnings"] = [self.runs.without_paths(w) for w in context["warnings"]]
         context.setdefault("view", None)
         context.setdefault("version", "")
         context.setdefault("crumbs", [])
@@ -171,7 +179,8 @@ class UI:
         stats = view.stats()
         counters = view.counters()
         losses = {k: v for k, v in counters.items() if k in LOSS_COUNTERS and v}
-        findings = _findings_per_step(view.listing_findings())
+        found, found_what = view.counted_findings()
+        findings = _findings_per_step(found)
         sections = []
         for split, label in ((False, "training"), (True, "validation")):
             rows = [s for s in stats if s["validate"] == split]
@@ -200,6 +209,8 @@ class UI:
             total=table.num_rows,
             status_counts=status_counts,
             sections=sections,
+            findings_total=len(found),
+            findings_what=found_what,
             warnings=view.run.notes(),
             crumbs=[],
         )

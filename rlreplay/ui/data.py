@@ -75,6 +75,19 @@ class RunSet:
         if self.single:
             open_run(self.root)  # fails early on an unreadable manifest
 
+    def without_paths(self, text: str) -> str:
+        """A message (an error, a warning) as a page shows it: this machine's folders of the runs
+        shown become the runs' names, the user's home folder ``~``; no page shows a local path."""
+        swaps = [(str(view.run.path), name) for name, view in self._views.items()]
+        if self.uri is None:
+            swaps += [(f"{self.root}/", f"{self.name}/" if self.single else ""), (str(self.root), self.name)]
+        home = os.path.expanduser("~").rstrip("/")
+        if home:
+            swaps += [(f"{home}/", "~/"), (home, "~")]
+        for local, shown in sorted(swaps, key=lambda s: -len(s[0])):
+            text = text.replace(local, shown)
+        return text
+
     def names(self) -> list[str]:
         if self.single:
             return [self.name]
@@ -380,6 +393,25 @@ class RunView:
         if self._listing_findings is None or self._listing_findings[0] is not table:
             self._listing_findings = (table, self._check_listing(table))
         return self._listing_findings[1]
+
+    def counted_findings(self) -> tuple[list[Any], str]:
+        """The findings the front page counts now, and what they are: the whole audit's (every
+        check, as ``rlreplay audit``) once it ran, else what the checks over the listing find."""
+        table = self.listing()
+        if self._findings is not None and self._findings[0] is table:
+            report = self._findings[1]
+            skipped = [f"{name} (skipped: {why})" for name, why in report.skipped.items()]
+            what = "every check, as rlreplay audit" + (f"; {', '.join(skipped)}" if skipped else "")
+            return list(report.findings), what
+        from rlreplay.audit.finding import OVER_LISTING
+
+        names = [c.name for c in self.checks() if c.over == OVER_LISTING]
+        what = (
+            f"only the checks over the listing: {', '.join(names)}"
+            + (" (without its per-step verdicts from per-token log-probs)" if "mismatch" in names else "")
+            + "; the findings page runs every check"
+        )
+        return self.listing_findings(), what
 
     def _check_listing(self, table: pa.Table) -> list[Any]:
         from rlreplay.audit import engine
