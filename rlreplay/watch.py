@@ -1,0 +1,353 @@
+"""Following a run while it is recorded (``rlreplay watch``): each step, once its shards are sealed,
+goes through the audit checks and the mismatch figures, then through trend checks against the
+run's own earlier steps; what changed becomes an alert naming the trajectories behind it.
+
+The watch reads only sealed shards and keeps a few numbers per step for the last ``WINDOW``
+steps: its memory is one step's reading plus that window. It opens the run again at every look,
+so nothing read of earlier steps stays cached.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlreplay.errors import RunError
+
+#: Earlier steps a step is compared with.
+WINDOW = 10
+#: Earlier steps a trend check needs before it alerts (the first steps set the baseline).
+BASELINE_STEPS = 2
+#: A share must also rise this many standard deviations (over the earlier steps) to alert.
+NOISE_SIGMAS = 3.0
+#: The watch's own thresholds (``--threshold KEY=VALUE``, beside the audit checks' ones).
+THRESHOLDS: dict[str, float] = {
+    # a check alerts when the share of a step's trajectories it flags rises this much (and
+    # NOISE_SIGMAS standard deviations) above its mean share over the earlier steps ...
+    "alert_jump": 0.2,
+    # ... and flags at least this many trajectories
+    "alert_min": 2.0,
+    # mean training reward this far below the earlier steps' mean: reward collapse
+    "reward_drop": 0.3,
+    # mean response length up this fraction from the earlier steps' mean: length drift
+    "length_growth": 0.5,
+}
+#: Trajectories an alert names; more are counted in its ``count``.
+NAMED = 50
+#: Mismatch verdicts worth an alert, in rising order of gravity.
+BAD_VERDICTS = ("investigate", "broken")
+#: Manifest statuses of a run that ended (``rlreplay record`` writes them with ``ended_at``).
+ENDED = ("finished", "failed", "not started")
+
+
+@dataclass
+class Alert:
+    step: int
+    check: str
+    severity: str
+    message: str
+    #: the trajectories behind it, worst first (at most ``NAMED``)
+    trajectories: list[str]
+    #: how many trajectories are behind it (``trajectories`` may name fewer)
+    count: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "event": "alert",
+            "step": self.step,
+            "check": self.check,
+            "severity": self.severity,
+            "message": self.message,
+            "trajectories": self.trajectories,
+            "count": self.count,
+        }
+
+
+@dataclass
+class StepSummary:
+    """What the trend checks keep of a step."""
+
+    step: int
+    trajectories: int
+    #: per check: the share of the step's trajectories it flags
+    shares: dict[str, float]
+    reward: float | None
+    response_tokens: float | None
+    verdict: str | None
+
+
+@dataclass
+class StepResult:
+    event: dict[str, Any]
+    alerts: list[Alert] = field(default_factory=list)
+
+
+def run_ended(run: Any) -> bool:
+    """Whether the recorder marked the run ended (``rlreplay record`` does when its job exits)."""
+    data = run.manifest
+    return data.get("ended_at") is not None or data.get("status") in ENDED
+
+
+def int_steps(run: Any) -> list[int]:
+    """The run's integer steps that have a folder, in order."""
+    from rlreplay.format.keys import parse_int
+
+    return sorted(s for s in (parse_int(p) for p in run.step_partitions()) if s is not None)
+
+
+def sealed_steps(run: Any, ended: bool, after: int | None = None) -> Iterator[tuple[int, float]]:
+    """(step, when its newest shard was sealed) of each step after ``after`` whose files are all
+    sealed and that no process writes to any more: a later step began, or the run ended. In
+    order; stops at the first step still being written."""
+    steps = int_steps(run)
+    for k, step in enumerate(steps):
+        if after is not None and step <= after:
+            continue
+        if k == len(steps) - 1 and not ended:
+            return  # the newest step: its processes may still write it
+        sealed, live = run.span_files(step)
+        if live:
+            return
+        if not sealed:
+            continue
+        yield step, max(run.store.stamp(p)[1] for p in sealed) / 1e9
+
+
+class Watcher:
+    """The per-step analysis and the trend checks, with the window of earlier steps."""
+
+    def __init__(
+        self,
+        checks: Sequence[Any],
+        thresholds: dict[str, float] | None = None,
+        tokenizer: str | None = None,
+        window: int = WINDOW,
+    ) -> None:
+        from rlreplay.audit import engine
+
+        self.checks = list(checks)
+        self.thresholds = {**THRESHOLDS, **engine.default_thresholds(self.checks), **(thresholds or {})}
+        self.tokenizer = tokenizer
+        self.history: deque[StepSummary] = deque(maxlen=window)
+        #: checks that could not run (skipped or failed), and why: said once
+        self.notes: dict[str, str] = {}
+
+    def step(self, run: Any, step: int) -> StepResult:
+        """The step's event and alerts (the step's summary joins the window)."""
+        from rlreplay.audit import engine
+        from rlreplay.format.arrow_ops import release_unused
+        from rlreplay.model import listing_rows
+        from rlreplay.read.selection import Selection
+
+        listing = Selection(step=str(step)).trajectories(run)
+        audit_thresholds = {k: v for k, v in self.thresholds.items() if k not in THRESHOLDS}
+        report = engine.audit(run, listing, self.checks, audit_thresholds, self.tokenizer)
+        for name, why in {**report.skipped, **report.failed}.items():
+            self.notes.setdefault(name, why)
+        rows = listing_rows(listing.select([c for c in _ROW_COLUMNS if c in listing.column_names]))
+        flagged = _flagged_by_check(report, listing)
+        verdict, worst = _mismatch(run, listing)
+        release_unused()
+        summary = _summarize(step, rows, flagged, verdict)
+        alerts = self._alerts(summary, rows, flagged, report.findings, worst)
+        self.history.append(summary)
+        train = [r for r in rows if not r["validate"]]
+        advantages = [r["advantage"] for r in train if r.get("advantage") is not None]
+        tools = sum(r["tool_calls"] or 0 for r in train)
+        event = {
+            "event": "step",
+            "step": step,
+            "trajectories": len(rows),
+            "reward": _round(summary.reward),
+            "advantage_std": _round(_std(advantages)),
+            "response_tokens": _round(summary.response_tokens),
+            "tool_error_rate": _round(sum(r["tool_errors"] or 0 for r in train) / tools if tools else None),
+            "mismatch": verdict,
+            "findings": {name: len(ids) for name, ids in flagged.items()},
+        }
+        return StepResult(event, alerts)
+
+    def _alerts(
+        self,
+        now: StepSummary,
+        rows: list[dict[str, Any]],
+        flagged: dict[str, list[str]],
+        findings: list[Any],
+        worst_mismatch: list[str],
+    ) -> list[Alert]:
+        t = self.thresholds
+        earlier = list(self.history)
+        out: list[Alert] = []
+        severity = {f.check: f.severity for f in findings if f.severity == "error"}
+        trend = len(earlier) >= BASELINE_STEPS
+        for name, ids in flagged.items():
+            share = now.shares.get(name, 0.0)
+            before = [h.shares.get(name, 0.0) for h in earlier]
+            base = _mean(before) or 0.0
+            rise = max(t["alert_jump"], NOISE_SIGMAS * (_std(before) or 0.0))
+            if trend and share - base >= rise and len(ids) >= t["alert_min"]:
+                since = f"{base:.0%} over the {len(earlier)} steps before"
+                out.append(
+                    _alert(
+                        now.step,
+                        name,
+                        severity.get(name, "warning"),
+                        f"{name}: {len(ids)} of {now.trajectories} trajectories ({share:.0%}), {since}",
+                        ids,
+                    )
+                )
+        if now.verdict in BAD_VERDICTS:
+            before = next((h.verdict for h in reversed(earlier) if h.verdict is not None), None)
+            rank = BAD_VERDICTS.index
+            if before not in BAD_VERDICTS or rank(now.verdict) > rank(before):
+                out.append(
+                    _alert(
+                        now.step,
+                        "mismatch_verdict",
+                        "error" if now.verdict == "broken" else "warning",
+                        f"mismatch verdict {now.verdict} (was {before or 'ok'}): trainer and rollout "
+                        "log-probs part; the responses with the largest gap named",
+                        worst_mismatch,
+                    )
+                )
+        train = [r for r in rows if not r["validate"]]
+        rewards = [h.reward for h in earlier if h.reward is not None]
+        if now.reward is not None and trend and rewards:
+            base = _mean(rewards) or 0.0
+            if base - now.reward >= t["reward_drop"]:
+                cut = base - t["reward_drop"]
+                low = sorted(
+                    (r for r in train if r.get("reward") is not None and r["reward"] < cut),
+                    key=lambda r: r["reward"],
+                )
+                out.append(
+                    _alert(
+                        now.step,
+                        "reward_collapse",
+                        "error",
+                        f"mean reward {now.reward:.3g}, down from {base:.3g} over the {len(rewards)} steps "
+                        f"before; trajectories below {cut:.3g} named",
+                        [r["id"] for r in low],
+                    )
+                )
+        lengths = [h.response_tokens for h in earlier if h.response_tokens]
+        if now.response_tokens is not None and trend and lengths:
+            base = _mean(lengths) or 0.0
+            limit = base * (1 + t["length_growth"])
+            if now.response_tokens > limit:
+                long = sorted(
+                    (r for r in train if (r["response_tokens"] or 0) > limit),
+                    key=lambda r: -(r["response_tokens"] or 0),
+                )
+                out.append(
+                    _alert(
+                        now.step,
+                        "length_drift",
+                        "warning",
+                        f"mean response length {now.response_tokens:.0f} tokens, up from {base:.0f} over "
+                        f"the {len(lengths)} steps before; responses over {limit:.0f} named",
+                        [r["id"] for r in long],
+                    )
+                )
+        return out
+
+
+_ROW_COLUMNS = ("id", "validate", "reward", "advantage", "response_tokens", "tool_calls", "tool_errors")
+
+
+def _alert(step: int, check: str, severity: str, message: str, ids: list[str]) -> Alert:
+    return Alert(step, check, severity, message, ids[:NAMED], len(ids))
+
+
+def _flagged_by_check(report: Any, listing: Any) -> dict[str, list[str]]:
+    """Per check that ran: the ids of the trajectories its findings point at (a group finding:
+    the group's rollouts), worst first."""
+    from rlreplay.audit import engine
+
+    by_check: dict[str, list[Any]] = {c.name: [] for c in report.checks if c.name not in report.skipped}
+    for finding in report.findings:
+        by_check.setdefault(finding.check, []).append(finding)
+    out: dict[str, list[str]] = {}
+    for name, found in by_check.items():
+        found.sort(key=lambda f: -f.score)
+        ids = engine.finding_ids(engine.Report(report.checks, found), listing)
+        ranked = list(dict.fromkeys(f.trajectory_id for f in found if f.trajectory_id in ids))
+        out[name] = ranked + sorted(ids - set(ranked))
+    return out
+
+
+def _mismatch(run: Any, listing: Any) -> tuple[str | None, list[str]]:
+    """The step's mismatch verdict over its training responses (None: nothing to compare) and the
+    responses with the largest gap."""
+    from rlreplay.mismatch.report import LISTING_COLUMNS, compute
+
+    try:
+        report = compute(run, listing.select(LISTING_COLUMNS), token_ids=False)
+    except RunError:
+        return None, []
+    verdicts = [r["verdict"] for r in report.steps if not r["validate"] and r.get("verdict")]
+    worst = [r["id"] for r in report.worst_rollouts if r.get("id")]
+    return (max(verdicts, key=_gravity) if verdicts else None), worst
+
+
+def _gravity(verdict: str) -> int:
+    return BAD_VERDICTS.index(verdict) + 1 if verdict in BAD_VERDICTS else 0
+
+
+def _summarize(
+    step: int, rows: list[dict[str, Any]], flagged: dict[str, list[str]], verdict: str | None
+) -> StepSummary:
+    train = [r for r in rows if not r["validate"]]
+    n = len(rows)
+    return StepSummary(
+        step,
+        n,
+        {name: len(ids) / n for name, ids in flagged.items()} if n else {},
+        _mean([r["reward"] for r in train if r.get("reward") is not None]),
+        _mean([r["response_tokens"] for r in train if r["response_tokens"] is not None]),
+        verdict,
+    )
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def _std(values: list[float]) -> float | None:
+    mean = _mean(values)
+    if mean is None:
+        return None
+    return (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+def follow(
+    open_run: Callable[[], Any],
+    watcher: Watcher,
+    emit: Callable[[StepResult, float], None],
+    from_step: int | None = None,
+    interval: float = 2.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Watch the run until it ends: each sealed step (from ``from_step``) goes through ``watcher``
+    and to ``emit`` with the time its newest shard was sealed. Returns the number of steps seen."""
+    done: int | None = None if from_step is None else from_step - 1
+    seen = 0
+    while True:
+        run = open_run()  # afresh each look: nothing of earlier steps stays cached
+        ended = run_ended(run)
+        for step, sealed_at in list(sealed_steps(run, ended, done)):
+            emit(watcher.step(run, step), sealed_at)
+            done = step
+            seen += 1
+        if ended:
+            return seen
+        del run
+        sleep(interval)
