@@ -164,7 +164,7 @@ def _run_on_alert(command: str, alert: dict[str, Any]) -> None:
         done = subprocess.run(
             command,
             shell=True,
-            input=orjson.dumps(alert),
+            input=orjson.dumps(alert) + b"\n",
             stdout=sys.stderr,
             timeout=ON_ALERT_SECONDS,
             check=False,

@@ -35,6 +35,8 @@ THRESHOLDS: dict[str, float] = {
     # mean response length up this fraction from the earlier steps' mean: length drift
     "length_growth": 0.5,
 }
+#: Shares are ratios of counts: a rise of exactly the threshold counts despite rounding.
+EPSILON = 1e-9
 #: Trajectories an alert names; more are counted in its ``count``.
 NAMED = 50
 #: Mismatch verdicts worth an alert, in rising order of gravity.
@@ -147,13 +149,13 @@ class Watcher:
         report = engine.audit(run, listing, self.checks, audit_thresholds, self.tokenizer)
         for name, why in {**report.skipped, **report.failed}.items():
             self.notes.setdefault(name, why)
-        rows = listing_rows(listing.select([c for c in _ROW_COLUMNS if c in listing.column_names]))
+        rows = listing_rows(listing.select([c for c in ROW_COLUMNS if c in listing.column_names]))
         flagged = _flagged_by_check(report, listing)
+        severities = {f.check: f.severity for f in report.findings if f.severity == "error"}
         verdict, worst = _mismatch(run, listing)
         release_unused()
-        summary = _summarize(step, rows, flagged, verdict)
-        alerts = self._alerts(summary, rows, flagged, report.findings, worst)
-        self.history.append(summary)
+        summary = summarize(step, rows, flagged, verdict)
+        alerts = self.judge(summary, rows, flagged, severities, worst)
         train = [r for r in rows if not r["validate"]]
         advantages = [r["advantage"] for r in train if r.get("advantage") is not None]
         tools = sum(r["tool_calls"] or 0 for r in train)
@@ -170,25 +172,40 @@ class Watcher:
         }
         return StepResult(event, alerts)
 
+    def judge(
+        self,
+        now: StepSummary,
+        rows: list[dict[str, Any]],
+        flagged: dict[str, list[str]],
+        severities: dict[str, str] | None = None,
+        worst_mismatch: Sequence[str] = (),
+    ) -> list[Alert]:
+        """The alerts of step ``now`` against the steps before it (``rows``: its listing rows with
+        ``ROW_COLUMNS``; ``flagged``: per check, the trajectories it flags, worst first;
+        ``severities``: a check's severity when not "warning"; ``worst_mismatch``: the responses
+        with the largest trainer-rollout gap). The step then joins the window."""
+        alerts = self._alerts(now, rows, flagged, severities or {}, list(worst_mismatch))
+        self.history.append(now)
+        return alerts
+
     def _alerts(
         self,
         now: StepSummary,
         rows: list[dict[str, Any]],
         flagged: dict[str, list[str]],
-        findings: list[Any],
+        severity: dict[str, str],
         worst_mismatch: list[str],
     ) -> list[Alert]:
         t = self.thresholds
         earlier = list(self.history)
         out: list[Alert] = []
-        severity = {f.check: f.severity for f in findings if f.severity == "error"}
         trend = len(earlier) >= BASELINE_STEPS
         for name, ids in flagged.items():
             share = now.shares.get(name, 0.0)
             before = [h.shares.get(name, 0.0) for h in earlier]
             base = _mean(before) or 0.0
             rise = max(t["alert_jump"], NOISE_SIGMAS * (_std(before) or 0.0))
-            if trend and share - base >= rise and len(ids) >= t["alert_min"]:
+            if trend and share - base >= rise - EPSILON and len(ids) >= t["alert_min"]:
                 since = f"{base:.0%} over the {len(earlier)} steps before"
                 out.append(
                     _alert(
@@ -255,7 +272,8 @@ class Watcher:
         return out
 
 
-_ROW_COLUMNS = ("id", "validate", "reward", "advantage", "response_tokens", "tool_calls", "tool_errors")
+#: The listing columns the trend checks read.
+ROW_COLUMNS = ("id", "validate", "reward", "advantage", "response_tokens", "tool_calls", "tool_errors")
 
 
 def _alert(step: int, check: str, severity: str, message: str, ids: list[str]) -> Alert:
@@ -297,9 +315,11 @@ def _gravity(verdict: str) -> int:
     return BAD_VERDICTS.index(verdict) + 1 if verdict in BAD_VERDICTS else 0
 
 
-def _summarize(
+def summarize(
     step: int, rows: list[dict[str, Any]], flagged: dict[str, list[str]], verdict: str | None
 ) -> StepSummary:
+    """What the trend checks keep of a step: its size, each check's share, its training rows' mean
+    reward and response length, its mismatch verdict."""
     train = [r for r in rows if not r["validate"]]
     n = len(rows)
     return StepSummary(
