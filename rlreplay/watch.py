@@ -144,6 +144,7 @@ class Watcher:
         from rlreplay.model import listing_rows
         from rlreplay.read.selection import Selection
 
+        cpu = time.process_time()
         listing = Selection(step=str(step)).trajectories(run)
         audit_thresholds = {k: v for k, v in self.thresholds.items() if k not in THRESHOLDS}
         report = engine.audit(run, listing, self.checks, audit_thresholds, self.tokenizer)
@@ -169,6 +170,8 @@ class Watcher:
             "tool_error_rate": _round(sum(r["tool_errors"] or 0 for r in train) / tools if tools else None),
             "mismatch": verdict,
             "findings": {name: len(ids) for name, ids in flagged.items()},
+            # what reading and checking the step cost this process (the cost of watching)
+            "cpu_s": round(time.process_time() - cpu, 4),
         }
         return StepResult(event, alerts)
 

@@ -1,11 +1,11 @@
 """A generic RL job recorded step by step for the watch tests (run under ``rlreplay record``).
 
-``python watch_job.py STEPS FAULT_STEP CONTROL``: steps 0..STEPS-1 of 4 prompts x 4 rollouts, a model
-call, a tool call and a second model call each. From FAULT_STEP on, rollouts 2 and 3 of every group
-(half the rollouts) degenerate: their response repeats one 4-gram and their tool raises. Each
-trajectory's id goes into ``CONTROL/ids-STEP.jsonl`` with whether it is faulty. After the last step
-the job waits for ``CONTROL/stop`` (at most 120 s), so that a test can see what a watcher printed
-while the job still ran.
+``python watch_job.py STEPS FAULT_STEP CONTROL [SAMPLES ROLLOUTS]``: steps 0..STEPS-1 of 4 prompts x
+4 rollouts (or SAMPLES x ROLLOUTS), a model call, a tool call and a second model call each. From
+FAULT_STEP on, rollouts 2 and 3 of every four (half the rollouts) degenerate: their response repeats
+one 4-gram and their tool raises. Each trajectory's id goes into ``CONTROL/ids-STEP.jsonl`` with
+whether it is faulty. After the last step the job waits for ``CONTROL/stop`` (at most 120 s), so
+that a test can see what a watcher printed while the job still ran.
 """
 
 from __future__ import annotations
@@ -81,12 +81,12 @@ async def one(step: int, sample: int, rollout: int, faulty: bool) -> str:
     return traj.id
 
 
-async def main(steps: int, fault_step: int, control: Path) -> None:
+async def main(steps: int, fault_step: int, control: Path, samples: int, rollouts: int) -> None:
     for step in range(steps):
         jobs = [
-            (sample, rollout, step >= fault_step and rollout in FAULTY_ROLLOUTS)
-            for sample in range(SAMPLES)
-            for rollout in range(ROLLOUTS)
+            (sample, rollout, step >= fault_step and rollout % 4 in FAULTY_ROLLOUTS)
+            for sample in range(samples)
+            for rollout in range(rollouts)
         ]
         ids = await asyncio.gather(*(one(step, s, r, bad) for s, r, bad in jobs))
         lines = [json.dumps({"id": i, "faulty": bad}) for i, (_, _, bad) in zip(ids, jobs)]
@@ -99,4 +99,5 @@ async def main(steps: int, fault_step: int, control: Path) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])))
+    sizes = [int(a) for a in sys.argv[4:6]] or [SAMPLES, ROLLOUTS]
+    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), *sizes))
