@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,10 +59,9 @@ def watch_beside(
     an alert (or the step event of ``until_step``)."""
     control.mkdir(parents=True, exist_ok=True)
     env = env or {k: v for k, v in os.environ.items() if not k.startswith("RLREPLAY_")}
-    rlreplay = [sys.executable, "-m", "rlreplay"]
     job = [sys.executable, str(JOB), str(steps), str(fault_step), str(control)]
     record = subprocess.Popen(
-        [*rlreplay, "record", "--out", run, "--", *job],
+        [sys.executable, "-m", "rlreplay", "record", "--out", run, "--", *job],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -71,13 +71,33 @@ def watch_beside(
         while not any(control.glob("ids-*.jsonl")):  # the run exists once the job records
             assert record.poll() is None and time.monotonic() < deadline, "the job did not start"
             time.sleep(0.05)
-        watch = subprocess.Popen(
-            [*rlreplay, "watch", run, "--json", "--interval", "0.2", *watch_args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        return watch_job(record, run, env, until_step, watch_args, timeout, (control / "stop").touch)
+    finally:
+        (control / "stop").touch()
+        if record.poll() is None:
+            record.kill()
+
+
+def watch_job(
+    job: subprocess.Popen,
+    run: str,
+    env: dict[str, str],
+    until_step: int | None = None,
+    watch_args: tuple[str, ...] = (),
+    timeout: float = 120.0,
+    then: Callable[[], Any] | None = None,
+) -> Watched:
+    """``rlreplay watch RUN --json`` beside the running ``job`` until the job and the watch end;
+    ``then`` is called once watch printed an alert (or the step event of ``until_step``)."""
+    deadline = time.monotonic() + timeout
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "rlreplay", "watch", run, "--json", "--interval", "0.2", *watch_args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
         events: list[dict[str, Any]] = []
         seen = threading.Event()
 
@@ -92,14 +112,14 @@ def watch_beside(
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         seen.wait(max(0.0, deadline - time.monotonic()))
-        running_then = seen.is_set() and record.poll() is None
-        (control / "stop").touch()
-        record_code = record.wait(timeout)
-        watch_code = watch.wait(timeout)
+        running_then = seen.is_set() and job.poll() is None
+        if then is not None:
+            then()
+        job_code = job.wait(max(1.0, deadline - time.monotonic()))
+        watch_code = watch.wait(max(1.0, deadline - time.monotonic()))
         reader.join(timeout)
         assert watch.stderr is not None
-        return Watched(events, running_then, watch_code, watch.stderr.read(), record_code)
+        return Watched(events, running_then, watch_code, watch.stderr.read(), job_code)
     finally:
-        (control / "stop").touch()
-        if record.poll() is None:
-            record.kill()
+        if watch.poll() is None:
+            watch.kill()
