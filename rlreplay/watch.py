@@ -141,7 +141,6 @@ class Watcher:
         """The step's event and alerts (the step's summary joins the window)."""
         from rlreplay.audit import engine
         from rlreplay.format.arrow_ops import release_unused
-        from rlreplay.model import listing_rows
         from rlreplay.read.selection import Selection
 
         cpu = time.process_time()
@@ -150,13 +149,9 @@ class Watcher:
         report = engine.audit(run, listing, self.checks, audit_thresholds, self.tokenizer)
         for name, why in {**report.skipped, **report.failed}.items():
             self.notes.setdefault(name, why)
-        rows = listing_rows(listing.select([c for c in ROW_COLUMNS if c in listing.column_names]))
-        flagged = _flagged_by_check(report, listing)
-        severities = {f.check: f.severity for f in report.findings if f.severity == "error"}
         verdict, worst = _mismatch(run, listing)
         release_unused()
-        summary = summarize(step, rows, flagged, verdict)
-        alerts = self.judge(summary, rows, flagged, severities, worst)
+        rows, flagged, summary, alerts = self.assess(step, listing, report, verdict, worst)
         train = [r for r in rows if not r["validate"]]
         advantages = [r["advantage"] for r in train if r.get("advantage") is not None]
         tools = sum(r["tool_calls"] or 0 for r in train)
@@ -174,6 +169,19 @@ class Watcher:
             "cpu_s": round(time.process_time() - cpu, 4),
         }
         return StepResult(event, alerts)
+
+    def assess(
+        self, step: int, listing: Any, report: Any, verdict: str | None, worst: Sequence[str] = ()
+    ) -> tuple[list[dict[str, Any]], dict[str, list[str]], StepSummary, list[Alert]]:
+        """The step's listing rows, the trajectories each check flags, its summary and its alerts,
+        from the step's ``listing`` and the audit ``report`` over it (the step joins the window)."""
+        from rlreplay.model import listing_rows
+
+        rows = listing_rows(listing.select([c for c in ROW_COLUMNS if c in listing.column_names]))
+        flagged = _flagged_by_check(report, listing)
+        severities = {f.check: f.severity for f in report.findings if f.severity == "error"}
+        summary = summarize(step, rows, flagged, verdict)
+        return rows, flagged, summary, self.judge(summary, rows, flagged, severities, worst)
 
     def judge(
         self,
@@ -349,6 +357,37 @@ def _std(values: list[float]) -> float | None:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
+
+
+def alerts_over(
+    listing: Any,
+    report: Any,
+    verdicts: dict[int, str | None] | None = None,
+    thresholds: dict[str, float] | None = None,
+    until: int | None = None,
+) -> list[Alert]:
+    """The alerts ``watch`` gives, step by step, over a run already read: ``listing`` (rows of
+    ``run.trajectories()``), the audit ``report`` over it, each step's mismatch ``verdicts``;
+    the integer steps up to ``until`` (None: all). Findings over step ranges (the drift checks)
+    point at no trajectory and are left out, as a step watched alone gives none."""
+    from rlreplay.audit import engine
+    from rlreplay.format import arrow_ops as ops
+    from rlreplay.read.scan import step_rows
+
+    watcher = Watcher(report.checks, thresholds)
+    by_step: dict[Any, list[Any]] = {}
+    for finding in report.findings:
+        by_step.setdefault(finding.step, []).append(finding)
+    out: list[Alert] = []
+    steps = [(step, rows) for step, rows in step_rows(listing) if type(step) is int]
+    for step, rows in sorted(steps, key=lambda pair: pair[0]):
+        if until is not None and step > until:
+            break
+        part = ops.take(listing, rows)
+        found = [f for f in by_step.get(step, []) if f.trajectory_id or f.sample_index is not None]
+        sub = engine.Report(report.checks, found, skipped=report.skipped, failed=report.failed)
+        out += watcher.assess(step, part, sub, (verdicts or {}).get(step))[3]
+    return out
 
 
 def follow(
