@@ -34,7 +34,9 @@ response length, tool error rate, mismatch verdict, findings by check) and one l
 \b
 Alerts are for what changed:
   CHECK            a check flags a share of the step's trajectories alert_jump (0.2) above its
-                   share over the earlier steps, and at least alert_min (2) trajectories
+                   share over the earlier steps (and 3 standard deviations of it), at least
+                   alert_min (2) trajectories, and as many would come by chance at the earlier
+                   rate with probability alert_p (0.01) at most (binomial)
   mismatch_verdict the mismatch verdict moves to investigate or broken
   reward_collapse  mean reward reward_drop (0.3) below the earlier steps' mean
   length_drift     mean response length length_growth (0.5) above the earlier steps' mean

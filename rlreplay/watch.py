@@ -9,6 +9,7 @@ so nothing read of earlier steps stays cached.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -28,8 +29,11 @@ THRESHOLDS: dict[str, float] = {
     # a check alerts when the share of a step's trajectories it flags rises this much (and
     # NOISE_SIGMAS standard deviations) above its mean share over the earlier steps ...
     "alert_jump": 0.2,
-    # ... and flags at least this many trajectories
+    # ... and flags at least this many trajectories ...
     "alert_min": 2.0,
+    # ... and so many would come by chance at the earlier steps' rate with at most this
+    # probability (binomial; what a few rollouts a step cannot tell from noise does not alert)
+    "alert_p": 0.01,
     # mean training reward this far below the earlier steps' mean: reward collapse
     "reward_drop": 0.3,
     # mean response length up this fraction from the earlier steps' mean: length drift
@@ -216,7 +220,12 @@ class Watcher:
             before = [h.shares.get(name, 0.0) for h in earlier]
             base = _mean(before) or 0.0
             rise = max(t["alert_jump"], NOISE_SIGMAS * (_std(before) or 0.0))
-            if trend and share - base >= rise - EPSILON and len(ids) >= t["alert_min"]:
+            if (
+                trend
+                and share - base >= rise - EPSILON
+                and len(ids) >= t["alert_min"]
+                and chance(len(ids), now.trajectories, earlier, name) <= t["alert_p"]
+            ):
                 since = f"{base:.0%} over the {len(earlier)} steps before"
                 out.append(
                     _alert(
@@ -281,6 +290,31 @@ class Watcher:
                     )
                 )
         return out
+
+
+def chance(flagged: int, n: int, earlier: Sequence[StepSummary], check: str) -> float:
+    """The probability of ``flagged`` or more of ``n`` trajectories flagged by ``check`` at the
+    rate of the ``earlier`` steps (binomial; the rate's estimate (k + 1/2) / (n + 1) is never 0)."""
+    k_before = sum(round(h.shares.get(check, 0.0) * h.trajectories) for h in earlier)
+    n_before = sum(h.trajectories for h in earlier)
+    return binomial_tail(flagged, n, (k_before + 0.5) / (n_before + 1))
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), 0 < p < 1 (summed in log space: any n)."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    base = math.lgamma(n + 1)
+    total = 0.0
+    for i in range(k, n + 1):
+        term = math.exp(base - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q)
+        total += term
+        if i > n * p and term < total * 1e-17:  # past the mode, the rest adds nothing
+            break
+    return min(1.0, total)
 
 
 #: The listing columns the trend checks read.

@@ -4,6 +4,7 @@ step, alerts from the fault step on naming the faulty rollouts only, printed whi
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -16,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from watch_live import Watched, faulty_ids, watch_beside
 
-from rlreplay.watch import NAMED, THRESHOLDS, StepSummary, Watcher
+from rlreplay.watch import NAMED, THRESHOLDS, WINDOW, StepSummary, Watcher, binomial_tail
 
 STEPS = 6
 FAULT_STEP = 3
@@ -165,6 +166,17 @@ def test_ctrl_c_ends_a_watch_of_a_running_run_cleanly(tmp_path: Path, faulty) ->
 N = 20
 
 
+def exact_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k), X ~ Binomial(n, p), summed term by term."""
+    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 80), k=st.integers(0, 82), p=st.floats(1e-4, 1 - 1e-4))
+def test_binomial_tail_is_the_sum_of_the_terms(n: int, k: int, p: float) -> None:
+    assert binomial_tail(k, n, p) == pytest.approx(exact_tail(k, n, p), rel=1e-9, abs=1e-300)
+
+
 def _step(watcher: Watcher, step: int, flagged_n: int) -> list:
     rows = [
         {"id": f"s{step}-{k}", "validate": False, "reward": 0.5, "response_tokens": 100} for k in range(N)
@@ -188,7 +200,10 @@ def test_a_steady_history_alerts_only_on_a_jump_naming_exactly_the_flagged(
         assert _step(watcher, step, steady) == []  # a steady run never alerts
     alerts = _step(watcher, earlier, now)
     jump = (now - steady) / N >= THRESHOLDS["alert_jump"] - 1e-9 and now >= THRESHOLDS["alert_min"]
-    expected = jump and earlier >= 2
+    window = min(earlier, WINDOW)
+    rate = (steady * window + 0.5) / (N * window + 1)
+    unlikely = exact_tail(now, N, rate) <= THRESHOLDS["alert_p"]
+    expected = jump and unlikely and earlier >= 2
     assert bool(alerts) == expected, (steady, earlier, now, alerts)
     if alerts:
         (alert,) = alerts
