@@ -97,10 +97,11 @@ def watch_command(
     alerts = 0
     said: set[str] = set()
 
-    def emit(result: Any, sealed_at: float) -> None:
+    def emit(opened: Any, result: Any, sealed_at: float) -> None:
         nonlocal alerts
         event = {**result.event, "delay_s": round(max(0.0, time.time() - sealed_at), 3)}
         _print(event, as_json)
+        report_warnings(opened)  # what reading the step met (a damaged file), as it happens
         for name, why in watcher.notes.items():
             if name not in said:
                 said.add(name)
@@ -119,11 +120,24 @@ def watch_command(
         return open_run_arg(run, run_path)
 
     try:
-        watch.follow(open_again, watcher, emit, from_step=start, interval=interval)
+        watch.follow(open_again, watcher, emit, from_step=start, interval=interval, warn=_warn_once())
     except KeyboardInterrupt:
         print("rlreplay: watch stopped", file=sys.stderr)
-    report_warnings(first)
     return 1 if alerts else 0
+
+
+def _warn_once() -> Any:
+    """A warning printer that says each message once (secrets redacted)."""
+    from rlreplay.format.redact import redact_value
+
+    said: set[str] = set()
+
+    def warn(message: str) -> None:
+        if message not in said:
+            said.add(message)
+            print(f"rlreplay: warning: {redact_value(message)}", file=sys.stderr)
+
+    return warn
 
 
 def _print(event: dict[str, Any], as_json: bool) -> None:

@@ -424,26 +424,42 @@ def alerts_over(
     return out
 
 
+#: Looks in a row that may fail to read the run (a store or file system away for a while) before
+#: the watch gives up: with the default interval, about a minute.
+FAILED_LOOKS = 30
+
+
 def follow(
     open_run: Callable[[], Any],
     watcher: Watcher,
-    emit: Callable[[StepResult, float], None],
+    emit: Callable[[Any, StepResult, float], None],
     from_step: int | None = None,
     interval: float = 2.0,
+    warn: Callable[[str], None] = lambda message: None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """Watch the run until it ends: each sealed step (from ``from_step``) goes through ``watcher``
-    and to ``emit`` with the time its newest shard was sealed. Returns the number of steps seen."""
+    and to ``emit`` with the run as read at that look and the time the step's newest shard was
+    sealed. A look that cannot read the run (``RunError``) is said to ``warn`` and tried again
+    at the next; after ``FAILED_LOOKS`` in a row the error is raised. Returns the steps seen."""
     done: int | None = None if from_step is None else from_step - 1
-    seen = 0
+    seen = failed = 0
     while True:
-        run = open_run()  # afresh each look: nothing of earlier steps stays cached
-        ended = run_ended(run)
-        for step, sealed_at in list(sealed_steps(run, ended, done)):
-            emit(watcher.step(run, step), sealed_at)
-            done = step
-            seen += 1
-        if ended:
-            return seen
-        del run
+        try:
+            run = open_run()  # afresh each look: nothing of earlier steps stays cached
+            ended = run_ended(run)
+            for step, sealed_at in list(sealed_steps(run, ended, done)):
+                emit(run, watcher.step(run, step), sealed_at)
+                done = step
+                seen += 1
+        except RunError as exc:
+            failed += 1
+            if failed >= FAILED_LOOKS:
+                raise
+            warn(f"cannot read the run now ({exc}); trying again")
+        else:
+            failed = 0
+            if ended:
+                return seen
+            del run
         sleep(interval)

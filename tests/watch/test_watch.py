@@ -239,3 +239,43 @@ def test_a_mismatch_verdict_alerts_when_it_gets_worse_only() -> None:
         alerts = watcher.judge(summary, [], {}, worst_mismatch=[f"worst-{step}"])
         fired += [(a.step, a.severity, a.trajectories) for a in alerts if a.check == "mismatch_verdict"]
     assert fired == [(1, "warning", ["worst-1"]), (3, "error", ["worst-3"]), (6, "warning", ["worst-6"])]
+
+
+def _running_copy(run: Path, to: Path) -> Path:
+    shutil.copytree(run, to)
+    data = json.loads((to / "run.json").read_text())
+    (to / "run.json").write_text(json.dumps({**data, "status": "running", "ended_at": None}))
+    return to
+
+
+def test_a_run_out_of_reach_for_a_while_is_watched_on_then_given_up(tmp_path: Path, faulty) -> None:
+    _, base, _ = faulty
+    run = _running_copy(base / "run", tmp_path / "run")
+    args = [sys.executable, "-m", "rlreplay", "watch", str(run), "--json", "--interval", "0.1"]
+    proc = subprocess.Popen(
+        [*args, "--from", str(FAULT_STEP + 1)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    assert json.loads(proc.stdout.readline())["step"] == FAULT_STEP + 1
+    run.rename(tmp_path / "away")  # the file system is gone for a while (a few looks)
+    time.sleep(1.0)
+    (tmp_path / "away").rename(run)
+    data = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**data, "status": "finished", "ended_at": time.time()}))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert [json.loads(line)["step"] for line in out.splitlines()] == [FAULT_STEP + 2]
+    warned = [line for line in err.splitlines() if "cannot read the run now" in line]
+    assert len(warned) == 1 and warned[0].startswith("rlreplay: warning: "), err
+    # gone for good: after FAILED_LOOKS looks, one error line and exit 2
+    _running_copy(base / "run", tmp_path / "gone")
+    proc = subprocess.Popen(
+        [*args[:4], str(tmp_path / "gone"), *args[5:], "--from", str(STEPS)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(0.5)
+    shutil.rmtree(tmp_path / "gone")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert err.splitlines()[-1].startswith("rlreplay: error: ") and "Traceback" not in err
