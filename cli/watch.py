@@ -46,7 +46,10 @@ Each names its trajectories, worst first (at most 50; "count" says how many in a
 "message", "trajectories", "count"}. --on-alert CMD runs CMD (a shell command) per alert with the
 alert's JSON on stdin; a CMD that fails is a warning and watching goes on.
 
-Ends when the run ends (the recorder marks it finished in run.json) or on Ctrl-C.
+Ends when the run ends (rlreplay record marks it finished in run.json; a run recorded by
+rlreplay.init alone is followed until Ctrl-C) or on Ctrl-C. A look that cannot read the run is
+a warning and is tried again (30 looks in a row: exit 2).
+
 Exit code: 1 if any alert fired, 0 if none, 2 if the run could not be read.
 """
 
