@@ -24,7 +24,7 @@ from rlreplay.cli.app import (
 #: Seconds an --on-alert command may run before it is stopped (watching goes on).
 ON_ALERT_SECONDS = 60
 
-WATCH_HELP = """Follow a run while it is recorded; alert on what goes wrong, naming the rollouts.
+WATCH_HELP = """Follow a run as it is recorded and alert on what changes.
 
 As each step's shards are sealed (a later step began, or the run ended), runs the audit checks
 (rlreplay audit --help) and the mismatch figures on that step, then trend checks against the
@@ -68,11 +68,11 @@ def watch_command(
         ),
     ] = None,
     checks: Annotated[
-        str | None, typer.Option("--checks", metavar="A,B", help="Only these audit checks (default: all).")
+        str | None, typer.Option("--checks", metavar="A,B", help="Only these checks (default: all).")
     ] = None,
     threshold: Annotated[
         list[str] | None,
-        typer.Option("--threshold", metavar="KEY=VALUE", help="Override an audit or alert threshold."),
+        typer.Option("--threshold", metavar="KEY=VALUE", help="Override a threshold."),
     ] = None,
     interval: Annotated[
         float,
