@@ -9,6 +9,11 @@
       if (r.ok) {
         box.innerHTML = await r.text();
         box.dataset.loaded = String(Number(box.dataset.loaded || 0) + 1);
+      } else {
+        const p = document.createElement("p");
+        p.className = "warn";
+        p.textContent = "The alerts could not be computed (HTTP " + r.status + "): see the findings page.";
+        box.replaceChildren(p);
       }
     } catch (e) {
       // server gone or busy: the next change tries again
