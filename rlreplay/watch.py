@@ -45,6 +45,8 @@ EPSILON = 1e-9
 NAMED = 50
 #: Mismatch verdicts worth an alert, in rising order of gravity.
 BAD_VERDICTS = ("investigate", "broken")
+#: Seconds a step must have been left alone (a later step begun) before it is taken as whole.
+SETTLE_S = 1.0
 #: Manifest statuses of a run that ended (``rlreplay record`` writes them with ``ended_at``).
 ENDED = ("finished", "failed", "not started")
 
@@ -104,11 +106,16 @@ def int_steps(run: Any) -> list[int]:
     return sorted(s for s in (parse_int(p) for p in run.step_partitions()) if s is not None)
 
 
-def sealed_steps(run: Any, ended: bool, after: int | None = None) -> Iterator[tuple[int, float]]:
+def sealed_steps(
+    run: Any, ended: bool, after: int | None = None, now: float | None = None
+) -> Iterator[tuple[int, float]]:
     """(step, when its newest shard was sealed) of each step after ``after`` whose files are all
-    sealed and that no process writes to any more: a later step began, or the run ended. In
-    order; stops at the first step still being written."""
+    sealed and that no process writes to any more: the run ended, or a later step began and
+    nothing of the step was written for ``SETTLE_S`` (what a trainer records of a step after its
+    rollouts, its signals, has landed by then). In order; stops at the first step still being
+    written."""
     steps = int_steps(run)
+    now = time.time() if now is None else now
     for k, step in enumerate(steps):
         if after is not None and step <= after:
             continue
@@ -119,7 +126,10 @@ def sealed_steps(run: Any, ended: bool, after: int | None = None) -> Iterator[tu
             return
         if not sealed:
             continue
-        yield step, max(run.store.stamp(p)[1] for p in sealed) / 1e9
+        newest = max(run.store.stamp(p)[1] for p in sealed) / 1e9
+        if not ended and now - newest < SETTLE_S:
+            return
+        yield step, newest
 
 
 class Watcher:
