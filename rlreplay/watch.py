@@ -132,6 +132,56 @@ def sealed_steps(
         yield step, newest
 
 
+@dataclass
+class StepReading:
+    """What a step's files say, for the trend checks: kept as long as the step's files are as read."""
+
+    step: int
+    #: the step's listing rows (``ROW_COLUMNS``)
+    rows: list[dict[str, Any]]
+    #: per check that ran: the trajectories it flags, worst first
+    flagged: dict[str, list[str]]
+    #: a check's severity when not "warning"
+    severities: dict[str, str]
+    #: the training responses' mismatch verdict (None: nothing to compare)
+    verdict: str | None
+    #: the responses with the largest trainer-rollout gap
+    worst: list[str]
+    #: checks that could not run, and why
+    notes: dict[str, str]
+
+
+def read_step(
+    run: Any,
+    step: int,
+    checks: Sequence[Any],
+    thresholds: dict[str, float] | None = None,
+    tokenizer: str | None = None,
+) -> StepReading:
+    """One step of ``run`` through the audit ``checks`` (``thresholds``: audit ones, watch's own
+    are left out) and the mismatch figures, as ``rlreplay audit --step S`` and ``rlreplay
+    mismatch --step S`` read it."""
+    from rlreplay.audit import engine
+    from rlreplay.format.arrow_ops import release_unused
+    from rlreplay.model import listing_rows
+    from rlreplay.read.selection import Selection
+
+    listing = Selection(step=str(step)).trajectories(run)
+    audit_thresholds = {k: v for k, v in (thresholds or {}).items() if k not in THRESHOLDS}
+    report = engine.audit(run, listing, checks, audit_thresholds, tokenizer)
+    verdict, worst = _mismatch(run, listing)
+    release_unused()
+    return StepReading(
+        step,
+        listing_rows(listing.select([c for c in ROW_COLUMNS if c in listing.column_names])),
+        _flagged_by_check(report, listing),
+        {f.check: f.severity for f in report.findings if f.severity == "error"},
+        verdict,
+        worst,
+        {**report.skipped, **report.failed},
+    )
+
+
 class Watcher:
     """The per-step analysis and the trend checks, with the window of earlier steps."""
 
@@ -152,50 +202,36 @@ class Watcher:
         self.notes: dict[str, str] = {}
 
     def step(self, run: Any, step: int) -> StepResult:
-        """The step's event and alerts (the step's summary joins the window)."""
-        from rlreplay.audit import engine
-        from rlreplay.format.arrow_ops import release_unused
-        from rlreplay.read.selection import Selection
-
+        """Read the step and take it (its summary joins the window)."""
         cpu = time.process_time()
-        listing = Selection(step=str(step)).trajectories(run)
-        audit_thresholds = {k: v for k, v in self.thresholds.items() if k not in THRESHOLDS}
-        report = engine.audit(run, listing, self.checks, audit_thresholds, self.tokenizer)
-        for name, why in {**report.skipped, **report.failed}.items():
+        reading = read_step(run, step, self.checks, self.thresholds, self.tokenizer)
+        result = self.take(reading)
+        # what reading and checking the step cost this process (the cost of watching)
+        result.event["cpu_s"] = round(time.process_time() - cpu, 4)
+        return result
+
+    def take(self, reading: StepReading) -> StepResult:
+        """The event and the alerts of a step read (its summary joins the window)."""
+        for name, why in reading.notes.items():
             self.notes.setdefault(name, why)
-        verdict, worst = _mismatch(run, listing)
-        release_unused()
-        rows, flagged, summary, alerts = self.assess(step, listing, report, verdict, worst)
+        rows = reading.rows
+        summary = summarize(reading.step, rows, reading.flagged, reading.verdict)
+        alerts = self.judge(summary, rows, reading.flagged, reading.severities, reading.worst)
         train = [r for r in rows if not r["validate"]]
         advantages = [r["advantage"] for r in train if r.get("advantage") is not None]
         tools = sum(r["tool_calls"] or 0 for r in train)
         event = {
             "event": "step",
-            "step": step,
+            "step": reading.step,
             "trajectories": len(rows),
             "reward": _round(summary.reward),
             "advantage_std": _round(_std(advantages)),
             "response_tokens": _round(summary.response_tokens),
             "tool_error_rate": _round(sum(r["tool_errors"] or 0 for r in train) / tools if tools else None),
-            "mismatch": verdict,
-            "findings": {name: len(ids) for name, ids in flagged.items()},
-            # what reading and checking the step cost this process (the cost of watching)
-            "cpu_s": round(time.process_time() - cpu, 4),
+            "mismatch": reading.verdict,
+            "findings": {name: len(ids) for name, ids in reading.flagged.items()},
         }
         return StepResult(event, alerts)
-
-    def assess(
-        self, step: int, listing: Any, report: Any, verdict: str | None, worst: Sequence[str] = ()
-    ) -> tuple[list[dict[str, Any]], dict[str, list[str]], StepSummary, list[Alert]]:
-        """The step's listing rows, the trajectories each check flags, its summary and its alerts,
-        from the step's ``listing`` and the audit ``report`` over it (the step joins the window)."""
-        from rlreplay.model import listing_rows
-
-        rows = listing_rows(listing.select([c for c in ROW_COLUMNS if c in listing.column_names]))
-        flagged = _flagged_by_check(report, listing)
-        severities = {f.check: f.severity for f in report.findings if f.severity == "error"}
-        summary = summarize(step, rows, flagged, verdict)
-        return rows, flagged, summary, self.judge(summary, rows, flagged, severities, worst)
 
     def judge(
         self,
@@ -401,37 +437,6 @@ def _std(values: list[float]) -> float | None:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
-
-
-def alerts_over(
-    listing: Any,
-    report: Any,
-    verdicts: dict[int, str | None] | None = None,
-    thresholds: dict[str, float] | None = None,
-    until: int | None = None,
-) -> list[Alert]:
-    """The alerts ``watch`` gives, step by step, over a run already read: ``listing`` (rows of
-    ``run.trajectories()``), the audit ``report`` over it, each step's mismatch ``verdicts``;
-    the integer steps up to ``until`` (None: all). Findings over step ranges (the drift checks)
-    point at no trajectory and are left out, as a step watched alone gives none."""
-    from rlreplay.audit import engine
-    from rlreplay.format import arrow_ops as ops
-    from rlreplay.read.scan import step_rows
-
-    watcher = Watcher(report.checks, thresholds)
-    by_step: dict[Any, list[Any]] = {}
-    for finding in report.findings:
-        by_step.setdefault(finding.step, []).append(finding)
-    out: list[Alert] = []
-    steps = [(step, rows) for step, rows in step_rows(listing) if type(step) is int]
-    for step, rows in sorted(steps, key=lambda pair: pair[0]):
-        if until is not None and step > until:
-            break
-        part = ops.take(listing, rows)
-        found = [f for f in by_step.get(step, []) if f.trajectory_id or f.sample_index is not None]
-        sub = engine.Report(report.checks, found, skipped=report.skipped, failed=report.failed)
-        out += watcher.assess(step, part, sub, (verdicts or {}).get(step))[3]
-    return out
 
 
 #: Looks in a row that may fail to read the run (a store or file system away for a while) before
