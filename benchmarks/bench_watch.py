@@ -8,6 +8,7 @@ it, the CPU time watch spent on it (its ``cpu_s``: the step's listing, every aud
 mismatch figures, the trend checks), and, once the run ended, the wall and CPU time of a fresh
 ``rlreplay audit RUN --step S --json`` process on the same step (start-up included: what a user
 polling with ``audit`` would pay per step). Watch's own polling interval bounds its delay from below.
+The watch process's whole CPU time and peak memory (maximum resident set size) close the report.
 
     python benchmarks/bench_watch.py                                  # 6 steps of 16 x 8
     python benchmarks/bench_watch.py --steps 4 --samples 4 --rollouts 4 --interval 0.5
@@ -59,16 +60,20 @@ def main() -> None:
         )
         while not (run / "run.json").exists():
             time.sleep(0.02)
-        before = child_cpu()
-        watch = subprocess.run(
+        watch = subprocess.Popen(
             [*rlreplay, "watch", str(run), "--json", "--interval", str(args.interval)],
             env=env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
             text=True,
         )
-        watch_cpu = child_cpu() - before
+        assert watch.stdout is not None
+        out = watch.stdout.read()
+        _, status, usage = os.wait4(watch.pid, 0)  # the watch process's own CPU and peak memory
+        watch.returncode = os.waitstatus_to_exitcode(status)
+        watch_cpu, watch_peak_mb = usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
         record.wait()
-        events = [json.loads(line) for line in watch.stdout.splitlines()]
+        events = [json.loads(line) for line in out.splitlines()]
         steps = [e for e in events if e["event"] == "step"]
         alerts = [e for e in events if e["event"] == "alert"]
         rows = []
@@ -96,7 +101,10 @@ def main() -> None:
         f"| median | | {med(r[2] for r in rows):.2f} s | {med(r[3] for r in rows):.3f} s "
         f"| {med(r[4] for r in rows):.2f} s | {med(r[5] for r in rows):.2f} s |"
     )
-    print(f"watch process, whole run: {watch_cpu:.2f} s CPU for {len(rows)} steps (start-up included)")
+    print(
+        f"watch process, whole run: {watch_cpu:.2f} s CPU for {len(rows)} steps (start-up included), "
+        f"peak memory {watch_peak_mb:.0f} MB"
+    )
 
 
 if __name__ == "__main__":
