@@ -95,6 +95,10 @@ def watch_command(
         print(f"rlreplay: warning: check {name} skipped: {why}", file=sys.stderr)
     known = {**engine.default_thresholds(installed.values()), **watch.THRESHOLDS}
     overrides = parse_thresholds(threshold or [], known)
+    if tokenizer is not None:
+        from rlreplay.text.token2text import Decoder
+
+        Decoder.load(tokenizer)  # one that does not load is refused before watching (exit 2)
     first = open_run_arg(run, run_path)  # a run that cannot be opened: exit 2 before watching
     watcher = watch.Watcher(chosen, overrides, tokenizer)
     alerts = 0

@@ -132,6 +132,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, faulty) -> None:
         [str(base / "run"), "--threshold", "no_such=1"],
         [str(base / "run"), "--from", "x"],
         [str(base / "run"), "--checks", "no_such_check"],
+        [str(base / "run"), "--tokenizer", str(tmp_path / "no-such-tokenizer")],
     ):
         proc = rlreplay("watch", *args)
         assert proc.returncode == 2, (args, proc.stderr)
