@@ -32,6 +32,7 @@ COMMANDS = {
     "stats": "stats",
     "ui": "ui",
     "upload": "upload",
+    "watch": "watch",
 }
 
 
@@ -67,8 +68,20 @@ def _error(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:]
-    reading = ("ls", "audit", "show", "diff", "compare", "info", "stats", "sql", "export", "mismatch")
-    if argv is None and args and args[0] == "mismatch":
+    reading = (
+        "ls",
+        "audit",
+        "show",
+        "diff",
+        "compare",
+        "info",
+        "stats",
+        "sql",
+        "export",
+        "mismatch",
+        "watch",
+    )
+    if argv is None and args and args[0] in ("mismatch", "watch"):
         # a whole run read a step at a time: the system allocator hands each step's memory back,
         # Arrow's default one keeps much of it (~15% less at the peak); before pyarrow loads
         os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")

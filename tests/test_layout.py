@@ -33,6 +33,7 @@ LAYERS = [
         "rlreplay.proxy",
         "rlreplay.rewrite",
         "rlreplay.ui",
+        "rlreplay.watch",
     ),
 ]
 # Hooking verl is rlreplay's job: its private parts may be imported.

@@ -215,6 +215,13 @@ class UI:
             crumbs=[],
         )
 
+    def alerts(self, request: Request) -> Response:
+        """The run's alerts (what ``rlreplay watch`` alerts on): a fragment the front page loads."""
+        from rlreplay.ui.alerts import SHOWN, run_alerts
+
+        view = self.view(request)
+        return self.page("alerts.html", view=view, alerts=run_alerts(view), shown=SHOWN)
+
     def trajectories(self, request: Request) -> Response:
         """The trajectory list; for one step and split, the step page: distributions, groups, list."""
         view = self.view(request)
@@ -805,6 +812,7 @@ def create_app(
         Route("/r/{run}/diff", looked_once(ui.diff, query_budget_s)),
         Route("/r/{run}/findings", looked_once(ui.findings, query_budget_s)),
         Route("/r/{run}/mismatch", looked_once(ui.mismatch, query_budget_s)),
+        Route("/r/{run}/alerts", looked_once(ui.alerts, query_budget_s)),
         Route("/r/{run}/compare", looked_once(ui.compare, query_budget_s)),
         Route("/r/{run}/api/version", looked_once(ui.version, query_budget_s)),
         Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"),

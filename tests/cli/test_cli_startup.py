@@ -73,6 +73,7 @@ def test_help_imports_no_pyarrow_and_lists_every_command(tmp_path: Path) -> None
         "stats",
         "ui",
         "upload",
+        "watch",
     ]
 
 

@@ -81,6 +81,7 @@ def base(command: str, runs: dict[str, Path], tmp: Path) -> list[str]:
         "ui": ["ui", a, "--port", "0"],
         "sql": ["sql", a, "SELECT count(*) FROM trajectories"],
         "mismatch": ["mismatch", a],
+        "watch": ["watch", a],
         "proxy": ["proxy", "--upstream", "http://127.0.0.1:9", "--port", "0", "--out", str(tmp / "proxied")],
     }[command]
 

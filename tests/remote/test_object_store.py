@@ -810,3 +810,24 @@ def test_info_names_the_run_and_sql_spans_sees_every_step(
     expected = _json_lines(rlreplay(env, "sql", query, "--run", str(local), "--json", cwd=tmp_path))
     assert remote == expected
     assert [r["step"] for r in remote] == list(range(16)) and {r["trajectories"] for r in remote} == {4}
+
+
+def test_watch_follows_a_run_recorded_into_the_store(s3: S3Server, tmp_path: Path) -> None:
+    """``rlreplay watch s3://...`` beside the job that records there: every step, the fault's alerts
+    naming only faulty rollouts, while the job runs."""
+    from watch_live import faulty_ids, watch_beside
+
+    fault_step = 2
+    watched = watch_beside(
+        f"s3://{BUCKET}/watched/run", tmp_path / "control", 5, fault_step, env=_env(s3, tmp_path)
+    )
+    assert watched.record_code == 0
+    assert watched.steps == list(range(5)), (watched.events, watched.watch_stderr)
+    assert watched.running_then
+    assert watched.watch_code == 1, watched.watch_stderr
+    ids = faulty_ids(tmp_path / "control")
+    assert not [a for a in watched.alerts if a["step"] < fault_step]
+    assert {a["check"] for a in watched.alerts if a["step"] == fault_step} >= {"repetition", "tool_error"}
+    for alert in watched.alerts:
+        assert alert["trajectories"]
+        assert all(ids[alert["step"]][i] for i in alert["trajectories"]), alert
