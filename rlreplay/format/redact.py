@@ -376,7 +376,7 @@ _CREDENTIAL_LAST = frozenset(
         "accesskey",
     }
 )
-#: ``<word>_key`` / ``<word>_token`` / ``<word>_pat`` names a credential after one of these words
+#: ``<word>_key`` / ``<word>_token`` names a credential after one of these words
 #: (``api_key``, ``access_token``, ``hf_token``); after any other (``eos_token``, ``sort_key``) it is data.
 _CREDENTIAL_QUALIFIER = frozenset(
     {
@@ -436,7 +436,26 @@ _CREDENTIAL_QUALIFIER = frozenset(
         "telegram",
     }
 )
-_CREDENTIAL_TAIL = frozenset({"key", "keys", "token", "tokens", "pat", "pass"})
+_CREDENTIAL_TAIL = frozenset({"key", "keys", "token", "tokens"})  # each holds one of _NAME_MARKS
+#: ``<word>_pass`` is a password after these (``db_pass``); ``num_pass``, ``test_pass`` count tests.
+_PASS_QUALIFIER = frozenset(
+    {
+        "db",
+        "user",
+        "admin",
+        "root",
+        "login",
+        "sudo",
+        "ftp",
+        "smtp",
+        "mail",
+        "email",
+        "wifi",
+        "vnc",
+        "ldap",
+        "proxy",
+    }
+)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -451,9 +470,11 @@ def credential_name(name: str) -> bool:
     last = words[-1]
     if last in _CREDENTIAL_LAST or any(part in last for part in _INSIDE):
         return True
-    return (
-        len(words) > 1 and last in _CREDENTIAL_TAIL and (words[-2] in _CREDENTIAL_QUALIFIER or last == "pass")
-    )
+    if len(words) < 2:
+        return False
+    if last == "pass":
+        return words[-2] in _PASS_QUALIFIER or words[-2] in _CREDENTIAL_QUALIFIER
+    return last in _CREDENTIAL_TAIL and words[-2] in _CREDENTIAL_QUALIFIER
 
 
 #: Private keys in PEM (and OpenSSH, PGP) armour: the body between the lines is hidden.

@@ -228,3 +228,23 @@ def test_a_credential_name_hides_any_value_anywhere(name: str, value: Any, where
     assert _payload(sent) == expected
     assert redact_data(sent) == expected
     assert json.loads(redact_json_bytes(json.dumps(sent).encode())) == expected
+
+
+def test_names_that_only_look_like_credentials_keep_their_values() -> None:
+    data = {
+        "num_pass": 3,
+        "test_pass": 12,
+        "pass": "yes",
+        "user_token": "<|user|>",
+        "eos_token": "<|im_end|>",
+        "secret_word": "apple",
+        "password_length": 12,
+        "max_tokens": 512,
+        "keys": ["a", "b"],
+        "session_id": "s-1",
+        "author": "bob",
+        "github_pat_scopes": "repo",
+    }
+    assert _payload(data) == data
+    raw = json.dumps(data).encode()
+    assert redact_json_bytes(raw) is raw
