@@ -519,6 +519,7 @@ _BEARER_VALUE = re.compile(r"(Bearer|Basic)(?:\s|\\[nrt])+([A-Za-z0-9._~+/-]{7,}
 _WORD = re.compile(r"[A-Za-z][a-z]*")
 #: Every credential name holds one of these (lowercase); ``"token"`` and ``"key"`` alone are data.
 _NAME_MARKS = ("pass", "secret", "cred", "auth", "cookie", "pw", "key", "token")
+_IS_MARKS = ("pass", "secret", "key", "token")  # of the names a prose "is" assigns to
 _BARE_NAMES = (('"token"', '"_____"'), ('"key"', '"___"'))
 #: Names that are credentials after a word and a space (``API key``, ``access token``).
 _PAIRED = frozenset({"key", "keys", "token", "tokens"})
@@ -634,9 +635,12 @@ def _text_edits(text: str, env: list[str] | None = None, scan: bool = False) -> 
         while at != -1:
             edits.append((at, at + len(secret), REDACTED))
             at = text.find(secret, at + len(secret))
-    if "://" in text or ("\\/" in text and ":\\/\\/" in text):
+    colon = ":" in text
+    if colon and ("://" in text or ":\\/\\/" in text):
         edits += _url_edits(text)
-    edits += _assignment_edits(text, text.lower(), scan)
+    # without = or :, only "is"/"was" can assign, and only to a password, a secret, a key or a token
+    marks = _NAME_MARKS if colon or "=" in text else _IS_MARKS
+    edits += _assignment_edits(text, text.lower(), scan, marks)
     for scheme in ("Bearer", "Basic"):
         at = text.find(scheme)
         while at != -1:
@@ -673,14 +677,16 @@ def _url_edits(text: str) -> list[Edit]:
     return edits
 
 
-def _assignment_edits(text: str, low: str, scan: bool = False) -> list[Edit]:
+def _assignment_edits(
+    text: str, low: str, scan: bool = False, marks: tuple[str, ...] = _NAME_MARKS
+) -> list[Edit]:
     """The values of credential names assigned in ``text``: ``password: X``, ``pw=X``,
     ``"api_key": "X"``, ``API key is X`` (after ``is``, a quoted value or one that is not a word)."""
     if '"token"' in low or '"key"' in low:  # JSON keys that name data: skipped at C speed
         for bare, blank in _BARE_NAMES:
             low = low.replace(bare, blank)
     edits: list[Edit] = []
-    for mark in _NAME_MARKS:
+    for mark in marks:
         at = low.find(mark)
         while at != -1:
             rest = _NAME_REST.match(text, at + len(mark))  # only a name followed by = : or "is"
