@@ -306,8 +306,10 @@ def redact_text(value: str, env: list[str] | None = None) -> str:
     if len(value) < _SHORTEST:
         return value
     env = environment_secrets() if env is None else env
-    # a word or a name (most keys and values) can only be a key, a token or a variable's value
-    edits = _word_edits(value, env) if value.isidentifier() else _credential_edits(value, env)
+    if _SEPARATOR.search(value) is None:  # one word, an id, a path: a key, a token, a variable's value
+        edits = _word_edits(value, env) if env or len(value) >= _RUN_SHORTEST else []
+    else:
+        edits = _credential_edits(value, env)
     return _apply(value, edits) if edits else value
 
 
@@ -495,6 +497,12 @@ _KEY_SHAPE = re.compile(
     r"|eyJ([A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})"
     r")"
 )
+#: Every key shape starts with one of these.
+_SHAPE_PREFIXES = (
+    "sk-", "sk_", "rk_", "whsec_", "hf_", "api_org_", "gh", "github_pat_", "glpat-", "xox", "xapp-", "npm_",
+    "pypi-", "gsk_", "r8_", "dop_v1_", "xai-", "pplx-", "nvapi-", "lsv2_", "tvly-", "ya29.", "AKIA", "ASIA",
+    "AIza", "SG.", "eyJ",
+)  # fmt: skip
 _PLAIN_WORDS = re.compile(r"[a-z_-]+")
 #: What a random-looking run that is data follows: a data: URL's ``base64,``, an SSH key type.
 _PUBLIC_BEFORE = re.compile(r"(?:base64,|(?:ssh-(?:rsa|dss|ed25519)|ecdsa-sha2-nistp\d+|@openssh\.com) )\Z")
@@ -511,10 +519,14 @@ _RUN_CHARS = frozenset(string.ascii_letters + string.digits + "+/_-")
 _RUN_TABLE = bytes(0x61 if chr(i) in _RUN_CHARS else 0x20 for i in range(256))
 _RUN_SHORTEST = 19
 _RUN_NEEDLE = b"a" * _RUN_SHORTEST
+#: A text holds a name's value, a URL's user, a header or armour only with one of these.
+_SEPARATOR = re.compile(r"[:=\s]")
 _RANDOM_SHORTEST, _RANDOM_LONGEST = 24, 128  # longer runs are data (images, embeddings, ciphertext)
 _JSON_ESCAPE_START = re.compile(r"\\(?:u[0-9a-fA-F]{4}|[nrtbf\"\\/])")
 #: An identifier with a lowercase prefix (``chatcmpl-…``, ``call_…``, ``toolu_…``, ``sha384-…``): an id.
 _PREFIXED_ID = re.compile(r"[a-z]{2,}[0-9]*[_-]")
+_DIGIT = re.compile(r"[0-9]")
+_CLASS_RUNS = re.compile(r"[A-Z]+|[a-z]+|[0-9]+|[^A-Za-z0-9]+")
 _BEARER_VALUE = re.compile(r"(Bearer|Basic)(?:\s|\\[nrt])+([A-Za-z0-9._~+/-]{7,}[A-Za-z0-9_~+/-]=*)")
 _WORD = re.compile(r"[A-Za-z][a-z]*")
 #: Every credential name holds one of these (lowercase); ``"token"`` and ``"key"`` alone are data.
@@ -549,15 +561,9 @@ def _looks_random(run: str) -> bool:
     n = len(run)
     if n < _RANDOM_SHORTEST or n > _RANDOM_LONGEST or run.islower() or run.isupper():
         return False  # hex digests, words, UUIDs, numbers: one case or none
-    if not any(c.isdigit() for c in run) or _PREFIXED_ID.match(run):
-        return False  # no digit: a name; a lowercase prefix: an id
-    changes = 0
-    last = 0
-    for c in run:
-        kind = 1 if c.isupper() else 2 if c.islower() else 3 if c.isdigit() else 4
-        changes += kind != last
-        last = kind
-    return changes - 1 >= 0.4 * (n - 1)
+    if _PREFIXED_ID.match(run) or _DIGIT.search(run) is None:
+        return False  # a lowercase prefix: an id; no digit: a name
+    return len(_CLASS_RUNS.findall(run)) - 1 >= 0.4 * (n - 1)  # class changes between neighbours
 
 
 def _run_edits(text: str, start: int, end: int, random: bool = True) -> list[Edit]:
@@ -577,9 +583,10 @@ def _run_edits(text: str, start: int, end: int, random: bool = True) -> list[Edi
         hi += 1
         while hi < len(text) and text[hi] in _RUN_CHARS:
             hi += 1
+    chunk = text[lo:hi]
     shaped = [
         (m.start() + lo, m.end() + lo, REDACTED)
-        for m in _KEY_SHAPE.finditer(text[lo:hi])
+        for m in (_KEY_SHAPE.finditer(chunk) if _may_be_shaped(chunk) else ())
         if not _PLAIN_WORDS.fullmatch(next(g for g in m.groups() if g is not None))
     ]
     if shaped:
@@ -596,6 +603,20 @@ def _run_edits(text: str, start: int, end: int, random: bool = True) -> list[Edi
     if "-----BEGIN " in text and any(m.start() < start < m.end() for m in _PUBLIC_PEM.finditer(text)):
         return []  # a line of a certificate or a public key
     return [(start, stop, REDACTED)]
+
+
+def _may_be_shaped(chunk: str) -> bool:
+    """Whether a key shape's prefix starts ``chunk`` or follows a separator in it (where a shape
+    may begin): a few C-speed searches, where the shapes' expression would try every position."""
+    if chunk.startswith(_SHAPE_PREFIXES):
+        return True
+    for separator in "-_+/.":
+        at = chunk.find(separator)
+        while at != -1:
+            if chunk.startswith(_SHAPE_PREFIXES, at + 1):
+                return True
+            at = chunk.find(separator, at + 1)
+    return False
 
 
 def _runs(text: str) -> list[tuple[int, int]]:
@@ -682,7 +703,7 @@ def _assignment_edits(
 ) -> list[Edit]:
     """The values of credential names assigned in ``text``: ``password: X``, ``pw=X``,
     ``"api_key": "X"``, ``API key is X`` (after ``is``, a quoted value or one that is not a word)."""
-    if '"token"' in low or '"key"' in low:  # JSON keys that name data: skipped at C speed
+    if '"' in text and ('"token"' in low or '"key"' in low):  # JSON keys that name data: skipped at C speed
         for bare, blank in _BARE_NAMES:
             low = low.replace(bare, blank)
     edits: list[Edit] = []
