@@ -39,10 +39,10 @@ of a tokenizer's vocabulary):
   ``pw``, ``secret``, ``credentials``, ``authorization``, ``auth``, ``cookie``, ``apikey``, or
   ``<qualifier>_key``/``_token`` with a credential qualifier (``api_key``, ``access_token``,
   ``refresh_token``, ``client_secret``, ``private_key``, ``hf_token``, ``X-Api-Key``), or
-  ``<word>_pass`` (``db_pass``), hides its whole value whatever its JSON type (a number, a list,
-  an object; ``None``, booleans and ``""`` hold nothing). Bare ``token`` and ``key`` are not
-  credential names, nor are ``eos_token``, ``prompt_key``, ``max_tokens``, ``pass`` (a test
-  result) or ``secret_word``;
+  ``db_pass``-like names (``pass`` after db, user, admin, root, login, ...), hides its whole
+  value whatever its JSON type (a number, a list, an object; ``None``, booleans and ``""`` hold
+  nothing). Bare ``token`` and ``key`` are not credential names, nor are ``eos_token``,
+  ``prompt_key``, ``max_tokens``, ``pass`` and ``test_pass`` (test results) or ``secret_word``;
 - *by prose cue*: such a name assigned in text (``password: X``, ``pw=X``, ``"api_key": 7``,
   ``connect(password="X")``, ``API key: X``), and after ``is``/``was`` a quoted value or one that
   is not a word (``the password is hunter2``; ``the password is incorrect`` stays). JSON text
