@@ -19,6 +19,7 @@ become the driver's, so the exit code and the "not in full" line are the same to
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -229,6 +230,8 @@ class Cluster:
 
         import ray
 
+        if not ray.is_initialized():
+            _init(ray, self.address)
         task = ray.remote(run_part).options(
             num_cpus=1, max_retries=TASK_RETRIES, retry_exceptions=False, scheduling_strategy="SPREAD"
         )
@@ -241,20 +244,26 @@ class Cluster:
                 pending.append(task.remote(where, job, listing))
                 return
 
-        for _ in range(max(1, self.cpus * IN_FLIGHT_PER_CPU)):
-            submit()
-        done = 0
-        while pending:
-            answer = _get(pending.popleft())
-            submit()
-            done += 1
-            self._show(what, done, len(work))
-            absorb(run, answer)
-            value, answer.value = answer.value, None
-            self.answers.append(answer)
-            yield value
-        if self.progress and work:
-            sys.stderr.write("\n")
+        # Ray's driver prints what the cluster says (a node lost, a worker killed) on stdout:
+        # while it is connected, that goes to stderr, and it is disconnected once the parts are in
+        with contextlib.redirect_stdout(sys.stderr):
+            try:
+                for _ in range(max(1, self.cpus * IN_FLIGHT_PER_CPU)):
+                    submit()
+                done = 0
+                while pending:
+                    answer = _get(pending.popleft())
+                    submit()
+                    done += 1
+                    self._show(what, done, len(work))
+                    absorb(run, answer)
+                    value, answer.value = answer.value, None
+                    self.answers.append(answer)
+                    yield value
+            finally:
+                ray.shutdown()
+                if self.progress and work:
+                    sys.stderr.write("\n")
 
     def _show(self, what: str, done: int, total: int) -> None:
         if self.progress:
@@ -310,6 +319,14 @@ def connect(address: str | None) -> Cluster:
     except ImportError:
         raise EngineError(f"--engine ray needs Ray: {install_hint('ray')}") from None
     _reachable(address)
+    with contextlib.redirect_stdout(sys.stderr):
+        _init(ray, address)
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        _probe(ray)
+    return Cluster(address, cpus)
+
+
+def _init(ray: Any, address: str) -> None:
     import logging
 
     try:
@@ -322,9 +339,6 @@ def connect(address: str | None) -> Cluster:
         )
     except Exception as exc:  # Ray raises ConnectionError, RuntimeError or ValueError here
         raise EngineError(f"--engine ray: no Ray cluster reachable at {address}: {_one_line(exc)}") from None
-    cpus = int(ray.cluster_resources().get("CPU", 1))
-    _probe(ray)
-    return Cluster(address, cpus)
 
 
 def _reachable(address: str) -> None:
