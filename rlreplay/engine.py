@@ -219,6 +219,8 @@ class Cluster:
     cpus: int
     progress: bool = field(default_factory=lambda: sys.stderr.isatty())
     answers: list[Answer] = field(default_factory=list)
+    #: stay connected once the parts are in (a caller that maps again; Ray's notes then reach stdout)
+    stay: bool = False
 
     def map(
         self, run: Any, work: Sequence[tuple[Callable[[Any, Any], Any], Any]], what: str
@@ -261,7 +263,8 @@ class Cluster:
                     self.answers.append(answer)
                     yield value
             finally:
-                ray.shutdown()
+                if not self.stay:
+                    ray.shutdown()
                 if self.progress and work:
                     sys.stderr.write("\n")
 
@@ -388,13 +391,18 @@ def audit(
     cluster: Cluster,
 ) -> Any:
     """``rlreplay.audit.engine.audit`` with its trajectory checks run on the cluster, a part a
-    task: the listing checks here, the parts' findings after them in step order (as locally)."""
+    task: the listing checks here (the mismatch check's step pieces made on the cluster), the
+    parts' findings after them in step order (as locally)."""
     from rlreplay.audit import engine as audit_engine
     from rlreplay.audit.finding import OVER_LISTING
 
     over_listing = [c for c in checks if c.over == OVER_LISTING]
     over_spans = [c for c in checks if c.over != OVER_LISTING]
-    report = audit_engine.audit(run, listing, over_listing, thresholds, None)
+
+    def pieces(rows: Any, limits: tuple[float, float]) -> tuple[Iterator[Any], Any]:
+        return mismatch_pieces(run, rows, "step", False, limits, cluster)
+
+    report = audit_engine.audit(run, listing, over_listing, thresholds, None, pieces)
     report.checks = list(checks)
     if not over_spans or not listing.num_rows:
         return report
