@@ -1,0 +1,89 @@
+"""``--engine``: what it refuses in one line (no cluster, a cluster not there, an unknown engine),
+and how a run is cut into parts (consecutive steps, by the bytes of their span files)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SHOWCASE = Path(__file__).resolve().parents[2] / "sample_runs" / "verl-arith-smollm2"
+
+
+def _rlreplay(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run(
+        [sys.executable, "-m", "rlreplay", *args],
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again: nothing listens there
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        (["--engine", "ray"], {}, "--engine ray: no Ray cluster named: pass --ray-address"),
+        (
+            ["--engine", "ray"],
+            {"RAY_ADDRESS": "127.0.0.1:{port}"},
+            "no Ray cluster reachable at 127.0.0.1:{port}",
+        ),
+        (
+            ["--engine", "ray", "--ray-address", "127.0.0.1:{port}"],
+            {},
+            "no Ray cluster reachable at 127.0.0.1",
+        ),
+        (["--engine", "spark"], {}, "--engine 'spark': one of local, ray"),
+        (["--ray-address", "127.0.0.1:1"], {}, "--ray-address goes with --engine ray"),
+    ],
+)
+def test_an_engine_that_cannot_run_is_one_line(args: list[str], env: dict[str, str], said: str) -> None:
+    port = str(_closed_port())
+    args = [a.replace("{port}", port) for a in args]
+    env = {k: v.replace("{port}", port) for k, v in env.items()}
+    for command in (["audit"], ["mismatch"], ["ls", "--grep", "1"], ["export", "--out", "x.jsonl"]):
+        proc = _rlreplay(command[0], str(SHOWCASE), *command[1:], *args, env=env)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and proc.stdout == "", (command, proc.stderr)
+        assert len(lines) == 1 and lines[0].startswith("rlreplay: error: "), (command, proc.stderr)
+        assert said.replace("{port}", port) in lines[0], (command, lines[0])
+
+
+def test_parts_are_consecutive_steps_sized_by_bytes(tmp_path: Path) -> None:
+    import numpy as np
+
+    from rlreplay.engine import plan
+    from rlreplay.read.open import open_run
+
+    run = open_run(shutil.copytree(SHOWCASE, tmp_path / "run"))
+    listing = run.trajectories()
+    steps = listing["step"].to_pylist()
+    size = {}
+    for step in sorted(set(steps)):
+        size[step] = sum(
+            p.stat().st_size for p in (tmp_path / "run" / "spans" / f"step={step}").rglob("*.parquet")
+        )
+    for target in (1, max(size.values()), 2 * max(size.values()), sum(size.values())):
+        parts = plan(run, listing, target)
+        assert np.array_equal(np.concatenate(parts), np.arange(listing.num_rows))  # every row, in order
+        for rows in parts:
+            held = sorted({steps[r] for r in rows})
+            assert sum(size[s] for s in held) <= target or len(held) == 1
+            assert {r for r, s in enumerate(steps) if s in held} == set(rows.tolist())  # whole steps
+        if target == 1:
+            assert len(parts) == len(size)
+        if target == sum(size.values()):
+            assert len(parts) == 1
