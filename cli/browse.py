@@ -171,7 +171,7 @@ def ls_command(
     With --json, one JSON object per line; --grep searches their decoded text (--engine ray: on
     a Ray cluster)."""
     chosen = ls_columns(columns)
-    cluster = cluster_for(engine_name, ray_address) if selection.grep is not None else None
+    cluster = cluster_for(engine_name, ray_address)  # asked for and not there: said, even without --grep
     opened = open_run_arg(run, run_path)
     keep = None if finding is None else lambda table: flagged(opened, table, finding)
     texts = None
