@@ -10,6 +10,7 @@ user runs it, in a process of its own.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -231,3 +232,32 @@ def test_a_node_lost_mid_scan_leaves_the_answer_unchanged(
     assert [line for line in err.splitlines() if line.startswith("rlreplay")] == expected.stderr.splitlines()
     again = [t for t in _tasks(cluster) if t.task_id == caught.task_id]
     assert max(t.attempt_number for t in again) >= 1  # the lost task ran again
+
+
+def test_a_progress_bar_on_a_terminal_only(s3: S3Server, showcase: Path, cluster, tmp_path: Path) -> None:
+    """stderr a terminal: the driver draws the parts done; a pipe (the tests above): nothing."""
+    import pty
+
+    env = _ray_env(s3, tmp_path, cluster)
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlreplay", "mismatch", URI, "--json", "--engine", "ray"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=follower,
+    )
+    os.close(follower)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the process closed the terminal
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    out, _ = proc.communicate(timeout=300)
+    os.close(leader)
+    assert proc.returncode == 0 and out.count(b"\n") == 6
+    assert b"mismatch [" in drawn and b"] 6/6 parts" in drawn, drawn[-500:]
