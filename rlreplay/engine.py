@@ -371,7 +371,13 @@ def version() -> str:
 
 def _probe(ray: Any) -> None:
     """The cluster's workers run this rlreplay: one small task says which they have."""
-    theirs = _get(ray.remote(version).options(num_cpus=0, max_retries=TASK_RETRIES).remote())
+    try:
+        theirs = _get(ray.remote(version).options(num_cpus=0, max_retries=TASK_RETRIES).remote())
+    except EngineError as exc:
+        raise EngineError(
+            f"--engine ray: the cluster's workers cannot import rlreplay: install rlreplay {version()} "
+            f"(with its extras) on every node ({str(exc).removeprefix('--engine ray: ')[:200]})"
+        ) from None
     if theirs != version():
         raise EngineError(
             f"--engine ray: the cluster's workers have rlreplay {theirs}, this is {version()}: install "

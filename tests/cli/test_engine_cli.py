@@ -87,3 +87,22 @@ def test_parts_are_consecutive_steps_sized_by_bytes(tmp_path: Path) -> None:
             assert len(parts) == len(size)
         if target == sum(size.values()):
             assert len(parts) == 1
+
+
+def test_workers_without_rlreplay_are_one_line_naming_it(tmp_path: Path) -> None:
+    """A one-node Ray cluster whose workers cannot import rlreplay (as where it is not installed)."""
+    from ray.cluster_utils import Cluster
+
+    blocked = Path(__file__).resolve().parents[1] / "blocked_imports"
+    without = {"PYTHONPATH": str(blocked), "RLREPLAY_README_BLOCKED": "rlreplay"}
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False, "env_vars": without}
+    )
+    try:
+        cluster.wait_for_nodes()
+        proc = _rlreplay("audit", str(SHOWCASE), "--engine", "ray", "--ray-address", cluster.address)
+    finally:
+        cluster.shutdown()
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("rlreplay: error: --engine ray: the cluster's workers cannot import rlreplay")
