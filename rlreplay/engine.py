@@ -59,6 +59,11 @@ def plan(run: Any, listing: Any, target: int | None = None) -> list[Any]:
     from rlreplay.read.scan import step_rows
 
     target = target or part_bytes()
+    sealed, live = run.span_files()  # one listing of the run's files, not one a step
+    stored: dict[str, int] = {}
+    for path, nbytes in [*((p, run.store.stamp(p)[0]) for p in sealed), *((p, _size(p)) for p in live)]:
+        step = next((part[5:] for part in Path(path).parts if part.startswith("step=")), "")
+        stored[step] = stored.get(step, 0) + nbytes
     parts: list[Any] = []
     current: list[Any] = []
     size = 0
@@ -69,8 +74,7 @@ def plan(run: Any, listing: Any, target: int | None = None) -> list[Any]:
             parts.append([rows])
             current, size = [], 0
             continue
-        sealed, live = run.span_files(step)
-        here = sum(run.store.stamp(p)[0] for p in sealed) + sum(_size(p) for p in live)
+        here = stored.get(str(step), 0)
         if current and size + here > target:
             parts.append(current)
             current, size = [], 0
