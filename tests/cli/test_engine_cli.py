@@ -106,3 +106,34 @@ def test_workers_without_rlreplay_are_one_line_naming_it(tmp_path: Path) -> None
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
     assert lines[0].startswith("rlreplay: error: --engine ray: the cluster's workers cannot import rlreplay")
+
+
+@pytest.mark.parametrize("by", ["step", "token", "position", "probability", "rollout", "worker"])
+def test_mismatch_pieces_made_apart_fold_into_the_same_report(by: str, tmp_path: Path) -> None:
+    """Each part of the run digested on its own (as a Ray task does), its rows numbered back into
+    the listing, then folded in order: every figure of the report as the one-pass report's."""
+    import orjson
+    import pyarrow as pa
+
+    from rlreplay.engine import plan
+    from rlreplay.format import arrow_ops as ops
+    from rlreplay.mismatch.report import LISTING_COLUMNS, compute, digest
+    from rlreplay.mismatch.tokens import Counts
+    from rlreplay.read.open import open_run
+
+    run = open_run(shutil.copytree(SHOWCASE, tmp_path / "run"))
+    listing = run.trajectories().select(LISTING_COLUMNS)
+    whole = compute(run, listing, by=by)
+    counts, pieces = Counts(), []
+    for rows in plan(run, listing, 1):  # a part a step
+        for piece in digest(run, ops.take(listing, pa.array(rows)), by, None, counts):
+            piece.rows = rows[piece.rows]
+            pieces.append(piece)
+    apart = compute(run, listing, by=by, pieces=pieces, counts=counts)
+
+    def said(report) -> bytes:
+        parts = (report.steps, report.buckets, report.worst_rollouts, report.worst_tokens, report.notes)
+        return orjson.dumps(parts, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    assert len(plan(run, listing, 1)) == 6 and said(apart) == said(whole)
+    assert orjson.dumps(apart.largest_gaps.tolist()) == orjson.dumps(whole.largest_gaps.tolist())
