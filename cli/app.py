@@ -97,6 +97,36 @@ TokenizerOption = Annotated[
         help="Tokenizer for token2text: a local directory or a hub name (default: the run's).",
     ),
 ]
+EngineOption = Annotated[
+    str,
+    typer.Option(
+        "--engine",
+        metavar="local|ray",
+        help="Where to read the run: this process, or tasks on a Ray cluster (--ray-address); "
+        "the answer is the same.",
+    ),
+]
+RayAddressOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-address",
+        metavar="ADDR",
+        help="--engine ray: the cluster, HOST:PORT (default: $RAY_ADDRESS; auto inside a Ray job).",
+    ),
+]
+
+
+def cluster_for(engine: str, ray_address: str | None) -> Any:
+    """The Ray cluster ``--engine ray`` runs on (connected), or None for ``--engine local``."""
+    if engine == "local":
+        if ray_address is not None:
+            fail("--ray-address goes with --engine ray")
+        return None
+    if engine != "ray":
+        fail(f"--engine {engine!r}: one of local, ray")
+    from rlreplay.engine import connect
+
+    return connect(ray_address)
 
 
 RunArgument = Annotated[

@@ -9,11 +9,14 @@ from typing import Annotated, Any
 import typer
 
 from rlreplay.cli.app import (
+    EngineOption,
     JsonOption,
+    RayAddressOption,
     RunArgument,
     RunOption,
     TokenizerOption,
     app,
+    cluster_for,
     fail,
     open_run_arg,
     report_warnings,
@@ -80,6 +83,8 @@ def audit_command(
     ] = None,
     tokenizer: TokenizerOption = None,
     as_json: JsonOption = False,
+    engine_name: EngineOption = "local",
+    ray_address: RayAddressOption = None,
     *,
     selection: Any,
 ) -> int:
@@ -99,9 +104,15 @@ def audit_command(
         if not math.isfinite(mismatch_max):
             fail(f"--mismatch-max {mismatch_max}: give a finite number")
         overrides["mismatch_max"] = mismatch_max
+    cluster = cluster_for(engine_name, ray_address)
     opened = open_run_arg(run, run_path)
     listing = selection.trajectories(opened)
-    report = engine.audit(opened, listing, chosen, overrides, tokenizer)
+    if cluster is None:
+        report = engine.audit(opened, listing, chosen, overrides, tokenizer)
+    else:
+        from rlreplay.engine import audit as audit_on
+
+        report = audit_on(opened, listing, chosen, overrides, tokenizer, cluster)
     report_warnings(opened)
     for name, why in report.skipped.items():
         print(f"rlreplay: note: {name} skipped: {why}", file=sys.stderr)

@@ -15,12 +15,15 @@ import typer
 
 from rlreplay.cli.app import (
     SIGNAL_COLUMNS,
+    EngineOption,
     FindingOption,
     JsonOption,
+    RayAddressOption,
     RunArgument,
     RunOption,
     TokenizerOption,
     app,
+    cluster_for,
     console,
     fail,
     fit_columns,
@@ -158,17 +161,25 @@ def ls_command(
     ] = None,
     finding: FindingOption = None,
     tokenizer: TokenizerOption = None,
+    engine_name: EngineOption = "local",
+    ray_address: RayAddressOption = None,
     *,
     selection: Any,
 ) -> None:
     """List trajectories, one row each.
 
-    With --json, one JSON object per line; --grep searches their decoded text."""
+    With --json, one JSON object per line; --grep searches their decoded text (--engine ray: on
+    a Ray cluster)."""
     chosen = ls_columns(columns)
+    cluster = cluster_for(engine_name, ray_address)  # asked for and not there: said, even without --grep
     opened = open_run_arg(run, run_path)
     keep = None if finding is None else lambda table: flagged(opened, table, finding)
     texts = None
-    if selection.grep is not None:
+    if selection.grep is not None and cluster is not None:
+        from rlreplay.engine import Search
+
+        texts = Search(opened, tokenizer, cluster)
+    elif selection.grep is not None:
         from rlreplay.read.search import TextSearch
 
         texts = TextSearch.for_run(opened, tokenizer)

@@ -9,12 +9,15 @@ from typing import Annotated, Any
 import typer
 
 from rlreplay.cli.app import (
+    EngineOption,
     FindingOption,
     ForceOption,
+    RayAddressOption,
     RunArgument,
     RunOption,
     TokenizerOption,
     app,
+    cluster_for,
     fail,
     flagged,
     open_run_arg,
@@ -64,6 +67,8 @@ def export_command(
     finding: FindingOption = None,
     old_ids: Annotated[bool, typer.Option("--ids", hidden=True)] = False,
     force: ForceOption = False,
+    engine_name: EngineOption = "local",
+    ray_address: RayAddressOption = None,
     *,
     selection: Any,
 ) -> None:
@@ -92,6 +97,7 @@ def export_command(
     if fmt not in export.FORMATS:
         fail(f"--format must be one of: {', '.join(export.FORMATS)} (got {fmt!r})")
     target = output_path(out, force)
+    cluster = cluster_for(engine_name, ray_address)
     opened = open_run_arg(run, run_path)
     name = resolve_tokenizer(opened, tokenizer)
     if name is None:
@@ -99,7 +105,11 @@ def export_command(
     decoder = Decoder.load(name)
     keep = None if finding is None else lambda table: flagged(opened, table, finding)
     texts = None
-    if selection.grep is not None:
+    if selection.grep is not None and cluster is not None:
+        from rlreplay.engine import Search
+
+        texts = Search(opened, tokenizer, cluster)
+    elif selection.grep is not None:
         from rlreplay.read.search import TextSearch
 
         texts = TextSearch(opened, decoder)
@@ -119,8 +129,21 @@ def export_command(
 
     def run_export(tmp: Path) -> None:
         nonlocal written
+        batches = None
+        if cluster is not None:
+            from rlreplay.engine import export_batches
+
+            batches = export_batches(opened, listing, chosen, tokenizer, token_ids, logprobs, cluster)
         written = export.write(
-            tmp, fmt, opened, listing, chosen, decoder, with_ids=token_ids, with_logprobs=logprobs
+            tmp,
+            fmt,
+            opened,
+            listing,
+            chosen,
+            decoder,
+            with_ids=token_ids,
+            with_logprobs=logprobs,
+            batches=batches,
         )
 
     write_atomically(target, run_export)

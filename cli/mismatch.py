@@ -9,11 +9,14 @@ from typing import Annotated, Any
 import typer
 
 from rlreplay.cli.app import (
+    EngineOption,
     JsonOption,
+    RayAddressOption,
     RunArgument,
     RunOption,
     TokenizerOption,
     app,
+    cluster_for,
     fail,
     open_run_arg,
     report_warnings,
@@ -91,26 +94,39 @@ def mismatch_command(
     ] = None,
     tokenizer: TokenizerOption = None,
     as_json: JsonOption = False,
+    engine_name: EngineOption = "local",
+    ray_address: RayAddressOption = None,
     *,
     selection: Any,
 ) -> None:
     from rlreplay.errors import NothingToCompare
+    from rlreplay.mismatch import metrics
     from rlreplay.mismatch.report import LISTING_COLUMNS, WORST, compute
 
     if by not in BY_KEYS:
         fail(f"--by {by!r}: one of {', '.join(BY_KEYS)}")
     shown = whole_number("--top", top, minimum=0)
+    cluster = cluster_for(engine_name, ray_address)
     opened = open_run_arg(run, run_path)
     listing = selection.trajectories(opened).select(LISTING_COLUMNS)  # the rest goes now
     decoder = _decoder(opened, tokenizer, wanted=by == "token" or not as_json)
+    token_ids = not as_json  # --json prints no token (but with --by token)
+    pieces = counts = None
     try:
+        if cluster is not None:
+            from rlreplay.engine import mismatch_pieces
+
+            limits = (metrics.INVESTIGATE, metrics.BROKEN)
+            pieces, counts = mismatch_pieces(opened, listing, by, token_ids, limits, cluster)
         report = compute(
             opened,
             listing,
             by=by,
             top=WORST if shown is None else (shown or None),
             decoder=decoder,
-            token_ids=not as_json,  # --json prints no token (but with --by token)
+            token_ids=token_ids,
+            pieces=pieces,
+            counts=counts,
         )
     except NothingToCompare as exc:  # what the run does not have is an answer, not bad input
         if as_json:

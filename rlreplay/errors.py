@@ -20,6 +20,11 @@ class CommandNotStarted(CliError):
     """The command given to ``record`` could not be started (not found, not executable)."""
 
 
+class EngineError(RlreplayError):
+    """A whole-run question that cannot run where it was asked to: no Ray cluster reachable, Ray
+    not installed, workers without rlreplay, a task that failed."""
+
+
 class RunError(RlreplayError):
     """Bad input when reading a run: a missing run, an unknown or ambiguous id, a bad filter."""
 

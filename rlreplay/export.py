@@ -19,7 +19,7 @@ either: JSON lines hold such a float as the format's ``float`` marker (``{"__typ
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -200,12 +200,15 @@ def write(
     with_ids: bool = False,
     progress: Callable[[int], None] | None = None,
     with_logprobs: bool = False,
+    batches: Iterable[list[dict[str, Any]]] | None = None,
 ) -> int:
-    """Write the records of ``ids`` to ``path`` as ``jsonl`` or ``parquet``; the number written."""
+    """Write the records of ``ids`` to ``path`` as ``jsonl`` or ``parquet``; the number written.
+    ``batches``: the records of ``ids`` made elsewhere (``--engine ray``), in their order."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     count = 0
-    batches = records(run, listing, ids, decoder, with_ids, with_logprobs)
+    if batches is None:
+        batches = records(run, listing, ids, decoder, with_ids, with_logprobs)
     if fmt == "jsonl":
         with open(path, "wb") as fh:
             for batch in batches:

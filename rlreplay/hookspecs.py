@@ -214,6 +214,9 @@ class Context:
     adapter: FrameworkAdapter | None = None
     decoder: Any = None
     run: Any = None
+    #: ``--engine ray``: ``pieces(listing, limits)`` gives the mismatch report's step pieces and
+    #: counts made on a cluster (``rlreplay.mismatch.report.compute``'s); None: read here
+    pieces: Any = None
 
     def __getitem__(self, key: str) -> float:
         return self.thresholds[key]

@@ -27,6 +27,7 @@ LAYERS = [
         "rlreplay.audit",
         "rlreplay.compare",
         "rlreplay.diff",
+        "rlreplay.engine",
         "rlreplay.export",
         "rlreplay.mismatch",
         "rlreplay.playback",

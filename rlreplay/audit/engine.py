@@ -82,15 +82,19 @@ def audit(
     checks: Sequence[Check],
     thresholds: dict[str, float] | None = None,
     tokenizer: str | None = None,
+    pieces: Any = None,
 ) -> Report:
-    """Run ``checks`` over the trajectories of ``listing`` (rows of ``run.trajectories()``)."""
+    """Run ``checks`` over the trajectories of ``listing`` (rows of ``run.trajectories()``);
+    ``pieces``: see ``Context.pieces``."""
     from rlreplay.adapters.registry import adapter_for_run
     from rlreplay.format.arrow_ops import release_unused
 
     release_unused()  # what reading the listing freed, before the tokenizer takes its share
     report = Report(list(checks), trajectories=listing.num_rows)
     checks = [_guarded(check, report) for check in checks]
-    ctx = Context({**default_thresholds(checks), **(thresholds or {})}, adapter_for_run(run), run=run)
+    ctx = Context(
+        {**default_thresholds(checks), **(thresholds or {})}, adapter_for_run(run), run=run, pieces=pieces
+    )
     over_spans = [c for c in checks if c.over != OVER_LISTING]
     if any(c.needs_tokenizer for c in over_spans):
         ctx.decoder = _decoder(run, tokenizer, report, [c for c in over_spans if c.needs_tokenizer])

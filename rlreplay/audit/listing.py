@@ -135,7 +135,10 @@ def _mismatch_report(listing: Any, ctx: Context) -> Any:
     if not has_trainer_logprobs(ctx.run, listing, fields):
         return None
     limits = {"investigate": ctx["mismatch_investigate"], "broken": ctx["mismatch_broken"]}
-    return compute(ctx.run, listing, fields=fields, token_ids=False, **limits)
+    pieces = counts = None
+    if ctx.pieces is not None:  # made on a cluster
+        pieces, counts = ctx.pieces(listing, (limits["investigate"], limits["broken"]))
+    return compute(ctx.run, listing, fields=fields, token_ids=False, pieces=pieces, counts=counts, **limits)
 
 
 def _mismatch_steps(report: Any, ctx: Context) -> Iterator[Finding]:

@@ -173,7 +173,25 @@ class Buckets:
         self.sums: dict[str, Any] | None = None
 
     def add(self, key: Any, name: str, values: Any) -> None:
+        self.fold(name, self.reduce(key, name, values))
+
+    @staticmethod
+    def reduce(key: Any, name: str, values: Any) -> Any:
+        """``values`` summed (``max_abs``: their largest; ``tokens``: counted) per bucket ``key``:
+        what :meth:`fold` adds, made apart (where the tokens are) and added in order later."""
         size = int(key.max()) + 1 if len(key) else 0
+        if name == "max_abs":
+            out = np.full(size, np.nan)
+            np.fmax.at(out, key, values)
+            return out
+        if name == "tokens":
+            return np.bincount(key, minlength=size)
+        return np.bincount(key, weights=values, minlength=size)
+
+    def fold(self, name: str, reduced: Any) -> None:
+        """Add one :meth:`reduce` result to the sums (the same float additions as adding the
+        tokens themselves)."""
+        size = len(reduced)
         sums = self.sums = self.sums if self.sums is not None else {}
         old = sums.get(name)
         if old is None or len(old) < size:
@@ -183,11 +201,9 @@ class Buckets:
                 grown[: len(old)] = old
             sums[name] = old = grown
         if name == "max_abs":
-            np.fmax.at(old, key, values)
-        elif name == "tokens":
-            old[:size] += np.bincount(key, minlength=size)
+            np.fmax(old[:size], reduced, out=old[:size])
         else:
-            old[:size] += np.bincount(key, weights=values, minlength=size)
+            old[:size] += reduced
 
     def size(self) -> int:
         return 0 if self.sums is None else max(len(v) for v in self.sums.values())

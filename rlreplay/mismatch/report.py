@@ -13,7 +13,7 @@ recorded, when it did (:func:`per_rollout`, ``Report.per == "rollout"``); one wi
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,12 +93,18 @@ def compute(
     token_ids: bool = True,
     investigate: float = m.INVESTIGATE,
     broken: float = m.BROKEN,
+    pieces: Iterable[Piece] | None = None,
+    counts: Counts | None = None,
 ) -> Report:
     """The report over the trajectories of ``listing`` (rows of ``run.trajectories()``): per step
     and split, and by ``by`` (``metrics.BY``); ``top`` bucket rows for ``token`` and ``rollout``
     (None: all); ``decoder`` decodes the tokens of ``by="token"`` and the worst tokens; without
     ``token_ids`` the ids are not read (the worst tokens' are -1; ``by="token"`` reads them);
     ``investigate`` and ``broken``: the verdicts' thresholds on token_mult_prob_error.
+
+    ``pieces`` and ``counts``: what :func:`digest` made of the listing's steps elsewhere (parts
+    of the run, their pieces in step order, rows numbered in ``listing``); by default the steps
+    are digested here, one at a time. Either way the same pieces fold in the same order.
 
     Without the trainer's per-token log-probs in any selected trajectory: the trainer's
     per-rollout figures (:func:`per_rollout`) where the listing has them, else
@@ -110,12 +116,15 @@ def compute(
         from rlreplay.adapters.registry import adapter_for_run
 
         fields = getattr(adapter_for_run(run), "fields", None)
-    counts = Counts()
-    acc = _Accumulator(by, listing, (investigate, broken))
-    for batch in read_batches(run, listing, fields, counts, ids=token_ids or by == "token"):
-        acc.add(batch)
-        del batch
-        ops.release_unused()  # what the step's read freed: memory stays one step's
+    limits = (investigate, broken)
+    if pieces is None:
+        counts = Counts()
+        pieces = digest(run, listing, by, fields, counts, token_ids, limits)
+    elif counts is None:
+        raise ValueError("pieces made apart come with their counts")
+    acc = _Accumulator(by, listing, limits)
+    for piece in pieces:
+        acc.fold(piece)
     how = (
         HOW_TO_RECORD_CALLS
         if getattr(fields, "response_in", None) == RESPONSE_IN_CALLS
@@ -301,6 +310,40 @@ def _notes(counts: Counts, not_finite: int = 0) -> list[str]:
     return notes
 
 
+def digest(
+    run: Any,
+    listing: Any,
+    by: str,
+    fields: Any,
+    counts: Counts,
+    token_ids: bool = True,
+    limits: tuple[float, float] = (m.INVESTIGATE, m.BROKEN),
+) -> Iterator[Piece]:
+    """The listing's steps, one :class:`Piece` each (read a step at a time: memory holds one
+    step's tokens); ``counts`` is told what was left out and why."""
+    acc = _Accumulator(by, listing, limits)
+    for batch in read_batches(run, listing, fields, counts, ids=token_ids or by == "token"):
+        piece = acc.piece(batch)
+        del batch
+        ops.release_unused()  # what the step's read freed: memory stays one step's
+        yield piece
+
+
+@dataclass
+class Piece:
+    """What one step's responses add to a report, small beside their tokens: per response its
+    listing row number and sums, the step's rows (per split), its token buckets' sums (in the
+    order they are added) and its largest |Δ| (largest first, ``response`` numbered in the step).
+    Folding the pieces of a run's steps in order gives the report, however they were made."""
+
+    rows: Any
+    sums: dict[str, Any]
+    version: Any
+    step_metrics: list[dict[str, Any]]
+    buckets: list[tuple[str, Any]]
+    worst: list[tuple[float, dict[str, Any]]]
+
+
 class _Accumulator:
     """What the report keeps while the steps go by: per response its listing row number and sums,
     per token bucket its sums, the worst tokens; per step and split its numbers."""
@@ -319,29 +362,30 @@ class _Accumulator:
         self.count = 0
 
     def add(self, batch: Batch) -> None:
+        self.fold(self.piece(batch))
+
+    def piece(self, batch: Batch) -> Piece:
+        """What ``batch`` adds (see :class:`Piece`)."""
         counted = batch.counted
         key = self.token_key(batch, counted) if self.by in m.TOKEN_KEYS else None
         keep = None if key is None or (key >= 0).all() else key >= 0  # per counted token
         gaps: list[Any] = []
+        buckets: list[tuple[str, Any]] = []
 
         def each(name: str, values: Any, at: slice) -> None:
             if name == "max_abs":
                 gaps.append(values)
             if key is not None:
                 if keep is None:
-                    self.buckets.add(key[at], name, values)
+                    buckets.append((name, m.Buckets.reduce(key[at], name, values)))
                 else:
-                    self.buckets.add(key[at][keep[at]], name, values[keep[at]])
+                    buckets.append((name, m.Buckets.reduce(key[at][keep[at]], name, values[keep[at]])))
 
         sums = m.sequence_sums(batch, counted, each)
         left_out = batch.mask & ~counted  # model tokens whose log-prob difference is not finite
         gap = np.concatenate(gaps) if len(gaps) != 1 else gaps[0]
-        base = self.count
-        self.count += len(batch.rows)
-        self.rows.append(batch.rows)
-        self.parts.append(sums)
-        self.versions.append(batch.version)
         step = self.listing_row(int(batch.rows[0]))["step"]
+        rows = []
         for split in (False, True):
             chosen = np.flatnonzero(batch.validate == split)
             if not len(chosen):
@@ -359,8 +403,21 @@ class _Accumulator:
             else:
                 of_split = np.repeat(batch.validate == split, np.diff(batch.offsets))
                 row["tokens_not_finite"] = int(np.count_nonzero(left_out & of_split))
-            self.step_metrics.append(row)
-        self.add_worst(batch, counted, gap, base)
+            rows.append(row)
+        worst = self.worst_of(batch, counted, gap)
+        return Piece(batch.rows, sums, batch.version, rows, buckets, worst)
+
+    def fold(self, piece: Piece) -> None:
+        """Add what one step's responses add (:meth:`piece`), after the steps folded so far."""
+        base = self.count
+        self.count += len(piece.rows)
+        self.rows.append(piece.rows)
+        self.parts.append(piece.sums)
+        self.versions.append(piece.version)
+        self.step_metrics.extend(piece.step_metrics)
+        for name, reduced in piece.buckets:
+            self.buckets.fold(name, reduced)
+        self.add_worst(piece.worst, base)
 
     def token_key(self, batch: Batch, counted: Any) -> Any:
         """Each counted token's bucket (an int ≥ 0; -1: none), or None when the run has no data."""
@@ -380,29 +437,38 @@ class _Accumulator:
             return np.where(known, m.entropy_bucket(np.where(known, entropy, 0.0)), -1)
         raise AssertionError(self.by)
 
-    def add_worst(self, batch: Batch, counted: Any, gaps: Any, base: int) -> None:
-        """Keep the largest |Δ| seen so far (``gaps``: of the batch's counted tokens)."""
+    @staticmethod
+    def worst_of(batch: Batch, counted: Any, gaps: Any) -> list[tuple[float, dict[str, Any]]]:
+        """The batch's ``WORST`` largest |Δ| (``gaps``: of its counted tokens), largest first."""
         if not len(gaps):
-            return
+            return []
         k = min(WORST, len(gaps))
-        floor = self.worst[0][0] if len(self.worst) >= WORST else -np.inf
         top = np.argpartition(-gaps, k - 1)[:k]
         where = np.flatnonzero(counted)
+        out = []
         for i in top[np.argsort(-gaps[top], kind="stable")]:
-            gap = float(gaps[i])
-            if gap <= floor:
-                break
             at = int(where[i])
             seq = int(np.searchsorted(batch.offsets, at, side="right")) - 1
-            self.seen += 1
             item = {
-                "response": base + seq,
+                "response": seq,
                 "position": at - int(batch.offsets[seq]),
                 "token_id": int(batch.ids[at]) if batch.ids is not None else -1,
                 "rollout": float(batch.rollout[at]),
                 "trainer": float(batch.trainer[at]),
-                "logprob_diff": gap,
+                "logprob_diff": float(gaps[i]),
             }
+            out.append((float(gaps[i]), item))
+        return out
+
+    def add_worst(self, candidates: list[tuple[float, dict[str, Any]]], base: int) -> None:
+        """Keep the largest |Δ| seen so far (``candidates``: a step's, largest first; their
+        ``response`` numbered from ``base``)."""
+        floor = self.worst[0][0] if len(self.worst) >= WORST else -np.inf
+        for gap, found in candidates:
+            if gap <= floor:
+                break
+            self.seen += 1
+            item = {**found, "response": base + found["response"]}
             entry = (gap, -self.seen, item)
             if len(self.worst) < WORST:
                 heapq.heappush(self.worst, entry)

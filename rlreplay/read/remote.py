@@ -43,7 +43,9 @@ def open_remote(uri: str) -> Run:
             if is_object_store(loc.fs) and not exists(loc, "") and not bucket_exists(loc, bucket):
                 raise RunError(f"no bucket {bucket!r} at {redact(uri)} (or no access to it)")
             raise RunError(f"no run at {redact(uri)} (no {manifest.MANIFEST} and no {SPANS_DIR}/)")
-        return Run(store)
+        run = Run(store)
+        store.keep_tokenizer(run.manifest)
+        return run
     except StorageError as exc:
         raise RunError(str(exc)) from exc
     except OSError as exc:
@@ -100,6 +102,24 @@ class ObjectStore:
         except OSError as exc:
             raise self._error(exc) from exc
         return sorted(shards, key=lambda name: name.replace("/", "\0")), []
+
+    def keep_tokenizer(self, kept: dict[str, Any]) -> None:
+        """Bring the tokenizer files the run keeps (its manifest's ``tokenizer_snapshot``) into the
+        cache once, like its other files: decoding a run on the store needs no other copy. A file
+        the store lacks is left out (the manifest's tokenizer name is then used)."""
+        from rlreplay.text.token2text import SNAPSHOT_FALLBACK, SNAPSHOT_FILES, SNAPSHOT_KEY
+
+        names = kept.get(SNAPSHOT_KEY)
+        if not isinstance(names, list):
+            return
+        known = (*SNAPSHOT_FILES, *SNAPSHOT_FALLBACK)
+        for name in (n for n in names if n in known and not (self.root / n).is_file()):
+            try:
+                self.cache.download([name])
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise self._error(exc) from exc
 
     def stamp(self, name: str | Path) -> Stamp:
         found = self._listed.get(str(name))

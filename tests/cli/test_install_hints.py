@@ -16,6 +16,7 @@ CASES = {  # extra: (the module that goes missing, the command that needs it)
     "ui": ("starlette", ["ui", str(SAMPLE), "--port", "0"]),
     "text": ("tokenizers", ["export", str(SAMPLE), "--out", "x.jsonl"]),
     "proxy": ("aiohttp", ["proxy", "--upstream", "http://127.0.0.1:9", "--port", "0"]),
+    "ray": ("ray", ["audit", str(SAMPLE), "--engine", "ray", "--ray-address", "127.0.0.1:9"]),
 }
 
 

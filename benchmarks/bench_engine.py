@@ -1,0 +1,191 @@
+"""Engine benchmark: ``mismatch`` and ``audit`` over a whole generated run with ``--engine local``
+and with ``--engine ray`` on a real Ray cluster on this machine of 1 and then 2 worker nodes (one
+CPU each), in one sitting; every answer checked equal to the local one.
+
+The run is bench_mismatch.py's (one step of PER_STEP trajectories of ~2,000 response tokens
+recorded with the real recorder, with the trainer's per-token log-probs, written again as STEPS
+steps over two workers). Each command runs through the library as the CLI runs it (the driver is
+this process, so the tasks' own figures can be read): its wall time, and per task (a part of one
+or more steps, ``RLREPLAY_PART_BYTES``) the time inside the task, the bytes of span files it read
+and the peak resident memory of the worker process that ran it. Per-task overhead: the wall time
+of tasks that only open the run (as many as the parts), a task at a time.
+
+    python benchmarks/bench_engine.py                             # 300 x 1,024 (>= 60 s locally)
+    python benchmarks/bench_engine.py --steps 8 --per-step 64     # small, to see that it works
+    python benchmarks/bench_engine.py --keep DIR                  # keep (or reuse) the run in DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+
+from rlreplay import engine
+
+
+def opened(run_dir: Path):
+    from rlreplay.read.open import open_run
+
+    return open_run(run_dir)
+
+
+def mismatch(run_dir: Path, cluster) -> tuple[float, list]:
+    """(seconds, the per-step rows) of ``rlreplay mismatch RUN --json``."""
+    from rlreplay.mismatch import metrics
+    from rlreplay.mismatch.report import LISTING_COLUMNS, compute
+
+    started = time.perf_counter()
+    run = opened(run_dir)
+    listing = run.trajectories().select(LISTING_COLUMNS)
+    pieces = counts = None
+    if cluster is not None:
+        limits = (metrics.INVESTIGATE, metrics.BROKEN)
+        pieces, counts = engine.mismatch_pieces(run, listing, "step", False, limits, cluster)
+    report = compute(run, listing, token_ids=False, pieces=pieces, counts=counts)
+    return time.perf_counter() - started, [orjson.dumps(row) for row in report.steps]
+
+
+def audit(run_dir: Path, cluster) -> tuple[float, list]:
+    """(seconds, the findings) of ``rlreplay audit RUN --json`` (every check)."""
+    from rlreplay.audit import engine as checks
+
+    started = time.perf_counter()
+    run = opened(run_dir)
+    listing = run.trajectories()
+    chosen = list(checks.available().values())
+    if cluster is None:
+        report = checks.audit(run, listing, chosen)
+    else:
+        report = engine.audit(run, listing, chosen, None, None, cluster)
+    return time.perf_counter() - started, [orjson.dumps(f.to_dict()) for f in report.findings]
+
+
+def open_only(run, listing) -> None:
+    """A task that opens the run and reads nothing: what a task costs besides its work."""
+    return None
+
+
+def overhead(run_dir: Path, cluster, tasks: int) -> float:
+    """Seconds a task that only opens the run adds, end to end (``tasks`` of them over the
+    cluster, after as many to start its workers): Ray's scheduling, the run opened, the answer."""
+    import pyarrow as pa
+
+    run = opened(run_dir)
+    empty = pa.table({"id": pa.array([], pa.string())})
+    list(cluster.map(run, [(open_only, empty)] * tasks, "warm-up"))
+    started = time.perf_counter()
+    list(cluster.map(run, [(open_only, empty)] * tasks, "noop"))
+    return (time.perf_counter() - started) * cluster.cpus / tasks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--per-step", type=int, default=1024)
+    parser.add_argument("--keep", type=Path, help="keep the generated run here (reused when present)")
+    parser.add_argument("--commands", default="mismatch,audit")
+    args = parser.parse_args()
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    root = args.keep or Path(tempfile.mkdtemp(prefix="bench-engine-"))
+    run_dir = root / f"run-{args.steps}x{args.per_step}"
+    if not run_dir.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        print(f"building {args.steps} x {args.per_step} ...", file=sys.stderr)
+        # in a process of its own: the recorder it starts stays out of the measured one
+        build = "import sys; from pathlib import Path; from bench_mismatch import build_run; "
+        build += "build_run(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
+        argv = [str(root), str(args.steps), str(args.per_step)]
+        subprocess.run([sys.executable, "-c", build, *argv], check=True, cwd=Path(__file__).resolve().parent)
+    files = list(run_dir.glob("spans/*/*/*.parquet"))
+    stored = sum(f.stat().st_size for f in files)
+    parts = len(engine.plan(opened(run_dir), opened(run_dir).trajectories()))
+    size = f"{len(files)} files, {stored / 1e6:,.0f} MB"
+    print(f"run: {args.steps} steps x {args.per_step}, {size}, {parts} parts")
+    print(f"load average at the start: {os.getloadavg()[0]:.2f}")
+    commands = {"mismatch": mismatch, "audit": audit}
+    chosen = [c.strip() for c in args.commands.split(",")]
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        rows = []
+        expected: dict[str, list] = {}  # per command, its local answer
+        for workers in (1, 2):
+            if workers == 2:
+                made.add_node(num_cpus=1)
+            made.wait_for_nodes()
+            ray.shutdown()  # connected again, to the cluster as it is now
+            cluster = engine.connect(made.address)
+            cluster.progress, cluster.stay = False, True
+            cost = overhead(run_dir, cluster, 16)
+            for name in chosen:
+                if workers == 1:
+                    took, expected[name] = commands[name](run_dir, None)
+                    rows.append((name, "local", took, None, None, None, None))
+                    commands[name](run_dir, cluster)  # once untimed: workers started, files cached
+                cluster.answers.clear()
+                took, answer = commands[name](run_dir, cluster)
+                if answer != expected[name]:
+                    raise SystemExit(f"{name}: --engine ray answered otherwise")
+                tasks = list(cluster.answers)
+                inside = sum(a.seconds for a in tasks)
+                read = sum(a.bytes_read for a in tasks)
+                peak = max(a.peak_rss for a in tasks)
+                rows.append(
+                    (
+                        name,
+                        f"ray, {workers} worker{'s' if workers > 1 else ''}",
+                        took,
+                        len(tasks),
+                        inside,
+                        read,
+                        peak,
+                    )
+                )
+            rows.append(
+                (
+                    "(a task that opens the run)",
+                    f"ray, {workers} worker(s), per task",
+                    cost,
+                    None,
+                    None,
+                    None,
+                    None,
+                )
+            )
+        print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+        print()
+        print("| command | engine | wall | tasks | time in tasks | bytes read | peak memory a worker |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for name, how, took, n, inside, read, peak in rows:
+            cells = [
+                name,
+                how,
+                f"{took * 1000:.0f} ms" if name.startswith("(") else f"{took:.2f} s",
+                "" if n is None else str(n),
+                "" if inside is None else f"{inside:.2f} s",
+                "" if read is None else f"{read / 1e6:,.0f} MB",
+                "" if peak is None else f"{peak / 1e6:,.0f} MB",
+            ]
+            print("| " + " | ".join(cells) + " |")
+    finally:
+        ray.shutdown()
+        made.shutdown()
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""``--engine``: what it refuses in one line (no cluster, a cluster not there, an unknown engine),
+and how a run is cut into parts (consecutive steps, by the bytes of their span files)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SHOWCASE = Path(__file__).resolve().parents[2] / "sample_runs" / "verl-arith-smollm2"
+
+
+def _rlreplay(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run(
+        [sys.executable, "-m", "rlreplay", *args],
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again: nothing listens there
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        (["--engine", "ray"], {}, "--engine ray: no Ray cluster named: pass --ray-address"),
+        (
+            ["--engine", "ray"],
+            {"RAY_ADDRESS": "127.0.0.1:{port}"},
+            "no Ray cluster reachable at 127.0.0.1:{port}",
+        ),
+        (
+            ["--engine", "ray", "--ray-address", "127.0.0.1:{port}"],
+            {},
+            "no Ray cluster reachable at 127.0.0.1",
+        ),
+        (["--engine", "spark"], {}, "--engine 'spark': one of local, ray"),
+        (["--ray-address", "127.0.0.1:1"], {}, "--ray-address goes with --engine ray"),
+    ],
+)
+def test_an_engine_that_cannot_run_is_one_line(args: list[str], env: dict[str, str], said: str) -> None:
+    port = str(_closed_port())
+    args = [a.replace("{port}", port) for a in args]
+    env = {k: v.replace("{port}", port) for k, v in env.items()}
+    for command in (["audit"], ["mismatch"], ["ls", "--grep", "1"], ["export", "--out", "x.jsonl"]):
+        proc = _rlreplay(command[0], str(SHOWCASE), *command[1:], *args, env=env)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and proc.stdout == "", (command, proc.stderr)
+        assert len(lines) == 1 and lines[0].startswith("rlreplay: error: "), (command, proc.stderr)
+        assert said.replace("{port}", port) in lines[0], (command, lines[0])
+
+
+def test_parts_are_consecutive_steps_sized_by_bytes(tmp_path: Path) -> None:
+    import numpy as np
+
+    from rlreplay.engine import plan
+    from rlreplay.read.open import open_run
+
+    run = open_run(shutil.copytree(SHOWCASE, tmp_path / "run"))
+    listing = run.trajectories()
+    steps = listing["step"].to_pylist()
+    size = {}
+    for step in sorted(set(steps)):
+        size[step] = sum(
+            p.stat().st_size for p in (tmp_path / "run" / "spans" / f"step={step}").rglob("*.parquet")
+        )
+    for target in (1, max(size.values()), 2 * max(size.values()), sum(size.values())):
+        parts = plan(run, listing, target)
+        assert np.array_equal(np.concatenate(parts), np.arange(listing.num_rows))  # every row, in order
+        for rows in parts:
+            held = sorted({steps[r] for r in rows})
+            assert sum(size[s] for s in held) <= target or len(held) == 1
+            assert {r for r, s in enumerate(steps) if s in held} == set(rows.tolist())  # whole steps
+        if target == 1:
+            assert len(parts) == len(size)
+        if target == sum(size.values()):
+            assert len(parts) == 1
+
+
+def test_workers_without_rlreplay_are_one_line_naming_it(tmp_path: Path) -> None:
+    """A one-node Ray cluster whose workers cannot import rlreplay (as where it is not installed)."""
+    from ray.cluster_utils import Cluster
+
+    blocked = Path(__file__).resolve().parents[1] / "blocked_imports"
+    without = {"PYTHONPATH": str(blocked), "RLREPLAY_README_BLOCKED": "rlreplay"}
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False, "env_vars": without}
+    )
+    try:
+        cluster.wait_for_nodes()
+        proc = _rlreplay("audit", str(SHOWCASE), "--engine", "ray", "--ray-address", cluster.address)
+    finally:
+        cluster.shutdown()
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("rlreplay: error: --engine ray: the cluster's workers cannot import rlreplay")
+
+
+@pytest.mark.parametrize("by", ["step", "token", "position", "probability", "rollout", "worker"])
+def test_mismatch_pieces_made_apart_fold_into_the_same_report(by: str, tmp_path: Path) -> None:
+    """Each part of the run digested on its own (as a Ray task does), its rows numbered back into
+    the listing, then folded in order: every figure of the report as the one-pass report's."""
+    import orjson
+    import pyarrow as pa
+
+    from rlreplay.engine import plan
+    from rlreplay.format import arrow_ops as ops
+    from rlreplay.mismatch.report import LISTING_COLUMNS, compute, digest
+    from rlreplay.mismatch.tokens import Counts
+    from rlreplay.read.open import open_run
+
+    run = open_run(shutil.copytree(SHOWCASE, tmp_path / "run"))
+    listing = run.trajectories().select(LISTING_COLUMNS)
+    whole = compute(run, listing, by=by)
+    counts, pieces = Counts(), []
+    for rows in plan(run, listing, 1):  # a part a step
+        for piece in digest(run, ops.take(listing, pa.array(rows)), by, None, counts):
+            piece.rows = rows[piece.rows]
+            pieces.append(piece)
+    apart = compute(run, listing, by=by, pieces=pieces, counts=counts)
+
+    def said(report) -> bytes:
+        parts = (report.steps, report.buckets, report.worst_rollouts, report.worst_tokens, report.notes)
+        return orjson.dumps(parts, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    assert len(plan(run, listing, 1)) == 6 and said(apart) == said(whole)
+    assert orjson.dumps(apart.largest_gaps.tolist()) == orjson.dumps(whole.largest_gaps.tolist())

@@ -1,0 +1,263 @@
+# ruff: noqa: F811  (the store fixture, imported from test_object_store, is the tests' argument)
+"""Whole-run questions on a run on an object store: the run's kept tokenizer comes with it, and
+``--engine ray`` on a real 3-node Ray cluster answers as ``--engine local`` does on a local copy.
+
+The shipped showcase run is uploaded to a real S3 server (moto) on 127.0.0.1; the cluster is
+started once for this module (Ray's start-up is slow on 2 cores) and every command runs as the
+user runs it, in a process of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_object_store import BUCKET, S3Server, _env, _free_port, rlreplay, s3  # noqa: F401  (s3: a fixture)
+
+SHOWCASE = Path(__file__).parents[2] / "sample_runs" / "verl-arith-smollm2"
+PREFIX = "exp/showcase"
+URI = f"s3://{BUCKET}/{PREFIX}"
+#: A pattern the showcase run's decoded responses hold in some rollouts and not in others.
+PATTERN = "^1"
+
+
+@pytest.fixture(scope="module")
+def showcase(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The showcase run uploaded to the store, byte for byte, and a local copy of it."""
+    client = s3.client()
+    for path in sorted(SHOWCASE.rglob("*")):
+        if path.is_file():
+            key = f"{PREFIX}/{path.relative_to(SHOWCASE).as_posix()}"
+            client.put_object(Bucket=BUCKET, Key=key, Body=path.read_bytes())
+    local = tmp_path_factory.mktemp("showcase") / "verl-arith-smollm2"
+    shutil.copytree(SHOWCASE, local)
+    return local
+
+
+def _lines(proc: subprocess.CompletedProcess) -> list[dict]:
+    assert proc.returncode in (0, 1), proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+def _same(env: dict[str, str], local: Path, cwd: Path, command: list[str], *extra: str) -> tuple:
+    """The command on the store's run (with ``extra`` options) and on the local copy: (remote, local)."""
+    name, *rest = command
+    remote = rlreplay(env, name, URI, *rest, *extra, cwd=cwd, timeout=300)
+    here = rlreplay(env, name, str(local), *rest, cwd=cwd, timeout=300)
+    return remote, here
+
+
+def test_a_remote_run_keeps_its_tokenizer(s3: S3Server, showcase: Path, tmp_path: Path) -> None:
+    """``ls --grep``, ``export`` and ``audit``'s garbled check decode a run on the store with the
+    tokenizer files it keeps, fetched once into the read cache like its other files."""
+    env = _env(s3, tmp_path)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["HF_HOME"] = str(tmp_path / "no-hub")  # the manifest's hub name is not on this machine
+    remote, here = _same(env, showcase, tmp_path, ["ls", "--json", "--grep", PATTERN])
+    assert remote.returncode == 0, remote.stderr
+    found = _lines(remote)
+    every = _lines(rlreplay(env, "ls", str(showcase), "--json", cwd=tmp_path))
+    assert found == _lines(here) and 0 < len(found) < len(every)
+    cached = next((tmp_path / "cache").glob(f"*/{Path(PREFIX).name}"))
+    assert (cached / "tokenizer.json").read_bytes() == (SHOWCASE / "tokenizer.json").read_bytes()
+
+    outs = []
+    for where in (URI, str(showcase)):
+        out = tmp_path / f"export-{len(outs)}.jsonl"
+        proc = rlreplay(env, "export", where, "--out", str(out), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1] and outs[0].count(b"\n") == len(every)
+
+    remote, here = _same(env, showcase, tmp_path, ["audit", "--json", "--fail-on", "none"])
+    assert remote.returncode == 0 and "garbled skipped" not in remote.stderr, remote.stderr
+    assert _lines(remote) == _lines(here)
+
+
+@pytest.fixture(scope="module")
+def cluster(s3: S3Server, tmp_path_factory: pytest.TempPathFactory):
+    """A real 3-node Ray cluster (one CPU each) with its dashboard (the state API), started once.
+    Each node has the store's credentials and a read cache of its own, as separate machines do."""
+    from ray.cluster_utils import Cluster
+
+    base = tmp_path_factory.mktemp("nodes")
+
+    def node_env(i: int) -> dict[str, str]:
+        creds = {k: v for k, v in _env(s3, base).items() if k.startswith("AWS_")}
+        own = {"RLREPLAY_CACHE": str(base / f"node-{i}" / "cache"), "XDG_CACHE_HOME": str(base / f"node-{i}")}
+        return {**creds, **own, "RLREPLAY_HOST": f"node-{i}"}
+
+    port = _free_port()
+    made = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "include_dashboard": True,
+            "dashboard_port": port,
+            "env_vars": node_env(0),
+        },
+    )
+    for i in (1, 2):
+        made.add_node(num_cpus=1, env_vars=node_env(i))
+    made.wait_for_nodes()
+    made.dashboard = f"http://127.0.0.1:{port}"
+    made.node_env = node_env
+    try:
+        yield made
+    finally:
+        made.shutdown()
+
+
+def _ray_env(s3: S3Server, tmp: Path, cluster) -> dict[str, str]:
+    """The driver's environment: the cluster's address, parts of one step each (the showcase
+    run's steps are ~60 KB), a cache of its own."""
+    return {**_env(s3, tmp), "RAY_ADDRESS": cluster.address, "RLREPLAY_PART_BYTES": "1"}
+
+
+def _tasks(cluster) -> list:
+    from ray.util.state import list_tasks
+
+    return list_tasks(
+        address=cluster.dashboard, filters=[("func_or_class_name", "=", "run_part")], limit=10000, detail=True
+    )
+
+
+#: The commands that read every token, as the issue names them (export is checked apart: a file).
+COMMANDS = [
+    ["audit", "--json", "--fail-on", "none"],
+    ["audit"],
+    ["mismatch"],
+    ["mismatch", "--json", "--by", "position"],
+    ["ls", "--json", "--grep", PATTERN],
+]
+
+
+def test_ray_engine_answers_as_the_local_one(s3: S3Server, showcase: Path, cluster, tmp_path: Path) -> None:
+    """Each command with --engine ray on the s3:// run equals the local command on a local copy:
+    stdout, stderr and exit code; the tasks ran on more than one node."""
+    env = _ray_env(s3, tmp_path, cluster)
+    before = {t.task_id for t in _tasks(cluster)}
+    for command in COMMANDS:
+        remote, here = _same(env, showcase, tmp_path, command, "--engine", "ray")
+        assert (remote.returncode, remote.stdout, remote.stderr) == (
+            here.returncode,
+            here.stdout,
+            here.stderr,
+        )
+        assert remote.stdout.strip() and here.returncode in (0, 1), command
+    outs = []
+    for where, extra in ((URI, ["--engine", "ray"]), (str(showcase), [])):
+        out = tmp_path / f"export-{len(outs)}.jsonl"
+        proc = rlreplay(
+            env, "export", where, "--out", str(out), "--logprobs", *extra, cwd=tmp_path, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1] and outs[0].count(b"\n") == 200
+    ours = [t for t in _tasks(cluster) if t.task_id not in before]
+    steps = 6  # a part a step
+    assert len(ours) >= steps * (len(COMMANDS) + 1) and {t.state for t in ours} == {"FINISHED"}
+    assert len({t.node_id for t in ours}) >= 2
+
+
+def test_ray_engine_warns_of_damaged_files_as_the_local_one(
+    s3: S3Server, showcase: Path, cluster, tmp_path: Path
+) -> None:
+    """A shard whose bytes no longer match its checksums: the same warning, the same "not in
+    full" line and exit code 2 from the tasks as from the local reader."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(showcase, damaged)
+    shard = sorted(damaged.glob("spans/step=3/*/*.parquet"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    client = s3.client()
+    for path in sorted(damaged.rglob("*")):
+        if path.is_file() and not path.relative_to(damaged).as_posix().startswith("_run_index"):
+            key = f"exp/damaged/{path.relative_to(damaged).as_posix()}"
+            client.put_object(Bucket=BUCKET, Key=key, Body=path.read_bytes())
+    env = _ray_env(s3, tmp_path, cluster)
+    uri = f"s3://{BUCKET}/exp/damaged"
+    codes = {}
+    for command in (["audit", "--json"], ["mismatch", "--json"]):
+        remote = rlreplay(env, command[0], uri, *command[1:], "--engine", "ray", cwd=tmp_path, timeout=300)
+        here = rlreplay(env, command[0], str(damaged), *command[1:], cwd=tmp_path, timeout=300)
+        said = remote.stderr.replace(uri, str(damaged))  # the run named where it is
+        assert (remote.returncode, remote.stdout, said) == (here.returncode, here.stdout, here.stderr)
+        assert shard.name in remote.stderr and "could not be read in full" in remote.stderr
+        codes[command[0]] = remote.returncode
+    assert codes == {"audit": 2, "mismatch": 0}  # mismatch: the figures of what could be read
+
+
+def test_a_node_lost_mid_scan_leaves_the_answer_unchanged(
+    s3: S3Server, showcase: Path, cluster, tmp_path: Path
+) -> None:
+    """A fourth node joins; once a task runs there, the node is removed (its processes killed):
+    Ray runs the task again elsewhere and the answer is the local one."""
+    env = _ray_env(s3, tmp_path, cluster)
+    expected = rlreplay(env, "audit", str(showcase), "--json", "--fail-on", "none", cwd=tmp_path)
+    node = cluster.add_node(num_cpus=1, env_vars=cluster.node_env(3))
+    cluster.wait_for_nodes()
+    before = {t.task_id for t in _tasks(cluster)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlreplay", "audit", URI, "--json", "--fail-on", "none", "--engine", "ray"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        caught = None
+        while caught is None and time.monotonic() < deadline and proc.poll() is None:
+            for task in _tasks(cluster):
+                if task.task_id not in before and task.node_id == node.node_id and task.state != "FINISHED":
+                    caught = task
+            time.sleep(0.1)
+        assert caught is not None, "no task ran on the fourth node"
+        cluster.remove_node(node, allow_graceful=False)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (proc.returncode, out) == (expected.returncode, expected.stdout)
+    # rlreplay says what it said locally; Ray's own note of the lost node may come beside it
+    assert [line for line in err.splitlines() if line.startswith("rlreplay")] == expected.stderr.splitlines()
+    again = [t for t in _tasks(cluster) if t.task_id == caught.task_id]
+    assert max(t.attempt_number for t in again) >= 1  # the lost task ran again
+
+
+def test_a_progress_bar_on_a_terminal_only(s3: S3Server, showcase: Path, cluster, tmp_path: Path) -> None:
+    """stderr a terminal: the driver draws the parts done; a pipe (the tests above): nothing."""
+    import pty
+
+    env = _ray_env(s3, tmp_path, cluster)
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlreplay", "mismatch", URI, "--json", "--engine", "ray"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=follower,
+    )
+    os.close(follower)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the process closed the terminal
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    out, _ = proc.communicate(timeout=300)
+    os.close(leader)
+    assert proc.returncode == 0 and out.count(b"\n") == 6
+    assert b"mismatch [" in drawn and b"] 6/6 parts" in drawn, drawn[-500:]
