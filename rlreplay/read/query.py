@@ -23,10 +23,8 @@ from rlreplay.format.keys import KEYS
 from rlreplay.format.schema import SPAN_SCHEMA
 from rlreplay.read.selection import Selection
 from rlreplay.read.where import (
-    _BATCH_ROWS,
-    _POLL_S,
-    _budget,
     connect,
+    current_budget,
     duckdb_module,
     one_line,
     run_query,
@@ -34,6 +32,9 @@ from rlreplay.read.where import (
     with_aliases,
 )
 
+#: Rows per batch of a streamed result, and how often the reading thread looks up from a query
+#: (for Ctrl-C and the time budget).
+STREAM_BATCH_ROWS, POLL_S = 8192, 0.05
 #: The columns of :func:`stats`, in order.
 STATS_COLUMNS = (
     "step",
@@ -152,7 +153,7 @@ def sql(run: Any, text: str, selection: Selection | None = None) -> pa.Table:
 
 
 class Rows:
-    """The rows of a query as DuckDB makes them, a batch at a time (:data:`_BATCH_ROWS` rows): at
+    """The rows of a query as DuckDB makes them, a batch at a time (:data:`STREAM_BATCH_ROWS` rows): at
     most a few batches are held at once, whatever the size of the result. DuckDB runs on a
     helper thread; Ctrl-C and the end of a :func:`~rlreplay.read.where.time_budget` stop it."""
 
@@ -160,7 +161,7 @@ class Rows:
         self._con, self._what = con, what
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
         self._stop = threading.Event()
-        budget = _budget.get()
+        budget = current_budget()
         self._budget, self._deadline = budget, None if budget is None else time.monotonic() + budget
         self._thread = threading.Thread(
             target=self._produce, args=(text,), name="rlreplay-query", daemon=True
@@ -174,7 +175,7 @@ class Rows:
     def _put(self, item: tuple[str, Any]) -> None:
         while not self._stop.is_set():
             try:
-                self._queue.put(item, timeout=_POLL_S)
+                self._queue.put(item, timeout=POLL_S)
                 return
             except queue.Full:
                 continue
@@ -184,7 +185,7 @@ class Rows:
             relation = self._con.sql(text)
             if relation is None:  # a statement without rows
                 return
-            reader = relation.to_arrow_reader(_BATCH_ROWS)
+            reader = relation.to_arrow_reader(STREAM_BATCH_ROWS)
             self._put(("schema", reader.schema))
             for batch in reader:
                 if self._stop.is_set():
@@ -199,7 +200,7 @@ class Rows:
         try:
             while True:
                 try:
-                    kind, value = self._queue.get(timeout=_POLL_S)
+                    kind, value = self._queue.get(timeout=POLL_S)
                     break
                 except queue.Empty:
                     if self._deadline is not None and time.monotonic() >= self._deadline:
