@@ -102,7 +102,15 @@ def sql_command(
     set_memory_limit(memory_limit)
     opened = open_run_arg(run, run_path)
     rows = sql_rows(opened, query)
-    report_warnings(opened)
+    try:
+        report_warnings(opened)
+        _print(rows, as_json, limit)
+    finally:
+        rows.close()  # a reader gone (head), an error: DuckDB stops before the process ends
+
+
+def _print(rows: Any, as_json: bool, limit: int) -> None:
+    """The rows as JSON lines, or the table of the first ``limit`` and a line saying how many."""
     if as_json:
         write = sys.stdout.write
         for batch in rows:

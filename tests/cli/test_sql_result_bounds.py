@@ -99,3 +99,26 @@ def test_long_values_are_previewed_in_the_table_and_whole_in_json(run: Path) -> 
     assert row[2] == "[1,2]"
     whole = orjson.loads(_sql(run, query, "--json").stdout)
     assert whole == {"l": list(range(200000)), "s": "ab" * 100000, "short": [1, 2]}
+
+
+def test_a_reader_that_goes_away_stops_the_query_cleanly(run: Path) -> None:
+    """``sql --json | head -1``: the query stops with the reader, and DuckDB is let go before the
+    process ends (a query thread still inside DuckDB at exit aborts it, or prints leak reports)."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlreplay",
+            "sql",
+            str(run),
+            "SELECT i FROM range(0, 100000000) t(i)",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout.readline() == b'{"i":0}\n'
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) in (0, 1), err  # 1: click's exit on a closed pipe
+    assert err == "", err
