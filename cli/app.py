@@ -6,6 +6,7 @@ import functools
 import inspect
 import math
 import os
+import stat
 import sys
 import weakref
 from collections.abc import Callable
@@ -373,15 +374,51 @@ def output_path(path: Path, force: bool, option: str = "--out") -> Path:
         fail(f"{option} {path}: is a directory; give a file name")
     if not target.parent.is_dir():
         fail(f"{option} {path}: no directory {target.parent}")
-    if (target.exists() or target.is_symlink()) and not force:
-        fail(f"{option} {path}: exists; pass --force to replace it")
+    if target.exists() or target.is_symlink():
+        kind = _not_a_regular_file(target)
+        if kind:
+            fail(f"{option} {path}: is {kind}, not a regular file; rlreplay replaces only regular files")
+        if not force:
+            fail(f"{option} {path}: exists; pass --force to replace it")
+    probe = _tmp_name(target)  # a folder that takes no new file (/proc, read-only): said before any work
+    try:
+        probe.open("xb").close()
+        probe.unlink()
+    except OSError as exc:
+        fail(f"{option} {path}: cannot write there ({exc.strerror or exc})")
     return target
 
 
-def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
-    """``write(tmp)`` next to ``target``, then rename over it: a failed write leaves nothing behind."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+def _tmp_name(target: Path) -> Path:
+    return target.with_name(f".{target.name}.{os.getpid()}.tmp")
+
+
+def _not_a_regular_file(path: Path) -> str | None:
+    """What ``path`` is when it is not a regular file (nor a link to one): a named pipe, a device..."""
     try:
+        mode = path.stat().st_mode  # through links: a link to a device is a device here
+    except OSError:
+        return "a link that leads nowhere"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {
+        stat.S_ISFIFO: "a named pipe",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+    }
+    kind = next((name for test, name in kinds.items() if test(mode)), "a socket or other special file")
+    return f"a link to {kind}" if path.is_symlink() else kind
+
+
+def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` next to ``target``, then rename over it: a failed write leaves nothing behind.
+    A folder that takes no new file there is one line."""
+    tmp = _tmp_name(target)
+    try:
+        try:
+            tmp.open("xb").close()
+        except OSError as exc:
+            fail(f"cannot write {target}: {exc.strerror or exc}")
         write(tmp)
         os.replace(tmp, target)
     finally:

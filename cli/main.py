@@ -66,6 +66,19 @@ def _error(message: str) -> None:
     print(f"rlreplay: error: {redact_value(message)}", file=sys.stderr)
 
 
+def _not_utf8(args: list[str]) -> str | None:
+    """The first argument (before ``--``: a job's own command line is the job's) holding bytes
+    that are not UTF-8, shown with them escaped; None when every one is text."""
+    for arg in args:
+        if arg == "--":
+            return None
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:  # the bytes the system could not decode stand as surrogates
+            return ascii(os.fsencode(arg))[2:-1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:]
     reading = (
@@ -92,7 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         from rlreplay.read.run import skip_pandas
 
         skip_pandas()  # the command-line process of a reading command: no pandas import
-    command = command_group(list(args if argv is None else argv))
+    given = list(args if argv is None else argv)
+    undecodable = _not_utf8(given)
+    if undecodable is not None:
+        _error(f"argument '{undecodable}' is not UTF-8 text; rlreplay takes UTF-8 arguments")
+        return EXIT_BAD_INPUT
+    command = command_group(given)
     try:
         result = command.main(args=argv, prog_name="rlreplay", standalone_mode=False)
     except CliError as exc:
@@ -106,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if isinstance(exc, _bad_input()):
             _error(str(exc))
+            return EXIT_BAD_INPUT
+        if isinstance(exc, OSError):  # a file or folder the system refused: which, and why
+            _error(f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc))
             return EXIT_BAD_INPUT
         # typer vendors click in recent releases: match click's exceptions by their interface
         kind = type(exc).__name__
@@ -122,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
             _error(message)
             return EXIT_BAD_INPUT
         raise
-    given = args if argv is None else argv
     if result == EXIT_INTERRUPTED and given and given[0] not in ("record", "replay"):
         print("rlreplay: interrupted", file=sys.stderr)  # typer turns Ctrl-C into this code, silently
     return result if isinstance(result, int) else 0

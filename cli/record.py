@@ -170,8 +170,12 @@ def record_run(
             raise PermissionError(13, "Permission denied")
     except OSError as exc:
         fail(f"--out {run_dir}: cannot create the run there ({exc.strerror or exc})")
+    files_from = None  # a replay keeps its source's tokenizer (the files that rendered the recording)
+    if replay is not None and not tokenizer:
+        tokenizer, files_from = replay.tokenizer()
     tokenizer = tokenizer or guessed_tokenizer
-    kept, _ = keep_tokenizer(tokenizer, run_dir)  # before the job: the files it renders prompts with
+    files_from = files_from or tokenizer
+    kept, _ = keep_tokenizer(files_from, run_dir)  # before the job: the files it renders prompts with
     framework = framework.strip().lower()
     auto = framework == AUTO_FRAMEWORK
     manifest.write_json_atomic(
@@ -198,7 +202,7 @@ def record_run(
         raise
 
     recovered = recover(run_dir, wait_s=grace, shards=False)  # just sealed: `recover` checks them
-    kept = keep_tokenizer_at_end(tokenizer, run_dir, kept)
+    kept = keep_tokenizer_at_end(files_from, run_dir, kept)
     summary = run_summary(open_run(run_dir))
     detected = {}
     if auto and not manifest.read_manifest(run_dir).get(ADAPTER_KEY):

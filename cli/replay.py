@@ -46,6 +46,14 @@ class ReplayPlan:
 
         return {MANIFEST_KEY: self.config.record()}
 
+    def tokenizer(self) -> tuple[str | None, str | None]:
+        """The source run's tokenizer: (its name, as the source's ``run.json`` gives it; where its
+        files are: the source's own copy when it keeps one, else that name)."""
+        from rlreplay.text.token2text import resolve_tokenizer
+
+        name = (self.source.manifest or {}).get("tokenizer")
+        return (name if isinstance(name, str) else None), resolve_tokenizer(self.source, None)
+
     def report(self, new_run: Any, code: int) -> int:
         """Print the replay's summary; the command's exit code: the job's, else 1 when
         ``--on-diverge fail`` and a trajectory diverged (or could not be served)."""

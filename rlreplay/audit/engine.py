@@ -13,11 +13,11 @@ from rlreplay.errors import SelectionError
 
 
 def available(broken: dict[str, str] | None = None) -> dict[str, Check]:
-    """Every installed check that loads, by name (built-ins first, in their order). A plug-in that
+    """Every installed check that loads, by name, in name order. A plug-in that
     cannot be imported, or is no ``rlreplay.hookspecs.Check``, is left out; ``broken`` (when
     given) gets its name and why, in one line."""
     out: dict[str, Check] = {}
-    for name, spec in plugins.specs("checks").items():
+    for name, spec in sorted(plugins.specs("checks").items()):
         try:
             check = plugins.load(spec)
             if not isinstance(check, Check):

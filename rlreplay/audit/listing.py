@@ -40,15 +40,26 @@ def _numbers(column: Any) -> Any:
     return values
 
 
-def _int_keys(listing: Any, names: tuple[str, ...]) -> list[Any] | None:
-    """The key columns as float arrays (null: nan), or None when a value was recorded as a string."""
+def _int_keys(listing: Any, names: tuple[str, ...]) -> list[tuple[Any, Any]] | None:
+    """Each key column as (int64 values, null mask), nulls as 0 (exact: a float holds 53 bits), or
+    None when a value was recorded as a string."""
     if any(listing[f"{name}_str"].null_count < listing.num_rows for name in names):
         return None
-    return [_numbers(listing[name]) for name in names]
+    out = []
+    for name in names:
+        column = listing[name]
+        out.append(
+            (
+                ops.fill_null(column, 0).to_numpy(zero_copy_only=False).astype("int64"),
+                ops.is_null(column).to_numpy(zero_copy_only=False),
+            )
+        )
+    return out
 
 
 def _groups(*keys: Any) -> tuple[Any, Any]:
-    """(row order, start of each group in that order) of rows sorted by ``keys`` (nan: its own key)."""
+    """(row order, start of each group in that order) of rows sorted by ``keys`` (a float key's nan
+    is a key of its own)."""
     import numpy as np
 
     order = np.lexsort(keys[::-1])
@@ -57,12 +68,11 @@ def _groups(*keys: Any) -> tuple[Any, Any]:
     changed = np.zeros(len(order) - 1, dtype=bool)
     for key in keys:
         k = key[order]
-        changed |= (k[1:] != k[:-1]) & ~(np.isnan(k[1:]) & np.isnan(k[:-1]))
+        differ = k[1:] != k[:-1]
+        if k.dtype.kind == "f":
+            differ &= ~(np.isnan(k[1:]) & np.isnan(k[:-1]))
+        changed |= differ
     return order, np.flatnonzero(np.r_[True, changed])
-
-
-def _key(value: float) -> int | None:
-    return None if value != value else int(value)
 
 
 def group_collapse(listing: Any, ctx: Context) -> Iterator[Finding]:
@@ -72,11 +82,11 @@ def group_collapse(listing: Any, ctx: Context) -> Iterator[Finding]:
     if keys is None:
         yield from _group_collapse_rows(listing, ctx)
         return
-    step, sample = keys
+    (step, no_step), (sample, no_sample) = keys
     reward = _numbers(listing["reward"])
     train = ~ops.fill_null(listing["validate"], False).to_numpy(zero_copy_only=False)
-    rows = np.flatnonzero(train & ~np.isnan(sample) & ~np.isnan(reward))
-    order, starts = _groups(step[rows], sample[rows])
+    rows = np.flatnonzero(train & ~no_sample & ~np.isnan(reward))
+    order, starts = _groups(no_step[rows], step[rows], sample[rows])
     if not len(starts):
         return
     r = reward[rows][order]
@@ -85,7 +95,9 @@ def group_collapse(listing: Any, ctx: Context) -> Iterator[Finding]:
     first = rows[order][starts]
     for g in np.flatnonzero((counts >= ctx["collapse_min_rollouts"]) & (spread <= ctx["collapse_tolerance"])):
         i = first[g]
-        yield _collapsed(_key(step[i]), _key(sample[i]), int(counts[g]), float(reward[i]))
+        yield _collapsed(
+            None if no_step[i] else int(step[i]), int(sample[i]), int(counts[g]), float(reward[i])
+        )
 
 
 def _collapsed(step: Any, sample: Any, n: int, reward: float) -> Finding:
@@ -180,11 +192,12 @@ def _mismatch_rollouts(listing: Any, ctx: Context, report: Any = None) -> Iterat
     steps = _int_keys(listing, ("step",))
     if steps is None:  # steps recorded as strings: number them
         names = [str(s) for s in listing_rows(listing.select(["step", "step_str"]))]
-        steps = [np.unique(names, return_inverse=True)[1].astype(float)]
-    split = ops.fill_null(listing["validate"], False).to_numpy(zero_copy_only=False).astype(float)
+        steps = [(np.unique(names, return_inverse=True)[1], np.zeros(len(names), dtype=bool))]
+    (step, no_step) = steps[0]
+    split = ops.fill_null(listing["validate"], False).to_numpy(zero_copy_only=False)
     limit = np.full(len(diff), ctx["mismatch_max"])
     median = np.full(len(diff), np.nan)
-    order, starts = _groups(steps[0], split)
+    order, starts = _groups(no_step, step, split)
     for lo, hi in zip(starts, np.r_[starts[1:], len(order)]):
         members = order[lo:hi]
         values = diff[members][~np.isnan(diff[members])]

@@ -8,7 +8,11 @@ query reads only the columns it names.
 
 from __future__ import annotations
 
+import queue
 import re
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -20,6 +24,7 @@ from rlreplay.format.schema import SPAN_SCHEMA
 from rlreplay.read.selection import Selection
 from rlreplay.read.where import (
     connect,
+    current_budget,
     duckdb_module,
     one_line,
     run_query,
@@ -27,6 +32,9 @@ from rlreplay.read.where import (
     with_aliases,
 )
 
+#: Rows per batch of a streamed result, and how often the reading thread looks up from a query
+#: (for Ctrl-C and the time budget).
+STREAM_BATCH_ROWS, POLL_S = 8192, 0.05
 #: The columns of :func:`stats`, in order.
 STATS_COLUMNS = (
     "step",
@@ -107,8 +115,8 @@ def _mentions(text: str, name: str) -> bool:
     return re.search(rf"\b{name}\b", text, re.IGNORECASE) is not None
 
 
-def sql(run: Any, text: str, selection: Selection | None = None) -> pa.Table:
-    """Run one SQL statement over the views ``trajectories`` and ``spans`` of ``run``; its rows."""
+def _connection_for(run: Any, text: str, selection: Selection | None) -> Any:
+    """A connection holding the views ``text`` (one SQL statement) names, over ``run``."""
     if not text.strip():
         raise QueryError("empty SQL query")
     con = connect()
@@ -122,14 +130,116 @@ def sql(run: Any, text: str, selection: Selection | None = None) -> pa.Table:
         register_trajectories(con, (selection or Selection()).trajectories(run), text)
     if _mentions(text, "spans"):
         register_spans(con, run)
-    table = run_query(con, text, "sql")
+    return con
+
+
+def _checked(batch: pa.RecordBatch) -> pa.RecordBatch:
     try:
-        table.validate(full=True)  # text that is not UTF-8, offsets out of range: a damaged file
+        batch.validate(full=True)  # text that is not UTF-8, offsets out of range: a damaged file
     except pa.ArrowInvalid as exc:
         raise QueryError(
             f"sql: the result holds values that are not valid ({one_line(exc)}); a span file may be damaged"
         ) from None
+    return batch
+
+
+def sql(run: Any, text: str, selection: Selection | None = None) -> pa.Table:
+    """Run one SQL statement over the views ``trajectories`` and ``spans`` of ``run``; its rows
+    (refused once they pass the memory limit: :func:`sql_rows` streams them instead)."""
+    table = run_query(_connection_for(run, text, selection), text, "sql")
+    for batch in table.to_batches():
+        _checked(batch)
     return table
+
+
+class Rows:
+    """The rows of a query as DuckDB makes them, a batch at a time (:data:`STREAM_BATCH_ROWS` rows): at
+    most a few batches are held at once, whatever the size of the result. DuckDB runs on a
+    helper thread; Ctrl-C and the end of a :func:`~rlreplay.read.where.time_budget` stop it."""
+
+    def __init__(self, con: Any, text: str, what: str) -> None:
+        self._con, self._what = con, what
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        budget = current_budget()
+        self._budget, self._deadline = budget, None if budget is None else time.monotonic() + budget
+        self._thread = threading.Thread(
+            target=self._produce, args=(text,), name="rlreplay-query", daemon=True
+        )
+        self._thread.start()
+        kind, value = self._next()
+        self.schema: pa.Schema = value if kind == "schema" else pa.schema([])
+        if kind == "end":
+            self.close()  # no rows to read
+
+    def _put(self, item: tuple[str, Any]) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=POLL_S)
+                return
+            except queue.Full:
+                continue
+
+    def _produce(self, text: str) -> None:
+        try:
+            relation = self._con.sql(text)
+            if relation is None:  # a statement without rows
+                return
+            reader = relation.to_arrow_reader(STREAM_BATCH_ROWS)
+            self._put(("schema", reader.schema))
+            for batch in reader:
+                if self._stop.is_set():
+                    return
+                self._put(("batch", batch))
+        except BaseException as exc:  # handed to the reading thread
+            self._put(("error", exc))
+        finally:
+            self._put(("end", None))
+
+    def _next(self) -> tuple[str, Any]:
+        try:
+            while True:
+                try:
+                    kind, value = self._queue.get(timeout=POLL_S)
+                    break
+                except queue.Empty:
+                    if self._deadline is not None and time.monotonic() >= self._deadline:
+                        self.close()
+                        raise QueryError(
+                            f"{self._what}: stopped after {self._budget:g} s, the time a query may take here"
+                        ) from None
+        except KeyboardInterrupt:
+            self.close()
+            raise
+        if kind == "error":
+            self.close()
+            if isinstance(value, QueryError):
+                raise QueryError(f"{self._what}: {value}") from None
+            if isinstance(value, (duckdb_module().Error, pa.ArrowException, OSError)):
+                raise QueryError(f"{self._what}: {one_line(value)}") from None
+            raise value
+        return kind, value
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        while not self._stop.is_set():
+            kind, batch = self._next()
+            if kind != "batch":
+                self.close()
+                return
+            yield _checked(batch)
+
+    def close(self) -> None:
+        """Stop the query (rows not read yet are not made) and wait for DuckDB to let go: a thread
+        still inside DuckDB as the interpreter exits aborts the process."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self._con.interrupt()
+        self._thread.join(timeout=10.0)
+
+
+def sql_rows(run: Any, text: str, selection: Selection | None = None) -> Rows:
+    """:func:`sql`'s rows streamed, never all held: what ``rlreplay sql`` prints."""
+    return Rows(_connection_for(run, text, selection), text, "sql")
 
 
 _STATS_SQL = """
@@ -194,9 +304,11 @@ def stats_of(table: pa.Table) -> pa.Table:
 
 __all__ = [
     "STATS_COLUMNS",
+    "Rows",
     "register_spans",
     "register_trajectories",
     "sql",
+    "sql_rows",
     "stats",
     "stats_of",
 ]

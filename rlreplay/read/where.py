@@ -66,6 +66,11 @@ def memory_limit() -> int:
     return _memory["bytes"]
 
 
+def current_budget() -> float | None:
+    """Seconds a query may run in this context (None: until done or Ctrl-C)."""
+    return _budget.get()
+
+
 @contextlib.contextmanager
 def time_budget(seconds: float | None) -> Iterator[None]:
     """Queries run inside stop after ``seconds`` (a :class:`QueryError` says so)."""

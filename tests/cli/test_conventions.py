@@ -76,6 +76,7 @@ SHARED_MEANING = {
     "--experiment": "the experiment's name (record names it, the others select by it)",
     "--force": "replace what is already there (a file, or the backend's copy for upload)",
     "--framework": "the framework adapter",
+    "--limit": "at most N of what the command gives (trajectories; sql: the rows its table shows)",
     "--out": "where the command writes (record and replay: a run; export: a file)",
     "-o": "short for --out",
     "--spool": "the spool folder of a URI run",

@@ -296,3 +296,87 @@ def test_ui_refuses_a_tokenizer_that_does_not_load(runs: dict[str, Path], tmp_pa
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert proc.stderr.startswith("rlreplay: error:") and proc.stderr.count("\n") == 1, proc.stderr
         assert "rlreplay ui:" not in proc.stdout  # never started serving
+
+
+# ---- arguments that are not UTF-8, writes the system refuses --------------------------------------
+
+
+def test_an_argument_that_is_not_utf8_is_one_line(runs: dict[str, Path]) -> None:
+    """The bytes reach rlreplay as a terminal passes them (``ls --grep $'\\xff'``)."""
+    proc = subprocess.run(
+        [sys.executable.encode(), b"-m", b"rlreplay", b"ls", str(runs["a"]).encode(), b"--grep", b"\xff"],
+        capture_output=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        proc.stderr
+        == b"rlreplay: error: argument '\\xff' is not UTF-8 text; rlreplay takes UTF-8 arguments\n"
+    )
+
+
+def value_options() -> list[tuple[str, str]]:
+    """(command, option) of every option that takes a value, found in the CLI itself."""
+    group = command_group([])
+    return [
+        (name, next(o for o in param.opts if o.startswith("--")))
+        for name, command in sorted(group.commands.items())
+        for param in command.params
+        if getattr(param, "param_type_name", "") == "option"
+        and not getattr(param, "is_flag", False)
+        and any(o.startswith("--") for o in param.opts)
+        and param.name != "help"
+    ]
+
+
+@pytest.mark.parametrize(("command", "option"), value_options())
+def test_bytes_that_are_not_utf8_in_every_option(
+    command: str,
+    option: str,
+    runs: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every option of every command given bytes that are not UTF-8 (as Python holds them: surrogates)."""
+    try:
+        argv = base(command, runs, tmp_path)
+    except KeyError:  # a command that takes just the run
+        argv = [command, str(runs["a"])]
+    at = argv.index("--") if "--" in argv else len(argv)
+    argv[at:at] = [option, "abc\udcff"]
+    monkeypatch.chdir(tmp_path)  # a relative path, were it taken, lands here
+    if command in AS_PROCESS:  # a job or a server, were the value taken: a process with a deadline
+        child = [sys.executable, "-m", "rlreplay", *argv]
+        proc = subprocess.run([os.fsencode(a) for a in child], capture_output=True, timeout=60)
+        rc, err = proc.returncode, os.fsdecode(proc.stderr)
+    else:
+        rc, err = main(argv), capsys.readouterr().err
+    assert rc == 2, err
+    assert err == "rlreplay: error: argument 'abc\\xff' is not UTF-8 text; rlreplay takes UTF-8 arguments\n"
+
+
+def _small_files_only() -> None:
+    """A file size limit of 64 KiB, a write past it an error (EFBIG), not a signal."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+
+
+def test_a_write_the_system_refuses_is_one_line(runs: dict[str, Path], tmp_path: Path) -> None:
+    """The folder takes the file but the system stops the write halfway (a full disk, a quota):
+    one line naming the file, and nothing left behind."""
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlreplay", "export", str(runs["a"]), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=_small_files_only,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("rlreplay: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "File too large" in proc.stderr and "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []
