@@ -277,10 +277,9 @@ class StreamedAnswer:
                 one = by_index.setdefault(int(choice.get("index") or 0), {"token_ids": [], "log_probs": []})
                 if found.prompt_ids is None:
                     found.prompt_ids = _ids(choice.get("prompt_token_ids"))
+                # a chunk without ids (vLLM's first, the role alone) adds none; later ones add theirs
                 ids = _ids(choice.get("token_ids"))
-                if ids is None:
-                    one["token_ids"] = None if not one["token_ids"] else one["token_ids"]
-                elif one["token_ids"] is not None:
+                if ids is not None:
                     one["token_ids"].extend(ids)
                 if self.route == CHAT:
                     values = _chat_logprobs(choice.get("logprobs"))
