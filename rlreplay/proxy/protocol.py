@@ -17,8 +17,11 @@ as they do there). Pure functions over JSON values: no HTTP here.
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -53,26 +56,98 @@ def is_streamed(body: dict[str, Any]) -> bool:
     return bool(body.get("stream"))
 
 
-def ask_for_tokens(route: str, body: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
-    """The request the upstream gets (token ids and log-probs asked for when the client did not),
-    and what was added."""
+def ask_for_tokens(route: str, body: dict[str, Any]) -> tuple[bytes, frozenset[str]]:
+    """What to add to the client's request so that the upstream gives token ids and log-probs: JSON
+    members (``"return_token_ids":true,``) and what they ask for. Only fields the request does not
+    hold are added: a client's own value, even ``false``, is the client's to choose."""
+    members: list[bytes] = []
     added = set()
-    upstream = dict(body)
     if route == GENERATE:
-        if not body.get("return_logprob"):
-            upstream["return_logprob"] = True
+        if "return_logprob" not in body:
+            members.append(b'"return_logprob":true')
             added.add(ADDED_LOGPROBS)
-        return upstream, frozenset(added)
-    if not body.get("return_token_ids"):
-        upstream["return_token_ids"] = True
+        return b",".join(members), frozenset(added)
+    if "return_token_ids" not in body:
+        members.append(b'"return_token_ids":true')
         added.add(ADDED_IDS)
-    if route == CHAT and not body.get("logprobs"):
-        upstream["logprobs"] = True
+    if "logprobs" not in body:
+        # chat: the sampled token's log-prob; completions: 0 top entries, the sampled token alone
+        members.append(b'"logprobs":true' if route == CHAT else b'"logprobs":0')
         added.add(ADDED_LOGPROBS)
-    elif route == COMPLETIONS and body.get("logprobs") is None:
-        upstream["logprobs"] = 0  # the sampled token's log-prob alone
-        added.add(ADDED_LOGPROBS)
-    return upstream, frozenset(added)
+    return b",".join(members), frozenset(added)
+
+
+_JSON_SPACE = b" \t\r\n"
+
+
+def with_members(raw: bytes, members: bytes, empty: bool) -> bytes | None:
+    """``raw`` (a JSON object's bytes, as the client sent them) with ``members`` put first in the
+    object, every other byte as it was; None when ``raw`` does not start with ``{``. ``empty``: the
+    object has no member (no comma follows what is added)."""
+    start = len(raw) - len(raw.lstrip(_JSON_SPACE))
+    if not members:
+        return raw
+    if raw[start : start + 1] != b"{":
+        return None
+    return raw[: start + 1] + members + (b"" if empty else b",") + raw[start + 1 :]
+
+
+class _NotJson:
+    def __repr__(self) -> str:
+        return "NOT_JSON"
+
+
+#: What :func:`read_json` gives for bytes that are no JSON value it can read.
+NOT_JSON: Any = _NotJson()
+
+
+_LONG_NUMBER = re.compile(rb"\d{19}")
+
+
+def read_json(raw: bytes) -> Any:
+    """The JSON value of ``raw``: orjson's reading, else Python's, which also reads what orjson
+    refuses and clients send (integers beyond 64 bits, bare ``NaN``/``Infinity``, lone surrogates
+    such as ``"\\ud83d"``); :data:`NOT_JSON` when neither can (not JSON, nested too deep)."""
+    if _LONG_NUMBER.search(raw) is None:  # orjson reads integers beyond 64 bits as floats
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    import json
+
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return NOT_JSON
+
+
+def sse_data(event: bytes) -> bytes | None:
+    """The data of one SSE event (its ``data:`` lines joined), None when it has none."""
+    lines = [line for line in event.splitlines() if line.startswith(b"data:")]
+    if not lines:
+        return None
+    return b"\n".join(line[5:].lstrip(b" ") for line in lines)
+
+
+def sse_events(raw: bytes) -> tuple[list[bytes], bytes]:
+    """Complete SSE events of ``raw`` (without their blank line) and what is left after them."""
+    raw = raw.replace(b"\r\n", b"\n")
+    parts = raw.split(b"\n\n")
+    return parts[:-1], parts[-1]
+
+
+def stream_chunks(raw: bytes) -> list[Any]:
+    """The chunks of a whole SSE answer: each event's data as JSON, or as text when it is not JSON
+    (``[DONE]``)."""
+    events, rest = sse_events(raw)
+    out: list[Any] = []
+    for event in [*events, rest]:
+        data = sse_data(event)
+        if data is None:
+            continue
+        value = read_json(data)
+        out.append(data.decode("utf-8", "replace") if value is NOT_JSON else value)
+    return out
 
 
 def _drop(obj: dict[str, Any], key: str, streamed: bool) -> None:
@@ -88,28 +163,44 @@ def as_client_sees(route: str, obj: Any, added: frozenset[str], streamed: bool =
     it differs (``obj`` itself is left as it is), ``obj`` where nothing was added."""
     if not added or not isinstance(obj, dict):
         return obj
-    out = dict(obj)
     if route == GENERATE:
-        meta = out.get("meta_info")
-        if ADDED_LOGPROBS in added and isinstance(meta, dict):
-            out["meta_info"] = {k: v for k, v in meta.items() if k not in _SGLANG_LOGPROB_KEYS}
-        return out
-    if ADDED_IDS in added:
+        meta = obj.get("meta_info")
+        if (
+            ADDED_LOGPROBS in added
+            and isinstance(meta, dict)
+            and any(k in meta for k in _SGLANG_LOGPROB_KEYS)
+        ):
+            return {**obj, "meta_info": {k: v for k, v in meta.items() if k not in _SGLANG_LOGPROB_KEYS}}
+        return obj
+    out = obj
+    if ADDED_IDS in added and obj.get("prompt_token_ids") is not None:
+        out = dict(obj)
         _drop(out, "prompt_token_ids", streamed)
-    choices = out.get("choices")
+    choices = obj.get("choices")
     if isinstance(choices, list):
-        out["choices"] = [_choice_as_client_sees(c, added, streamed) for c in choices]
+        seen = [_choice_as_client_sees(c, added, streamed) for c in choices]
+        if any(a is not b for a, b in zip(seen, choices)):
+            out = dict(out) if out is obj else out
+            out["choices"] = seen
     return out
 
 
 def _choice_as_client_sees(choice: Any, added: frozenset[str], streamed: bool) -> Any:
+    """``choice`` without what the proxy asked for: a copy where something is taken out, else
+    ``choice`` itself."""
     if not isinstance(choice, dict):
         return choice
+    ids = ADDED_IDS in added and (
+        choice.get("token_ids") is not None or choice.get("prompt_token_ids") is not None
+    )
+    logprobs = ADDED_LOGPROBS in added and choice.get("logprobs") is not None
+    if not (ids or logprobs):
+        return choice
     choice = dict(choice)
-    if ADDED_IDS in added:
+    if ids:
         _drop(choice, "token_ids", streamed)
         _drop(choice, "prompt_token_ids", streamed)
-    if ADDED_LOGPROBS in added and "logprobs" in choice:
+    if logprobs:
         choice["logprobs"] = None
     return choice
 
@@ -339,7 +430,10 @@ def answer_of(route: str, record: dict[str, Any]) -> Any:
     client got it, ``token_ids``) said, in the shape the next prompt would hold it: the assistant
     message (chat), else the text and the ids."""
     ids = _ids(record.get("token_ids")) if route != CHAT else None  # a chat prompt holds messages
-    chunks = [c for c in record.get("stream") or () if isinstance(c, dict)]
+    stream = record.get("stream")
+    if stream is None and isinstance(record.get("wire"), bytes) and not isinstance(record.get("body"), dict):
+        stream = stream_chunks(record["wire"])
+    chunks = [c for c in stream or () if isinstance(c, dict)]
     body = record.get("body") if isinstance(record.get("body"), dict) else None
     if route == GENERATE:
         source = body if body is not None else chunks[-1] if chunks else {}

@@ -1,0 +1,182 @@
+"""What ``rlreplay proxy`` forwards, records and replays is the bytes that went over the wire: a real
+proxy process between a real client and a scripted loopback upstream (``wire_upstream.py``), then a
+replay of the run with the upstream gone. For any request and answer (numbers beyond 64 bits, bare
+NaN, lone surrogates, nesting 300 and 1,024 deep, non-JSON, token texts such as "token" and "***"):
+the upstream gets the client's bytes, the client the upstream's, the run keeps both (the request's
+values too), and the replay answers with the recorded bytes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import ProxyProcess
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_proxy import llm_spans
+from wire_upstream import Script, Upstream
+
+from rlreplay.format import payload
+
+pytestmark = pytest.mark.timeout(600)
+ASKED = '"return_token_ids": true, "logprobs": true'  # the client asks itself: nothing is added
+WORDS = ["token", "***", "password", "secret", "the next token: cat", "sk", "Bearer", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[Upstream]:
+    server = Upstream()
+    yield server
+    server.close()
+
+
+def request_bytes(values: str) -> bytes:
+    return (
+        '{"model": "m", ' + ASKED + ', "messages": [{"role": "user", "content": "hi"}], ' + values + "}"
+    ).encode()
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "1" + "]" * depth
+
+
+def sse(*chunks: str) -> list[bytes]:
+    return [f"data: {c}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
+
+
+FIXED: list[tuple[bytes, list[bytes], bool]] = [
+    (
+        request_bytes('"seed": 123456789012345678901234567890'),
+        [b'{"id": "a", "n": 123456789012345678901234567890}'],
+        False,
+    ),
+    (request_bytes('"x": "\\ud83d", "y": NaN, "z": -Infinity'), [b'{"t": "\\ud83d", "v": NaN}'], False),
+    (request_bytes('"deep": ' + nested(300)), [('{"deep": ' + nested(300) + "}").encode()], False),
+    (request_bytes('"deep": ' + nested(1024)), [b"not json at all \xff\xfe"], False),
+    (b"this is not JSON \xff", [b'{"error": "bad request"}'], False),
+    (
+        request_bytes('"stream": true'),
+        sse(
+            '{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}',
+            '{"choices": [{"index": 0, "delta": {"content": "the next token: cat"}, "token_ids": [9],'
+            ' "logprobs": {"content": [{"token": "token", "logprob": -0.5,'
+            ' "top_logprobs": [{"token": "***", "logprob": -1.5}]}]}}]}',
+        ),
+        True,
+    ),
+]
+
+
+def run_through(
+    upstream: Upstream, cases: list[tuple[bytes, list[bytes], bool]], tmp: Path, prefix: str
+) -> None:
+    """Each case through a recording proxy, then through a replay of its run with no upstream."""
+    tags = [f"{prefix}-{i}" for i in range(len(cases))]
+    for tag, (_, answer, streamed) in zip(tags, cases):
+        upstream.script(
+            tag, Script(answer, content_type="text/event-stream" if streamed else "application/json")
+        )
+
+    def call(url: str, i: int, raw: bytes) -> bytes:
+        headers = {
+            "Content-Type": "application/json",
+            "X-Test": tags[i],
+            "X-Rlreplay-Trajectory": f"step=0,sample_index={i}",
+        }
+        got = httpx.post(f"{url}/v1/chat/completions", content=raw, headers=headers, timeout=60)
+        assert got.status_code == 200, got.text
+        return got.content
+
+    proxy = ProxyProcess("--upstream", upstream.url, "--out", "run", cwd=tmp)
+    try:
+        for i, (raw, answer, _) in enumerate(cases):
+            assert call(proxy.url, i, raw) == b"".join(answer)  # the client gets the upstream's bytes
+            assert upstream.got[tags[i]][1] == raw  # the upstream gets the client's
+    finally:
+        assert proxy.stop() == 0, proxy.stderr
+    spans = {}
+    for traj, [span] in llm_spans(tmp / "run"):
+        spans[traj.sample_index] = span
+    for i, (raw, answer, _) in enumerate(cases):
+        inputs = payload.from_json(spans[i].inputs, None)
+        output = payload.from_json(spans[i].output, None)
+        assert inputs["wire"] == raw and output["wire"] == b"".join(answer)
+        value = json_value(raw)
+        if value is not None and depth(value) < 20:  # the values too, where they are kept as values
+            kept = {k: v for k, v in inputs.items() if k not in ("wire", "prompt_ids")}
+            assert canonical(kept) == canonical(value)
+    replay = ProxyProcess("--replay", "run", "--on-diverge", "fail", "--out", "replayed", cwd=tmp)
+    try:
+        for i, (raw, answer, _) in enumerate(cases):
+            assert call(replay.url, i, raw) == b"".join(answer)  # the recorded bytes, served
+    finally:
+        assert replay.stop() == 0, replay.stderr
+
+
+def json_value(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
+def depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(depth, value), default=0)
+    return 0
+
+
+def canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)  # NaN as NaN: equal where the values are
+
+
+def test_fixed_bodies_go_through_exactly(upstream: Upstream, tmp_path: Path) -> None:
+    run_through(upstream, FIXED, tmp_path, "fixed")
+
+
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**100), max_value=2**100),
+    st.floats(),  # NaN and the infinities included: Python writes them bare
+    st.text(st.characters(codec=None, exclude_categories=["Cs"]), max_size=8),
+    st.sampled_from(WORDS),
+    st.sampled_from(["\ud83d", "a\udc00b"]),  # lone surrogates, written escaped
+)
+KEYS = st.one_of(
+    st.sampled_from(["text", "token", "content", "seed", "n", "***"]), st.text("abcxyz", max_size=4)
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(KEYS, inner, max_size=4)),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    cases=st.lists(
+        st.tuples(st.dictionaries(KEYS, VALUES, max_size=4), VALUES, st.integers(0, 40), st.booleans()),
+        min_size=6,
+        max_size=6,
+    )
+)
+def test_any_json_goes_through_exactly(upstream: Upstream, tmp_path_factory: Any, cases: list[Any]) -> None:
+    built = []
+    for extra, answer, deep, spaced in cases:
+        extra = {
+            k: v
+            for k, v in extra.items()
+            if k not in ("model", "messages", "return_token_ids", "logprobs", "stream")
+        }
+        separators = (", ", ": ") if spaced else (",", ":")
+        values = json.dumps(extra, separators=separators)[1:-1]
+        raw = request_bytes(values + (", " if values else "") + '"deep": ' + nested(deep))
+        built.append((raw, [json.dumps({"answer": answer}, separators=separators).encode()], False))
+    run_through(upstream, built, tmp_path_factory.mktemp("wire"), f"any-{id(cases)}")
