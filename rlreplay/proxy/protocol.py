@@ -104,15 +104,24 @@ NOT_JSON: Any = _NotJson()
 _LONG_NUMBER = re.compile(rb"\d{19}")
 
 
+def read_plain_json(raw: bytes) -> Any:
+    """The JSON value of ``raw`` when it holds only what every JSON reader reads alike (orjson's
+    reading; no integer beyond 64 bits, NaN or lone surrogate), else :data:`NOT_JSON`."""
+    if _LONG_NUMBER.search(raw) is not None:  # orjson reads integers beyond 64 bits as floats
+        return NOT_JSON
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return NOT_JSON
+
+
 def read_json(raw: bytes) -> Any:
     """The JSON value of ``raw``: orjson's reading, else Python's, which also reads what orjson
     refuses and clients send (integers beyond 64 bits, bare ``NaN``/``Infinity``, lone surrogates
     such as ``"\\ud83d"``); :data:`NOT_JSON` when neither can (not JSON, nested too deep)."""
-    if _LONG_NUMBER.search(raw) is None:  # orjson reads integers beyond 64 bits as floats
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
+    value = read_plain_json(raw)
+    if value is not NOT_JSON:
+        return value
     import json
 
     try:
@@ -431,10 +440,15 @@ def answer_of(route: str, record: dict[str, Any]) -> Any:
     message (chat), else the text and the ids."""
     ids = _ids(record.get("token_ids")) if route != CHAT else None  # a chat prompt holds messages
     stream = record.get("stream")
-    if stream is None and isinstance(record.get("wire"), bytes) and not isinstance(record.get("body"), dict):
-        stream = stream_chunks(record["wire"])
-    chunks = [c for c in stream or () if isinstance(c, dict)]
     body = record.get("body") if isinstance(record.get("body"), dict) else None
+    wire = record.get("wire")
+    if stream is None and body is None and isinstance(wire, bytes):  # the answer's bytes alone
+        whole = read_json(wire)
+        if isinstance(whole, dict):
+            body = whole
+        else:
+            stream = stream_chunks(wire)
+    chunks = [c for c in stream or () if isinstance(c, dict)]
     if route == GENERATE:
         source = body if body is not None else chunks[-1] if chunks else {}
         return {"text": source.get("text"), "ids": ids}

@@ -36,6 +36,7 @@ from rlreplay.proxy.protocol import (
     is_streamed,
     is_weight_update,
     read_json,
+    read_plain_json,
     sse_data,
     sse_events,
     stream_chunks,
@@ -348,6 +349,12 @@ class Proxy:
         kept = _kept(out_bytes)
         if kept is not None:
             record["wire"] = kept
+            if "body" in record and (
+                read_plain_json(out_bytes) is NOT_JSON or _deeper_than(record["body"], _VALUE_DEPTH)
+            ):
+                # what a value cannot hold as it was (NaN, integers beyond 64 bits, lone
+                # surrogates, deep nesting): the bytes alone say it
+                del record["body"]
         response = web.Response(body=out_bytes, status=resp.status, headers=headers)
         self._mark(response, call.traj)
         error = None
@@ -584,6 +591,26 @@ def _kept(raw: bytes) -> bytes | None:
         return hide(raw)
     except Exception:
         return None
+
+
+#: the nesting a recorded value keeps whole (``payload.MAX_DEPTH``, less the output's own levels)
+_VALUE_DEPTH = 20
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists and dicts more than ``limit`` deep."""
+    level = [value]
+    for _ in range(limit + 1):
+        inner = []
+        for item in level:
+            if isinstance(item, dict):
+                inner.extend(v for v in item.values() if isinstance(v, (dict, list)))
+            elif isinstance(item, list):
+                inner.extend(v for v in item if isinstance(v, (dict, list)))
+        if not inner:
+            return False
+        level = inner
+    return True
 
 
 def _json_bytes(value: Any) -> bytes:

@@ -85,7 +85,7 @@ def test_sigkill_under_load_loses_no_answered_call(tmp_path: Path) -> None:
         proxy.proc.wait(30)
     finally:
         upstream.close()
-    assert len(answered) > 100, "the load did not run"
+    assert len(answered) > 30, "the load did not run"
     run = tmp_path / "run"
     time.sleep(0.5)
     done = rlreplay_cli("recover", str(run), cwd=tmp_path)
