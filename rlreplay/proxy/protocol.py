@@ -8,7 +8,9 @@ sampled tokens' log-probs; streamed as SSE, ``prompt_token_ids`` in the first ch
 ``token_ids`` in each), and SGLang's native ``/generate`` (``input_ids`` or ``text``,
 ``sampling_params``, ``return_logprob``; ``output_ids`` and ``meta_info`` with ``finish_reason``,
 token counts, ``cached_tokens``, ``e2e_latency``, ``weight_version`` and
-``output_token_logprobs`` as ``[logprob, token id, text]``). Asking for ids and log-probs changes no
+``output_token_logprobs`` as ``[logprob, token id, text]``), and OpenAI's ``/v1/responses``
+(recorded as answered: no field of it asks for token ids; streamed as typed SSE events, the last
+of which carries the whole response). Asking for ids and log-probs changes no
 sampling; what the proxy asked for is taken out of the answer before the client sees it (set to
 null in a whole answer, as the servers write fields nobody asked for; left out of streamed chunks,
 as they do there). Pure functions over JSON values: no HTTP here.
@@ -26,8 +28,14 @@ import orjson
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 GENERATE = "/generate"
+RESPONSES = "/v1/responses"  # OpenAI's Responses API (openai-agents' default model)
 #: The generating routes and the name their spans get.
-GENERATING = {CHAT: "chat.completions", COMPLETIONS: "completions", GENERATE: "generate"}
+GENERATING = {
+    CHAT: "chat.completions",
+    COMPLETIONS: "completions",
+    GENERATE: "generate",
+    RESPONSES: "responses",
+}
 
 #: Weight updates, after which the next generation belongs to a new step: vLLM's weight-transfer
 #: routes and SGLang's ``/update_weights_from_*``.
@@ -62,6 +70,8 @@ def ask_for_tokens(route: str, body: dict[str, Any]) -> tuple[bytes, frozenset[s
     hold are added: a client's own value, even ``false``, is the client's to choose."""
     members: list[bytes] = []
     added = set()
+    if route == RESPONSES:  # no field of that API asks for token ids: recorded as answered
+        return b"", frozenset()
     if route == GENERATE:
         if "return_logprob" not in body:
             members.append(b'"return_logprob":true')
@@ -310,6 +320,12 @@ def generated(route: str, body: dict[str, Any], obj: Any) -> Generated:
     found = Generated()
     if not isinstance(obj, dict):
         return found
+    if route == RESPONSES:
+        response = obj.get("response") if isinstance(obj.get("response"), dict) else obj  # a streamed event
+        found.choices = [{"finish_reason": response.get("status")}]
+        found.usage = response.get("usage") if isinstance(response.get("usage"), dict) else None
+        _engine_openai(response, found.engine)
+        return found
     if route == GENERATE:
         meta = obj.get("meta_info") if isinstance(obj.get("meta_info"), dict) else {}
         found.prompt_ids = _ids(body.get("input_ids"))
@@ -363,6 +379,9 @@ class StreamedAnswer:
     def generated(self) -> Generated:
         if self.route == GENERATE:
             return self._generate()
+        if self.route == RESPONSES:  # the last event that carries the whole response says it all
+            whole = [c for c in self.chunks if isinstance(c.get("response"), dict)]
+            return generated(RESPONSES, self.body, whole[-1]) if whole else Generated()
         found = Generated()
         by_index: dict[int, dict[str, Any]] = {}
         for chunk in self.chunks:
@@ -431,6 +450,8 @@ def prompt_of(route: str, body: dict[str, Any]) -> Any:
         return body.get("messages")
     if route == COMPLETIONS:
         return body.get("prompt")
+    if route == RESPONSES:
+        return body.get("input")
     return body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
 
 
@@ -438,6 +459,8 @@ def answer_of(route: str, record: dict[str, Any]) -> Any:
     """What the first choice of a recorded answer (the span output: ``body`` or ``stream`` as the
     client got it, ``token_ids``) said, in the shape the next prompt would hold it: the assistant
     message (chat), else the text and the ids."""
+    if route == RESPONSES:  # a later call names the response it follows (previous_response_id)
+        return None
     ids = _ids(record.get("token_ids")) if route != CHAT else None  # a chat prompt holds messages
     stream = record.get("stream")
     body = record.get("body") if isinstance(record.get("body"), dict) else None

@@ -391,7 +391,7 @@ class Proxy:
                     piece = b"".join(self._client_event(call, event, answer) for event in events)
                     if not piece:
                         continue
-                if held or b"[DONE]" in piece:
+                if held or b"[DONE]" in piece or b"response.completed" in piece:  # the answer's end
                     held.append(piece)
                     continue
                 sent.append(piece)

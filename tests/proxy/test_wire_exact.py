@@ -51,7 +51,9 @@ def sse(*chunks: str) -> list[bytes]:
     return [f"data: {c}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
 
 
-FIXED: list[tuple[bytes, list[bytes], bool]] = [
+CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
+FIXED: list[tuple[Any, ...]] = [
     (
         request_bytes('"seed": 123456789012345678901234567890'),
         [b'{"id": "a", "n": 123456789012345678901234567890}'],
@@ -71,15 +73,37 @@ FIXED: list[tuple[bytes, list[bytes], bool]] = [
         ),
         True,
     ),
+    # OpenAI's Responses API (openai-agents' default), whole and streamed as typed events
+    (
+        b'{"model": "m", "input": "Name a colour.", "instructions": "Be brief."}',
+        [
+            b'{"id": "resp_1", "object": "response", "status": "completed", "output": [{"type": "message",'
+            b' "role": "assistant", "content": [{"type": "output_text", "text": "red"}]}],'
+            b' "usage": {"input_tokens": 9, "output_tokens": 1}}'
+        ],
+        False,
+        RESPONSES,
+    ),
+    (
+        b'{"model": "m", "input": [{"role": "user", "content": "Name a colour."}], "stream": true}',
+        [
+            b'event: response.created\ndata: {"type": "response.created", "response": {"id": "resp_2"}}\n\n',
+            b"event: response.output_text.delta\n"
+            b'data: {"type": "response.output_text.delta", "delta": "red"}\n\n',
+            b'event: response.completed\ndata: {"type": "response.completed", "response": {"id": "resp_2",'
+            b' "status": "completed", "usage": {"input_tokens": 9, "output_tokens": 1}}}\n\n',
+        ],
+        True,
+        RESPONSES,
+    ),
 ]
 
 
-def run_through(
-    upstream: Upstream, cases: list[tuple[bytes, list[bytes], bool]], tmp: Path, prefix: str
-) -> None:
+def run_through(upstream: Upstream, cases: list[tuple[Any, ...]], tmp: Path, prefix: str) -> None:
     """Each case through a recording proxy, then through a replay of its run with no upstream."""
     tags = [f"{prefix}-{i}" for i in range(len(cases))]
-    for tag, (_, answer, streamed) in zip(tags, cases):
+    routes = [case[3] if len(case) > 3 else CHAT for case in cases]
+    for tag, (_, answer, streamed, *_) in zip(tags, cases):
         upstream.script(
             tag, Script(answer, content_type="text/event-stream" if streamed else "application/json")
         )
@@ -90,13 +114,13 @@ def run_through(
             "X-Test": tags[i],
             "X-Rlreplay-Trajectory": f"step=0,sample_index={i}",
         }
-        got = httpx.post(f"{url}/v1/chat/completions", content=raw, headers=headers, timeout=60)
+        got = httpx.post(f"{url}{routes[i]}", content=raw, headers=headers, timeout=60)
         assert got.status_code == 200, got.text
         return got.content
 
     proxy = ProxyProcess("--upstream", upstream.url, "--out", "run", cwd=tmp)
     try:
-        for i, (raw, answer, _) in enumerate(cases):
+        for i, (raw, answer, *_) in enumerate(cases):
             assert call(proxy.url, i, raw) == b"".join(answer)  # the client gets the upstream's bytes
             assert upstream.got[tags[i]][1] == raw  # the upstream gets the client's
     finally:
@@ -104,7 +128,7 @@ def run_through(
     spans = {}
     for traj, [span] in llm_spans(tmp / "run"):
         spans[traj.sample_index] = span
-    for i, (raw, answer, _) in enumerate(cases):
+    for i, (raw, answer, *_) in enumerate(cases):
         wire_in = payload.from_json(spans[i].inputs["wire"], None)
         wire_out = payload.from_json(spans[i].output["wire"], None)
         assert (wire_in, wire_out) == (raw, b"".join(answer))
@@ -117,7 +141,7 @@ def run_through(
             assert canonical(kept) == canonical(value)
     replay = ProxyProcess("--replay", "run", "--on-diverge", "fail", "--out", "replayed", cwd=tmp)
     try:
-        for i, (raw, answer, _) in enumerate(cases):
+        for i, (raw, answer, *_) in enumerate(cases):
             assert call(replay.url, i, raw) == b"".join(answer)  # the recorded bytes, served
     finally:
         assert replay.stop() == 0, replay.stderr
@@ -148,6 +172,11 @@ def canonical(value: Any) -> str:
 
 def test_fixed_bodies_go_through_exactly(upstream: Upstream, tmp_path: Path) -> None:
     run_through(upstream, FIXED, tmp_path, "fixed")
+    responses = [s for _, spans in llm_spans(tmp_path / "run") for s in spans if s.name == "responses"]
+    assert len(responses) == 2  # /v1/responses calls are model calls of the run, whole and streamed
+    for span in responses:
+        assert span.output["usage"] == {"input_tokens": 9, "output_tokens": 1}
+        assert span.output["finish_reason"] == "completed"
 
 
 SCALARS = st.one_of(
