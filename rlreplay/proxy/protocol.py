@@ -19,7 +19,6 @@ as they do there). Pure functions over JSON values: no HTTP here.
 from __future__ import annotations
 
 import operator
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,13 +110,18 @@ class _NotJson:
 NOT_JSON: Any = _NotJson()
 
 
-_LONG_NUMBER = re.compile(rb"\d{19}")
+_AS_ZEROS = bytes.maketrans(b"123456789", b"000000000")
+_LONG_NUMBER = b"0" * 19  # 19 digits in a row: maybe an integer beyond 64 bits
+
+
+def _long_number(raw: bytes) -> bool:
+    return _LONG_NUMBER in raw.translate(_AS_ZEROS)  # in C, no regex engine
 
 
 def read_plain_json(raw: bytes) -> Any:
     """The JSON value of ``raw`` when it holds only what every JSON reader reads alike (orjson's
     reading; no integer beyond 64 bits, NaN or lone surrogate), else :data:`NOT_JSON`."""
-    if _LONG_NUMBER.search(raw) is not None:  # orjson reads integers beyond 64 bits as floats
+    if _long_number(raw):  # orjson reads integers beyond 64 bits as floats
         return NOT_JSON
     try:
         return orjson.loads(raw)
@@ -159,11 +163,25 @@ def stream_chunks(raw: bytes) -> list[Any]:
     """The chunks of a whole SSE answer: each event's data as JSON, or as text when it is not JSON
     (``[DONE]``)."""
     events, rest = sse_events(raw)
+    if rest.strip():
+        events.append(rest)
+    datas = []
+    for event in events:
+        if event.startswith(b"data: ") and b"\n" not in event:  # one data line: the usual event
+            datas.append(event[6:])
+        else:
+            data = sse_data(event)
+            if data is not None:
+                datas.append(data)
+    # the chunks, JSON objects each, read in one call (the usual stream), else one by one
+    done = bool(datas) and datas[-1] == b"[DONE]"
+    objects = datas[:-1] if done else datas
+    if objects and all(d[:1] == b"{" and d[-1:] == b"}" for d in objects):
+        values = read_plain_json(b"[" + b",".join(objects) + b"]")
+        if isinstance(values, list) and len(values) == len(objects):
+            return [*values, "[DONE]"] if done else values
     out: list[Any] = []
-    for event in [*events, rest]:
-        data = sse_data(event)
-        if data is None:
-            continue
+    for data in datas:
         value = read_json(data)
         out.append(data.decode("utf-8", "replace") if value is NOT_JSON else value)
     return out
