@@ -120,7 +120,7 @@ def run_proxy(
     from rlreplay.errors import RlreplayError
     from rlreplay.format import manifest
     from rlreplay.proxy.replaying import ProxyReplay
-    from rlreplay.proxy.server import Proxy, ProxySettings, serve
+    from rlreplay.proxy.server import Proxy, ProxySettings, listen, serve
     from rlreplay.proxy.trajectories import Trajectories
     from rlreplay.remote import location
 
@@ -140,6 +140,10 @@ def run_proxy(
             cassette = ProxyReplay(config.cassette(source))
         except RlreplayError as exc:
             fail(str(exc))
+    try:  # the port first: one in use leaves no run behind (it would become the default run)
+        sock = listen(host, port)
+    except RlreplayError as exc:
+        fail(str(exc))
     command = ["rlreplay", "proxy", *sys.argv[2:]] if sys.argv[1:2] == ["proxy"] else ["rlreplay", "proxy"]
     extra: dict[str, Any] = {"framework": "proxy", "proxy": {"upstream": location.redact(upstream or "")}}
     if tokenizer is not None:  # the model's tokenizer, for reading the recorded ids as text
@@ -193,7 +197,7 @@ def run_proxy(
 
     code = 0
     try:
-        asyncio.run(serve(proxy, host, port, ready))
+        asyncio.run(serve(proxy, host, port, ready, sock=sock))
     except RlreplayError as exc:
         print(f"rlreplay: error: {exc}", file=sys.stderr)
         code = 2

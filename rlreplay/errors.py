@@ -101,6 +101,11 @@ class ProxyError(RlreplayError):
     """A proxy that cannot start or a request it cannot take: bad upstream URL, port in use, bad keys."""
 
 
+class ProxyCallFailed(RlreplayError):
+    """A proxied model call that did not end well, as its span records it: the upstream answered an
+    error status, its stream broke off, or the client went away before the answer ended."""
+
+
 class UploadError(RlreplayError):
     """A failure that stops the whole upload (bad credentials, unknown project): one clear line."""
 

@@ -2,12 +2,14 @@
 
 A proxied generation is an ``llm`` span whose inputs are the request as the client sent it plus
 ``prompt_ids`` (what the upstream said the prompt was) and whose output holds ``token_ids``,
-``log_probs`` and ``finish_reason`` beside the answer: the generic adapter reads all of it.
+``log_probs`` and ``finish_reason`` beside the answer: the generic adapter reads all of it. Both
+keep the bytes that went over the wire under ``wire``.
 
 For the mismatch numbers a trajectory's response is its calls' generated tokens in call order, each
 with the log-prob the upstream gave it; the trainer's log-probs (``POST /rlreplay/signals`` with
 ``{"output": {"old_log_probs": [...]}}``) come one per such token. In replay, ``prompt_ids`` came
-from the upstream, not from the client, and SGLang's ``rid`` is a per-request id: neither is compared.
+from the upstream, not from the client, SGLang's ``rid`` is a per-request id, and ``wire`` holds the
+request's bytes, whose values are compared: none of them is compared.
 """
 
 from __future__ import annotations
@@ -24,4 +26,4 @@ class ProxyAdapter(GenericAdapter):
     fields = ConversationFields(response_in=RESPONSE_IN_CALLS)
 
     def volatile_keys(self) -> frozenset[str]:
-        return super().volatile_keys() | {"prompt_ids", "rid"}
+        return super().volatile_keys() | {"prompt_ids", "rid", "wire"}

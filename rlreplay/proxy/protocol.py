@@ -8,7 +8,9 @@ sampled tokens' log-probs; streamed as SSE, ``prompt_token_ids`` in the first ch
 ``token_ids`` in each), and SGLang's native ``/generate`` (``input_ids`` or ``text``,
 ``sampling_params``, ``return_logprob``; ``output_ids`` and ``meta_info`` with ``finish_reason``,
 token counts, ``cached_tokens``, ``e2e_latency``, ``weight_version`` and
-``output_token_logprobs`` as ``[logprob, token id, text]``). Asking for ids and log-probs changes no
+``output_token_logprobs`` as ``[logprob, token id, text]``), and OpenAI's ``/v1/responses``
+(recorded as answered: no field of it asks for token ids; streamed as typed SSE events, the last
+of which carries the whole response). Asking for ids and log-probs changes no
 sampling; what the proxy asked for is taken out of the answer before the client sees it (set to
 null in a whole answer, as the servers write fields nobody asked for; left out of streamed chunks,
 as they do there). Pure functions over JSON values: no HTTP here.
@@ -20,11 +22,19 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 GENERATE = "/generate"
+RESPONSES = "/v1/responses"  # OpenAI's Responses API (openai-agents' default model)
 #: The generating routes and the name their spans get.
-GENERATING = {CHAT: "chat.completions", COMPLETIONS: "completions", GENERATE: "generate"}
+GENERATING = {
+    CHAT: "chat.completions",
+    COMPLETIONS: "completions",
+    GENERATE: "generate",
+    RESPONSES: "responses",
+}
 
 #: Weight updates, after which the next generation belongs to a new step: vLLM's weight-transfer
 #: routes and SGLang's ``/update_weights_from_*``.
@@ -53,26 +63,128 @@ def is_streamed(body: dict[str, Any]) -> bool:
     return bool(body.get("stream"))
 
 
-def ask_for_tokens(route: str, body: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
-    """The request the upstream gets (token ids and log-probs asked for when the client did not),
-    and what was added."""
+def ask_for_tokens(route: str, body: dict[str, Any]) -> tuple[bytes, frozenset[str]]:
+    """What to add to the client's request so that the upstream gives token ids and log-probs: JSON
+    members (``"return_token_ids":true,``) and what they ask for. Only fields the request does not
+    hold are added: a client's own value, even ``false``, is the client's to choose."""
+    members: list[bytes] = []
     added = set()
-    upstream = dict(body)
+    if route == RESPONSES:  # no field of that API asks for token ids: recorded as answered
+        return b"", frozenset()
     if route == GENERATE:
-        if not body.get("return_logprob"):
-            upstream["return_logprob"] = True
+        if "return_logprob" not in body:
+            members.append(b'"return_logprob":true')
             added.add(ADDED_LOGPROBS)
-        return upstream, frozenset(added)
-    if not body.get("return_token_ids"):
-        upstream["return_token_ids"] = True
+        return b",".join(members), frozenset(added)
+    if "return_token_ids" not in body:
+        members.append(b'"return_token_ids":true')
         added.add(ADDED_IDS)
-    if route == CHAT and not body.get("logprobs"):
-        upstream["logprobs"] = True
+    if "logprobs" not in body:
+        # chat: the sampled token's log-prob; completions: 0 top entries, the sampled token alone
+        members.append(b'"logprobs":true' if route == CHAT else b'"logprobs":0')
         added.add(ADDED_LOGPROBS)
-    elif route == COMPLETIONS and body.get("logprobs") is None:
-        upstream["logprobs"] = 0  # the sampled token's log-prob alone
-        added.add(ADDED_LOGPROBS)
-    return upstream, frozenset(added)
+    return b",".join(members), frozenset(added)
+
+
+_JSON_SPACE = b" \t\r\n"
+
+
+def with_members(raw: bytes, members: bytes, empty: bool) -> bytes | None:
+    """``raw`` (a JSON object's bytes, as the client sent them) with ``members`` put first in the
+    object, every other byte as it was; None when ``raw`` does not start with ``{``. ``empty``: the
+    object has no member (no comma follows what is added)."""
+    start = len(raw) - len(raw.lstrip(_JSON_SPACE))
+    if not members:
+        return raw
+    if raw[start : start + 1] != b"{":
+        return None
+    return raw[: start + 1] + members + (b"" if empty else b",") + raw[start + 1 :]
+
+
+class _NotJson:
+    def __repr__(self) -> str:
+        return "NOT_JSON"
+
+
+#: What :func:`read_json` gives for bytes that are no JSON value it can read.
+NOT_JSON: Any = _NotJson()
+
+
+_AS_ZEROS = bytes.maketrans(b"123456789", b"000000000")
+_LONG_NUMBER = b"0" * 19  # 19 digits in a row: maybe an integer beyond 64 bits
+
+
+def _long_number(raw: bytes) -> bool:
+    return _LONG_NUMBER in raw.translate(_AS_ZEROS)  # in C, no regex engine
+
+
+def read_plain_json(raw: bytes) -> Any:
+    """The JSON value of ``raw`` when it holds only what every JSON reader reads alike (orjson's
+    reading; no integer beyond 64 bits, NaN or lone surrogate), else :data:`NOT_JSON`."""
+    if _long_number(raw):  # orjson reads integers beyond 64 bits as floats
+        return NOT_JSON
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return NOT_JSON
+
+
+def read_json(raw: bytes) -> Any:
+    """The JSON value of ``raw``: orjson's reading, else Python's, which also reads what orjson
+    refuses and clients send (integers beyond 64 bits, bare ``NaN``/``Infinity``, lone surrogates
+    such as ``"\\ud83d"``); :data:`NOT_JSON` when neither can (not JSON, nested too deep)."""
+    value = read_plain_json(raw)
+    if value is not NOT_JSON:
+        return value
+    import json
+
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return NOT_JSON
+
+
+def sse_data(event: bytes) -> bytes | None:
+    """The data of one SSE event (its ``data:`` lines joined), None when it has none."""
+    lines = [line for line in event.splitlines() if line.startswith(b"data:")]
+    if not lines:
+        return None
+    return b"\n".join(line[5:].lstrip(b" ") for line in lines)
+
+
+def sse_events(raw: bytes) -> tuple[list[bytes], bytes]:
+    """Complete SSE events of ``raw`` (without their blank line) and what is left after them."""
+    raw = raw.replace(b"\r\n", b"\n")
+    parts = raw.split(b"\n\n")
+    return parts[:-1], parts[-1]
+
+
+def stream_chunks(raw: bytes) -> list[Any]:
+    """The chunks of a whole SSE answer: each event's data as JSON, or as text when it is not JSON
+    (``[DONE]``)."""
+    events, rest = sse_events(raw)
+    if rest.strip():
+        events.append(rest)
+    datas = []
+    for event in events:
+        if event.startswith(b"data: ") and b"\n" not in event:  # one data line: the usual event
+            datas.append(event[6:])
+        else:
+            data = sse_data(event)
+            if data is not None:
+                datas.append(data)
+    # the chunks, JSON objects each, read in one call (the usual stream), else one by one
+    done = bool(datas) and datas[-1] == b"[DONE]"
+    objects = datas[:-1] if done else datas
+    if objects and all(d[:1] == b"{" and d[-1:] == b"}" for d in objects):
+        values = read_plain_json(b"[" + b",".join(objects) + b"]")
+        if isinstance(values, list) and len(values) == len(objects):
+            return [*values, "[DONE]"] if done else values
+    out: list[Any] = []
+    for data in datas:
+        value = read_json(data)
+        out.append(data.decode("utf-8", "replace") if value is NOT_JSON else value)
+    return out
 
 
 def _drop(obj: dict[str, Any], key: str, streamed: bool) -> None:
@@ -88,28 +200,44 @@ def as_client_sees(route: str, obj: Any, added: frozenset[str], streamed: bool =
     it differs (``obj`` itself is left as it is), ``obj`` where nothing was added."""
     if not added or not isinstance(obj, dict):
         return obj
-    out = dict(obj)
     if route == GENERATE:
-        meta = out.get("meta_info")
-        if ADDED_LOGPROBS in added and isinstance(meta, dict):
-            out["meta_info"] = {k: v for k, v in meta.items() if k not in _SGLANG_LOGPROB_KEYS}
-        return out
-    if ADDED_IDS in added:
+        meta = obj.get("meta_info")
+        if (
+            ADDED_LOGPROBS in added
+            and isinstance(meta, dict)
+            and any(k in meta for k in _SGLANG_LOGPROB_KEYS)
+        ):
+            return {**obj, "meta_info": {k: v for k, v in meta.items() if k not in _SGLANG_LOGPROB_KEYS}}
+        return obj
+    out = obj
+    if ADDED_IDS in added and obj.get("prompt_token_ids") is not None:
+        out = dict(obj)
         _drop(out, "prompt_token_ids", streamed)
-    choices = out.get("choices")
+    choices = obj.get("choices")
     if isinstance(choices, list):
-        out["choices"] = [_choice_as_client_sees(c, added, streamed) for c in choices]
+        seen = [_choice_as_client_sees(c, added, streamed) for c in choices]
+        if any(a is not b for a, b in zip(seen, choices)):
+            out = dict(out) if out is obj else out
+            out["choices"] = seen
     return out
 
 
 def _choice_as_client_sees(choice: Any, added: frozenset[str], streamed: bool) -> Any:
+    """``choice`` without what the proxy asked for: a copy where something is taken out, else
+    ``choice`` itself."""
     if not isinstance(choice, dict):
         return choice
+    ids = ADDED_IDS in added and (
+        choice.get("token_ids") is not None or choice.get("prompt_token_ids") is not None
+    )
+    logprobs = ADDED_LOGPROBS in added and choice.get("logprobs") is not None
+    if not (ids or logprobs):
+        return choice
     choice = dict(choice)
-    if ADDED_IDS in added:
+    if ids:
         _drop(choice, "token_ids", streamed)
         _drop(choice, "prompt_token_ids", streamed)
-    if ADDED_LOGPROBS in added and "logprobs" in choice:
+    if logprobs:
         choice["logprobs"] = None
     return choice
 
@@ -210,6 +338,12 @@ def generated(route: str, body: dict[str, Any], obj: Any) -> Generated:
     found = Generated()
     if not isinstance(obj, dict):
         return found
+    if route == RESPONSES:
+        response = obj.get("response") if isinstance(obj.get("response"), dict) else obj  # a streamed event
+        found.choices = [{"finish_reason": response.get("status")}]
+        found.usage = response.get("usage") if isinstance(response.get("usage"), dict) else None
+        _engine_openai(response, found.engine)
+        return found
     if route == GENERATE:
         meta = obj.get("meta_info") if isinstance(obj.get("meta_info"), dict) else {}
         found.prompt_ids = _ids(body.get("input_ids"))
@@ -263,6 +397,9 @@ class StreamedAnswer:
     def generated(self) -> Generated:
         if self.route == GENERATE:
             return self._generate()
+        if self.route == RESPONSES:  # the last event that carries the whole response says it all
+            whole = [c for c in self.chunks if isinstance(c.get("response"), dict)]
+            return generated(RESPONSES, self.body, whole[-1]) if whole else Generated()
         found = Generated()
         by_index: dict[int, dict[str, Any]] = {}
         for chunk in self.chunks:
@@ -277,10 +414,9 @@ class StreamedAnswer:
                 one = by_index.setdefault(int(choice.get("index") or 0), {"token_ids": [], "log_probs": []})
                 if found.prompt_ids is None:
                     found.prompt_ids = _ids(choice.get("prompt_token_ids"))
+                # a chunk without ids (vLLM's first, the role alone) adds none; later ones add theirs
                 ids = _ids(choice.get("token_ids"))
-                if ids is None:
-                    one["token_ids"] = None if not one["token_ids"] else one["token_ids"]
-                elif one["token_ids"] is not None:
+                if ids is not None:
                     one["token_ids"].extend(ids)
                 if self.route == CHAT:
                     values = _chat_logprobs(choice.get("logprobs"))
@@ -332,6 +468,8 @@ def prompt_of(route: str, body: dict[str, Any]) -> Any:
         return body.get("messages")
     if route == COMPLETIONS:
         return body.get("prompt")
+    if route == RESPONSES:
+        return body.get("input")
     return body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
 
 
@@ -339,9 +477,19 @@ def answer_of(route: str, record: dict[str, Any]) -> Any:
     """What the first choice of a recorded answer (the span output: ``body`` or ``stream`` as the
     client got it, ``token_ids``) said, in the shape the next prompt would hold it: the assistant
     message (chat), else the text and the ids."""
+    if route == RESPONSES:  # a later call names the response it follows (previous_response_id)
+        return None
     ids = _ids(record.get("token_ids")) if route != CHAT else None  # a chat prompt holds messages
-    chunks = [c for c in record.get("stream") or () if isinstance(c, dict)]
+    stream = record.get("stream")
     body = record.get("body") if isinstance(record.get("body"), dict) else None
+    wire = record.get("wire")
+    if stream is None and body is None and isinstance(wire, bytes):  # the answer's bytes alone
+        whole = read_json(wire)
+        if isinstance(whole, dict):
+            body = whole
+        else:
+            stream = stream_chunks(wire)
+    chunks = [c for c in stream or () if isinstance(c, dict)]
     if route == GENERATE:
         source = body if body is not None else chunks[-1] if chunks else {}
         return {"text": source.get("text"), "ids": ids}

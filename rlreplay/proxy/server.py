@@ -14,28 +14,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from rlreplay.errors import ProxyError
+from rlreplay.errors import ProxyCallFailed, ProxyError
 from rlreplay.proxy.protocol import (
     GENERATING,
+    NOT_JSON,
+    Generated,
     StreamedAnswer,
     as_client_sees,
     ask_for_tokens,
     generated,
     is_streamed,
     is_weight_update,
+    read_json,
+    read_plain_json,
+    sse_data,
+    sse_events,
+    stream_chunks,
+    with_members,
 )
 from rlreplay.proxy.replaying import ProxyReplay
 from rlreplay.proxy.trajectories import ProxyTrajectory, Trajectories, key_text, parse_key
+from rlreplay.recorder.events import FLUSH, Control
 from rlreplay.recorder.replay import DIVERGED, SERVED
+
+#: How long an answer's end waits for the call to be in the run's live file (a stalled disk)
+DURABLE_WAIT_S = 5.0
 
 ID_HEADER = "X-Rlreplay-Trajectory-Id"
 _HOP = frozenset(
@@ -58,11 +71,17 @@ _SSE = "text/event-stream"
 
 def _request_headers(headers: Any, generating: bool) -> dict[str, str]:
     """What the upstream gets: the client's headers (keys and auth included) but hop-by-hop ones and
-    ours; a generating call asks for an uncompressed answer (the proxy reads it)."""
+    ours; a generating call asks for an uncompressed answer (the proxy reads it). The body goes as
+    aiohttp read it, its Content-Encoding undone: that header is not passed on."""
     out = {}
     for name, value in headers.items():
         low = name.lower()
-        if low in _HOP or low.startswith("x-rlreplay-") or (generating and low == "accept-encoding"):
+        if (
+            low in _HOP
+            or low == "content-encoding"
+            or low.startswith("x-rlreplay-")
+            or (generating and low == "accept-encoding")
+        ):
             continue
         out[name] = value
     return out
@@ -84,25 +103,12 @@ def error_response(status: int, message: str, kind: str = "rlreplay_proxy") -> w
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
-def _sse_data(event: bytes) -> bytes | None:
-    lines = [line for line in event.splitlines() if line.startswith(b"data:")]
-    if not lines:
-        return None
-    return b"\n".join(line[5:].lstrip(b" ") for line in lines)
-
-
-def _split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
-    """Complete SSE events (without their blank line) and what is left."""
-    buffer = buffer.replace(b"\r\n", b"\n")
-    parts = buffer.split(b"\n\n")
-    return parts[:-1], parts[-1]
-
-
 @dataclass
 class ProxySettings:
     upstream: str | None
     replay: ProxyReplay | None = None
     connect_timeout_s: float = 10.0
+    durable_wait_s: float = DURABLE_WAIT_S
 
 
 class Proxy:
@@ -114,6 +120,7 @@ class Proxy:
         self.replay = settings.replay
         self.trajectories = trajectories
         self.connect_timeout_s = settings.connect_timeout_s
+        self.durable_wait_s = settings.durable_wait_s
         self.session: aiohttp.ClientSession | None = None
         self.calls = 0
 
@@ -211,13 +218,11 @@ class Proxy:
     # -- generations ------------------------------------------------------------------------------
 
     async def generation(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            body = None
-        if not isinstance(body, dict):  # not ours to judge: the upstream answers it
-            return await self.forward(request, raw)
+        raw = await request.read()  # aiohttp has undone a Content-Encoding: what the client meant
+        body = read_json(raw)
+        parsed = isinstance(body, dict)
+        if not parsed:  # not JSON, not an object, nested too deep: forwarded as is, kept as bytes
+            body = {}
         route = request.path
         try:
             text = key_text(request.headers, body)
@@ -230,7 +235,7 @@ class Proxy:
         try:
             if new:
                 self._begin(traj, name, body, named)
-            return await self._answer(request, route, name, body, raw, traj)
+            return await self._answer(request, Call(route, name, body, raw, traj, parsed=parsed))
         finally:
             traj.busy -= 1
             self.trajectories.drop_if_empty(traj)
@@ -244,17 +249,8 @@ class Proxy:
             self.trajectories.name(traj, self.replay.source_for(name, body))
         traj.replay = self.replay.open(traj.key)
 
-    async def _answer(
-        self,
-        request: web.Request,
-        route: str,
-        name: str,
-        body: dict[str, Any],
-        raw: bytes,
-        traj: ProxyTrajectory,
-    ) -> web.StreamResponse:
-        start = time.time_ns()
-        status = reason = None
+    async def _answer(self, request: web.Request, call: Call) -> web.StreamResponse:
+        traj, name, body = call.traj, call.name, call.body
         if (
             traj.replay is not None
             and traj.replay.source is None
@@ -271,152 +267,248 @@ class Proxy:
                     409, f"rlreplay proxy: the recording holds {what}", "rlreplay_divergence"
                 )
         elif traj.replay is not None and self.replay is not None:
-            played = self.replay.play(traj.replay, name, body)
+            played = self.replay.play(traj.replay, name, call.inputs(None))
             if played.served:
                 record = played.output
                 prompt_ids = self.replay.recorded_prompt_ids(traj.key, traj.replay)
                 # joined before the answer ends: the client's next call may come at once
                 self.trajectories.record(
-                    traj, name, _inputs(body, prompt_ids), record, start, time.time_ns(), SERVED
+                    traj, name, call.inputs(prompt_ids), record, call.start, time.time_ns(), SERVED
                 )
-                self.trajectories.continues(traj, route, body, record)
+                self.trajectories.continues(traj, call.route, body, record)
                 return await self._serve(request, record, traj)
             if played.reason is not None:
-                status, reason = DIVERGED, played.reason
+                call.status, call.reason = DIVERGED, played.reason
             if played.error is not None:
                 self.trajectories.record(
-                    traj, name, dict(body), None, start, time.time_ns(), status, reason, played.error
+                    traj,
+                    name,
+                    call.inputs(None),
+                    None,
+                    call.start,
+                    time.time_ns(),
+                    call.status,
+                    call.reason,
+                    played.error,
                 )
                 return error_response(409, f"rlreplay proxy: {played.error}", "rlreplay_divergence")
         if self.upstream is None:
             return error_response(
                 502, "rlreplay proxy: the recording does not answer this call and there is no --upstream"
             )
-        upstream_body, added = ask_for_tokens(route, body)
+        members, added = ask_for_tokens(call.route, body) if call.parsed else (b"", frozenset())
+        sent = with_members(call.raw, members, not body) if added else call.raw
+        if sent is None:
+            sent, added = call.raw, frozenset()
         headers = _request_headers(request.headers, generating=True)
         assert self.session is not None
         try:
-            resp = await self.session.post(
-                self._url(request), data=orjson.dumps(upstream_body), headers=headers
-            )
+            resp = await self.session.post(self._url(request), data=sent, headers=headers)
             if resp.status == 400 and added:  # a server that refuses what the proxy asked for
                 resp.release()
                 added = frozenset()
-                resp = await self.session.post(self._url(request), data=raw, headers=headers)
+                resp = await self.session.post(self._url(request), data=call.raw, headers=headers)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             return self._unreachable(exc)
+        call.added = added
         try:
-            if is_streamed(body) and resp.status == 200 and resp.content_type == _SSE:
-                return await self._relay_stream(
-                    request, resp, route, name, body, added, traj, start, status, reason
-                )
-            data = await resp.read()
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            return self._unreachable(exc)
+            if (
+                is_streamed(body)
+                and resp.status == 200
+                and resp.content_type == _SSE
+                and resp.headers.get("Content-Encoding", "identity").strip().lower() in ("", "identity")
+            ):
+                return await self._relay_stream(request, resp, call)
+            try:
+                data = await resp.read()
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                self._record_failure(call, f"the upstream's answer broke off: {_why(exc)}")
+                return self._unreachable(exc)
         finally:
             resp.release()
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            obj = None
-        if obj is None:
-            record: dict[str, Any] = {"status": resp.status, "text": data.decode("utf-8", "replace")}
-            out_bytes = data
-            found = None
+        return await self._answer_whole(request, resp, call, data)
+
+    async def _answer_whole(
+        self, request: web.Request, resp: aiohttp.ClientResponse, call: Call, data: bytes
+    ) -> web.StreamResponse:
+        """A whole (not streamed) answer: recorded, made durable, then given to the client."""
+        encoding = resp.headers.get("Content-Encoding", "").strip().lower()
+        decoded = _decoded(data, encoding)
+        headers = _response_headers(resp.headers, rewritten=decoded is not data)
+        obj = read_json(decoded) if decoded is not None else NOT_JSON
+        found = None
+        out_bytes = data if decoded is None else decoded
+        if obj is not NOT_JSON:
+            found = generated(call.route, call.body, obj)
+            seen = as_client_sees(call.route, obj, call.added)
+            if seen is not obj:
+                out_bytes = _json_bytes(seen)
+            record: dict[str, Any] = {"status": resp.status, "body": seen, **found.record()}
         else:
-            found = generated(route, body, obj)
-            seen = as_client_sees(route, obj, added)
-            out_bytes = data if seen is obj else orjson.dumps(seen)
-            record = {"status": resp.status, "body": seen, **found.record()}
-        response = web.Response(
-            body=out_bytes, status=resp.status, headers=_response_headers(resp.headers, True)
-        )
-        self._mark(response, traj)
-        self.trajectories.record(
-            traj,
-            name,
-            _inputs(body, found.prompt_ids if found else None),
-            record,
-            start,
-            time.time_ns(),
-            status,
-            reason,
-        )
-        self.trajectories.continues(traj, route, body, record)
+            record = {"status": resp.status}
+        kept = _kept(out_bytes)
+        if kept is not None:
+            record["wire"] = kept
+            if "body" in record and (
+                read_plain_json(out_bytes) is NOT_JSON or _deeper_than(record["body"], _VALUE_DEPTH)
+            ):
+                # what a value cannot hold as it was (NaN, integers beyond 64 bits, lone
+                # surrogates, deep nesting): the bytes alone say it
+                del record["body"]
+        response = web.Response(body=out_bytes, status=resp.status, headers=headers)
+        self._mark(response, call.traj)
+        error = None
+        if resp.status >= 400:
+            error = ProxyCallFailed(f"the upstream answered {resp.status}: {_first_line(out_bytes)}")
+        self._record(call, found, record, error)
+        if error is None:
+            self.trajectories.continues(call.traj, call.route, call.body, record)
+        await self._durable()
         return response
 
     async def _relay_stream(
-        self,
-        request: web.Request,
-        resp: aiohttp.ClientResponse,
-        route: str,
-        name: str,
-        body: dict[str, Any],
-        added: frozenset[str],
-        traj: ProxyTrajectory,
-        start: int,
-        status: str | None,
-        reason: str | None,
+        self, request: web.Request, resp: aiohttp.ClientResponse, call: Call
     ) -> web.StreamResponse:
+        """A streamed answer: each piece to the client as it comes (the proxy's own rewriting, when
+        it asked for ids or log-probs, event by event); recorded when the stream ends, and made
+        durable before the client gets its end (the ``[DONE]`` event and the end of the body)."""
         out = web.StreamResponse(
             status=resp.status, reason=resp.reason, headers=_response_headers(resp.headers, True)
         )
-        self._mark(out, traj)
+        self._mark(out, call.traj)
         await out.prepare(request)
-        answer = StreamedAnswer(route, body)
-        chunks: list[Any] = []
+        sent: list[bytes] = []  # what the client got, in order
+        held: list[bytes] = []  # what waits for the call to be durable: the answer's end
+        rewriting = bool(call.added)
+        answer = StreamedAnswer(call.route, call.body)
         buffer = b""
-        error: BaseException | None = None
+        failure: str | None = None
+        upstream_failed = False
         try:
             async for piece in resp.content.iter_any():
-                if not added:
-                    await out.write(piece)  # the client first
-                events, buffer = _split_events(buffer + piece)
-                for event in events:
-                    written = self._stream_event(route, event, added, answer, chunks)
-                    if added:
-                        await out.write(written)
-            if added and buffer:
-                await out.write(buffer)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
-            error = exc  # the upstream or the client went away: what came is recorded
+                if rewriting:
+                    events, buffer = sse_events(buffer + piece)
+                    piece = b"".join(self._client_event(call, event, answer) for event in events)
+                    if not piece:
+                        continue
+                if held or b"[DONE]" in piece or b"response.completed" in piece:  # the answer's end
+                    held.append(piece)
+                    continue
+                sent.append(piece)
+                await out.write(piece)
+            if rewriting and buffer:
+                held.append(buffer)
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError) as exc:
+            failure, upstream_failed = f"the upstream's stream broke off: {_why(exc)}", True
+        except (ConnectionError, OSError, aiohttp.ClientConnectionResetError) as exc:
+            failure = f"the client went away before the answer ended: {_why(exc)}"
+        except aiohttp.ClientError as exc:
+            failure, upstream_failed = f"the upstream's stream broke off: {_why(exc)}", True
+        end = time.time_ns()
+        wire = b"".join(sent) + b"".join(held)
+        if not rewriting:
+            for chunk in stream_chunks(wire):
+                answer.add(chunk)
         found = answer.generated()
-        record = {"status": resp.status, "stream": chunks, **found.record()}
+        record = {"status": resp.status, **found.record()}
+        kept = _kept(wire)
+        if kept is not None:
+            record["wire"] = kept
+        else:  # the chunks, each as a value (what cannot be kept as bytes)
+            record["stream"] = stream_chunks(wire)
+        error = None
+        if failure is not None:
+            got = sum(map(len, sent))
+            error = ProxyCallFailed(f"{failure} ({got} bytes of the answer had reached the client)")
+        self._record(call, found, record, error, end)
         if error is not None:
-            record["interrupted"] = f"{type(error).__name__}: {error}"
-        self.trajectories.record(
-            traj, name, _inputs(body, found.prompt_ids), record, start, time.time_ns(), status, reason
-        )
-        if error is None:  # joined before the stream ends: the client's next call may come at once
-            self.trajectories.continues(traj, route, body, record)
-            with contextlib.suppress(OSError, ConnectionError):
-                await out.write_eof()
+            if upstream_failed:  # the client sees the stream fail, as it would without the proxy
+                _abort(request)
+            return out
+        self.trajectories.continues(call.traj, call.route, call.body, record)
+        await self._durable()
+        try:
+            for piece in held:
+                await out.write(piece)
+            await out.write_eof()
+        except (ConnectionError, OSError, aiohttp.ClientConnectionResetError):
+            pass  # recorded as answered: every byte was the client's to read
         return out
 
-    @staticmethod
-    def _stream_event(
-        route: str, event: bytes, added: frozenset[str], answer: StreamedAnswer, chunks: list[Any]
-    ) -> bytes:
-        """Record one SSE event; the bytes the client gets for it (when the proxy rewrites)."""
-        data = _sse_data(event)
+    def _client_event(self, call: Call, event: bytes, answer: StreamedAnswer) -> bytes:
+        """One SSE event as the client gets it, without what the proxy asked for (its chunk read
+        into ``answer`` on the way)."""
+        data = sse_data(event)
         if data is None:
             return event + b"\n\n"
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            chunks.append(data.decode("utf-8", "replace"))
+        obj = read_json(data)
+        if obj is NOT_JSON:
             return event + b"\n\n"
         answer.add(obj)
-        seen = as_client_sees(route, obj, added, streamed=True)
-        chunks.append(seen)
-        return event + b"\n\n" if seen is obj else b"data: " + orjson.dumps(seen) + b"\n\n"
+        seen = as_client_sees(call.route, obj, call.added, streamed=True)
+        return event + b"\n\n" if seen is obj else b"data: " + _json_bytes(seen) + b"\n\n"
+
+    def _record(
+        self,
+        call: Call,
+        found: Generated | None,
+        record: dict[str, Any],
+        error: BaseException | None,
+        end: int | None = None,
+    ) -> None:
+        self.trajectories.record(
+            call.traj,
+            call.name,
+            call.inputs(found.prompt_ids if found is not None else None),
+            None if error is not None else record,
+            call.start,
+            end or time.time_ns(),
+            call.status,
+            call.reason,
+            error,
+        )
+
+    def _record_failure(self, call: Call, why: str) -> None:
+        self._record(call, None, {}, ProxyCallFailed(why))
+
+    async def _durable(self) -> None:
+        """Wait (at most ``DURABLE_WAIT_S``) until what was recorded is in the run's live file, so
+        that a proxy killed after answering loses no answered call; a disk that does not answer in
+        time does not hold the answer back longer."""
+        handoff = self.trajectories.handoff
+        recorder = self.trajectories.recorder
+        if handoff is None or recorder is None or self.durable_wait_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        written = loop.create_future()
+        handoff.give(Control(FLUSH, _Written(loop, written)))
+        recorder.wake()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(written, self.durable_wait_s)
 
     async def _serve(
         self, request: web.Request, record: dict[str, Any], traj: ProxyTrajectory
     ) -> web.StreamResponse:
-        """A recorded answer, as the client got it then."""
+        """A recorded answer, as the client got it then: its bytes."""
+        if not isinstance(record, dict):
+            return error_response(409, "rlreplay proxy: the recorded call has no answer to serve")
         status = int(record.get("status") or 200)
-        if "stream" in record:
+        wire = record.get("wire")
+        streamed = "stream" in record or (
+            isinstance(wire, bytes) and not isinstance(record.get("body"), dict)
+        )
+        if isinstance(wire, bytes) and streamed:
+            out = web.StreamResponse(
+                status=status, headers={"Content-Type": _SSE, "Cache-Control": "no-cache"}
+            )
+            self._mark(out, traj)
+            await out.prepare(request)
+            await out.write(wire)
+            await out.write_eof()
+            return out
+        if isinstance(wire, bytes):
+            response = web.Response(status=status, body=wire, content_type="application/json")
+        elif "stream" in record:  # recorded before the proxy kept the bytes
             out = web.StreamResponse(
                 status=status, headers={"Content-Type": _SSE, "Cache-Control": "no-cache"}
             )
@@ -427,7 +519,7 @@ class Proxy:
                 await out.write(b"data: " + data + b"\n\n")
             await out.write_eof()
             return out
-        if "body" in record:
+        elif "body" in record:
             response = web.Response(
                 status=status, body=orjson.dumps(record["body"]), content_type="application/json"
             )
@@ -441,14 +533,139 @@ class Proxy:
         response.headers[ID_HEADER] = self.trajectories.allocate(traj)
 
 
-def _inputs(body: dict[str, Any], prompt_ids: Any) -> dict[str, Any]:
-    """A span's inputs: the request as the client sent it, and the prompt's token ids when known."""
-    if prompt_ids is None or "prompt_ids" in body:
-        return body
-    return {**body, "prompt_ids": prompt_ids}
+@dataclass
+class Call:
+    """One generating call on its way through the proxy."""
+
+    route: str
+    name: str
+    body: dict[str, Any]
+    raw: bytes  # the request's bytes as the client sent them
+    traj: ProxyTrajectory
+    parsed: bool = True  # the body was read as a JSON object (else ``body`` is empty)
+    start: int = field(default_factory=time.time_ns)
+    added: frozenset[str] = frozenset()
+    status: str | None = None  # a replay's mark
+    reason: str | None = None
+
+    def inputs(self, prompt_ids: Any) -> dict[str, Any]:
+        """The span's inputs: the request as the client sent it (its values, and its bytes under
+        ``wire``), and the prompt's token ids when known."""
+        out = self.body if self.parsed else {}
+        extra: dict[str, Any] = {}
+        if prompt_ids is not None and "prompt_ids" not in out:
+            extra["prompt_ids"] = prompt_ids
+        kept = _kept(self.raw) if "wire" not in out else None
+        if kept is not None:
+            extra["wire"] = kept
+        return {**out, **extra} if extra else out
+
+
+class _Written:
+    """Set by the recorder's writer thread once what came before is written: resolves ``future``
+    on its event loop."""
+
+    __slots__ = ("future", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+        self.loop, self.future = loop, future
+
+    def set(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed
+            self.loop.call_soon_threadsafe(self._resolve)
+
+    def _resolve(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
+
+
+def _kept(raw: bytes) -> bytes | None:
+    """The bytes a span keeps of a request or an answer: ``raw`` with credentials taken out, or
+    None when they cannot be taken out (nothing is kept rather than a secret)."""
+    from rlreplay.format import redact
+
+    hide = getattr(redact, "redact_json_bytes", None)
+    if hide is None:
+        return None
+    try:
+        return hide(raw)
+    except Exception:
+        return None
+
+
+#: the nesting a recorded value keeps whole (``payload.MAX_DEPTH``, less the output's own levels)
+_VALUE_DEPTH = 20
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists and dicts more than ``limit`` deep."""
+    level = [value]
+    for _ in range(limit + 1):
+        inner = []
+        for item in level:
+            if isinstance(item, dict):
+                inner.extend(v for v in item.values() if isinstance(v, (dict, list)))
+            elif isinstance(item, list):
+                inner.extend(v for v in item if isinstance(v, (dict, list)))
+        if not inner:
+            return False
+        level = inner
+    return True
+
+
+def _json_bytes(value: Any) -> bytes:
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # integers beyond 64 bits, lone surrogates: what orjson cannot write
+        import json
+
+        return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _decoded(data: bytes, encoding: str) -> bytes | None:
+    """``data`` without its Content-Encoding (gzip, deflate); ``data`` itself when it has none, None
+    when the proxy cannot undo it."""
+    if encoding in ("", "identity"):
+        return data
+    import zlib
+
+    try:
+        if encoding in ("gzip", "x-gzip"):
+            return zlib.decompress(data, 16 + zlib.MAX_WBITS)
+        if encoding == "deflate":
+            return zlib.decompress(data)
+    except zlib.error:
+        return None
+    return None
+
+
+def _first_line(data: bytes) -> str:
+    text = data[:300].decode("utf-8", "replace").strip()
+    return text.splitlines()[0] if text else "(no body)"
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _abort(request: web.Request) -> None:
+    """End the client's connection without ending the answer: it sees the stream fail."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
 
 
 # ---- running it -------------------------------------------------------------------------------------
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The proxy's listening socket (bound before anything of the run is made: a port in use leaves
+    nothing behind); raises ProxyError naming the address."""
+    try:
+        return socket.create_server((host, port), backlog=1024)
+    except OSError as exc:
+        raise ProxyError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
 
 
 async def serve(
@@ -457,8 +674,10 @@ async def serve(
     port: int,
     ready: Any = None,
     stop: asyncio.Event | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
-    """Serve until ``stop`` is set (or SIGINT/SIGTERM); ``ready(url)`` once listening."""
+    """Serve on ``sock`` (else a socket made with :func:`listen`) until ``stop`` is set (or
+    SIGINT/SIGTERM); ``ready(url)`` once listening."""
     import signal
 
     stop = stop or asyncio.Event()
@@ -466,16 +685,16 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
+    sock = sock if sock is not None else listen(host, port)
     runner = web.AppRunner(proxy.app(), access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.SockSite(runner, sock)
     try:
         await site.start()
     except OSError as exc:
         await runner.cleanup()
         raise ProxyError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
-    addresses = runner.addresses
-    bound = addresses[0][1] if addresses else port
+    bound = sock.getsockname()[1]
     if ready is not None:
         ready(f"http://{host}:{bound}")
     # what start-up made lives as long as the proxy: out of the cyclic collector's sight, every

@@ -223,7 +223,10 @@ class Cassette:
         k = state.calls.get(kind, 0)
         state.calls[kind] = k + 1
         recording = self.recording
-        call = Call(kind, name, comparable(payload.to_payload(inputs)[0], recording.volatile_keys), k)
+        # as written: what JSON cannot hold (integers beyond 64 bits, lone surrogates) is written as
+        # the recording wrote it
+        written = payload.decode(payload.dumps(payload.to_payload(inputs)[0]))
+        call = Call(kind, name, comparable(written, recording.volatile_keys), k)
         recorded = state.source.ops.get(kind, [])
         if self._by_position:  # only the op at the call's position can match
             candidates = recorded[k : k + 1]

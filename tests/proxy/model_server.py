@@ -5,10 +5,12 @@ It stands in for vLLM and SGLang, which need GPUs: SmolLM2-135M-Instruct from Py
 answering the way those servers answer (field names read from their current protocol sources):
 
 - ``/v1/chat/completions`` and ``/v1/completions``, streamed as SSE too; ``return_token_ids`` gives
-  ``prompt_token_ids`` and per-choice ``token_ids`` (streamed: prompt ids in the first chunk, each
-  chunk's new ids); ``logprobs`` the sampled tokens' log-probs (chat: ``logprobs.content``;
-  completions: ``logprobs.token_logprobs``); fields nobody asked for are null in a whole answer and
-  left out of streamed chunks, as vLLM writes them;
+  ``prompt_token_ids`` and per-choice ``token_ids`` (streamed as vLLM's ``serving_chat`` does: a
+  first chat chunk with the role alone, ``content: ""``, null ``logprobs`` and ``finish_reason``
+  and the prompt's ids; then one chunk per token with its ``token_ids``); ``logprobs`` the
+  sampled tokens' log-probs (chat: ``logprobs.content``; completions: ``logprobs.token_logprobs``);
+  fields nobody asked for are null in a whole answer and left out of streamed chunks, as vLLM
+  writes them;
 - ``/generate`` (``text`` or ``input_ids``, ``sampling_params``, ``return_logprob``): ``text``,
   ``output_ids``, ``meta_info`` (``finish_reason``, token counts, ``cached_tokens``,
   ``e2e_latency``, ``weight_version``, ``output_token_logprobs`` as ``[logprob, id, null]``);
@@ -228,12 +230,30 @@ class Server:
             await out.prepare(request)
             first = True
             got: list[int] = []
+            if chat:  # vLLM's first chunk: the role alone (and the prompt's ids), no token yet
+                role: dict[str, Any] = {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                head: dict[str, Any] = {
+                    "id": rid,
+                    "object": kind + ".chunk",
+                    "created": created,
+                    "model": MODEL,
+                    "choices": [role],
+                }
+                if want_ids:
+                    head["prompt_token_ids"] = ids
+                await out.write(b"data: " + orjson.dumps(head) + b"\n\n")
+                first = False
             async for token, lp, finish in tokens:
                 piece = self._text([*got, token])[len(self._text(got)) :]
                 got.append(token)
                 choice: dict[str, Any] = {"index": 0}
                 if chat:
-                    choice["delta"] = {"role": "assistant", "content": piece} if first else {"content": piece}
+                    choice["delta"] = {"content": piece}
                 else:
                     choice["text"] = piece
                 choice["logprobs"] = self._logprobs([token], [lp], chat) if want_lp else None
@@ -247,11 +267,8 @@ class Server:
                     "model": MODEL,
                     "choices": [choice],
                 }
-                if want_ids and first:
-                    if chat:
-                        chunk["prompt_token_ids"] = ids
-                    else:
-                        choice["prompt_token_ids"] = ids
+                if want_ids and first:  # completions: the prompt's ids in the first choice
+                    choice["prompt_token_ids"] = ids
                 first = False
                 await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
             await out.write(b"data: [DONE]\n\n")

@@ -16,6 +16,8 @@ import pytest
 from proxy.conftest import ProxyProcess
 from support import rlreplay_cli
 
+from rlreplay.proxy.protocol import stream_chunks
+
 pytestmark = pytest.mark.timeout(900)
 EPS = 1e-8  # verl's epsilon in the token count (compute_offpolicy_metrics)
 #: trajectory key -> the chat turns it makes (max_tokens of each) and the trainer's shift per token
@@ -27,21 +29,39 @@ PLAN = {
 }
 
 
+#: trajectories whose calls stream (as vLLM streams: a role-only first chunk, then a chunk per token)
+STREAMED = {(1, 0), (2, 0)}
+
+
 def _chat(proxy: str, key: tuple[int, int], sizes: tuple[int, ...]) -> list[float]:
     """The trajectory's calls (each turn continues the last); the log-probs the client received."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": f"Count from {key[0] + key[1]}."}]
     rollout: list[float] = []
+    streamed = key in STREAMED
     for size in sizes:
         answer = httpx.post(
             f"{proxy}/v1/chat/completions",
-            json={"model": "m", "messages": messages, "max_tokens": size, "logprobs": True},
+            json={
+                "model": "m",
+                "messages": messages,
+                "max_tokens": size,
+                "logprobs": True,
+                "stream": streamed,
+            },
             headers={"X-Rlreplay-Trajectory": f"step={key[0]},sample_index={key[1]}"},
             timeout=120,
         )
         assert answer.status_code == 200, answer.text
-        choice = answer.json()["choices"][0]
-        rollout += [c["logprob"] for c in choice["logprobs"]["content"]]
-        messages += [choice["message"], {"role": "user", "content": "Go on."}]
+        if streamed:
+            chunks = [c["choices"][0] for c in stream_chunks(answer.content) if isinstance(c, dict)]
+            rollout += [e["logprob"] for c in chunks for e in (c.get("logprobs") or {}).get("content") or ()]
+            text = "".join(c["delta"].get("content") or "" for c in chunks)
+            message = {"role": "assistant", "content": text}
+        else:
+            choice = answer.json()["choices"][0]
+            rollout += [c["logprob"] for c in choice["logprobs"]["content"]]
+            message = choice["message"]
+        messages += [message, {"role": "user", "content": "Go on."}]
     return rollout
 
 

@@ -25,6 +25,8 @@ import httpx
 import pytest
 from support import free_port, rlreplay_cli
 
+from rlreplay.format import payload
+from rlreplay.proxy.protocol import stream_chunks
 from rlreplay.read.open import open_run
 from rlreplay.read.replays import replay_rows
 
@@ -172,7 +174,8 @@ def test_vf_eval_recorded_through_the_proxy_replays_with_the_server_gone(
             span_finish.append(span.output["finish_reason"])
         last = spans[-1]
         messages = [(m["role"], m["content"]) for m in last.inputs["messages"]]
-        recorded[traj.id] = (*messages, ("assistant", streamed_text(last.output["stream"])))
+        stream = stream_chunks(payload.from_json(last.output["wire"], None))  # the bytes the client got
+        recorded[traj.id] = (*messages, ("assistant", streamed_text(stream)))
     assert sorted(recorded.values()) == conversations(episodes)
     assert calls == sum(len(t["calls"]) for e in episodes for t in e["traces"]) == 4 * TASKS
     assert sorted(span_finish) == finish_reasons

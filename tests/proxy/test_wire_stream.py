@@ -1,0 +1,145 @@
+"""Streamed calls through ``rlreplay proxy``, in front of a server that streams as vLLM's
+``serving_chat`` does (a first chunk with the role alone, then one chunk per token with its
+``token_ids``) and as SGLang's ``/generate`` does: every response id and log-prob recorded equals the
+server's, whether the client asked for them or the proxy did."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_proxy import CHAT, llm_spans
+
+from rlreplay.proxy.protocol import CHAT as CHAT_ROUTE
+from rlreplay.proxy.protocol import StreamedAnswer
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def sse_chunks(raw: bytes) -> list[Any]:
+    """The JSON chunks of an SSE body (``[DONE]`` left out)."""
+    import json
+
+    out = []
+    for event in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
+        data = b"\n".join(line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:"))
+        if data and data != b"[DONE]":
+            out.append(json.loads(data))
+    return out
+
+
+def whole(server: str, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    return httpx.post(f"{server}{route}", json=body, timeout=120).json()
+
+
+def test_a_vllm_shaped_stream_is_recorded_with_every_id_and_log_prob(
+    model_server: str, start_proxy: Any, tmp_path: Path
+) -> None:
+    direct = httpx.post(
+        f"{model_server}/v1/chat/completions",
+        json={"model": "m", "messages": CHAT, "max_tokens": 5, "stream": True, "return_token_ids": True},
+        timeout=120,
+    ).content
+    first = sse_chunks(direct)[0]
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # the shape of vLLM's
+    assert "token_ids" not in first["choices"][0]
+    proxy = start_proxy("--upstream", model_server, "--out", "run")
+    asks = [
+        {"model": "m", "messages": CHAT, "max_tokens": 5, "stream": True},  # the proxy asks for ids
+        {
+            "model": "m",
+            "messages": CHAT,
+            "max_tokens": 5,
+            "stream": True,
+            "return_token_ids": True,
+            "logprobs": True,
+        },
+        {"model": "m", "prompt": "Name a colour:", "max_tokens": 5, "stream": True},
+    ]
+    routes = ["/v1/chat/completions", "/v1/chat/completions", "/v1/completions"]
+    got = [httpx.post(f"{proxy.url}{r}", json=b, timeout=120).content for r, b in zip(routes, asks)]
+    sglang = {
+        "text": "Name a colour:",
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+        "stream": True,
+    }
+    got.append(httpx.post(f"{proxy.url}/generate", json=sglang, timeout=120).content)
+    assert proxy.stop() == 0, proxy.stderr
+    expected = [
+        whole(
+            model_server,
+            r,
+            {
+                **{k: v for k, v in b.items() if k != "stream"},
+                "return_token_ids": True,
+                "logprobs": True if "messages" in b else 0,
+            },
+        )
+        for r, b in zip(routes, asks)
+    ]
+    gen = whole(model_server, "/generate", {**sglang, "stream": False, "return_logprob": True})
+    spans = [s for _, ss in llm_spans(tmp_path / "run") for s in ss]
+    by_name: dict[str, list[Any]] = {}
+    for span in sorted(spans, key=lambda s: s.start_ns):
+        by_name.setdefault(span.name, []).append(span)
+    chat_spans = by_name["chat.completions"]
+    assert len(chat_spans) == 2
+    for span, want in zip([*chat_spans, *by_name["completions"]], expected):
+        choice = want["choices"][0]
+        assert list(span.output["token_ids"]) == choice["token_ids"]
+        lps = choice["logprobs"]
+        values = [c["logprob"] for c in lps["content"]] if "content" in lps else lps["token_logprobs"]
+        assert list(span.output["log_probs"]) == values
+        assert span.inputs["prompt_ids"] == (want.get("prompt_token_ids") or choice.get("prompt_token_ids"))
+    [span] = by_name["generate"]
+    assert list(span.output["token_ids"]) == gen["output_ids"]
+    assert list(span.output["log_probs"]) == [row[0] for row in gen["meta_info"]["output_token_logprobs"]]
+    # what the client got: the server's chunks, without what the proxy asked for
+    client_view = sse_chunks(got[0])
+    assert client_view[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(
+        "token_ids" not in c["choices"][0] and c["choices"][0]["logprobs"] is None for c in client_view
+    )
+    assert all("prompt_token_ids" not in c for c in client_view)
+    assert got[1].endswith(b"data: [DONE]\n\n") and sse_chunks(got[1])[1]["choices"][0]["token_ids"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(
+        st.tuples(st.integers(0, 2**31), st.floats(allow_nan=False, allow_infinity=False, max_value=0)),
+        max_size=30,
+    ),
+    cuts=st.lists(st.integers(0, 30), max_size=8),
+    role_first=st.booleans(),
+)
+def test_a_streamed_answer_keeps_every_chunks_ids_however_it_is_cut(
+    tokens: list[tuple[int, float]], cuts: list[int], role_first: bool
+) -> None:
+    """Chunks carry any number of tokens (none: a role-only chunk, or an empty one between); the
+    ids and log-probs put back together are all of them, in order."""
+    bounds = sorted({0, len(tokens), *(c for c in cuts if c <= len(tokens))})
+    chunks: list[dict[str, Any]] = []
+    if role_first:
+        chunks.append(
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}]}
+        )
+    for lo, hi in zip(bounds, bounds[1:] or [0]):
+        part = tokens[lo:hi]
+        choice = {
+            "index": 0,
+            "delta": {"content": "x" * len(part)},
+            "token_ids": [t for t, _ in part],
+            "logprobs": {"content": [{"token": "x", "logprob": lp} for _, lp in part]},
+        }
+        chunks.append({"choices": [choice]})
+    answer = StreamedAnswer(CHAT_ROUTE, {})
+    for chunk in chunks:
+        answer.add(chunk)
+    [choice] = answer.generated().choices
+    assert choice["token_ids"] == ([t for t, _ in tokens] or None)
+    assert choice["log_probs"] == ([lp for _, lp in tokens] or None)
