@@ -86,6 +86,10 @@ class ProxyError(RlreplayError):
     """A proxy that cannot start or a request it cannot take: bad upstream URL, port in use, bad keys."""
 
 
+class UnknownTrajectory(ProxyError):
+    """A call or signals naming a trajectory id or keys the proxy never gave (HTTP 404)."""
+
+
 class UploadError(RlreplayError):
     """A failure that stops the whole upload (bad credentials, unknown project): one clear line."""
 

@@ -23,7 +23,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from rlreplay.errors import ProxyError
+from rlreplay.errors import ProxyError, UnknownTrajectory
 from rlreplay.proxy.protocol import (
     GENERATING,
     StreamedAnswer,
@@ -34,10 +34,9 @@ from rlreplay.proxy.protocol import (
     is_weight_update,
 )
 from rlreplay.proxy.replaying import ProxyReplay
-from rlreplay.proxy.trajectories import ProxyTrajectory, Trajectories, key_text, parse_key
+from rlreplay.proxy.trajectories import ID_HEADER, ProxyTrajectory, Trajectories, key_text, parse_key
 from rlreplay.recorder.replay import DIVERGED, SERVED
 
-ID_HEADER = "X-Rlreplay-Trajectory-Id"
 _HOP = frozenset(
     h.lower()
     for h in (
@@ -169,8 +168,7 @@ class Proxy:
             trajectory_id = self.trajectories.signals(data)
         except (orjson.JSONDecodeError, ProxyError) as exc:
             return error_response(
-                400 if not isinstance(exc, ProxyError) or "no recorded" not in str(exc) else 404,
-                f"POST /rlreplay/signals: {exc}",
+                404 if isinstance(exc, UnknownTrajectory) else 400, f"POST /rlreplay/signals: {exc}"
             )
         return web.json_response({"trajectory_id": trajectory_id})
 
@@ -222,10 +220,12 @@ class Proxy:
         try:
             text = key_text(request.headers, body)
             named = parse_key(text) if text else None
+            traj, new = self.trajectories.find(route, body, named, request.headers.get(ID_HEADER))
         except ProxyError as exc:
-            return error_response(400, f"rlreplay proxy: {exc}")
+            return error_response(
+                404 if isinstance(exc, UnknownTrajectory) else 400, f"rlreplay proxy: {exc}"
+            )
         name = GENERATING[route]
-        traj, new = self.trajectories.find(route, body, named)
         traj.busy += 1
         try:
             if new:
@@ -262,6 +262,7 @@ class Proxy:
             and self.replay is not None
         ):
             if self.replay.cassette.on_diverge == "fail":
+                self.replay.refuse()
                 what = (
                     f"no trajectory {traj.key}"
                     if traj.explicit
@@ -284,6 +285,7 @@ class Proxy:
             if played.reason is not None:
                 status, reason = DIVERGED, played.reason
             if played.error is not None:
+                self.replay.refuse()
                 self.trajectories.record(
                     traj, name, dict(body), None, start, time.time_ns(), status, reason, played.error
                 )
