@@ -24,6 +24,7 @@ import orjson
 from aiohttp import web
 
 from rlreplay.errors import ProxyError, UnknownTrajectory
+from rlreplay.proxy.guard import Guard, GuardSettings, upstream_credentials, with_upstream_auth
 from rlreplay.proxy.protocol import (
     GENERATING,
     StreamedAnswer,
@@ -102,6 +103,7 @@ class ProxySettings:
     upstream: str | None
     replay: ProxyReplay | None = None
     connect_timeout_s: float = 10.0
+    guard: GuardSettings | None = None
 
 
 class Proxy:
@@ -109,7 +111,9 @@ class Proxy:
     ``settings.replay``)."""
 
     def __init__(self, settings: ProxySettings, trajectories: Trajectories) -> None:
-        self.upstream = settings.upstream.rstrip("/") if settings.upstream else None
+        upstream, self.upstream_auth = upstream_credentials(settings.upstream)  # never shown
+        self.upstream = upstream.rstrip("/") if upstream else None
+        self.guard = Guard(settings.guard)
         self.replay = settings.replay
         self.trajectories = trajectories
         self.connect_timeout_s = settings.connect_timeout_s
@@ -117,7 +121,7 @@ class Proxy:
         self.calls = 0
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        app = self.guard.application()
         app.router.add_post("/rlreplay/step", self.step)
         app.router.add_post("/rlreplay/signals", self.signals)
         for route in GENERATING:
@@ -187,7 +191,7 @@ class Proxy:
                 request.method,
                 self._url(request),
                 data=raw if raw else None,
-                headers=_request_headers(request.headers, generating=False),
+                headers=with_upstream_auth(_request_headers(request.headers, False), self.upstream_auth),
                 allow_redirects=False,
             )
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
@@ -295,7 +299,7 @@ class Proxy:
                 502, "rlreplay proxy: the recording does not answer this call and there is no --upstream"
             )
         upstream_body, added = ask_for_tokens(route, body)
-        headers = _request_headers(request.headers, generating=True)
+        headers = with_upstream_auth(_request_headers(request.headers, True), self.upstream_auth)
         assert self.session is not None
         try:
             resp = await self.session.post(
@@ -483,6 +487,7 @@ async def serve(
     # what start-up made lives as long as the proxy: out of the cyclic collector's sight, every
     # collection that each answer's parsed JSON sets off scans only what calls made
     gc.freeze()
+    watch = asyncio.ensure_future(proxy.guard.watch(runner.server))  # half-open connections
     tick = max(0.2, min(5.0, proxy.trajectories.idle_s / 4))
     try:
         while not stop.is_set():
@@ -490,6 +495,7 @@ async def serve(
                 await asyncio.wait_for(stop.wait(), tick)
             proxy.trajectories.close_idle()
     finally:
+        watch.cancel()
         await runner.cleanup()
         proxy.trajectories.close_all()
     print("rlreplay proxy: stopped", file=sys.stderr, flush=True)
