@@ -33,10 +33,13 @@ is kept (a commit). Mappings hide the value of a secret-named key whole (numbers
 
 from __future__ import annotations
 
+import bisect
 import functools
+import json
 import logging
 import os
 import re
+import string
 from collections.abc import Mapping
 from typing import Any
 
@@ -367,6 +370,552 @@ def _redact_any(value: Any, seen: set[int]) -> Any:
             return value
         return items if isinstance(value, list) else tuple(items)
     return value
+
+
+# ---- credentials by what a value is: payload text and raw bodies ---------------------------------
+
+#: Words that name a credential when they end a name (``db_password``, ``client_secret``).
+_CREDENTIAL_LAST = frozenset(
+    {
+        "password",
+        "passwd",
+        "passphrase",
+        "passcode",
+        "pw",
+        "secret",
+        "secrets",
+        "credential",
+        "credentials",
+        "creds",
+        "apikey",
+        "authorization",
+        "auth",
+        "cookie",
+        "cookies",
+        "accesstoken",
+        "authtoken",
+        "secretkey",
+        "privatekey",
+        "accesskey",
+    }
+)
+#: ``<word>_key`` / ``<word>_token`` / ``<word>_pat`` names a credential after one of these words
+#: (``api_key``, ``access_token``, ``hf_token``); after any other (``eos_token``, ``sort_key``) it is data.
+_CREDENTIAL_QUALIFIER = frozenset(
+    {
+        "api",
+        "access",
+        "secret",
+        "private",
+        "client",
+        "auth",
+        "session",
+        "refresh",
+        "bearer",
+        "id",
+        "app",
+        "application",
+        "account",
+        "service",
+        "master",
+        "signing",
+        "encryption",
+        "oauth",
+        "personal",
+        "deploy",
+        "webhook",
+        "security",
+        "admin",
+        "login",
+        "registry",
+        "subscription",
+        "license",
+        "csrf",
+        "xsrf",
+        "jwt",
+        "ssh",
+        "gpg",
+        "hf",
+        "huggingface",
+        "hub",
+        "github",
+        "gh",
+        "gitlab",
+        "openai",
+        "anthropic",
+        "wandb",
+        "slack",
+        "bot",
+        "npm",
+        "pypi",
+        "aws",
+        "azure",
+        "gcp",
+        "google",
+        "stripe",
+        "twilio",
+        "sendgrid",
+        "discord",
+        "telegram",
+    }
+)
+_CREDENTIAL_TAIL = frozenset({"key", "keys", "token", "tokens", "pat", "pass"})
+
+
+@functools.lru_cache(maxsize=4096)
+def credential_name(name: str) -> bool:
+    """Whether a payload key or an assigned name (``password``, ``pw``, ``api_key``,
+    ``access_token``, ``X-Api-Key``, ``Authorization``, ``client_secret``, ``db_pass``) names a
+    credential. Bare ``token`` and ``key`` do not (OpenAI log-prob ``token``s, lookup keys), nor do
+    ``eos_token``, ``prompt_key``, ``max_tokens``, ``pass`` (a test result) or ``secret_word``."""
+    words = [w.lower() for w in _WORDS.findall(name)]
+    if not words:
+        return False
+    last = words[-1]
+    if last in _CREDENTIAL_LAST or any(part in last for part in _INSIDE):
+        return True
+    return (
+        len(words) > 1 and last in _CREDENTIAL_TAIL and (words[-2] in _CREDENTIAL_QUALIFIER or last == "pass")
+    )
+
+
+#: Private keys in PEM (and OpenSSH, PGP) armour: the body between the lines is hidden.
+_PEM = re.compile(
+    r"-----BEGIN ((?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?)-----"
+    r"([\sA-Za-z0-9+/=:,.\\-]*?)(?=-----END |[^\sA-Za-z0-9+/=:,.\\-]|\Z)"
+)
+#: Values shaped like well-known credentials (their own prefixes). The group that matched is the
+#: random part, which must not be plain lowercase words (``sk-learn-tutorial-notebook`` is kept).
+_KEY_SHAPE = re.compile(
+    r"(?<![A-Za-z0-9])(?:"
+    r"(?:sk-(?:proj-|ant-|or-|svcacct-|admin-)?|(?:sk|rk)_(?:live|test)_|whsec_|hf_|api_org_|gh[pousr]_"
+    r"|github_pat_|glpat-|xox[abposre]-|xapp-|npm_|pypi-|gsk_|r8_|dop_v1_|xai-|pplx-|nvapi-"
+    r"|lsv2_(?:pt|sk)_|tvly-|ya29\.)([A-Za-z0-9_-]{16,})"
+    r"|(?:AKIA|ASIA)([0-9A-Z]{16})"
+    r"|AIza([0-9A-Za-z_-]{35})"
+    r"|SG\.([A-Za-z0-9_-]{16,}\.[A-Za-z0-9_-]{16,})"
+    r"|eyJ([A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})"
+    r")"
+)
+_PLAIN_WORDS = re.compile(r"[a-z_-]+")
+_RUN_PLAIN = re.compile(r"[a-z_+/-]*")
+#: Characters of random tokens and key shapes (base64, base64url, hex); a run of 19 or more
+#: (the shortest key shape) is looked at closer, 24 or more may be a random token.
+_RUN_CHARS = frozenset(string.ascii_letters + string.digits + "+/_-")
+_RUN_TABLE = bytes(0x61 if chr(i) in _RUN_CHARS else 0x20 for i in range(256))
+_RUN_SHORTEST = 19
+_RUN_NEEDLE = b"a" * _RUN_SHORTEST
+_RANDOM_SHORTEST, _RANDOM_LONGEST = 24, 128  # longer runs are data (images, embeddings, ciphertext)
+_JSON_ESCAPE_START = re.compile(r"\\(?:u[0-9a-fA-F]{4}|[nrtbf\"\\/])")
+#: An identifier with a lowercase prefix (``chatcmpl-…``, ``call_…``, ``toolu_…``, ``sha384-…``): an id.
+_PREFIXED_ID = re.compile(r"[a-z]{2,}[0-9]*[_-]")
+_BEARER_VALUE = re.compile(r"(Bearer|Basic)(?:\s|\\[nrt])+([A-Za-z0-9._~+/-]{7,}[A-Za-z0-9_~+/-]=*)")
+_WORD = re.compile(r"[A-Za-z][a-z]*")
+#: Every credential name holds one of these (lowercase); ``"token"`` and ``"key"`` alone are data.
+_NAME_MARKS = ("pass", "secret", "cred", "auth", "cookie", "pw", "key", "token")
+_BARE_NAMES = (('"token"', '"_____"'), ('"key"', '"___"'))
+#: Names that are credentials after a word and a space (``API key``, ``access token``).
+_PAIRED = frozenset({"key", "keys", "token", "tokens"})
+_NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_.-")
+#: What follows an assigned name: its closing quote (maybe escaped), then ``=``, ``:`` or ``is``.
+_AFTER_NAME = re.compile(r"(\\*[\"'])?(\s*(?<![=!<>])[=:](?![=:/])\s*|\s+(?:is|was)\s+)")
+_NAME_REST = re.compile(r"[A-Za-z0-9_.-]*(?=(?:\\*[\"'])?(?:\s*(?<![=!<>])[=:](?![=:/])|\s+(?:is|was)\s))")
+_QUOTED = re.compile(r"(\\*)([\"'])(.*?)\1\2")
+_BARE_VALUE = re.compile(r"(?:(?:Bearer|Basic|Token|bearer|basic|token)[ \t]+)?[^\s\"',;&}\])\\]+")
+#: What follows ``scheme://``: the user and password before ``@``, then the rest of the URL.
+_URL = re.compile(r"([^/\\\s@?#\"'<>]+@)?[^\s\"'<>\\]*")
+_QUERY_SPAN = re.compile(r"([?&])([^=&#\s\"']+)=([^&#\s\"'<>\\]+)")
+#: A cookie header's value: every cookie on its line.
+_COOKIES = re.compile(r"[^\r\n\"\\]+")
+
+Edit = tuple[int, int, str]
+#: Values that hold no credential, under any name.
+_NOTHING = frozenset({"null", "true", "false", "None", "True", "False", '""', "''"})
+
+
+def _looks_random(run: str) -> bool:
+    """Whether a run of base64-like characters is a random token: 24 to 128 characters with
+    uppercase, lowercase and digits mixed (the character class changes at 4 of 10 neighbours or
+    more), not an id with a lowercase prefix. Words, numbers, hex digests, paths and ids are kept."""
+    n = len(run)
+    if n < _RANDOM_SHORTEST or n > _RANDOM_LONGEST or run.islower() or run.isupper():
+        return False  # hex digests, words, UUIDs, numbers: one case or none
+    if not any(c.isdigit() for c in run) or _PREFIXED_ID.match(run):
+        return False  # no digit: a name; a lowercase prefix: an id
+    changes = 0
+    last = 0
+    for c in run:
+        kind = 1 if c.isupper() else 2 if c.islower() else 3 if c.isdigit() else 4
+        changes += kind != last
+        last = kind
+    return changes - 1 >= 0.4 * (n - 1)
+
+
+def _run_edits(text: str, start: int, end: int) -> list[Edit]:
+    """Credentials in the run ``text[start:end]`` of :data:`_RUN_CHARS`: a key shape (with the
+    dots of a JWT around it), else a random token."""
+    if start and text[start - 1] == "\\":  # after an escape (JSON text): its letters are not the run's
+        m = _JSON_ESCAPE_START.match(text, start - 1)
+        start = m.end() if m else start
+    if _RUN_PLAIN.fullmatch(text, start, end):
+        return []  # no digit, no capital: neither a key nor a random token
+    lo, hi = start, end
+    while lo > 1 and text[lo - 1] == "." and text[lo - 2] in _RUN_CHARS:
+        lo -= 2
+        while lo and text[lo - 1] in _RUN_CHARS:
+            lo -= 1
+    while hi + 1 < len(text) and text[hi] == "." and text[hi + 1] in _RUN_CHARS:
+        hi += 1
+        while hi < len(text) and text[hi] in _RUN_CHARS:
+            hi += 1
+    shaped = [
+        (m.start() + lo, m.end() + lo, REDACTED)
+        for m in _KEY_SHAPE.finditer(text[lo:hi])
+        if not _PLAIN_WORDS.fullmatch(next(g for g in m.groups() if g is not None))
+    ]
+    if shaped:
+        return shaped
+    stop = end
+    while stop < len(text) and stop < end + 2 and text[stop] == "=":
+        stop += 1  # base64 padding
+    if text[max(0, start - 7) : start] == "base64," or not _looks_random(text[start:end]):
+        return []  # a data: URL's content, or not random
+    return [(start, stop, REDACTED)]
+
+
+def _runs(text: str) -> list[tuple[int, int]]:
+    """The runs of :data:`_RUN_CHARS` at least :data:`_RUN_SHORTEST` long (found at C speed)."""
+    mapped = text.encode("ascii", "replace").translate(_RUN_TABLE)  # one byte per character
+    out = []
+    at = mapped.find(_RUN_NEEDLE)
+    while at != -1:
+        end = mapped.find(b" ", at)
+        end = len(mapped) if end == -1 else end
+        out.append((at, end))
+        at = mapped.find(_RUN_NEEDLE, end)
+    return out
+
+
+def _text_edits(text: str, env: list[str] | None = None, scan: bool = False) -> list[Edit]:
+    """The credentials of ``text`` (prose, code, a config, a header; JSON text is read as text),
+    as edits ``(start, end, replacement)``. Each rule runs only where a substring search finds its
+    mark. ``scan``: only whether there may be one (any value of a credential name counts)."""
+    edits: list[Edit] = []
+    for secret in environment_secrets() if env is None else env:
+        at = text.find(secret)
+        while at != -1:
+            edits.append((at, at + len(secret), REDACTED))
+            at = text.find(secret, at + len(secret))
+    if "://" in text or ("\\/" in text and ":\\/\\/" in text):
+        edits += _url_edits(text)
+    edits += _assignment_edits(text, text.lower(), scan)
+    for scheme in ("Bearer", "Basic"):
+        at = text.find(scheme)
+        while at != -1:
+            m = _BEARER_VALUE.match(text, at)
+            if m is not None and not _WORD.fullmatch(m.group(2)):  # "Basic Instructions" is prose
+                edits.append((m.start(2), m.end(2), REDACTED))
+            at = text.find(scheme, at + len(scheme))
+    if "-----BEGIN " in text:
+        edits += [(m.start(2), m.end(2), REDACTED) for m in _PEM.finditer(text) if m.group(2).strip()]
+    if len(text) >= _RUN_SHORTEST:
+        for start, end in _runs(text):
+            edits += _run_edits(text, start, end)
+    return edits
+
+
+def _url_edits(text: str) -> list[Edit]:
+    """The user and password of every URL (``https://user:pw@host`` → ``https://***@host``) and
+    its query parameters with credential names."""
+    edits: list[Edit] = []
+    for slashes in ("://", ":\\/\\/"):
+        at = text.find(slashes)
+        while at != -1:
+            m = _URL.match(text, at + len(slashes))
+            if at and text[at - 1].isalnum() and m is not None:  # after a scheme
+                if m.group(1):
+                    edits.append((m.start(1), m.end(1) - 1, REDACTED))
+                if "?" in m.group():
+                    edits += [
+                        (q.start(3) + m.start(), q.end(3) + m.start(), REDACTED)
+                        for q in _QUERY_SPAN.finditer(m.group())
+                        if credential_name(q.group(2))
+                    ]
+            at = text.find(slashes, at + len(slashes))
+    return edits
+
+
+def _assignment_edits(text: str, low: str, scan: bool = False) -> list[Edit]:
+    """The values of credential names assigned in ``text``: ``password: X``, ``pw=X``,
+    ``"api_key": "X"``, ``API key is X`` (after ``is``, a quoted value or one that is not a word)."""
+    if '"token"' in low or '"key"' in low:  # JSON keys that name data: skipped at C speed
+        for bare, blank in _BARE_NAMES:
+            low = low.replace(bare, blank)
+    edits: list[Edit] = []
+    for mark in _NAME_MARKS:
+        at = low.find(mark)
+        while at != -1:
+            rest = _NAME_REST.match(text, at + len(mark))  # only a name followed by = : or "is"
+            if rest is None:
+                at = low.find(mark, at + len(mark))
+                continue
+            start, end = at, rest.end()
+            while start and text[start - 1] in _NAME_CHARS:
+                start -= 1
+            at = low.find(mark, end)
+            edit = _assigned(text, start, end, scan)
+            if edit is not None:
+                edits.append(edit)
+    return edits
+
+
+def _assigned(text: str, start: int, end: int, scan: bool) -> Edit | None:
+    name = text[start:end]
+    if not credential_name(name):
+        if name.lower() not in _PAIRED:
+            return None
+        before = text[max(0, start - 16) : start]
+        prev = before[:-1].rsplit(None, 1)[-1] if before.endswith(" ") and before.strip() else ""
+        if not prev or not prev.isalpha() or not credential_name(f"{prev}_{name}"):  # "API key: X"
+            return None
+    after = _AFTER_NAME.match(text, end)
+    if after is None:
+        return None
+    closing, separator = after.groups()
+    is_prose = separator.strip() in ("is", "was")
+    at = after.end()
+    if name[-6:].lower() in ("cookie", "ookies") and not is_prose:  # a header: every cookie
+        cookies = _COOKIES.match(text, at)
+        return None if cookies is None else (at, cookies.end(), REDACTED)
+    quoted = _QUOTED.match(text, at)
+    if quoted is not None and "\n" not in quoted.group(3):
+        if not quoted.group(3) or quoted.group(3) in _NOTHING:
+            return None
+        return (quoted.start(3), quoted.end(3), REDACTED)
+    if scan and at < len(text) and text[at] == "\\":
+        return (at, at + 1, REDACTED)  # a value in escaped JSON text: read it decoded
+    if at < len(text) and text[at] in "[{(":
+        return (at, at + 1, REDACTED) if scan and not is_prose else None  # JSON: the key rule's
+    bare = _BARE_VALUE.match(text, at)
+    if bare is None:
+        return None
+    value = bare.group()
+    if is_prose:
+        value = value.rstrip(".!?")
+        if value.isalpha():  # "the password is incorrect": a word after "is" is prose
+            return None
+    if not value or value in _NOTHING or (separator.strip() == ":" and value.startswith("//")):
+        return None
+    # an unquoted value after a quoted name (JSON text) stays a JSON string
+    return (at, at + len(value), f"{closing}{REDACTED}{closing}" if closing else REDACTED)
+
+
+#: A JSON string (its body in group 1); any text between strings is prose or JSON syntax.
+_STRING = re.compile(r'"([^"\\]*(?:\\.[^"\\]*)*)"', re.S)
+_KEY_SEPARATOR = re.compile(r"\s*:")
+_SPACES = re.compile(r"\s*")
+_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|(.?))", re.S)
+_ESCAPED = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+_VALUE_SCALAR = re.compile(r"[^,}\]\s]*")
+_BRACKETS = re.compile(r'[\[\]{}"]')
+#: A name assigned by the text before a JSON string: ``password="x"``, ``secret: "x"``.
+_ASSIGNED_BEFORE = re.compile(r"(?<![\w.-])([A-Za-z_][\w.-]*)['\"]?(?:\s*[=:]\s*|\s+(?:is|was)\s+)$")
+
+
+class _Decoded:
+    """A JSON string's body decoded, with where each decoded character came from."""
+
+    def __init__(self, body: str) -> None:
+        pieces: list[str] = []
+        self.starts: list[int] = []  # decoded offset of each piece
+        self.raw: list[tuple[int, int]] = []  # raw span of each piece; a literal run maps 1:1
+        self.literal: list[bool] = []
+        self.valid = True  # every backslash starts a JSON escape
+        at = done = 0
+        for m in _ESCAPE.finditer(body):
+            if m.start() > done:
+                self._piece(pieces, body[done : m.start()], at, done, m.start(), True)
+                at += m.start() - done
+            code, simple = m.groups()
+            if not code and simple not in _ESCAPED:
+                self.valid = False
+                return
+            self._piece(
+                pieces, chr(int(code, 16)) if code else _ESCAPED[simple], at, m.start(), m.end(), False
+            )
+            at += 1
+            done = m.end()
+        if done < len(body):
+            self._piece(pieces, body[done:], at, done, len(body), True)
+        self.text = "".join(pieces)
+
+    def _piece(self, pieces: list[str], text: str, at: int, start: int, end: int, literal: bool) -> None:
+        pieces.append(text)
+        self.starts.append(at)
+        self.raw.append((start, end))
+        self.literal.append(literal)
+
+    def raw_span(self, start: int, end: int) -> tuple[int, int]:
+        """The raw span holding decoded characters ``start`` to ``end`` (end exclusive, > start)."""
+        i = bisect.bisect_right(self.starts, start) - 1
+        j = bisect.bisect_right(self.starts, end - 1) - 1
+        first = self.raw[i][0] + (start - self.starts[i] if self.literal[i] else 0)
+        last = (
+            self.raw[j][0] + (end - self.starts[j] if self.literal[j] else 0)
+            if self.literal[j]
+            else self.raw[j][1]
+        )
+        return first, last
+
+
+def _string_edits(body: str, offset: int, env: list[str] | None) -> list[Edit]:
+    """Edits of a JSON string's body found by reading it decoded (its text may be JSON too)."""
+    decoded = _Decoded(body) if "\\" in body else None
+    if decoded is None or not decoded.valid:  # read as it is
+        return [(a + offset, b + offset, r) for a, b, r in _edits(body, env)]
+    out = []
+    for a, b, replacement in _edits(decoded.text, env):
+        start, end = decoded.raw_span(a, b)
+        out.append((start + offset, end + offset, json.dumps(replacement)[1:-1]))
+    return out
+
+
+def _value_end(text: str, at: int) -> int:
+    """Where the JSON value starting at ``at`` ends (a string, an object or array at any depth, a
+    scalar); text that is not JSON ends where it stops making sense."""
+    if at >= len(text):
+        return at
+    first = text[at]
+    if first == '"':
+        m = _STRING.match(text, at)
+        return m.end() if m else at
+    if first not in "[{":
+        return _VALUE_SCALAR.match(text, at).end()  # type: ignore[union-attr]
+    depth = 0
+    pos = at
+    while True:
+        m = _BRACKETS.search(text, pos)
+        if m is None:
+            return len(text)
+        c = m.group()
+        if c == '"':
+            s = _STRING.match(text, m.start())
+            pos = s.end() if s else m.end()
+            continue
+        depth += 1 if c in "[{" else -1
+        pos = m.end()
+        if depth == 0:
+            return pos
+
+
+class _Hits:
+    """Where a scan of the raw text found marks: which spans of it need a closer look (all, when None)."""
+
+    def __init__(self, found: list[Edit] | None) -> None:
+        self.spans = sorted((a, b) for a, b, _ in found) if found is not None else None
+        self.next = 0
+
+    def touch(self, start: int, end: int) -> bool:
+        """Whether ``text[start:end]`` holds or meets a mark (asked with ``start`` never decreasing)."""
+        spans = self.spans
+        if spans is None:
+            return True
+        while self.next < len(spans) and spans[self.next][1] < start:
+            self.next += 1
+        return self.next < len(spans) and spans[self.next][0] <= end
+
+
+def _edits(text: str, env: list[str] | None = None, hits: _Hits | None = None) -> list[Edit]:
+    """The credentials of ``text`` (JSON, JSON inside JSON strings, prose, or a mix: server-sent
+    events, a tool's output), as edits: by form in strings and prose, and the whole value of every
+    credential-named key, whatever its type (then ``"***"``, a string). ``hits``: the spans a scan
+    found marks in; other strings are not looked into (keys are always read)."""
+    if '"' not in text:
+        return _text_edits(text, env)
+    near = (hits or _Hits(None)).touch
+    edits: list[Edit] = []
+    pos = 0
+    while True:
+        m = _STRING.search(text, pos)
+        gap_end = m.start() if m else len(text)
+        if gap_end - pos >= _SHORTEST and near(pos, gap_end):
+            edits += [(a + pos, b + pos, r) for a, b, r in _text_edits(text[pos:gap_end], env)]
+        if m is None:
+            return edits
+        body = m.group(1)
+        start, end = m.span()
+        sep = _KEY_SEPARATOR.match(text, end)
+        if sep is not None:  # a key
+            if len(body) >= 2 and near(start, end):
+                edits += _string_edits(body, start + 1, env)
+            name = _Decoded(body).text if "\\" in body else body
+            if credential_name(name):
+                value_start = _SPACES.match(text, sep.end()).end()  # type: ignore[union-attr]
+                value_end = _value_end(text, value_start)
+                if text[value_start:value_end] not in _NOTHING and value_end > value_start:
+                    edits.append((value_start, value_end, f'"{REDACTED}"'))
+                pos = max(value_end, sep.end())
+                continue
+            pos = end
+            continue
+        if body and near(start, end):
+            before = _ASSIGNED_BEFORE.search(text, max(0, start - 64), start)
+            if before is not None and credential_name(before.group(1)):
+                edits.append((start + 1, end - 1, REDACTED))
+            elif len(body) >= _SHORTEST:
+                edits += _string_edits(body, start + 1, env)
+        pos = end
+
+
+def _apply(text: str, edits: list[Edit]) -> str:
+    """``text`` with ``edits`` made (overlapping ones joined into one)."""
+    out = []
+    done = 0
+    for start, end, replacement in sorted(edits, key=lambda e: (e[0], -e[1])):
+        if start < done:  # inside (or across) the last edit: widen it
+            if end > done:
+                done = end
+            continue
+        out.append(text[done:start])
+        out.append(replacement)
+        done = end
+    out.append(text[done:])
+    return "".join(out)
+
+
+#: Escapes that can spell a character of a credential form (``\u0073k-``, ``https:\/\/``): a body
+#: holding one is read decoded, string by string.
+_ESCAPED_MARK = re.compile(r"\\u00(?:2[bdefBDEF]|3[0-9aAdD]|[4-7][0-9a-fA-F])|\\/")
+
+
+def _escaped_mark(text: str) -> bool:
+    for m in _ESCAPED_MARK.finditer(text):
+        at = m.start()
+        while at and text[at - 1] == "\\":
+            at -= 1
+        if (m.start() - at) % 2 == 0:  # not itself an escaped backslash
+            return True
+    return False
+
+
+def redact_json_bytes(raw: bytes) -> bytes:
+    """A request or response body as it went over the wire (JSON or not, with any escapes, huge
+    numbers, lone surrogates, NaN, any depth) with its credentials hidden: every credential found
+    by its form, and the value of every credential-named key whatever its type, becomes ``***``
+    (a JSON string where a value was); every other byte is kept. ``raw`` itself when it holds no
+    credential: a scan of the bytes decides that in the common case."""
+    text = raw.decode("latin-1")  # one character per byte: positions are byte offsets
+    env = [secret.encode().decode("latin-1") for secret in environment_secrets()]
+    hits = None
+    if "\\" not in text or not _escaped_mark(text):  # the raw text shows every mark its strings hold
+        found = _text_edits(text, env, scan=True)
+        if not found:
+            return raw
+        hits = _Hits(found)
+    edits = _edits(text, env, hits)
+    if not edits:
+        return raw
+    return _apply(text, edits).encode("latin-1")
 
 
 class _HiddenInLog(logging.Filter):
