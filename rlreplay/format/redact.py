@@ -1,34 +1,52 @@
 """Keeping secrets out of manifests, span payloads, ledgers and output: redaction by rule.
 
-A *secret name* is an option, argument, variable, header or keyword name whose words (split at
-``-``, ``_``, ``.``, ``:`` and camelCase) include ``secret``, ``credential(s)``, or contain
-``password``, ``passwd`` or ``passphrase`` (``PGPASSWORD``), or end in ``key``, ``apikey``,
-``token``, ``pat``, ``auth``, ``authorization``, ``oauth``, ``pass`` or ``cookie(s)``. A ``key``
-that names data (``prompt_key``, ``image_key``: a dataset column) is not a secret, nor is a
-keyword argument named just ``key`` (a lookup key; ``--key`` on a command line is a secret,
+Two rule sets. Command lines, environment variables, manifests and log lines go by *secret
+names*; payloads (what traced calls take and return, proxy bodies) go by what a value *is*.
+
+**Secret names** (:func:`secret_name`): an option, argument, variable, header or keyword name
+whose words (split at ``-``, ``_``, ``.``, ``:`` and camelCase) include ``secret``,
+``credential(s)``, or contain ``password``, ``passwd`` or ``passphrase`` (``PGPASSWORD``), or end
+in ``key``, ``apikey``, ``token``, ``pat``, ``auth``, ``authorization``, ``oauth``, ``pass`` or
+``cookie(s)``. A ``key`` that names data (``prompt_key``, ``image_key``: a dataset column) is not
+a secret, nor is a keyword argument named just ``key`` (``--key`` on a command line is a secret,
 ``key=X`` without dashes is not: ``pytest -o key=value``); ``max_tokens``, ``tokenizer_path``,
-``--passes`` and ``bypass`` are not either.
+``--passes`` and ``bypass`` are not either. In command lines, messages and log lines
+(:func:`redact_argv`, :func:`redact_value`) ``***`` replaces: the value of a secret name
+(``--key X``, ``--api-key=X``, ``PGPASSWORD=X``, ``KEY:X``, ``Authorization: Bearer X``); every
+cookie of a ``Cookie:``/``Set-Cookie:`` header; ``-p X``/``-pX`` for programs whose ``-p`` is a
+password (mysql, mariadb, docker, podman, sshpass, the mongo tools; elsewhere it is a port, a
+plugin); a URL's user and password and secret query parameters; ``Bearer``/``Basic``
+credentials, values shaped like known keys (below), a standalone 40-hex string, private key
+bodies; the value of every environment variable with a secret name (6 characters or more).
+:func:`redact_mapping` (manifests) hides the value of a secret name (numbers excepted) and of a
+credential name (below, any type).
 
-What is hidden (replaced by ``***``), in command lines, messages and log lines
-(:func:`redact_argv`, :func:`redact_value`):
-- the value of a secret name: ``--key X``, ``--api-key=X``, ``--pass X``, ``wandb_key=X``,
-  ``PGPASSWORD=X``, ``KEY:X``, ``Authorization: Bearer X``, ``{"api_key": X}``;
-- every cookie of a ``Cookie:`` or ``Set-Cookie:`` header;
-- the value of the short option ``-p`` (``-p X``, ``-pX``) in the command lines of programs
-  whose ``-p`` is a password (mysql, mariadb, docker, podman, sshpass, the mongo tools); for
-  every other program (``pytest -p no:cacheprovider``, ``ssh -p 2222``) it is kept;
-- the user and password of a URL (``https://user:pw@host`` → ``https://***@host``) and URL
-  query parameters with secret names;
-- ``Bearer``/``Basic`` credentials, and values shaped like well-known keys (``sk-…``, ``hf_…``,
-  ``ghp_…``, ``github_pat_…``, ``xox…-``, ``AKIA…``, JWTs, a standalone 40-hex string);
-- the value of every environment variable with a secret name (6 characters or more), wherever
-  it appears in the text.
-
-In payload strings (inputs, outputs, attributes and errors of traced calls, :func:`redact_text`)
-the same, but for prose: a bare ``key:`` (``Answer key: B``) and a number after a secret name
-(``token: 5``) are kept, ``Bearer`` counts only capitalized and followed by a credential, and
-``basic``/``token`` before a word are not credentials (``basic arithmetic``); a 40-hex string
-is kept (a commit). Mappings hide the value of a secret-named key whole (numbers excepted).
+**Payloads** (:func:`redact_text`, :func:`redact_data`, ``payload.to_payload``,
+:func:`redact_json_bytes`): credentials and only credentials are hidden; data never is, whatever
+its key is called (OpenAI log-prob ``token``s, SGLang ``meta_info``, ``eos_token``, every entry
+of a tokenizer's vocabulary):
+- *by form*: private keys in PEM/OpenSSH/PGP armour (the body between the lines; certificates
+  and public keys are kept); values with the prefix of a known key and a random part that is not
+  a lowercase word (``sk-``, ``sk-proj-``, ``sk-ant-``, ``sk_live_``, ``hf_``, ``ghp_``/``gho_``…,
+  ``github_pat_``, ``glpat-``, ``xox?-``, ``npm_``, ``pypi-``, ``gsk_``, ``AKIA``/``ASIA``,
+  ``AIza``, ``ya29.``, ``SG.``, JWTs …); random tokens: 24 to 128 base64-like characters with
+  capitals, small letters and digits whose class changes at 4 of 10 neighbours or more (not an
+  id with a lowercase prefix such as ``chatcmpl-``, ``call_``, ``toolu_``; not a hex digest, a
+  UUID, a number, a word, a path, a data: URL, an SSH public key); a URL's user and password and
+  credential query parameters; ``Bearer``/``Basic`` followed by a value that is not a word;
+  every cookie of a cookie header; environment variables' values as above;
+- *by name* (:func:`credential_name`): a key named ``password``, ``passwd``, ``passphrase``,
+  ``pw``, ``secret``, ``credentials``, ``authorization``, ``auth``, ``cookie``, ``apikey``, or
+  ``<qualifier>_key``/``_token`` with a credential qualifier (``api_key``, ``access_token``,
+  ``refresh_token``, ``client_secret``, ``private_key``, ``hf_token``, ``X-Api-Key``), or
+  ``<word>_pass`` (``db_pass``), hides its whole value whatever its JSON type (a number, a list,
+  an object; ``None``, booleans and ``""`` hold nothing). Bare ``token`` and ``key`` are not
+  credential names, nor are ``eos_token``, ``prompt_key``, ``max_tokens``, ``pass`` (a test
+  result) or ``secret_word``;
+- *by prose cue*: such a name assigned in text (``password: X``, ``pw=X``, ``"api_key": 7``,
+  ``connect(password="X")``, ``API key: X``), and after ``is``/``was`` a quoted value or one that
+  is not a word (``the password is hunter2``; ``the password is incorrect`` stays). JSON text
+  inside strings (tool arguments) is read as JSON.
 """
 
 from __future__ import annotations
@@ -40,7 +58,7 @@ import logging
 import os
 import re
 import string
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 REDACTED = "***"
@@ -116,10 +134,7 @@ _SHAPED_KEY = (
     r"|eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})\b"
 )
 _SECRET_VALUE = re.compile(_SHAPED_KEY + r"|(?<![/\w@.-])[0-9a-f]{40}(?![/\w])")
-#: In payloads: shaped keys, not a 40-hex string (a commit in a tool's output).
-_PAYLOAD_VALUE = re.compile(_SHAPED_KEY)
 _SCHEME_AUTH = re.compile(r"(?i)\b(bearer|basic|token)(\s+)[A-Za-z0-9._~+/=-]{6,}")
-_BEARER = re.compile(r"\b(Bearer)(\s+)[A-Za-z0-9._~+/=-]{8,}")
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@?#]+@")
 _QUERY = re.compile(r"([?&])([^=&#\s]+)=([^&#\s]*)")
 #: A Cookie or Set-Cookie header: every cookie on its line.
@@ -129,11 +144,8 @@ _ASSIGNMENT = re.compile(
     r"(?<![\w.-])([\"']?)(-{0,2}[A-Za-z_][\w.-]*)\1(\s*[=:]\s*)(?!//)"
     r"(\"[^\"]*\"|'[^']*'|(?:(?i:bearer|basic|token)\s+)?[^\s\"',;&}\]]+)"
 )
-_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 #: No text shorter than this holds a secret by these rules (``pat=XY``; a variable's value has 6).
 _SHORTEST = 6
-#: The shortest shaped key (``hf_`` and 16 characters).
-_SHORTEST_KEY = 19
 
 
 @functools.lru_cache(maxsize=4096)
@@ -197,19 +209,19 @@ def redact_value(text: str) -> str:
     text = _hide_cookies(text)
     text = _ASSIGNMENT.sub(_hide_assignment, text)
     text = _SCHEME_AUTH.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
-    return _SECRET_VALUE.sub(REDACTED, text)
+    text = _SECRET_VALUE.sub(REDACTED, text)
+    shaped = [(m.start(2), m.end(2), REDACTED) for m in _PEM.finditer(text)] if "-----BEGIN " in text else []
+    for start, end in _runs(text) if len(text) >= _RUN_SHORTEST else ():
+        shaped += _run_edits(text, start, end, random=False)
+    return _apply(text, shaped) if shaped else text
 
 
-def _hide_assignment(m: re.Match[str], prose: bool = False) -> str:
+def _hide_assignment(m: re.Match[str]) -> str:
     quote, name, sep, value = m.groups()
-    if not secret_name(name, bare_key=not prose) or (prose and _NUMBER.fullmatch(value.strip("\"'"))):
+    if not secret_name(name):
         return m.group(0)
     hidden = f"{value[0]}{REDACTED}{value[0]}" if value[0] in "\"'" else REDACTED
     return f"{quote}{name}{quote}{sep}{hidden}"
-
-
-def _hide_prose_assignment(m: re.Match[str]) -> str:
-    return _hide_assignment(m, prose=True)
 
 
 def redact_argv(argv: list[str]) -> list[str]:
@@ -247,24 +259,38 @@ def redact_argv(argv: list[str]) -> list[str]:
 
 
 def redact_data(value: Any) -> Any:
-    """``value`` (a payload: mappings, lists, strings, numbers) under the rules of
-    :func:`redact_mapping`, at any depth; number lists (token ids, log-probs) are never looked
-    into, and what needs no change is returned as it is (the same object)."""
-    return _redact_any(value, set())
+    """``value`` (a payload: mappings, lists, strings, numbers) with its credentials hidden, at any
+    depth: credential-named keys hide their value whatever its type (:func:`hides`), strings go
+    through :func:`redact_text`; number lists (token ids, log-probs) are never looked into, and
+    what needs no change is returned as it is (the same object)."""
+    return _redact_any(value, set(), hides)
 
 
 def redact_mapping(data: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``data`` with the value of every secret name hidden (numbers excepted), at any
-    depth, and URLs stripped of their user and password (other text is left as it is). Values
-    that need no change are kept as they are (same objects, same types); cycles are fine."""
-    out = _redact_any(data, set())
+    """A copy of ``data`` (a manifest's fields, a configuration) with its credentials hidden as in
+    :func:`redact_data`, and besides the value of every secret name (numbers excepted: counts stay
+    readable), at any depth. Values that need no change are kept as they are (same objects, same
+    types); cycles are fine."""
+    out = _redact_any(data, set(), _hides_in_config)
     return dict(out) if out is data or not isinstance(out, dict) else out
 
 
 def hides(key: Any, value: Any) -> bool:
-    """Whether a mapping's ``value`` under ``key`` is hidden whole (a secret name, a value to hide)."""
+    """Whether a payload mapping's ``value`` under ``key`` is hidden whole: ``key`` is a credential
+    name (:func:`credential_name`), whatever the value's type; ``None``, booleans and ``""`` hold
+    nothing and stay."""
+    if value is None or value is True or value is False or (type(value) is str and not value):
+        return False
+    return type(key) is str and credential_name(key)
+
+
+def _hides_in_config(key: Any, value: Any) -> bool:
+    """:func:`hides`, and the broader secret names of command lines and configurations (numbers
+    excepted)."""
+    if hides(key, value):
+        return True
     if value is None or type(value) in _PLAIN or (type(value) is str and not value):
-        return False  # nothing to hide, and counts stay readable
+        return False
     return type(key) is str and secret_name(key, bare_key=False)
 
 
@@ -272,66 +298,17 @@ _PLAIN = frozenset({bool, int, float})
 
 
 def redact_text(value: str, env: list[str] | None = None) -> str:
-    """A payload string with its secrets hidden by the payload rules (the module docstring);
-    ``value`` itself when unchanged. ``env``: :func:`environment_secrets`, when the caller has
-    them. It runs on the recorder's writer thread for every string of every span: each rule
-    first looks for its mark with C-speed substring searches, and runs only where one is found."""
+    """A payload string with its credentials hidden (the module docstring); ``value`` itself when
+    unchanged. ``env``: :func:`environment_secrets`, when the caller has them. JSON text (tool
+    arguments) is read as JSON too: a credential name hides its value whatever its type. It runs on
+    the recorder's writer thread for every string of every span: each rule first looks for its
+    mark with C-speed substring searches, and runs only where one is found."""
     if len(value) < _SHORTEST:
         return value
-    text = value
-    for secret in environment_secrets() if env is None else env:
-        if secret in text:
-            text = text.replace(secret, REDACTED)
-    if text.isidentifier():  # a word or a name (most keys and values): only a shaped key fits
-        if len(text) >= _SHORTEST_KEY and _may_hold_shaped_key(text):
-            text = _PAYLOAD_VALUE.sub(REDACTED, text)
-        return value if text == value else text
-    if "://" in text:
-        text = redact_url(text)
-    if "ookie" in text or "OOKIE" in text:
-        text = _hide_cookies(text)
-    if ("=" in text or ":" in text) and _secret_name_before_separator(text):
-        text = _ASSIGNMENT.sub(_hide_prose_assignment, text)
-    if "Bearer" in text:
-        text = _BEARER.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
-    if _may_hold_shaped_key(text):
-        text = _PAYLOAD_VALUE.sub(REDACTED, text)
-    return value if text == value else text
-
-
-#: The words a secret name holds, and what must follow one for it to be assigned a value.
-_SECRET_WORDS = ("pass", "secret", "credential", "key", "token", "pat", "auth", "cookie")
-_THEN_SEPARATOR = re.compile(r"[\w.-]*[\"']?[ \t]*[=:]")
-#: Each shaped key's fixed start, and what follows it (a substring search finds the start first).
-_SHAPED_STARTS = (
-    ("sk-", re.compile(r"sk-[A-Za-z0-9_-]{16}")),
-    ("hf_", re.compile(r"hf_[A-Za-z0-9]{16}")),
-    ("gh", re.compile(r"gh[pousr]_")),
-    ("github_pat_", None),
-    ("xox", re.compile(r"xox[abprs]-")),
-    ("AKIA", re.compile(r"AKIA[0-9A-Z]{16}")),
-    ("eyJ", re.compile(r"eyJ[A-Za-z0-9_-]{8,}\.")),
-)
-
-
-def _secret_name_before_separator(text: str) -> bool:
-    """Whether one of the secret words stands in a name followed by ``=`` or ``:`` (then the
-    full assignment rule runs; prose rarely has one)."""
-    lower = text.lower()
-    for word in _SECRET_WORDS:
-        at = lower.find(word)
-        while at != -1:
-            if _THEN_SEPARATOR.match(lower, at + len(word)):
-                return True
-            at = lower.find(word, at + 1)
-    return False
-
-
-def _may_hold_shaped_key(text: str) -> bool:
-    for start, rest in _SHAPED_STARTS:
-        if start in text and (rest is None or rest.search(text) is not None):
-            return True
-    return False
+    env = environment_secrets() if env is None else env
+    # a word or a name (most keys and values) can only be a key, a token or a variable's value
+    edits = _word_edits(value, env) if value.isidentifier() else _credential_edits(value, env)
+    return _apply(value, edits) if edits else value
 
 
 def _numbers_only(value: list | tuple) -> bool:
@@ -343,7 +320,7 @@ def _numbers_only(value: list | tuple) -> bool:
     return True
 
 
-def _redact_any(value: Any, seen: set[int]) -> Any:
+def _redact_any(value: Any, seen: set[int], hidden: Callable[[Any, Any], bool]) -> Any:
     kind = type(value)
     if kind in _PLAIN or value is None:
         return value
@@ -356,7 +333,7 @@ def _redact_any(value: Any, seen: set[int]) -> Any:
         changed = False
         out = {}
         for k, v in value.items():
-            new = REDACTED if hides(k, v) else _redact_any(v, seen)
+            new = REDACTED if hidden(k, v) else _redact_any(v, seen, hidden)
             key = redact_text(k) if type(k) is str else k
             changed = changed or new is not v or key is not k
             out[key] = new
@@ -365,7 +342,7 @@ def _redact_any(value: Any, seen: set[int]) -> Any:
         if not value or id(value) in seen or (type(value[0]) in _PLAIN and _numbers_only(value)):
             return value  # token ids, log-probs: no names, no URLs
         seen.add(id(value))
-        items = [_redact_any(v, seen) for v in value]
+        items = [_redact_any(v, seen, hidden) for v in value]
         if all(a is b for a, b in zip(items, value)):
             return value
         return items if isinstance(value, list) else tuple(items)
@@ -498,6 +475,14 @@ _KEY_SHAPE = re.compile(
     r")"
 )
 _PLAIN_WORDS = re.compile(r"[a-z_-]+")
+#: What a random-looking run that is data follows: a data: URL's ``base64,``, an SSH key type.
+_PUBLIC_BEFORE = re.compile(r"(?:base64,|(?:ssh-(?:rsa|dss|ed25519)|ecdsa-sha2-nistp\d+|@openssh\.com) )\Z")
+#: Armour of what is public: certificates, public keys (their lines look random).
+_PUBLIC_PEM = re.compile(
+    r"-----BEGIN ((?:[A-Z0-9]+ )*(?:CERTIFICATE(?: REQUEST)?|PUBLIC KEY(?: BLOCK)?|X509 CRL))-----.*?"
+    r"(?:-----END \1-----|\Z)",
+    re.S,
+)
 _RUN_PLAIN = re.compile(r"[a-z_+/-]*")
 #: Characters of random tokens and key shapes (base64, base64url, hex); a run of 19 or more
 #: (the shortest key shape) is looked at closer, 24 or more may be a random token.
@@ -551,9 +536,9 @@ def _looks_random(run: str) -> bool:
     return changes - 1 >= 0.4 * (n - 1)
 
 
-def _run_edits(text: str, start: int, end: int) -> list[Edit]:
+def _run_edits(text: str, start: int, end: int, random: bool = True) -> list[Edit]:
     """Credentials in the run ``text[start:end]`` of :data:`_RUN_CHARS`: a key shape (with the
-    dots of a JWT around it), else a random token."""
+    dots of a JWT around it), else (``random``) a random token."""
     if start and text[start - 1] == "\\":  # after an escape (JSON text): its letters are not the run's
         m = _JSON_ESCAPE_START.match(text, start - 1)
         start = m.end() if m else start
@@ -578,8 +563,14 @@ def _run_edits(text: str, start: int, end: int) -> list[Edit]:
     stop = end
     while stop < len(text) and stop < end + 2 and text[stop] == "=":
         stop += 1  # base64 padding
-    if text[max(0, start - 7) : start] == "base64," or not _looks_random(text[start:end]):
-        return []  # a data: URL's content, or not random
+    if (
+        not random
+        or not _looks_random(text[start:end])
+        or _PUBLIC_BEFORE.search(text, max(0, start - 24), start)
+    ):
+        return []  # not random, or a data: URL's content, an SSH public key
+    if "-----BEGIN " in text and any(m.start() < start < m.end() for m in _PUBLIC_PEM.finditer(text)):
+        return []  # a line of a certificate or a public key
     return [(start, stop, REDACTED)]
 
 
@@ -594,6 +585,20 @@ def _runs(text: str) -> list[tuple[int, int]]:
         out.append((at, end))
         at = mapped.find(_RUN_NEEDLE, end)
     return out
+
+
+def _word_edits(text: str, env: list[str]) -> list[Edit]:
+    """The credentials of a word or a name: an environment variable's value, a key, a token."""
+    edits: list[Edit] = []
+    for secret in env:
+        at = text.find(secret)
+        while at != -1:
+            edits.append((at, at + len(secret), REDACTED))
+            at = text.find(secret, at + len(secret))
+    if len(text) >= _RUN_SHORTEST:
+        for start, end in _runs(text):
+            edits += _run_edits(text, start, end)
+    return edits
 
 
 def _text_edits(text: str, env: list[str] | None = None, scan: bool = False) -> list[Edit]:
@@ -684,14 +689,14 @@ def _assigned(text: str, start: int, end: int, scan: bool) -> Edit | None:
     closing, separator = after.groups()
     is_prose = separator.strip() in ("is", "was")
     at = after.end()
-    if name[-6:].lower() in ("cookie", "ookies") and not is_prose:  # a header: every cookie
-        cookies = _COOKIES.match(text, at)
-        return None if cookies is None else (at, cookies.end(), REDACTED)
     quoted = _QUOTED.match(text, at)
     if quoted is not None and "\n" not in quoted.group(3):
         if not quoted.group(3) or quoted.group(3) in _NOTHING:
             return None
         return (quoted.start(3), quoted.end(3), REDACTED)
+    if name[-6:].lower() in ("cookie", "ookies") and not is_prose:  # a header: every cookie
+        cookies = _COOKIES.match(text, at)
+        return None if cookies is None else (at, cookies.end(), REDACTED)
     if scan and at < len(text) and text[at] == "\\":
         return (at, at + 1, REDACTED)  # a value in escaped JSON text: read it decoded
     if at < len(text) and text[at] in "[{(":
@@ -883,19 +888,33 @@ def _apply(text: str, edits: list[Edit]) -> str:
     return "".join(out)
 
 
-#: Escapes that can spell a character of a credential form (``\u0073k-``, ``https:\/\/``): a body
-#: holding one is read decoded, string by string.
-_ESCAPED_MARK = re.compile(r"\\u00(?:2[bdefBDEF]|3[0-9aAdD]|[4-7][0-9a-fA-F])|\\/")
+#: Escapes that can spell a character of a credential form (``\u0073k-``, ``https:\/\/``): the
+#: strings holding one are read decoded.
+_ESCAPED_MARK = re.compile(
+    r"\\(?:u00(?:2[bdefBDEF]|3[0-9aAdD]|4[0-9a-fA-F]|5[0-9aAfF]|6[1-9a-fA-F]|7[0-9aA])|/)"
+)
 
 
-def _escaped_mark(text: str) -> bool:
+def _escaped_marks(text: str) -> list[Edit]:
+    """Where an escape could spell a mark (a backslash that is itself escaped does not)."""
+    out = []
     for m in _ESCAPED_MARK.finditer(text):
         at = m.start()
         while at and text[at - 1] == "\\":
             at -= 1
-        if (m.start() - at) % 2 == 0:  # not itself an escaped backslash
-            return True
-    return False
+        if (m.start() - at) % 2 == 0:
+            out.append((m.start(), m.end(), ""))
+    return out
+
+
+def _credential_edits(text: str, env: list[str]) -> list[Edit]:
+    """The credentials of ``text`` (prose, JSON, JSON in JSON strings, a mix): a scan of the text
+    as it is finds the marks of every form; only the JSON strings holding one (or an escape that
+    could spell one) are then read decoded, and every key's name."""
+    found = _text_edits(text, env, scan=True)
+    if "\\" in text:
+        found += _escaped_marks(text)
+    return _edits(text, env, _Hits(found)) if found else []
 
 
 def redact_json_bytes(raw: bytes) -> bytes:
@@ -905,14 +924,7 @@ def redact_json_bytes(raw: bytes) -> bytes:
     (a JSON string where a value was); every other byte is kept. ``raw`` itself when it holds no
     credential: a scan of the bytes decides that in the common case."""
     text = raw.decode("latin-1")  # one character per byte: positions are byte offsets
-    env = [secret.encode().decode("latin-1") for secret in environment_secrets()]
-    hits = None
-    if "\\" not in text or not _escaped_mark(text):  # the raw text shows every mark its strings hold
-        found = _text_edits(text, env, scan=True)
-        if not found:
-            return raw
-        hits = _Hits(found)
-    edits = _edits(text, env, hits)
+    edits = _credential_edits(text, [secret.encode().decode("latin-1") for secret in environment_secrets()])
     if not edits:
         return raw
     return _apply(text, edits).encode("latin-1")

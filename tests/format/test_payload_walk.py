@@ -107,8 +107,8 @@ def test_one_walk_matches_to_jsonable_then_redaction() -> None:
 
 
 def test_lists_that_begin_with_a_number_are_redacted_too() -> None:
-    data, count = payload.to_payload({"row": [200, URL, {"token": "abcdefgh"}], "ids": [1, 2]})
-    assert data == {"row": [200, "https://***@git.example.com/r.git", {"token": "***"}], "ids": [1, 2]}
+    data, count = payload.to_payload({"row": [200, URL, {"access_token": "abcdefgh"}], "ids": [1, 2]})
+    assert data == {"row": [200, "https://***@git.example.com/r.git", {"access_token": "***"}], "ids": [1, 2]}
     assert count == 2
 
 

@@ -26,7 +26,22 @@ _SHAPES = [
     lambda s: "hf_" + s.rjust(34, "x"),
     lambda s: "xoxb-1234567890-" + s,
     lambda s: f"eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOi{s[::-1]}.{s}",
+    lambda s: "glpat-" + s.rjust(20, "x"),
+    lambda s: "AIza" + s.rjust(35, "x")[-35:],
+    lambda s: "ASIA" + s.upper().rjust(16, "X")[-16:],
+    lambda s: "sk_live_" + s.rjust(24, "x"),
+    lambda s: "sk-ant-api03-" + s.rjust(40, "x"),
 ]
+#: Forms found only in payloads (command lines keep their own rules).
+_PAYLOAD_SHAPES = [lambda s: _random(s)]  # no prefix: a random token
+
+
+def _random(s: str) -> str:
+    """A random-looking token made from ``s``: each of its characters followed by a capital, a digit
+    and a small letter, so that the character class changes at every second character or more."""
+    return "".join(f"{c}Q7z" for c in s)[:100]
+
+
 _TEXT = st.text(string.ascii_letters + " .,\n", max_size=40)
 
 
@@ -97,9 +112,23 @@ PAYLOAD_FORMS = [
     lambda s: (f"cloned https://bob:{s}@git.example/repo.git", [s]),
     lambda s: (f"see https://api.example/v1?x=1&access_token={s}", [s]),
     lambda s: (f"curl -H 'X-Api-Key: {s}' https://api.example", [s]),
-    *(lambda s, f=f: (f"the key is {f(s)}, keep it safe", _needles(f(s))) for f in _SHAPES),
-    *(lambda s, f=f: (f(s), _needles(f(s))) for f in _SHAPES),
+    lambda s: (f"pw={s}", [s]),
+    lambda s: (f'{{"pw": "{s}", "n": 1}}', [s]),
+    lambda s: (f'{{"password": {_number(s)}}}', [str(_number(s))]),
+    lambda s: (f'{{"client_secret": ["{s}", 7]}}', [s]),
+    lambda s: (f"the api key is '{s}'", [s]),
+    lambda s: (f"API key: {s}", [s]),
+    lambda s: (f"conn = connect(user='bob', password=\"{s}\")", [s]),
+    lambda s: (f"-----BEGIN PRIVATE KEY-----\n{_random(s)}\n{s}\n-----END PRIVATE KEY-----", [s]),
+    lambda s: (f"-----BEGIN OPENSSH PRIVATE KEY-----\nb3Blbn{s}\n", [s]),
+    *(lambda s, f=f: (f"the key is {f(s)}, keep it safe", _needles(f(s))) for f in _SHAPES + _PAYLOAD_SHAPES),
+    *(lambda s, f=f: (f(s), _needles(f(s))) for f in _SHAPES + _PAYLOAD_SHAPES),
 ]
+
+
+def _number(s: str) -> int:
+    """A number made from a secret (a PIN, a numeric password)."""
+    return int.from_bytes(s.encode()[-7:], "big")
 
 
 @settings(max_examples=100, deadline=None)
@@ -160,6 +189,21 @@ def test_values_of_secret_environment_variables_are_hidden(secret: str) -> None:
         "the sk-learn library, hf_hub and AKIA are words here",
         "see https://example.com/docs?page=2#tokens",
         "cookie recipes: flour, sugar",
+        "the next token: cat",
+        "token: cat, key: dog, eos_token: </s>",
+        "the password is incorrect; the password was wrong",
+        "Basic Instructions: read the Bearer bonds chapter",
+        "id chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT, call call_9pw1qnYScqvGrCH58HiCvDXM",
+        "request f47ac10b-58cc-4372-a567-0e02b2c3d479 and toolu_01A09q90qw90lq917835lq9",
+        "<img src='data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAC"
+        "hwGA60e6kgAAAABJRU5ErkJggg=='>",
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl bob@host",
+        "integrity=sha384-oqVuAfXRKap7fdgcCY5uykM6+R9GqQ8K/uxy9rx7HNQlGYl1kPzQho1wx4JwY8wC",
+        "/usr/lib/x86_64-linux-gnu/libstdc++.so.6 and getUserAccountSettingsHandler2",
+        "-----BEGIN CERTIFICATE-----\nMIIBszCCAVmgAwIBAgIUbW9yZSBjZXJ0aWZpY2F0ZQ\n-----END CERTIFICATE-----",
+        "if password == expected: ok = True",
+        "x = {'token': 5, 'key': 'k1', 'eos_token': '</s>'}",
+        '{"token": "cat", "logprob": -0.5, "top_logprobs": [{"token": "Ġdog"}]}',
     ],
 )
 def test_harmless_look_alikes_stay_readable_in_payload_text(text: str) -> None:

@@ -253,7 +253,7 @@ def _dumps(value: Any, style: int) -> bytes:
 
 
 _STYLES = st.integers(0, 7)
-_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @_SETTINGS

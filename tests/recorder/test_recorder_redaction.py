@@ -92,7 +92,7 @@ class _Remote:
 @rlreplay.trace_op(kind="tool")
 def rows_of(url: str) -> dict:
     # a list that begins with a number, a secret beside ids, an object kept as its repr
-    return {"row": [200, url, {"token": SECRET}], "remote": _Remote(), "input_ids": list(range(70))}
+    return {"row": [200, url, {"access_token": SECRET}], "remote": _Remote(), "input_ids": list(range(70))}
 
 
 def test_urls_after_a_number_and_in_reprs_are_hidden(tmp_path: Path) -> None:
@@ -109,7 +109,7 @@ def test_urls_after_a_number_and_in_reprs_are_hidden(tmp_path: Path) -> None:
     assert SECRET.encode() not in b"".join(path.read_bytes() for path in sealed)
     (traj_id,) = rlreplay.open_run(run).trajectories()["id"].to_pylist()
     (span,) = [s for s in rlreplay.open_run(run).trajectory(traj_id).spans if s.name.endswith("rows_of")]
-    assert span.output["row"] == [200, SHOWN, {"token": "***"}]
+    assert span.output["row"] == [200, SHOWN, {"access_token": "***"}]
     assert span.output["remote"]["repr"] == f"Remote({SHOWN})"
     assert list(span.output["input_ids"]) == list(range(70))
     assert span.num_tokens == 70
