@@ -502,8 +502,10 @@ _BARE_NAMES = (('"token"', '"_____"'), ('"key"', '"___"'))
 #: Names that are credentials after a word and a space (``API key``, ``access token``).
 _PAIRED = frozenset({"key", "keys", "token", "tokens"})
 _NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_.-")
-#: What follows an assigned name: its closing quote (maybe escaped), then ``=``, ``:`` or ``is``.
-_AFTER_NAME = re.compile(r"(\\*[\"'])?(\s*(?<![=!<>])[=:](?![=:/])\s*|\s+(?:is|was)\s+)")
+#: What follows an unquoted assigned name: ``=``, ``:`` or ``is``, on its line (group 1: no quote).
+_AFTER_NAME = re.compile(r"()([ \t]*(?<![=!<>])[=:](?![=:/])[ \t]*|[ \t]+(?:is|was)[ \t]+)")
+#: A quoted name (a JSON key in text) may have its value on the next line.
+_AFTER_QUOTED_NAME = re.compile(r"(\\*[\"'])(\s*[=:](?![=:/])\s*)")
 _NAME_REST = re.compile(r"[A-Za-z0-9_.-]*(?=(?:\\*[\"'])?(?:\s*(?<![=!<>])[=:](?![=:/])|\s+(?:is|was)\s))")
 _QUOTED = re.compile(r"(\\*)([\"'])(.*?)\1\2")
 _BARE_VALUE = re.compile(r"(?:(?:Bearer|Basic|Token|bearer|basic|token)[ \t]+)?[^\s\"',;&}\])\\]+")
@@ -683,7 +685,7 @@ def _assigned(text: str, start: int, end: int, scan: bool) -> Edit | None:
         prev = before[:-1].rsplit(None, 1)[-1] if before.endswith(" ") and before.strip() else ""
         if not prev or not prev.isalpha() or not credential_name(f"{prev}_{name}"):  # "API key: X"
             return None
-    after = _AFTER_NAME.match(text, end)
+    after = _AFTER_QUOTED_NAME.match(text, end) or _AFTER_NAME.match(text, end)
     if after is None:
         return None
     closing, separator = after.groups()
@@ -709,8 +711,15 @@ def _assigned(text: str, start: int, end: int, scan: bool) -> Edit | None:
         value = value.rstrip(".!?")
         if value.isalpha():  # "the password is incorrect": a word after "is" is prose
             return None
-    if not value or value in _NOTHING or (separator.strip() == ":" and value.startswith("//")):
+    if (
+        not value
+        or value in _NOTHING
+        or value == REDACTED
+        or (separator.strip() == ":" and value.startswith("//"))
+    ):
         return None
+    if value[0] in "$%<{" or "(" in value or "[" in value:
+        return None  # code or a placeholder: os.environ["PW"], get_pw(), $DB_PASS, <your-key>, ${PW}
     # an unquoted value after a quoted name (JSON text) stays a JSON string
     return (at, at + len(value), f"{closing}{REDACTED}{closing}" if closing else REDACTED)
 

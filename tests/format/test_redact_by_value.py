@@ -162,3 +162,69 @@ def test_vocabulary_entries_survive_in_every_position(
         assert _payload(value) == jsonable, (a, b, text)
         raw = json.dumps(jsonable).encode()
         assert redact_json_bytes(raw) is raw
+
+
+# ---- credential names hide values of every type, in every position ---------------------------------------
+
+CREDENTIAL_NAMES = [
+    "password",
+    "pw",
+    "passwd",
+    "passphrase",
+    "db_password",
+    "PGPASSWORD",
+    "secret",
+    "client_secret",
+    "api_key",
+    "apiKey",
+    "X-Api-Key",
+    "access_token",
+    "refreshToken",
+    "hf_token",
+    "Authorization",
+    "private_key",
+    "credentials",
+    "Cookie",
+    "db_pass",
+]
+_ANY = st.recursive(
+    st.one_of(
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.floats(allow_nan=False),
+        st.text(min_size=1).filter(lambda t: t != REDACTED),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, min_size=1, max_size=3), st.dictionaries(st.text(), inner, min_size=1)
+    ),
+    max_leaves=5,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(CREDENTIAL_NAMES),
+    value=_ANY,
+    where=st.sampled_from(["value", "nested", "list", "deep", "arguments"]),
+)
+def test_a_credential_name_hides_any_value_anywhere(name: str, value: Any, where: str) -> None:
+    def place(inner: Any) -> Any:
+        return {
+            "value": inner,
+            "nested": {"a": {"b": [1, inner]}},
+            "list": [inner, "x"],
+            "deep": [[[[{"z": [inner]}]]]],
+            "arguments": {"name": "login", "arguments": inner},
+        }[where]
+
+    sent = place({name: value, "user": "bob"})
+    expected = place({name: REDACTED, "user": "bob"})
+    if where == "arguments":  # tool arguments as JSON text, as OpenAI sends them
+        sent["arguments"] = json.dumps(sent["arguments"])
+        shown = _payload(sent)
+        assert json.loads(shown["arguments"]) == expected["arguments"]
+        raw = json.dumps(sent).encode()
+        assert json.loads(json.loads(redact_json_bytes(raw))["arguments"]) == expected["arguments"]
+        return
+    assert _payload(sent) == expected
+    assert redact_data(sent) == expected
+    assert json.loads(redact_json_bytes(json.dumps(sent).encode())) == expected

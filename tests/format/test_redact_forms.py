@@ -202,6 +202,8 @@ def test_values_of_secret_environment_variables_are_hidden(secret: str) -> None:
         "/usr/lib/x86_64-linux-gnu/libstdc++.so.6 and getUserAccountSettingsHandler2",
         "-----BEGIN CERTIFICATE-----\nMIIBszCCAVmgAwIBAgIUbW9yZSBjZXJ0aWZpY2F0ZQ\n-----END CERTIFICATE-----",
         "if password == expected: ok = True",
+        'password = os.environ["DB_PASSWORD"]; api_key=get_api_key(); token=tokens[3]',
+        "PGPASSWORD=$DB_PASS psql -h db; password: ${DB_PASSWORD}; api_key: <your-api-key>",
         "x = {'token': 5, 'key': 'k1', 'eos_token': '</s>'}",
         '{"token": "cat", "logprob": -0.5, "top_logprobs": [{"token": "Ġdog"}]}',
     ],
