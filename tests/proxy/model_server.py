@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import itertools
 import re
@@ -106,6 +107,28 @@ class Model:
 
 
 _ids = itertools.count(1)
+
+
+def template_messages(messages: list[Any]) -> list[Any]:
+    """Messages as vLLM hands them to a chat template: no null content (an assistant's tool calls
+    alone), tool-call arguments as objects."""
+    out = []
+    for message in messages:
+        if not isinstance(message, dict):
+            out.append(message)
+            continue
+        message = {**message, "content": "" if message.get("content") is None else message["content"]}
+        calls = []
+        for call in message.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                with contextlib.suppress(orjson.JSONDecodeError):
+                    call = {**call, "function": {**fn, "arguments": orjson.loads(fn["arguments"])}}
+            calls.append(call)
+        if calls:
+            message["tool_calls"] = calls
+        out.append(message)
+    return out
 
 
 def tool_call(body: dict[str, Any], text: str, rid: str) -> dict[str, Any] | None:
@@ -224,7 +247,7 @@ class Server:
                 status=400,
             )
         text = self.m.tokenizer.apply_chat_template(
-            messages, tools=body.get("tools"), add_generation_prompt=True, tokenize=False
+            template_messages(messages), tools=body.get("tools"), add_generation_prompt=True, tokenize=False
         )
         ids = self.m.tokenizer(text, add_special_tokens=False)["input_ids"]
         return await self._openai(request, body, list(ids), chat=True)
