@@ -119,6 +119,7 @@ def run_proxy(
     from rlreplay.cli.record import default_out, keep_tokenizer, keep_tokenizer_at_end, snapshot_fields
     from rlreplay.errors import RlreplayError
     from rlreplay.format import manifest
+    from rlreplay.proxy.guard import GuardSettings
     from rlreplay.proxy.replaying import ProxyReplay
     from rlreplay.proxy.server import Proxy, ProxySettings, listen, serve
     from rlreplay.proxy.trajectories import Trajectories
@@ -176,7 +177,7 @@ def run_proxy(
     if cassette is not None:
         for key in cassette.recorded_keys():
             trajectories.reserve(key.step, key.sample_index)
-    proxy = Proxy(ProxySettings(upstream, cassette), trajectories)
+    proxy = Proxy(ProxySettings(upstream, cassette, guard=GuardSettings(host=host)), trajectories)
 
     def ready(url: str) -> None:
         print(

@@ -106,6 +106,10 @@ class ProxyCallFailed(RlreplayError):
     error status, its stream broke off, or the client went away before the answer ended."""
 
 
+class UnknownTrajectory(ProxyError):
+    """A call or signals naming a trajectory id or keys the proxy never gave (HTTP 404)."""
+
+
 class UploadError(RlreplayError):
     """A failure that stops the whole upload (bad credentials, unknown project): one clear line."""
 

@@ -35,7 +35,9 @@ from rlreplay.format.schema import (
 )
 
 INDEX_SUFFIX = ".index"
-INDEX_VERSION = b"3"  # 3: tool_errors by rlreplay.format.tool_errors (2: raised calls only)
+INDEX_VERSION = (
+    b"4"  # 4: llm_tool_calls; 3: tool_errors by rlreplay.format.tool_errors (2: raised calls only)
+)
 #: Index files of these versions still read, when they hold no tool call (3 changed only tool_errors).
 _TOOL_FREE_VERSIONS = (b"2",)
 INDEX_KEY = b"rlreplay.index_version"
@@ -55,6 +57,7 @@ INDEX_FIELDS = [
     pa.field("model_calls", pa.int64()),
     pa.field("tool_calls", pa.int64()),
     pa.field("tool_errors", pa.int64()),
+    pa.field("llm_tool_calls", pa.int64()),  # the tool calls the model answers hold
     pa.field("start_ns", pa.int64()),
     pa.field("end_ns", pa.int64()),
     pa.field("root_span", pa.string()),
@@ -169,6 +172,27 @@ def _sum(group: Any, n: int, values: Any) -> Any:
     return np.bincount(group, weights=values, minlength=n).astype(np.int64)
 
 
+def answer_calls(spans: pa.Table) -> Any:
+    """Per span row: the tool calls an ``llm`` span's answer makes (``rlreplay.format.tool_errors``;
+    0 without the ``output`` column). Only outputs that name a tool call are decoded."""
+    calls = np.zeros(spans.num_rows, dtype=np.int64)
+    if "output" not in spans.column_names:
+        return calls
+    from rlreplay.format import payload
+    from rlreplay.format.tool_errors import TOOL_CALL_MARKS, answer_tool_calls
+
+    output = spans["output"]
+    named = np.zeros(spans.num_rows, bool)
+    for mark in TOOL_CALL_MARKS:
+        named |= _np(ops.fill_null(ops.match_substring(output, mark), False))
+    rows = np.flatnonzero((_np(spans["kind"]) == KIND_LLM) & named)
+    if len(rows):
+        for row, text in zip(rows, ops.take(output, ops.from_numpy(rows)).to_pylist()):
+            value, _ = payload.decode_safe(text)
+            calls[row] = answer_tool_calls(value)
+    return calls
+
+
 def tool_failed(spans: pa.Table) -> Any:
     """Per span row: a tool call that failed (``rlreplay.format.tool_errors``): it raised, the
     recorder wrote why its result says it failed, or (given the ``output`` column) its output says so."""
@@ -191,8 +215,9 @@ def tool_failed(spans: pa.Table) -> Any:
 # ---- build, merge, list ----------------------------------------------------------------------------
 
 
-def build(spans: pa.Table, row_groups: Sequence[int] | None = None) -> pa.Table:
-    """Index rows (one per trajectory) of span metadata rows; ``row_groups[i]``: row i's row group."""
+def build(spans: pa.Table, row_groups: Sequence[int] | None = None, calls: Any = None) -> pa.Table:
+    """Index rows (one per trajectory) of span metadata rows; ``row_groups[i]``: row i's row group;
+    ``calls[i]``: row i's ``answer_calls`` (else read from the ``output`` column when given)."""
     if spans.num_rows == 0:
         return INDEX_SCHEMA.empty_table()
     spans = spans.combine_chunks()
@@ -213,7 +238,8 @@ def build(spans: pa.Table, row_groups: Sequence[int] | None = None) -> pa.Table:
     timed = ~is_signals
     first_timed = _pick(group, n, timed, start, largest=False)
     end_timed = _max_per_group(group, n, np.where(timed, end, _NO_TIME))
-    root_row = _pick(group, n, is_root, start, largest=False)
+    # a trajectory written in parts has a root span each: the first that failed, else the first
+    root_row = _pick(group, n, is_root, _failed_first(errored, start), largest=False)
     owner = np.where(root_row >= 0, root_row, first_row)
 
     root_span = _take(spans["span_id"], root_row)
@@ -249,6 +275,7 @@ def build(spans: pa.Table, row_groups: Sequence[int] | None = None) -> pa.Table:
         model_calls=ops.from_numpy(_sum(group, n, is_llm)),
         tool_calls=ops.from_numpy(_sum(group, n, is_tool)),
         tool_errors=ops.from_numpy(_sum(group, n, tool_failed(spans))),
+        llm_tool_calls=ops.from_numpy(_sum(group, n, answer_calls(spans) if calls is None else calls)),
         start_ns=_take(spans["start_ns"], first_timed),
         end_ns=ops.from_numpy(end_timed, end_timed == _NO_TIME),
         root_span=root_span,
@@ -290,6 +317,14 @@ def build(spans: pa.Table, row_groups: Sequence[int] | None = None) -> pa.Table:
 _NO_TIME = np.iinfo(np.int64).min
 
 
+def _failed_first(failed: Any, start: Any) -> Any:
+    """A sort key over rows: failed ones first, each group by start."""
+    if not len(start):
+        return start
+    with np.errstate(over="ignore"):  # rows without a time are never picked
+        return np.where(failed, 0, 1 << 62) + (start - start.min())
+
+
 def _max_per_group(group: Any, n: int, values: Any) -> Any:
     out = np.full(n, _NO_TIME, dtype=np.int64)
     np.maximum.at(out, group, values)
@@ -317,7 +352,8 @@ def merge(rows: pa.Table) -> pa.Table:
     has_root = present("root_span")
     starts = _np(rows["start_ns"], np.iinfo(np.int64).max)  # rows of signals alone have no time
     first = _pick(group, n, everything, starts, largest=False)
-    root = _pick(group, n, has_root, starts, largest=False)
+    root_failed = _np(rows["root_status"], "") == STATUS_ERROR
+    root = _pick(group, n, has_root, _failed_first(root_failed, starts), largest=False)
     owner = np.where(root >= 0, root, first)
     agent_key = _np(rows["agent_rank"], 2) * (1 << 62) + (
         _np(rows["agent_start"], 0) - (ops.min(rows["agent_start"]).as_py() or 0)
@@ -328,7 +364,7 @@ def merge(rows: pa.Table) -> pa.Table:
     columns: dict[str, Any] = {"id": ids}
     for name in (*KEYS, *KEY_STR.values(), "validate", "experiment", "worker"):
         columns[name] = _take(rows[name], owner)
-    for name in ("num_spans", "model_calls", "tool_calls", "tool_errors"):
+    for name in ("num_spans", "model_calls", "tool_calls", "tool_errors", "llm_tool_calls"):
         columns[name] = ops.from_numpy(_sum(group, n, _np(rows[name], 0)))
     columns["start_ns"] = _take(rows["start_ns"], first)
     ends = _max_per_group(group, n, _np(rows["end_ns"], _NO_TIME))
@@ -399,7 +435,10 @@ def listing(index: pa.Table) -> pa.Table:
         ),
         "num_spans": index["num_spans"],
         "model_calls": index["model_calls"],
-        "tool_calls": index["tool_calls"],
+        # the model's tool calls (rlreplay.format.tool_errors): its answers', or its tool spans where more
+        "tool_calls": ops.from_numpy(
+            np.maximum(_np(index["tool_calls"], 0), _np(ops.fill_null(index["llm_tool_calls"], 0), 0))
+        ),
         "tool_errors": index["tool_errors"],
         "prompt_tokens": prompt,
         "response_tokens": response,

@@ -23,7 +23,8 @@ log = logging.getLogger("rlreplay")
 MANIFEST = "run.json"
 WORKERS_DIR = "_workers"
 QUARANTINE_DIR = "_quarantine"
-COUNTERS = ("spans", "dropped", "spilled", "lost", "encode_errors")
+#: (``refused_calls``: calls a proxy replay answered 409, ``--on-diverge fail``)
+COUNTERS = ("spans", "dropped", "spilled", "lost", "encode_errors", "refused_calls")
 
 # Expected types of the manifest's known fields; a field of another type is ignored with a warning.
 _NUMBER = (int, float)

@@ -1,5 +1,10 @@
-"""What counts as a tool error: the one definition the listing, ``show``, ``stats``, the UI and
-``audit`` share.
+"""What counts as a tool call and as a tool error: the one definition the listing, ``show``,
+``stats``, the UI and ``audit`` share.
+
+A trajectory's tool calls are the calls its model made to tools: the calls its model answers
+hold (an ``llm`` span's output: OpenAI chat ``tool_calls``, streamed or not, ``/v1/responses``
+``function_call`` items, a message's or a parser's ``tool_calls``), or, where more, its ``tool``
+spans (a framework that records the tools it ran, as verl does, with answers kept as token ids).
 
 A tool call failed when it raised (its span's status is ``error``), or when what it returned says
 so: a mapping with a true ``error`` or with ``ok``/``success`` false (at the top, or as an item
@@ -25,6 +30,71 @@ ERROR_TEXT = re.compile(r"\s*(error|exception|traceback)\b", re.I)
 REASON_CHARS = 500
 #: Mapping keys that say the call went well (false: it failed).
 _OK_KEYS = ("ok", "success")
+
+
+#: Text an llm span's output holds when its answer may call a tool (a cheap test before decoding).
+TOOL_CALL_MARKS = ("tool_calls", "function_call")
+
+
+def _calls_in(value: Any) -> int:
+    """Tool calls in a message or parser output: a ``tool_calls`` (``function_calls``, ``calls``)
+    list of calls."""
+    for name in ("tool_calls", "function_calls", "calls"):
+        calls = value.get(name)
+        if isinstance(calls, list):
+            return sum(1 for c in calls if isinstance(c, dict))
+    return 0
+
+
+def _response_items(response: Any) -> int:
+    items = response.get("output") if isinstance(response, dict) else None
+    if not isinstance(items, list):
+        return 0
+    return sum(1 for i in items if isinstance(i, dict) and i.get("type") == "function_call")
+
+
+def _streamed_calls(chunks: list[Any]) -> int:
+    """Tool calls in a streamed answer: distinct call indexes of the first choice's deltas (chat),
+    else the finished response's function calls (``/v1/responses`` events)."""
+    indexes: set[Any] = set()
+    added = 0
+    for chunk in chunks:
+        if not isinstance(chunk, dict):
+            continue
+        kind = chunk.get("type")
+        if kind == "response.completed":
+            return _response_items(chunk.get("response"))
+        if kind == "response.output_item.added":
+            item = chunk.get("item")
+            added += isinstance(item, dict) and item.get("type") == "function_call"
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta")
+            for n, call in enumerate((delta.get("tool_calls") or ()) if isinstance(delta, dict) else ()):
+                if isinstance(call, dict):
+                    indexes.add(call.get("index", call.get("id", n)))
+    return len(indexes) or added
+
+
+def answer_tool_calls(output: Any) -> int:
+    """How many tool calls a model's answer makes (an ``llm`` span's decoded output): see the
+    module docstring. 0 for anything else."""
+    value = unwrapped(output)
+    if not isinstance(value, dict):
+        return 0
+    if isinstance(value.get("stream"), list):  # a streamed answer as the proxy records it
+        return _streamed_calls(value["stream"])
+    if isinstance(value.get("body"), dict):  # the answer's body as the proxy records it
+        value = value["body"]
+    choices = value.get("choices")
+    if isinstance(choices, list):
+        first = choices[0] if choices and isinstance(choices[0], dict) else {}
+        message = first.get("message")
+        return _calls_in(message) if isinstance(message, dict) else 0
+    if isinstance(value.get("output"), list):
+        return _response_items(value)
+    return _calls_in(value)
 
 
 def output_text(output: Any) -> str | None:

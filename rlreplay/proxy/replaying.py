@@ -30,6 +30,7 @@ class ProxyReplay:
         self.cassette = cassette
         self.volatile = cassette.recording.volatile_keys
         self.taken: set[TrajectoryKey] = set()
+        self.refused = 0  # calls answered 409 (--on-diverge fail)
         self._by_first: dict[bytes, list[TrajectoryKey]] | None = None
         self._prompt_ids: dict[TrajectoryKey, list[Any]] = {}
 
@@ -80,6 +81,17 @@ class ProxyReplay:
         found = self._prompt_ids.get(key.without_experiment()) or []
         return found[position] if 0 <= position < len(found) else None
 
+    def refuse(self) -> None:
+        """Count a call answered 409: in the stop line, and as ``refused_calls`` in ``rlreplay info``."""
+        self.refused += 1
+        from rlreplay.recorder.api import get_recorder
+
+        rec = get_recorder()
+        if rec is not None:
+            rec.count_loss(
+                "refused_calls", 1, "refused", "replay: a call the recording does not hold was refused (409)"
+            )
+
     def summary(self) -> str:
         cassette = self.cassette
         diverged = cassette.diverged
@@ -89,4 +101,5 @@ class ProxyReplay:
             + (f" ({', '.join(diverged[:5])}{' ...' if len(diverged) > 5 else ''})" if diverged else "")
             + f"; {len(never)} recorded trajectories never asked for"
             + (f" ({', '.join(never[:5])}{' ...' if len(never) > 5 else ''})" if never else "")
+            + f"; {self.refused} calls refused (409)"
         )

@@ -24,7 +24,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from rlreplay.errors import ProxyCallFailed, ProxyError
+from rlreplay.errors import ProxyCallFailed, ProxyError, UnknownTrajectory
+from rlreplay.proxy.guard import Guard, GuardSettings, upstream_credentials, with_upstream_auth
 from rlreplay.proxy.protocol import (
     GENERATING,
     NOT_JSON,
@@ -43,14 +44,13 @@ from rlreplay.proxy.protocol import (
     with_members,
 )
 from rlreplay.proxy.replaying import ProxyReplay
-from rlreplay.proxy.trajectories import ProxyTrajectory, Trajectories, key_text, parse_key
+from rlreplay.proxy.trajectories import ID_HEADER, ProxyTrajectory, Trajectories, key_text, parse_key
 from rlreplay.recorder.events import FLUSH, Control
 from rlreplay.recorder.replay import DIVERGED, SERVED
 
 #: How long an answer's end waits for the call to be in the run's live file (a stalled disk)
 DURABLE_WAIT_S = 5.0
 
-ID_HEADER = "X-Rlreplay-Trajectory-Id"
 _HOP = frozenset(
     h.lower()
     for h in (
@@ -109,6 +109,7 @@ class ProxySettings:
     replay: ProxyReplay | None = None
     connect_timeout_s: float = 10.0
     durable_wait_s: float = DURABLE_WAIT_S
+    guard: GuardSettings | None = None
 
 
 class Proxy:
@@ -116,7 +117,9 @@ class Proxy:
     ``settings.replay``)."""
 
     def __init__(self, settings: ProxySettings, trajectories: Trajectories) -> None:
-        self.upstream = settings.upstream.rstrip("/") if settings.upstream else None
+        upstream, self.upstream_auth = upstream_credentials(settings.upstream)  # never shown
+        self.upstream = upstream.rstrip("/") if upstream else None
+        self.guard = Guard(settings.guard)
         self.replay = settings.replay
         self.trajectories = trajectories
         self.connect_timeout_s = settings.connect_timeout_s
@@ -125,7 +128,7 @@ class Proxy:
         self.calls = 0
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        app = self.guard.application()
         app.router.add_post("/rlreplay/step", self.step)
         app.router.add_post("/rlreplay/signals", self.signals)
         for route in GENERATING:
@@ -176,8 +179,7 @@ class Proxy:
             trajectory_id = self.trajectories.signals(data)
         except (orjson.JSONDecodeError, ProxyError) as exc:
             return error_response(
-                400 if not isinstance(exc, ProxyError) or "no recorded" not in str(exc) else 404,
-                f"POST /rlreplay/signals: {exc}",
+                404 if isinstance(exc, UnknownTrajectory) else 400, f"POST /rlreplay/signals: {exc}"
             )
         return web.json_response({"trajectory_id": trajectory_id})
 
@@ -196,7 +198,7 @@ class Proxy:
                 request.method,
                 self._url(request),
                 data=raw if raw else None,
-                headers=_request_headers(request.headers, generating=False),
+                headers=with_upstream_auth(_request_headers(request.headers, False), self.upstream_auth),
                 allow_redirects=False,
             )
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
@@ -227,10 +229,12 @@ class Proxy:
         try:
             text = key_text(request.headers, body)
             named = parse_key(text) if text else None
+            traj, new = self.trajectories.find(route, body, named, request.headers.get(ID_HEADER))
         except ProxyError as exc:
-            return error_response(400, f"rlreplay proxy: {exc}")
+            return error_response(
+                404 if isinstance(exc, UnknownTrajectory) else 400, f"rlreplay proxy: {exc}"
+            )
         name = GENERATING[route]
-        traj, new = self.trajectories.find(route, body, named)
         traj.busy += 1
         try:
             if new:
@@ -258,6 +262,7 @@ class Proxy:
             and self.replay is not None
         ):
             if self.replay.cassette.on_diverge == "fail":
+                self.replay.refuse()
                 what = (
                     f"no trajectory {traj.key}"
                     if traj.explicit
@@ -280,6 +285,7 @@ class Proxy:
             if played.reason is not None:
                 call.status, call.reason = DIVERGED, played.reason
             if played.error is not None:
+                self.replay.refuse()
                 self.trajectories.record(
                     traj,
                     name,
@@ -300,7 +306,7 @@ class Proxy:
         sent = with_members(call.raw, members, not body) if added else call.raw
         if sent is None:
             sent, added = call.raw, frozenset()
-        headers = _request_headers(request.headers, generating=True)
+        headers = with_upstream_auth(_request_headers(request.headers, generating=True), self.upstream_auth)
         assert self.session is not None
         try:
             resp = await self.session.post(self._url(request), data=sent, headers=headers)
@@ -700,6 +706,7 @@ async def serve(
     # what start-up made lives as long as the proxy: out of the cyclic collector's sight, every
     # collection that each answer's parsed JSON sets off scans only what calls made
     gc.freeze()
+    watch = asyncio.ensure_future(proxy.guard.watch(runner.server))  # half-open connections
     tick = max(0.2, min(5.0, proxy.trajectories.idle_s / 4))
     try:
         while not stop.is_set():
@@ -707,6 +714,7 @@ async def serve(
                 await asyncio.wait_for(stop.wait(), tick)
             proxy.trajectories.close_idle()
     finally:
+        watch.cancel()
         await runner.cleanup()
         proxy.trajectories.close_all()
     print("rlreplay proxy: stopped", file=sys.stderr, flush=True)

@@ -1,12 +1,27 @@
 """Which trajectory and step a proxied call belongs to, and recording them as an ordinary run.
 
-A call names its trajectory in the ``X-Rlreplay-Trajectory`` header (or the OpenAI ``metadata``
-key ``rlreplay_trajectory``): ``step=3,sample_index=12,rollout_n=0,validate=false``; every call
-naming the same keys joins one trajectory. Otherwise a call whose prompt extends an open
-trajectory's last prompt + answer (chat messages, completion text, token ids) continues it, and
-any other call opens a new one (``step``: the proxy's step, ``sample_index``: a counter per step).
-A trajectory is written when it has been idle for ``idle_s``, when signals are posted for it, and
-when the proxy stops; a call the upstream never answered leaves no trajectory behind.
+A call joins a trajectory by what the proxy can know, in this order:
+
+1. ``X-Rlreplay-Trajectory-Id: ID``, the header every answer carries, sent back: the trajectory
+   with that id (an id this proxy never gave is refused, 404). Only this, or keys, tells rollouts
+   apart whose calls are alike.
+2. Keys: the ``X-Rlreplay-Trajectory`` header (or the OpenAI ``metadata`` key
+   ``rlreplay_trajectory``), ``step=3,sample_index=12,rollout_n=0,validate=false``: every call
+   naming the same keys joins one trajectory.
+3. Continuation: a call whose prompt extends a trajectory's last prompt + answer (chat messages,
+   completion text, token ids) joins it. When several trajectories have that same history (a group
+   of rollouts answered alike), nothing in the call says which rollout sent it: it joins the one
+   that has waited longest. Each trajectory still holds one rollout's calls (their histories are
+   equal), but a rollout's id may then change from one answer to the next: such joins are counted
+   (``ambiguous``), and a client that posts signals by an earlier answer's id sends the id back (1).
+4. Otherwise a new trajectory: ``step`` the proxy's step, ``sample_index`` ``auto-N`` (a counter
+   per step). Named keys never take the ``auto-`` form, so the two never meet.
+
+Closing is about writing, not identity: a trajectory is written (its spans and a root span) when
+it has been idle for ``idle_s``, when signals are posted for it, and when the proxy stops; a later
+call that joins it (by any rule above) appends to the same id and keys, and readers merge the
+parts. The last ``KEPT`` written trajectories stay joinable. A call the upstream never answered
+leaves no trajectory behind.
 
 Steps advance on weight updates that pass through (consecutive updates with no generation between
 them count once) or ``POST /rlreplay/step``. Spans go to the recorder through a hand-off
@@ -17,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import itertools
 import time
 from collections import OrderedDict
@@ -25,7 +41,7 @@ from typing import Any
 
 import orjson
 
-from rlreplay.errors import ProxyError
+from rlreplay.errors import ProxyError, ReplayDivergence, UnknownTrajectory
 from rlreplay.format.keys import KEYS, TrajectoryKey, parse_bool, parse_int
 from rlreplay.format.schema import KIND_LLM, KIND_TRAJECTORY
 from rlreplay.proxy.handoff import Handoff
@@ -35,8 +51,18 @@ from rlreplay.recorder.events import OPEN, OPEN_BYTES, Control, OpenTrajectory, 
 from rlreplay.recorder.signals import record_signals
 
 HEADER = "X-Rlreplay-Trajectory"
+ID_HEADER = "X-Rlreplay-Trajectory-Id"  # on every answer; a client may send it back
 METADATA_KEY = "rlreplay_trajectory"
+AUTO = "auto-"  # the sample_index of a trajectory no call named: auto-0, auto-1, ...
+KEPT = 100_000  # written trajectories that stay joinable (and take signals)
 _KEY_NAMES = (*KEYS, "validate")
+
+
+def auto_number(value: Any) -> int | None:
+    """N of a sample_index ``auto-N``, else None."""
+    if isinstance(value, str) and value.startswith(AUTO):
+        return parse_int(value[len(AUTO) :])
+    return None
 
 
 def parse_key(text: str) -> TrajectoryKey:
@@ -59,6 +85,8 @@ def parse_key(text: str) -> TrajectoryKey:
             values[name] = flag
         else:
             number = parse_int(value)
+            if number is None and value.startswith(AUTO):
+                raise ProxyError(f"{HEADER}: {name}={value!r}: values {AUTO}N are the proxy's own")
             values[name] = number if number is not None else value
     if not values:
         raise ProxyError(f"{HEADER}: no key given")
@@ -149,46 +177,54 @@ def context_sequence(route: str, body: dict[str, Any], record: dict[str, Any]) -
     return None
 
 
+def _digest(sequence: Any) -> bytes:
+    return hashlib.blake2b(orjson.dumps(sequence), digest_size=16).digest()
+
+
 class ContinuationIndex:
-    """Open trajectories by the prompt + answer a continuing call's prompt starts with. Several may
-    share one (a group of rollouts of one prompt answered alike): a continuing call takes the one
-    that has waited longest."""
+    """Trajectories by the prompt + answer a continuing call's prompt starts with (a digest of
+    it: written trajectories stay here at little cost). Several may share one (a group of rollouts
+    of one prompt answered alike): a continuing call takes the one that has waited longest."""
 
     def __init__(self) -> None:
-        self._by_length: dict[tuple[str, int], dict[Any, list[ProxyTrajectory]]] = {}
+        self._by_length: dict[tuple[str, int], dict[bytes, list[ProxyTrajectory]]] = {}
 
     def add(self, context: tuple[str, Any], traj: ProxyTrajectory) -> None:
+        self.remove(traj)
         kind, sequence = context
-        self._by_length.setdefault((kind, len(sequence)), {}).setdefault(sequence, []).append(traj)
-        traj.context = context
+        digest = _digest(sequence)
+        self._by_length.setdefault((kind, len(sequence)), {}).setdefault(digest, []).append(traj)
+        traj.context = (kind, len(sequence), digest)
 
     def remove(self, traj: ProxyTrajectory) -> None:
         if traj.context is None:
             return
-        kind, sequence = traj.context
+        kind, length, digest = traj.context
         traj.context = None
-        bucket = self._by_length.get((kind, len(sequence)))
-        waiting = bucket.get(sequence) if bucket is not None else None
+        bucket = self._by_length.get((kind, length))
+        waiting = bucket.get(digest) if bucket is not None else None
         if not waiting:
             return
         with contextlib.suppress(ValueError):
             waiting.remove(traj)
         if not waiting:
-            del bucket[sequence]
+            del bucket[digest]
             if not bucket:
-                del self._by_length[(kind, len(sequence))]
+                del self._by_length[(kind, length)]
 
-    def claim(self, prompt: tuple[str, Any]) -> ProxyTrajectory | None:
-        """The open trajectory whose context ``prompt`` extends (the longest), taken out of the index."""
+    def claim(self, prompt: tuple[str, Any]) -> tuple[ProxyTrajectory | None, bool]:
+        """The trajectory whose context ``prompt`` extends (the longest), taken out of the index,
+        and whether others had that same context."""
         kind, sequence = prompt
         lengths = sorted((n for k, n in self._by_length if k == kind and n < len(sequence)), reverse=True)
         for n in lengths:
-            waiting = self._by_length[(kind, n)].get(sequence[:n])
+            waiting = self._by_length[(kind, n)].get(_digest(sequence[:n]))
             if waiting:
                 traj = waiting[0]
+                ambiguous = len(waiting) > 1
                 self.remove(traj)
-                return traj
-        return None
+                return traj, ambiguous
+        return None, False
 
 
 # ---- trajectories -----------------------------------------------------------------------------------
@@ -196,34 +232,32 @@ class ContinuationIndex:
 
 @dataclass(eq=False)
 class ProxyTrajectory:
-    """One trajectory of proxied calls; written (its root span) when closed."""
+    """One trajectory of proxied calls, written in parts (a root span each) as it closes."""
 
     key: TrajectoryKey
     explicit: bool
     replay: Any = None  # its replay state (rlreplay.recorder.replay.TrajectoryReplay)
-    open: OpenTrajectory | None = None  # set by its first recorded span
-    root_span: int = 0
+    open: OpenTrajectory | None = None  # its id: made on first need
+    root_span: int = 0  # the root span of the part being recorded
     start_ns: int = 0
     last_used: float = field(default_factory=time.monotonic)
-    spans: int = 0
-    context: tuple[str, Any] | None = None
+    spans: int = 0  # spans of the part being recorded
+    context: tuple[str, int, bytes] | None = None
     busy: int = 0  # calls in flight
+    closed: bool = False
+    first_root: str | None = None  # the first written part's root span (signals point at it)
 
     @property
     def id(self) -> str | None:
         return events.format_trajectory_id(self.open.id) if self.open is not None else None
 
-    @property
-    def root_span_id(self) -> str | None:
-        return events.format_span_id(self.root_span) if self.root_span else None
-
 
 _ROOT_META = OpMeta(name="trajectory", kind=KIND_TRAJECTORY)
-_DONE_KEPT = 100_000  # written trajectories remembered by key, for signals posted later
 
 
 class Trajectories:
-    """The proxy's open trajectories, its step, and the recorder they are written with."""
+    """The proxy's trajectories (open, and the last ``KEPT`` written), its step, and the recorder
+    they are written with."""
 
     def __init__(self, recorder: Any, idle_s: float = 300.0, experiment: str | None = None) -> None:
         self.recorder = recorder
@@ -231,13 +265,15 @@ class Trajectories:
         self.idle_s = idle_s
         self.experiment = experiment
         self.step = 0
+        self.ambiguous = 0  # calls joined to one of several trajectories with the same history
         self._generated_since_update = False
         self._counters: dict[Any, itertools.count] = {}
         self._first_free: dict[Any, int] = {}
         self.by_key: dict[TrajectoryKey, ProxyTrajectory] = {}
+        self.by_id: dict[str, ProxyTrajectory] = {}
         self.open: set[ProxyTrajectory] = set()
+        self.written: OrderedDict[ProxyTrajectory, None] = OrderedDict()
         self.index = ContinuationIndex()
-        self.done: OrderedDict[TrajectoryKey, tuple[str, str | None]] = OrderedDict()
         self._metas: dict[tuple[str, str | None, str | None], OpMeta] = {}
 
     # -- steps ----------------------------------------------------------------------------------
@@ -256,21 +292,33 @@ class Trajectories:
     def reserve(self, step: Any, sample_index: Any) -> None:
         """Counters of new trajectories at ``step`` start after ``sample_index`` (a replay's source
         keys are taken)."""
-        if isinstance(sample_index, int):
-            self._first_free[step] = max(self._first_free.get(step, 0), sample_index + 1)
+        number = auto_number(sample_index)
+        if number is not None:
+            self._first_free[step] = max(self._first_free.get(step, 0), number + 1)
 
     def new_key(self) -> TrajectoryKey:
         counter = self._counters.get(self.step)
         if counter is None:
             counter = self._counters[self.step] = itertools.count(self._first_free.get(self.step, 0))
-        return TrajectoryKey.of(self.step, next(counter), None, False)
+        return TrajectoryKey.of(self.step, f"{AUTO}{next(counter)}", None, False)
 
     # -- which trajectory ---------------------------------------------------------------------------
 
     def find(
-        self, route: str, body: dict[str, Any], named: TrajectoryKey | None
+        self, route: str, body: dict[str, Any], named: TrajectoryKey | None, sent_id: str | None = None
     ) -> tuple[ProxyTrajectory, bool]:
-        """The trajectory a call belongs to, and whether it is new (not yet started)."""
+        """The trajectory a call belongs to (``sent_id``: the id it sent back, ``named``: the keys
+        it named), and whether it is new (not yet started). Raises UnknownTrajectory for an id this
+        proxy never gave, ProxyError for an id and keys of two trajectories."""
+        if sent_id:
+            traj = self.by_id.get(sent_id)
+            if traj is None:
+                raise UnknownTrajectory(f"{ID_HEADER}: no trajectory of this proxy has the id {sent_id!r}")
+            if named is not None and named != traj.key:
+                raise ProxyError(f"{ID_HEADER} {sent_id} is trajectory {traj.key}, not {named}")
+            self._generated_since_update = True
+            self._resume(traj)
+            return traj, False
         self._generated_since_update = True
         if named is not None:
             traj = self.by_key.get(named)
@@ -278,18 +326,30 @@ class Trajectories:
                 traj = self.by_key[named] = ProxyTrajectory(named, explicit=True)
                 self.open.add(traj)
                 return traj, True
+            self._resume(traj)
             return traj, False
         prompt = prompt_sequence(route, body)
-        traj = self.index.claim(prompt) if prompt is not None else None
+        traj, ambiguous = self.index.claim(prompt) if prompt is not None else (None, False)
         if traj is not None:
+            self.ambiguous += ambiguous
+            self._resume(traj)
             return traj, False
         traj = ProxyTrajectory(TrajectoryKey(), explicit=False)
         self.open.add(traj)
         return traj, True
 
+    def _resume(self, traj: ProxyTrajectory) -> None:
+        """``traj`` takes a call: open again if it was written; out of the index until answered."""
+        self.index.remove(traj)
+        if traj.closed:
+            traj.closed = False
+            self.written.pop(traj, None)
+            self.open.add(traj)
+
     def name(self, traj: ProxyTrajectory, key: TrajectoryKey | None = None) -> None:
         """Give a new unnamed trajectory its key (``key``: a replay's source key), else the next free one."""
         traj.key = key if key is not None else self.new_key()
+        self.by_key.setdefault(traj.key, traj)
 
     def continues(
         self, traj: ProxyTrajectory, route: str, body: dict[str, Any], record: dict[str, Any]
@@ -298,7 +358,7 @@ class Trajectories:
         if traj.explicit or not isinstance(record, dict):
             return
         context = context_sequence(route, body, record)
-        if context is not None and traj in self.open:
+        if context is not None and (traj in self.open or traj in self.written):
             self.index.add(context, traj)
 
     # -- recording ----------------------------------------------------------------------------------
@@ -320,9 +380,8 @@ class Trajectories:
     def allocate(self, traj: ProxyTrajectory) -> str:
         """``traj``'s id (the recorder's trajectory, made on first need; written only with a span)."""
         if traj.open is None:
-            key = traj.key
-            traj.open = OpenTrajectory(replace(key, experiment=self.experiment))
-            traj.root_span = next(events.span_ids)
+            traj.open = OpenTrajectory(replace(traj.key, experiment=self.experiment))
+            self.by_id[events.format_trajectory_id(traj.open.id)] = traj
         return events.format_trajectory_id(traj.open.id)
 
     def record(
@@ -343,8 +402,9 @@ class Trajectories:
         if rec is None or handoff is None:
             return
         try:
-            if not traj.spans:
+            if not traj.spans:  # the first span of a part: its root span comes when it closes
                 self.allocate(traj)
+                traj.root_span = next(events.span_ids)
                 traj.start_ns = start_ns
                 handoff.give(Control(OPEN, traj.open, OPEN_BYTES))
             span_id = next(events.span_ids)
@@ -371,27 +431,52 @@ class Trajectories:
                 rec.count_loss("lost", 1, "proxy", f"could not record a call ({type(exc).__name__}: {exc})")
 
     def close(self, traj: ProxyTrajectory) -> None:
-        """Write ``traj``'s root span (nothing when it recorded no call)."""
-        self.open.discard(traj)
-        self.index.remove(traj)
-        if traj.explicit and self.by_key.get(traj.key) is traj:
-            del self.by_key[traj.key]
-        if not traj.spans or self.recorder is None or self.handoff is None:
+        """Write the part of ``traj`` recorded since it last closed (its root span); it stays
+        joinable while it is among the last ``KEPT`` written."""
+        if traj.closed:
             return
-        if traj.replay is not None:
-            traj.open.attributes = {**(traj.open.attributes or {}), **traj.replay.attributes()}
-        end = time.time_ns()
-        with contextlib.suppress(Exception):
-            self.handoff.give(
-                SpanEvent(
-                    traj.open, traj.root_span, None, _ROOT_META, traj.start_ns, end, None, (), {}, None, 256
+        self.open.discard(traj)
+        traj.closed = True
+        if traj.spans and self.recorder is not None and self.handoff is not None:
+            error = None
+            if traj.replay is not None:
+                traj.open.attributes = {**(traj.open.attributes or {}), **traj.replay.attributes()}
+                error = replay_error(traj.replay)
+            end = time.time_ns()
+            with contextlib.suppress(Exception):
+                self.handoff.give(
+                    SpanEvent(
+                        traj.open,
+                        traj.root_span,
+                        None,
+                        _ROOT_META,
+                        traj.start_ns,
+                        end,
+                        error,
+                        (),
+                        {},
+                        None,
+                        256,
+                    )
                 )
-            )
-            self.recorder.wake()
-        self.done[traj.key] = (traj.id or "", traj.root_span_id)
-        self.done.move_to_end(traj.key)
-        while len(self.done) > _DONE_KEPT:
-            self.done.popitem(last=False)
+                self.recorder.wake()
+            traj.first_root = traj.first_root or events.format_span_id(traj.root_span)
+            traj.spans = 0
+        if traj.first_root is None and traj.open is None:
+            self._forget(traj)  # nothing recorded, no id given: nothing to join
+            return
+        self.written[traj] = None
+        while len(self.written) > KEPT:
+            self._forget(self.written.popitem(last=False)[0])
+
+    def _forget(self, traj: ProxyTrajectory) -> None:
+        self.open.discard(traj)
+        self.written.pop(traj, None)
+        self.index.remove(traj)
+        if self.by_key.get(traj.key) is traj:
+            del self.by_key[traj.key]
+        if traj.id is not None and self.by_id.get(traj.id) is traj:
+            del self.by_id[traj.id]
 
     def close_idle(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now
@@ -409,38 +494,34 @@ class Trajectories:
 
     def drop_if_empty(self, traj: ProxyTrajectory) -> None:
         """A new trajectory whose first call was never answered: gone without a trace."""
-        if not traj.spans and not traj.busy:
-            self.open.discard(traj)
-            self.index.remove(traj)
-            if traj.explicit and self.by_key.get(traj.key) is traj:
-                del self.by_key[traj.key]
+        if not traj.spans and not traj.busy and traj.first_root is None and not traj.closed:
+            self._forget(traj)
 
     # -- signals --------------------------------------------------------------------------------------
 
     def signals(self, data: dict[str, Any]) -> str:
         """Record rewards/advantages (and an ``output``, such as the trainer's per-token
         ``old_log_probs``) posted for a trajectory (by ``trajectory_id`` or by its keys);
-        closes it first when it is open. Returns its id; raises ProxyError when none matches."""
+        writes it first when it is open. Returns its id; raises UnknownTrajectory when this proxy
+        recorded no such trajectory (nothing is written then)."""
         names = {k: data[k] for k in _KEY_NAMES if k in data}
         trajectory_id = data.get("trajectory_id")
         key = TrajectoryKey.of(**names) if names else None
-        root = None
-        if key is not None and key in self.by_key:
-            self.close(self.by_key[key])
-        if trajectory_id is None:
-            if key is None or key not in self.done:
-                raise ProxyError(
-                    f"no recorded trajectory has the keys {key}" if key else "signals name no trajectory"
-                )
-            trajectory_id, root = self.done[key]
+        if trajectory_id is not None:
+            traj = self.by_id.get(str(trajectory_id))
+            if traj is None:
+                raise UnknownTrajectory(f"no recorded trajectory has the id {trajectory_id!r}")
+            if key is not None and key != traj.key:
+                raise ProxyError(f"trajectory {trajectory_id} has the keys {traj.key}, not {key}")
+        elif key is not None:
+            traj = self.by_key.get(key)
+            if traj is None:
+                raise UnknownTrajectory(f"no recorded trajectory has the keys {key}")
         else:
-            for t in list(self.open):
-                if t.id == trajectory_id:
-                    self.close(t)
-            found = next(((k, v) for k, v in self.done.items() if v[0] == trajectory_id), None)
-            if found is not None:
-                key, (trajectory_id, root) = found
-        key = key or TrajectoryKey()
+            raise ProxyError("signals name no trajectory")
+        self.close(traj)
+        if traj.first_root is None:
+            raise UnknownTrajectory(f"no recorded trajectory has the id {traj.id} (it recorded no call)")
         values = {k: data.get(k) for k in ("reward", "advantage") if data.get(k) is not None}
         attributes = data.get("attributes") if isinstance(data.get("attributes"), dict) else None
         # e.g. the trainer's per-token log-probs: {"old_log_probs": [...]}, one per response token
@@ -449,20 +530,28 @@ class Trajectories:
 
         if self.handoff is None or get_recorder() is None:
             raise ProxyError("signals could not be recorded (is recording on?)")
+        key = traj.key
         # on the hand-off thread, after the trajectory's root span: a copy of the output and a full
         # queue are that thread's to pay for (what cannot be recorded is counted there)
         self.handoff.call(
             functools.partial(
                 record_signals,
-                str(trajectory_id),
+                str(traj.id),
                 step=key.step,
                 sample_index=key.sample_index,
                 rollout_n=key.rollout_n,
                 validate=key.validate,
                 attributes=attributes,
                 output=output,
-                root_span_id=root,
+                root_span_id=traj.first_root,
                 **values,
             )
         )
-        return str(trajectory_id)
+        return str(traj.id)
+
+
+def replay_error(state: Any) -> BaseException | None:
+    """A replayed trajectory that diverged: its root span's error (its status in ``ls``)."""
+    if not state.diverged:
+        return None
+    return ReplayDivergence(f"replay diverged: {state.reason or 'a call the recording does not hold'}")

@@ -13,7 +13,15 @@ from rlreplay.read.run import Run
 from rlreplay.shards.recover import recover_run
 
 #: Keys of ``run_summary`` that come from the recording processes' counters, not from the files.
-RECORDER_KEYS = ("spans_written", "dropped", "spilled", "lost", "encode_errors", "recovered_shards")
+RECORDER_KEYS = (
+    "spans_written",
+    "dropped",
+    "spilled",
+    "lost",
+    "encode_errors",
+    "refused_calls",
+    "recovered_shards",
+)
 
 
 def run_summary(run: Run) -> dict[str, Any]:

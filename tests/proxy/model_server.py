@@ -17,6 +17,12 @@ answering the way those servers answer (field names read from their current prot
 - ``/update_weights_from_disk`` (reloads the weights, bumps ``weight_version``), ``/health``,
   ``/v1/models`` (``root``: the folder the model and its tokenizer load from, as in vLLM).
 
+Tool calls (vLLM's tool parser, stood in for): a chat request that offers ``tools`` (and no
+``tool_choice: "none"``) and whose last message is the user's is answered with a call of its first
+tool, after the model generated its tokens as usual; the call's integer and number arguments are the
+numbers in the user's message, in order, its string arguments the generated text
+(``finish_reason: "tool_calls"``; streamed: the call's deltas after the tokens' chunks).
+
 Sampling: greedy at temperature 0, else seeded by ``seed`` (default 0): the same request gets the
 same tokens. ``python model_server.py --port N`` prints ``ready`` once it listens.
 """
@@ -25,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import itertools
+import re
 import sys
 import threading
 import time
@@ -101,6 +109,57 @@ class Model:
 
 
 _ids = itertools.count(1)
+
+
+def template_messages(messages: list[Any]) -> list[Any]:
+    """Messages as vLLM hands them to a chat template: no null content (an assistant's tool calls
+    alone), tool-call arguments as objects."""
+    out = []
+    for message in messages:
+        if not isinstance(message, dict):
+            out.append(message)
+            continue
+        message = {**message, "content": "" if message.get("content") is None else message["content"]}
+        calls = []
+        for call in message.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                with contextlib.suppress(orjson.JSONDecodeError):
+                    call = {**call, "function": {**fn, "arguments": orjson.loads(fn["arguments"])}}
+            calls.append(call)
+        if calls:
+            message["tool_calls"] = calls
+        out.append(message)
+    return out
+
+
+def tool_call(body: dict[str, Any], text: str, rid: str) -> dict[str, Any] | None:
+    """The tool call a chat request is answered with (see the module docstring), else None."""
+    tools = body.get("tools")
+    messages = body.get("messages") or []
+    if not tools or body.get("tool_choice") == "none" or not messages:
+        return None
+    last = messages[-1] if isinstance(messages[-1], dict) else {}
+    if last.get("role") != "user":
+        return None
+    content = last.get("content")
+    if isinstance(content, list):
+        content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    numbers = [int(n) for n in re.findall(r"-?\d+", str(content or ""))]
+    fn = tools[0].get("function", tools[0]) if isinstance(tools[0], dict) else {}
+    props = (fn.get("parameters") or {}).get("properties") or {}
+    args: dict[str, Any] = {}
+    for name, schema in props.items():
+        kind = schema.get("type") if isinstance(schema, dict) else None
+        if kind in ("integer", "number"):
+            args[name] = numbers.pop(0) if numbers else 0
+        elif kind == "string":
+            args[name] = text
+    return {
+        "id": f"call_{rid}",
+        "type": "function",
+        "function": {"name": fn.get("name"), "arguments": orjson.dumps(args).decode()},
+    }
 
 
 def _stop(body: dict[str, Any], params: dict[str, Any] | None = None) -> list[str]:
@@ -190,7 +249,7 @@ class Server:
                 status=400,
             )
         text = self.m.tokenizer.apply_chat_template(
-            messages, tools=body.get("tools"), add_generation_prompt=True, tokenize=False
+            template_messages(messages), tools=body.get("tools"), add_generation_prompt=True, tokenize=False
         )
         ids = self.m.tokenizer(text, add_special_tokens=False)["input_ids"]
         return await self._openai(request, body, list(ids), chat=True)
@@ -248,11 +307,15 @@ class Server:
                     head["prompt_token_ids"] = ids
                 await out.write(b"data: " + orjson.dumps(head) + b"\n\n")
                 first = False
+            calling = chat and tool_call(body, "", rid) is not None  # the call comes after the tokens
             async for token, lp, finish in tokens:
                 piece = self._text([*got, token])[len(self._text(got)) :]
                 got.append(token)
                 choice: dict[str, Any] = {"index": 0}
-                if chat:
+                if calling:
+                    choice["delta"] = {"role": "assistant"} if first else {}
+                    finish = None
+                elif chat:
                     choice["delta"] = {"content": piece}
                 else:
                     choice["text"] = piece
@@ -271,6 +334,23 @@ class Server:
                     choice["prompt_token_ids"] = ids
                 first = False
                 await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            call = tool_call(body, self._text(got), rid) if calling else None
+            if call is not None:
+                arguments = call["function"]["arguments"]
+                head = {**call, "index": 0, "function": {"name": call["function"]["name"], "arguments": ""}}
+                for delta, finish in (
+                    ({"tool_calls": [head]}, None),
+                    ({"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]}, None),
+                    ({}, "tool_calls"),
+                ):
+                    chunk = {
+                        "id": rid,
+                        "object": kind + ".chunk",
+                        "created": created,
+                        "model": MODEL,
+                        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                    }
+                    await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
             await out.write(b"data: [DONE]\n\n")
             await out.write_eof()
             return out
@@ -282,13 +362,15 @@ class Server:
         text = self._text(got)
         choice = {"index": 0}
         if chat:
+            call = tool_call(body, text, rid)
             choice["message"] = {
                 "role": "assistant",
-                "content": text,
+                "content": text if call is None else None,
                 "refusal": None,
-                "tool_calls": [],
+                "tool_calls": [call] if call is not None else [],
                 "reasoning_content": None,
             }
+            finish = "tool_calls" if call is not None else finish
         else:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(got, lps, chat) if want_lp else None

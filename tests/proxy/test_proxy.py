@@ -164,15 +164,22 @@ def test_completions_generate_keys_steps_and_signals(
     assert unknown.status_code == 404 and "no recorded trajectory" in unknown.json()["error"]["message"]
     assert proxy.stop() == 0, proxy.stderr
     rows = {
-        (r["step"], r["sample_index"], r["rollout_n"], r["validate"]): r for r in listing(tmp_path / "run")
+        (
+            r["step"],
+            r["sample_index"] if r["sample_index"] is not None else r["sample_index_str"],
+            r["rollout_n"],
+            r["validate"],
+        ): r
+        for r in listing(tmp_path / "run")
     }
-    assert set(rows) == {(0, 0, None, False), (7, 3, 1, True), (1, 0, None, False)}  # the update made step 1
+    # the unnamed calls are numbered auto-N (never a named key); the update made step 1
+    assert set(rows) == {(0, "auto-0", None, False), (7, 3, 1, True), (1, "auto-0", None, False)}
     assert rows[(7, 3, 1, True)]["reward"] == 0.5
     [keyed_traj] = open_run(tmp_path / "run").load([rows[(7, 3, 1, True)]["id"]])
     [signals_span] = [s for s in keyed_traj.spans if s.kind == "signals"]
     assert list(signals_span.output["old_log_probs"]) == trainer
     found = {t.id: spans for t, spans in llm_spans(tmp_path / "run")}
-    generate = found[rows[(0, 0, None, False)]["id"]]
+    generate = found[rows[(0, "auto-0", None, False)]["id"]]
     assert [s.name for s in generate] == ["generate", "generate"]  # the longer prompt continued it
     assert list(generate[0].output["token_ids"]) == raw["output_ids"]
     assert list(generate[0].output["log_probs"]) == [r[0] for r in raw["meta_info"]["output_token_logprobs"]]

@@ -60,4 +60,4 @@ def test_identical_conversations_each_keep_their_own_trajectory(
     for turn in range(turns):
         assert len({id(joined[c][turn]) for c in range(conversations)}) == conversations
     sample_indexes = sorted(t.key.sample_index for t in trajectories.open)
-    assert sample_indexes == list(range(conversations))
+    assert sample_indexes == sorted(f"auto-{i}" for i in range(conversations))

@@ -1,0 +1,126 @@
+"""What counts as a tool call: the model's calls, one definition for verl, generic and proxy runs
+(``rlreplay.format.tool_errors``), from model answers in every form and from tool spans."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rlreplay
+from rlreplay.format.tool_errors import answer_tool_calls
+
+
+def _call(n: int) -> dict[str, Any]:
+    return {
+        "id": f"call_{n}",
+        "type": "function",
+        "function": {"name": "add", "arguments": json.dumps({"a": n})},
+    }
+
+
+def _chat_body(k: int) -> dict[str, Any]:
+    message = {"role": "assistant", "content": None, "tool_calls": [_call(i) for i in range(k)] or None}
+    return {
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+    }
+
+
+def _chat_stream(k: int, pieces: int) -> list[Any]:
+    """Chunks as a server streams k calls: each call's name first, then its arguments in pieces."""
+    chunks: list[Any] = [{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}]
+    for i in range(k):
+        head = {
+            "index": i,
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {"name": "add", "arguments": ""},
+        }
+        chunks.append({"choices": [{"index": 0, "delta": {"tool_calls": [head]}}]})
+        text = json.dumps({"a": i})
+        step = max(1, len(text) // pieces)
+        for at in range(0, len(text), step):
+            part = {"index": i, "function": {"arguments": text[at : at + step]}}
+            chunks.append({"choices": [{"index": 0, "delta": {"tool_calls": [part]}}]})
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    return [*chunks, "[DONE]"]
+
+
+def _responses(k: int, text: bool) -> dict[str, Any]:
+    items: list[Any] = (
+        [{"type": "message", "content": [{"type": "output_text", "text": "x"}]}] if text else []
+    )
+    items += [
+        {"type": "function_call", "call_id": f"c{i}", "name": "add", "arguments": "{}"} for i in range(k)
+    ]
+    return {"object": "response", "output": items}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    k=st.integers(min_value=0, max_value=6), pieces=st.integers(min_value=1, max_value=5), text=st.booleans()
+)
+def test_every_form_of_an_answer_counts_its_calls(k: int, pieces: int, text: bool) -> None:
+    body = _chat_body(k)
+    assert answer_tool_calls(body) == k
+    assert answer_tool_calls({"status": 200, "body": body}) == k  # as the proxy records it
+    assert answer_tool_calls({"status": 200, "stream": _chat_stream(k, pieces)}) == k
+    assert answer_tool_calls(_responses(k, text)) == k
+    done = {"type": "response.completed", "response": _responses(k, text)}
+    assert answer_tool_calls({"stream": [{"type": "response.created"}, done]}) == k
+    assert answer_tool_calls(body["choices"][0]["message"]) == k  # a message recorded as the output
+    # a second choice is another sample, not this trajectory's answer
+    two = {
+        "choices": [
+            *_chat_body(k)["choices"],
+            {"index": 1, "message": _chat_body(k + 1)["choices"][0]["message"]},
+        ]
+    }
+    assert answer_tool_calls(two) == k
+
+
+def test_not_an_answer_counts_none() -> None:
+    for value in (None, 3, "tool_calls", [], {"text": "tool_calls"}, {"choices": []}, {"stream": ["[DONE]"]}):
+        assert answer_tool_calls(value) == 0
+
+
+def test_ls_counts_the_models_calls_once_whether_tools_ran_as_spans_or_not(tmp_path: Path) -> None:
+    """Three trajectories: calls only in the answers (a proxy run), calls in the answers and the
+    tools run as spans (a generic run), tools as spans with token-id answers (verl)."""
+    run_dir = tmp_path / "run"
+    rlreplay.init(str(run_dir))
+
+    @rlreplay.trace_op(kind="llm")
+    async def chat(k: int) -> dict[str, Any]:
+        return {"status": 200, "body": _chat_body(k)}
+
+    @rlreplay.trace_op(kind="llm")
+    async def generate(k: int) -> dict[str, Any]:
+        return {"token_ids": [1, 2, 3]}
+
+    @rlreplay.trace_op(kind="tool")
+    async def add(a: int) -> int:
+        return a + 1
+
+    async def rollouts() -> None:
+        async with rlreplay.trajectory(step=0, sample_index=0):
+            await chat(2)
+            await chat(1)
+        async with rlreplay.trajectory(step=0, sample_index=1):
+            await chat(2)
+            await add(1)
+            await add(2)
+        async with rlreplay.trajectory(step=0, sample_index=2):
+            await generate(0)
+            for a in range(3):
+                await add(a)
+
+    asyncio.run(rollouts())
+    rlreplay.close()
+    rows = {r["sample_index"]: r for r in rlreplay.open_run(run_dir).trajectories().to_pylist()}
+    assert {i: rows[i]["tool_calls"] for i in rows} == {0: 3, 1: 2, 2: 3}
