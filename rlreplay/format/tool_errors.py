@@ -19,10 +19,13 @@ key is unwrapped first). Imports nothing heavy: recording processes use it.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from typing import Any
 
 from rlreplay.format.payload import MARKER, unwrapped
+from rlreplay.format.wire import NOT_JSON, read_json, stream_chunks
 
 #: A response text that says the call failed.
 ERROR_TEXT = re.compile(r"\s*(error|exception|traceback)\b", re.I)
@@ -32,8 +35,9 @@ REASON_CHARS = 500
 _OK_KEYS = ("ok", "success")
 
 
-#: Text an llm span's output holds when its answer may call a tool (a cheap test before decoding).
-TOOL_CALL_MARKS = ("tool_calls", "function_call")
+#: Text an llm span's output holds when its answer may call a tool (a cheap test before decoding);
+#: ``"wire"``: the answer's bytes as the proxy keeps them (read below).
+TOOL_CALL_MARKS = ("tool_calls", "function_call", '"wire"')
 
 
 def _calls_in(value: Any) -> int:
@@ -77,6 +81,18 @@ def _streamed_calls(chunks: list[Any]) -> int:
     return len(indexes) or added
 
 
+def _wire(value: Any) -> bytes | None:
+    """The bytes of a kept ``wire`` field (bytes, or their JSON form), else None."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, dict) and value.get(MARKER) == "bytes" and isinstance(value.get("base64"), str):
+        try:
+            return base64.b64decode(value["base64"])
+        except (binascii.Error, ValueError):
+            return None
+    return None
+
+
 def answer_tool_calls(output: Any) -> int:
     """How many tool calls a model's answer makes (an ``llm`` span's decoded output): see the
     module docstring. 0 for anything else."""
@@ -85,6 +101,12 @@ def answer_tool_calls(output: Any) -> int:
         return 0
     if isinstance(value.get("stream"), list):  # a streamed answer as the proxy records it
         return _streamed_calls(value["stream"])
+    wire = _wire(value.get("wire"))
+    if wire is not None and "body" not in value:  # the answer's bytes, as the proxy keeps them
+        if wire.lstrip()[:1] == b"{":
+            body = read_json(wire)
+            return answer_tool_calls({"body": body}) if body is not NOT_JSON else 0
+        return _streamed_calls(stream_chunks(wire))
     if isinstance(value.get("body"), dict):  # the answer's body as the proxy records it
         value = value["body"]
     choices = value.get("choices")

@@ -588,13 +588,10 @@ class _Written:
 def _kept(raw: bytes) -> bytes | None:
     """The bytes a span keeps of a request or an answer: ``raw`` with credentials taken out, or
     None when they cannot be taken out (nothing is kept rather than a secret)."""
-    from rlreplay.format import redact
+    from rlreplay.format.redact import redact_json_bytes
 
-    hide = getattr(redact, "redact_json_bytes", None)
-    if hide is None:
-        return None
     try:
-        return hide(raw)
+        return redact_json_bytes(raw)
     except Exception:
         return None
 

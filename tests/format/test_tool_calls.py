@@ -84,6 +84,24 @@ def test_every_form_of_an_answer_counts_its_calls(k: int, pieces: int, text: boo
     assert answer_tool_calls(two) == k
 
 
+def _sse(chunks: list[Any]) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+@settings(max_examples=40, deadline=None)
+@given(k=st.integers(min_value=0, max_value=6), pieces=st.integers(min_value=1, max_value=5))
+def test_an_answer_kept_as_wire_bytes_counts_its_calls(k: int, pieces: int) -> None:
+    """The proxy keeps answers as the bytes that went over the wire: streamed and whole, as bytes
+    and in their stored JSON form, read back through the span's payload column."""
+    from rlreplay.format import payload
+
+    for wire in (_sse(_chat_stream(k, pieces)), json.dumps(_chat_body(k)).encode()):
+        record = {"status": 200, "token_ids": [1, 2], "wire": wire}
+        assert answer_tool_calls(record) == k
+        stored, _ = payload.decode_safe(payload.encode(record))
+        assert answer_tool_calls(stored) == k
+
+
 def test_not_an_answer_counts_none() -> None:
     for value in (None, 3, "tool_calls", [], {"text": "tool_calls"}, {"choices": []}, {"stream": ["[DONE]"]}):
         assert answer_tool_calls(value) == 0

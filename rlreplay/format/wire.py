@@ -1,0 +1,94 @@
+"""Reading answers as they went over the wire: JSON as every reader reads it alike, server-sent
+event streams. The proxy reads answers with these as they pass, readers the bytes a span keeps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+class _NotJson:
+    def __repr__(self) -> str:
+        return "NOT_JSON"
+
+
+#: What :func:`read_json` gives for bytes that are no JSON value it can read.
+NOT_JSON: Any = _NotJson()
+
+
+_AS_ZEROS = bytes.maketrans(b"123456789", b"000000000")
+_LONG_NUMBER = b"0" * 19  # 19 digits in a row: maybe an integer beyond 64 bits
+
+
+def _long_number(raw: bytes) -> bool:
+    return _LONG_NUMBER in raw.translate(_AS_ZEROS)  # in C, no regex engine
+
+
+def read_plain_json(raw: bytes) -> Any:
+    """The JSON value of ``raw`` when it holds only what every JSON reader reads alike (orjson's
+    reading; no integer beyond 64 bits, NaN or lone surrogate), else :data:`NOT_JSON`."""
+    if _long_number(raw):  # orjson reads integers beyond 64 bits as floats
+        return NOT_JSON
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return NOT_JSON
+
+
+def read_json(raw: bytes) -> Any:
+    """The JSON value of ``raw``: orjson's reading, else Python's, which also reads what orjson
+    refuses and clients send (integers beyond 64 bits, bare ``NaN``/``Infinity``, lone surrogates
+    such as ``"\\ud83d"``); :data:`NOT_JSON` when neither can (not JSON, nested too deep)."""
+    value = read_plain_json(raw)
+    if value is not NOT_JSON:
+        return value
+    import json
+
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return NOT_JSON
+
+
+def sse_data(event: bytes) -> bytes | None:
+    """The data of one SSE event (its ``data:`` lines joined), None when it has none."""
+    lines = [line for line in event.splitlines() if line.startswith(b"data:")]
+    if not lines:
+        return None
+    return b"\n".join(line[5:].lstrip(b" ") for line in lines)
+
+
+def sse_events(raw: bytes) -> tuple[list[bytes], bytes]:
+    """Complete SSE events of ``raw`` (without their blank line) and what is left after them."""
+    raw = raw.replace(b"\r\n", b"\n")
+    parts = raw.split(b"\n\n")
+    return parts[:-1], parts[-1]
+
+
+def stream_chunks(raw: bytes) -> list[Any]:
+    """The chunks of a whole SSE answer: each event's data as JSON, or as text when it is not JSON
+    (``[DONE]``)."""
+    events, rest = sse_events(raw)
+    if rest.strip():
+        events.append(rest)
+    datas = []
+    for event in events:
+        if event.startswith(b"data: ") and b"\n" not in event:  # one data line: the usual event
+            datas.append(event[6:])
+        else:
+            data = sse_data(event)
+            if data is not None:
+                datas.append(data)
+    # the chunks, JSON objects each, read in one call (the usual stream), else one by one
+    done = bool(datas) and datas[-1] == b"[DONE]"
+    objects = datas[:-1] if done else datas
+    if objects and all(d[:1] == b"{" and d[-1:] == b"}" for d in objects):
+        values = read_plain_json(b"[" + b",".join(objects) + b"]")
+        if isinstance(values, list) and len(values) == len(objects):
+            return [*values, "[DONE]"] if done else values
+    out: list[Any] = []
+    for data in datas:
+        value = read_json(data)
+        out.append(data.decode("utf-8", "replace") if value is NOT_JSON else value)
+    return out
