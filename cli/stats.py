@@ -17,11 +17,14 @@ from rlreplay.cli.app import (
     RunOption,
     app,
     fail,
+    left_out_note,
     open_run_arg,
     output_path,
     report_warnings,
     selection_options,
     sparkline,
+    terminal_width,
+    text_table,
     write_atomically,
 )
 from rlreplay.errors import install_hint
@@ -92,7 +95,10 @@ def stats_command(
             sys.stdout.write(orjson.dumps({c: row[c] for c in STATS_COLUMNS}).decode() + "\n")
         return
     shown = ["step", "split", *metrics]
-    sys.stdout.write(_table(rows, shown))
+    # on a terminal, the first columns that fit (the trends below give every column);
+    # --columns chooses, a pipe gets them all
+    lines, left_out = _table(rows, shown, terminal_width() if columns is None else None)
+    sys.stdout.write("\n".join([*lines, *left_out_note(left_out, "--columns NAMES, --json")]) + "\n")
     sys.stdout.write(_trends(rows, metrics))
     if target is not None:
         print(f"wrote {target}", file=sys.stderr)
@@ -127,12 +133,9 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _table(rows: list[dict[str, Any]], shown: list[str]) -> str:
+def _table(rows: list[dict[str, Any]], shown: list[str], width: int | None) -> tuple[list[str], list[str]]:
     cells = [[_fmt(r["step"]), split_name(r["validate"]), *(_fmt(r[c]) for c in shown[2:])] for r in rows]
-    widths = [max([len(name), *(len(row[i]) for row in cells)]) for i, name in enumerate(shown)]
-    lines = ["  ".join(name.rjust(w) for name, w in zip(shown, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines) + "\n"
+    return text_table(shown, cells, width=width, right=[True] * len(shown))
 
 
 def _by_split(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
