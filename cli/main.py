@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         skip_pandas()  # the command-line process of a reading command: no pandas import
     command = command_group(list(args if argv is None else argv))
     try:
+        from rlreplay import settings
+
+        settings.check()  # a bad RLREPLAY_* value is bad input: one line naming it, exit 2
         result = command.main(args=argv, prog_name="rlreplay", standalone_mode=False)
     except CliError as exc:
         _error(str(exc))

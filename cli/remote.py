@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlreplay import settings
 from rlreplay.cli.app import fail
 
 
@@ -53,8 +54,8 @@ def record_to_uri(
 
     _say(f"recording into {shown} (spool: {spool_root})")
     env = child_env(Path("."), experiment)
-    env["RLREPLAY_DIR"] = uri
-    env[publish.ENV_SPOOL] = str(spool_root)
+    env[settings.DIR.name] = uri
+    env[settings.SPOOL.name] = str(spool_root)
     try:
         code = run_forwarding_signals(command, env)
     except CommandNotStarted:  # after the check `record` made first: the run says it never started

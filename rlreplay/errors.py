@@ -20,6 +20,10 @@ class CommandNotStarted(CliError):
     """The command given to ``record`` could not be started (not found, not executable)."""
 
 
+class SettingError(RlreplayError):
+    """An ``RLREPLAY_*`` environment variable whose value cannot be used (one line naming it)."""
+
+
 class RunError(RlreplayError):
     """Bad input when reading a run: a missing run, an unknown or ambiguous id, a bad filter."""
 
