@@ -300,6 +300,17 @@ def plural(count: int, noun: str, nouns: str | None = None) -> str:
     return f"{count} {noun if count == 1 else nouns or noun + 's'}"
 
 
+def trajectories(count: int) -> str:
+    """``count`` trajectories, "1 trajectory" for one."""
+    return plural(count, "trajectory", "trajectories")
+
+
+def run_counts(summary: dict[str, Any]) -> str:
+    """A recorded run's size: "4 steps, 136 trajectories, 952 spans"."""
+    spans = plural(summary["spans"], "span")
+    return f"{plural(summary['steps'], 'step')}, {trajectories(summary['trajectories'])}, {spans}"
+
+
 #: The fewest characters a column of text keeps when it is cut short to fit the terminal.
 MIN_ELIDED = 12
 

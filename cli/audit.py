@@ -21,6 +21,7 @@ from rlreplay.cli.app import (
     selection_options,
     terminal_width,
     text_table,
+    trajectories,
 )
 
 #: worst examples shown per check
@@ -155,7 +156,7 @@ def render(report: Any, incomplete: str | None = None) -> str:
     for finding in report.findings:
         by_check.setdefault(finding.check, []).append(finding)
     width = max(len(name) for name in by_check) if by_check else 0
-    lines.append(f"audited {plural(report.trajectories, 'trajectory', 'trajectories')}")
+    lines.append(f"audited {trajectories(report.trajectories)}")
     if incomplete is not None:
         lines.append(f"  not in full: {incomplete}")
     for name, found in by_check.items():

@@ -33,6 +33,7 @@ from rlreplay.cli.app import (
     shown,
     signal_cell,
     terminal_width,
+    trajectories,
 )
 
 if TYPE_CHECKING:
@@ -192,7 +193,7 @@ def ls_command(
             sys.stdout.write(text)
         return
     shown = table.num_rows
-    total = f"{shown} trajectories" if selection.limit is None else f"{shown} trajectories (--limit)"
+    total = trajectories(shown) + ("" if selection.limit is None else " (--limit)")
     if shown == 0:
         sys.stderr.write(f"no trajectories selected in {opened.address}\n")
         return

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rlreplay import settings
-from rlreplay.cli.app import fail
+from rlreplay.cli.app import fail, run_counts
 
 
 def _say(message: str) -> None:
@@ -82,8 +82,7 @@ def record_to_uri(
         local_manifest.unlink(missing_ok=True)
     if summary is not None:
         _say(
-            f"{shown}: {summary['steps']} steps, {summary['trajectories']} trajectories, "
-            f"{summary['spans']} spans; dropped {summary['dropped']}, spilled {summary['spilled']}, "
+            f"{shown}: {run_counts(summary)}; dropped {summary['dropped']}, spilled {summary['spilled']}, "
             f"lost {summary['lost']}, recovered shards {recovered['recovered_shards']}"
         )
     if recovered["live_partials"]:

@@ -20,6 +20,7 @@ from rlreplay.cli.app import (
     left_out_note,
     open_run_arg,
     output_path,
+    plural,
     report_warnings,
     selection_options,
     sparkline,
@@ -173,7 +174,7 @@ def _trends(rows: list[dict[str, Any]], metrics: list[str]) -> str:
     for split, split_lines in by_split.items():
         steps = [r["step"] for r in grouped[split]]
         span = f"step {_fmt(steps[0])}" if len(steps) == 1 else f"steps {_fmt(steps[0])} to {_fmt(steps[-1])}"
-        lines.append(f"trends ({split}, {len(steps)} rows, {span}):")
+        lines.append(f"trends ({split}, {plural(len(steps), 'row')}, {span}):")
         lines += split_lines
     return ("\n" + "\n".join(lines) + "\n") if lines else ""
 

@@ -23,9 +23,11 @@ from rlreplay.cli.app import (
     err_console,
     fail,
     open_run_arg,
+    plural,
     report_warnings,
     selection_options,
     terminal_width,
+    trajectories,
     wrap_lines,
 )
 
@@ -400,15 +402,15 @@ def _print_summary(summary: Any, describe: str) -> None:
     if summary.over_budget_groups:
         budget = (
             f"; {summary.over_budget_trajectories} more trajectories "
-            f"({summary.over_budget_groups} groups) left out by --max-bytes"
+            f"({plural(summary.over_budget_groups, 'group')}) left out by --max-bytes"
         )
     say(
-        f"selected {summary.selected} trajectories in {summary.groups} groups, "
+        f"selected {trajectories(summary.selected)} in {plural(summary.groups, 'group')}, "
         f"{_human(summary.selected_bytes)}{budget}"
     )
     if summary.dry_run:
         say(
-            f"dry run: would send {summary.to_send} trajectories ({_human(summary.bytes)}, "
+            f"dry run: would send {trajectories(summary.to_send)} ({_human(summary.bytes)}, "
             f"{summary.bytes} bytes) to {describe}; {summary.already_uploaded} already uploaded"
         )
         if summary.on_server is not None:
@@ -430,7 +432,8 @@ def _print_failures(summary: Any) -> None:
     for failure in summary.failures:
         reasons[failure.error] = reasons.get(failure.error, 0) + 1
     err.write(
-        f"rlreplay: error: {summary.failed} trajectories failed, {summary.not_attempted} not attempted"
+        f"rlreplay: error: {trajectories(summary.failed)} failed, "
+        f"{summary.not_attempted} not attempted"
         f"{': ' + '; '.join(f'{r} ({n}x)' for r, n in reasons.items()) if reasons else ''}\n"
     )
     for failure in summary.failures[:20]:

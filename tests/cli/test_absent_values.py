@@ -82,3 +82,14 @@ def test_plural_agrees_with_the_count(count: int, noun: str) -> None:
 @given(st.one_of(st.none(), st.integers(), st.text()))
 def test_shown_says_dash_only_for_absent(value: object) -> None:
     assert shown(value) == ("-" if value is None else str(value))
+
+
+def test_counts_of_one_read_right_in_stats_and_ls() -> None:
+    root = Path(__file__).resolve().parents[2]
+    run = "sample_runs/verl-arith-smollm2"
+    rows = [json.loads(line) for line in _out("stats", "--run", run, "--json", cwd=root).splitlines()]
+    val = [r for r in rows if r["validate"]]
+    assert len(val) == 1  # the sample run validates once
+    assert f"trends (val, 1 row, step {val[0]['step']}):" in _out("stats", "--run", run, cwd=root)
+    listing = _out("ls", "--run", run, "--limit", "1", cwd=root)
+    assert listing.splitlines()[-1] == f"1 trajectory (--limit) in {run}"
