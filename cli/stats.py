@@ -40,6 +40,16 @@ PLOT_DEFAULT = (
     "duration_p95_s",
 )
 PLOT_SUFFIXES = (".html", ".svg", ".png")
+#: The columns a terminal shows first, as many as fit after step and split.
+TERMINAL_FIRST = (
+    "trajectories",
+    "reward_mean",
+    "frac_groups_zero_std",
+    "tool_error_rate",
+    "error_rate",
+    "logprob_diff_mean",
+    "response_tokens_mean",
+)
 COLORS = {"train": "#1f77b4", "val": "#ff7f0e", "all": "#2ca02c"}
 
 
@@ -95,10 +105,15 @@ def stats_command(
         for row in rows:
             sys.stdout.write(orjson.dumps({c: row[c] for c in STATS_COLUMNS}).decode() + "\n")
         return
+    # on a terminal, the most telling columns that fit (the trends below give every column);
+    # --columns chooses, a pipe gets them all in their --json order
+    width = terminal_width() if columns is None else None
+    if width is not None:
+        metrics = [c for c in TERMINAL_FIRST if c in metrics] + [
+            c for c in metrics if c not in TERMINAL_FIRST
+        ]
     shown = ["step", "split", *metrics]
-    # on a terminal, the first columns that fit (the trends below give every column);
-    # --columns chooses, a pipe gets them all
-    lines, left_out = _table(rows, shown, terminal_width() if columns is None else None)
+    lines, left_out = _table(rows, shown, width)
     sys.stdout.write("\n".join([*lines, *left_out_note(left_out, "--columns NAMES, --json")]) + "\n")
     sys.stdout.write(_trends(rows, metrics))
     if target is not None:
