@@ -316,6 +316,93 @@ def terminal_width() -> int | None:
     return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
 
 
+def shown(value: Any) -> str:
+    """A value as the CLI prints it: "-" when absent (None), never Python's "None"."""
+    return "-" if value is None else str(value)
+
+
+def key_fields(item: Any) -> str:
+    """A trajectory's keys as ``step=1 sample_index=26 rollout_n=0`` ("-" for one it has not)."""
+    return " ".join(f"{k}={shown(getattr(item, k))}" for k in ("step", "sample_index", "rollout_n"))
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``count`` and the noun that agrees with it: "1 tool call", "2 tool calls"."""
+    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
+
+
+def trajectories(count: int) -> str:
+    """``count`` trajectories, "1 trajectory" for one."""
+    return plural(count, "trajectory", "trajectories")
+
+
+def run_counts(summary: dict[str, Any]) -> str:
+    """A recorded run's size: "4 steps, 136 trajectories, 952 spans"."""
+    spans = plural(summary["spans"], "span")
+    return f"{plural(summary['steps'], 'step')}, {trajectories(summary['trajectories'])}, {spans}"
+
+
+#: The fewest characters a column of text keeps when it is cut short to fit the terminal.
+MIN_ELIDED = 12
+
+
+def elide(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters, its end replaced by "…" when cut."""
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def text_table(
+    header: list[str],
+    rows: list[list[str]],
+    *,
+    width: int | None = None,
+    right: list[bool] | None = None,
+    text_column: int | None = None,
+    indent: str = "",
+) -> tuple[list[str], list[str]]:
+    """Lines of a table whose columns are in order of priority, two spaces apart (``right``: which
+    are right-aligned; default: all but the first), and the header names left out. With ``width``
+    (a terminal's), only the first columns that fit are kept, and the text column (``text_column``,
+    e.g. a detail) is cut short with "…" to the room left; without it every column is kept whole."""
+    if right is None:
+        right = [False] + [True] * (len(header) - 1)
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(header)]
+    kept = len(header)
+    if width is not None:
+        room = width - len(indent)
+        needs = list(widths)
+        if text_column is not None:
+            needs[text_column] = min(widths[text_column], max(len(header[text_column]), MIN_ELIDED))
+        kept = fit_columns(needs, room)
+        if text_column is not None and text_column < kept:
+            others = sum(w + 2 for i, w in enumerate(widths[:kept]) if i != text_column)
+            widths[text_column] = max(needs[text_column], min(widths[text_column], room - others))
+
+    def line(cells: list[str]) -> str:
+        shown = [elide(c, widths[i]) for i, c in enumerate(cells[:kept])]
+        padded = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(shown, widths, right)]
+        return (indent + "  ".join(padded)).rstrip()
+
+    return [line(header), *(line(r) for r in rows)], header[kept:]
+
+
+def left_out_note(names: list[str], how: str) -> list[str]:
+    """The line saying which columns were left out to fit the terminal, and how to see them."""
+    if not names:
+        return []
+    return [f"({len(names)} more columns to fit the terminal: {how})"]
+
+
+def wrap_lines(text: str, width: int | None, indent: str = "  ") -> str:
+    """``text`` (one line) wrapped to ``width`` characters, later lines indented; whole when
+    ``width`` is None (a pipe or file)."""
+    if width is None or len(text) <= width:
+        return text
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent=indent, break_on_hyphens=False))
+
+
 #: The training signals shown beside the reward when a run has them (listing columns).
 SIGNAL_COLUMNS = ("advantage", "logprob_diff_max", "importance_ratio")
 

@@ -19,8 +19,12 @@ from rlreplay.cli.app import (
     cluster_for,
     fail,
     open_run_arg,
+    plural,
     report_warnings,
     selection_options,
+    terminal_width,
+    text_table,
+    trajectories,
 )
 
 #: worst examples shown per check
@@ -163,7 +167,7 @@ def render(report: Any, incomplete: str | None = None) -> str:
     for finding in report.findings:
         by_check.setdefault(finding.check, []).append(finding)
     width = max(len(name) for name in by_check) if by_check else 0
-    lines.append(f"audited {report.trajectories} trajectories")
+    lines.append(f"audited {trajectories(report.trajectories)}")
     if incomplete is not None:
         lines.append(f"  not in full: {incomplete}")
     for name, found in by_check.items():
@@ -172,31 +176,25 @@ def render(report: Any, incomplete: str | None = None) -> str:
         elif name in report.skipped:
             state = f"skipped ({report.skipped[name]})"
         else:
-            state = f"{len(found)} findings"
+            state = plural(len(found), "finding")
         lines.append(f"  {name.ljust(width)}  {state}")
     for name, found in by_check.items():
         if not found:
             continue
-        lines += ["", f"{name}: {len(found)} findings"]
+        lines += ["", f"{name}: {plural(len(found), 'finding')}"]
         steps: dict[str, int] = {}
         for f in found:
             steps[str(f.step)] = steps.get(str(f.step), 0) + 1
-        lines += _columns([["step", *steps], ["findings", *map(str, steps.values())]], indent="  ")
+        by_step = [[step, str(n)] for step, n in steps.items()]
+        lines += text_table(["step", "findings"], by_step, right=[False, False], indent="  ")[0]
         worst = sorted(found, key=lambda f: -f.score)[:EXAMPLES]
         keys = ("step", "sample_index", "rollout_n")  # the listing's names
         rows = [["id", *keys, "detail"]]
         for f in worst:
             cells = [f.trajectory_id[:12] if f.trajectory_id else "-", *(getattr(f, k) for k in keys)]
             rows.append(["-" if c is None else str(c) for c in cells] + [f.detail])
-        lines += ["  worst:", *_columns(list(map(list, zip(*rows))), indent="  ")]
+        table, _ = text_table(
+            rows[0], rows[1:], width=terminal_width(), right=[False] * 5, text_column=4, indent="  "
+        )
+        lines += ["  worst:", *table]
     return "\n".join(lines) + "\n"
-
-
-def _columns(columns: list[list[str]], indent: str) -> list[str]:
-    """Rows of left-aligned columns (the last one unpadded)."""
-    widths = [max(map(len, col)) for col in columns]
-    out = []
-    for row in zip(*columns):
-        cells = [c.ljust(w) for c, w in zip(row[:-1], widths)] + [row[-1]]
-        out.append((indent + "  ".join(cells)).rstrip())
-    return out

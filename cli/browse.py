@@ -28,11 +28,15 @@ from rlreplay.cli.app import (
     fail,
     fit_columns,
     flagged,
+    key_fields,
     open_run_arg,
+    plural,
     report_warnings,
     selection_options,
+    shown,
     signal_cell,
     terminal_width,
+    trajectories,
 )
 
 if TYPE_CHECKING:
@@ -200,7 +204,7 @@ def ls_command(
             sys.stdout.write(text)
         return
     shown = table.num_rows
-    total = f"{shown} trajectories" if selection.limit is None else f"{shown} trajectories (--limit)"
+    total = trajectories(shown) + ("" if selection.limit is None else " (--limit)")
     if shown == 0:
         sys.stderr.write(f"no trajectories selected in {opened.address}\n")
         return
@@ -298,8 +302,7 @@ def render_tree(traj: Any, text_lines: Any = None, stopped: dict[str, str] | Non
         value = traj.row.get(name)
         reward += "" if value is None else f"  {name}={value:.4g}"
     title = (
-        f"[bold]{traj.id}[/bold]  step={traj.step} sample_index={traj.sample_index} "
-        f"rollout_n={traj.rollout_n} {split}  experiment={escape(str(traj.experiment))} "
+        f"[bold]{traj.id}[/bold]  {key_fields(traj)} {split}  experiment={escape(shown(traj.experiment))} "
         f"worker={escape(traj.worker)}  {when}\n"
         f"status={traj.status}{reward}  model_calls={traj.model_calls} tool_calls={traj.tool_calls} "
         f"tool_errors={traj.tool_errors}" + _replay_line(traj.attributes)
@@ -485,7 +488,7 @@ def _show_conversation(traj: Any, adapter: Any, stopped: dict[str, str]) -> list
     if not turns:
         return []
     styles = {"prompt": "bold blue", "assistant": "bold green", "tool": "bold yellow"}
-    counts = f"{traj.model_calls} model calls, {traj.tool_calls} tool calls"
+    counts = f"{plural(traj.model_calls, 'model call')}, {plural(traj.tool_calls, 'tool call')}"
     items: list[Any] = [Rule(f"conversation ({counts})", style="dim")]
     span_ids = [t.span_id for t in conversation_turns(traj, adapter=adapter)]  # the turns add_text decoded
     for i, turn in enumerate(turns):
@@ -524,7 +527,7 @@ def info_command(
     for key, value in summary.items():
         if key == RECORDER_KEYS[0]:
             out.print(f"{'recorder':>18}: (counters the recording processes reported)", markup=False)
-        out.print(f"{key:>18}: {value}", markup=False)
+        out.print(f"{key:>18}: {shown(value)}", markup=False)
 
 
 @app.command("recover")

@@ -10,12 +10,20 @@ from typing import Annotated, Any
 import orjson
 import typer
 
-from rlreplay.cli.app import JsonOption, app, fail, open_run_arg, report_warnings, selection_options
+from rlreplay.cli.app import (
+    JsonOption,
+    app,
+    fail,
+    key_fields,
+    open_run_arg,
+    report_warnings,
+    selection_options,
+)
 
 
 def _keys(pair: Any) -> str:
     split = " validate" if pair.validate else ""
-    return f"step={pair.step} sample_index={pair.sample_index} rollout_n={pair.rollout_n}{split}"
+    return f"{key_fields(pair)}{split}"
 
 
 def _values(diff: dict[str, Any] | None) -> str:

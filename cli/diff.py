@@ -16,10 +16,13 @@ from rlreplay.cli.app import (
     TokenizerOption,
     app,
     console,
+    elide,
     fail,
     fit_columns,
+    key_fields,
     open_run_arg,
     selection_options,
+    shown,
     signal_cell,
     terminal_width,
 )
@@ -46,9 +49,8 @@ STATUS_MARK = {"equal": "=", "changed": "~", "only_a": "-", "only_b": "+"}
 
 def _side_label(side: Any, run_shown: bool) -> str:
     split = "validate" if side.validate else "train"
-    keys = f"step={side.step} sample_index={side.sample_index} rollout_n={side.rollout_n} {split}"
     where = f"  run={side.run}" if run_shown and side.run else ""
-    return f"{side.id[:12]}  {keys}  experiment={side.experiment}{where}"
+    return f"{side.id[:12]}  {key_fields(side)} {split}  experiment={shown(side.experiment)}{where}"
 
 
 def _num(value: Any, seconds: bool = False, signed: bool = False) -> str:
@@ -276,8 +278,11 @@ def tools_table(diff: Any) -> Text | None:
     return out
 
 
-def render_diff(diff: Any, layout: str = "unified", full: bool = False) -> list[RenderableType]:
-    """Everything ``rlreplay diff`` prints, as rich renderables."""
+def render_diff(
+    diff: Any, layout: str = "unified", full: bool = False, wrap: bool = False
+) -> list[RenderableType]:
+    """Everything ``rlreplay diff`` prints, as rich renderables; ``wrap``: tool call lines wrapped
+    to the console's width (a terminal's), else whole."""
     from rich.console import Group
     from rich.text import Text
 
@@ -328,10 +333,14 @@ def render_diff(diff: Any, layout: str = "unified", full: bool = False) -> list[
                 INS_OPEN + format_tool_calls(t.turn_b.tool_calls if t.turn_b else None) + INS_CLOSE,
                 style=INS_STYLE,
             )
-            parts.append(calls)
+            parts.append(Group(calls) if wrap else calls)
     tools = tools_table(diff)
     if tools is not None:
-        parts += [Text(""), Text("tool calls (in call order):", style="bold"), tools]
+        parts += [
+            Text(""),
+            Text("tool calls (in call order):", style="bold"),
+            Group(tools) if wrap else tools,
+        ]
     return parts
 
 
@@ -391,9 +400,7 @@ def _diverges_at(member: Any) -> str:
 
 def _cut(text: str, width: int | None) -> str:
     """``text`` in at most ``width`` characters (its end replaced by ``…``); all of it without one."""
-    if width is None or len(text) <= width:
-        return text
-    return text[: max(width - 1, 0)] + "…"
+    return text if width is None else elide(text, width)
 
 
 def render_group(group: Any, text: bool, width: int | None = None) -> list[RenderableType]:
@@ -596,4 +603,5 @@ def diff_command(
             payload["tokenizer"] = decoder.name
         typer.echo(orjson.dumps(payload, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
         return
-    print_parts(console(), render_diff(result, "side" if side else "unified", full))
+    wrap = terminal_width() is not None
+    print_parts(console(), render_diff(result, "side" if side else "unified", full, wrap))

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from rlreplay import settings
 from rlreplay.cli.app import MAX_SECONDS
 from rlreplay.errors import CommandNotStarted
 from rlreplay.recorder.matchers import DEFAULT_MATCH_ON as MATCHERS_BY_DEFAULT
@@ -94,12 +95,12 @@ def child_env(
     run_dir: Path, experiment: str | None, framework: str = DEFAULT_FRAMEWORK, token_signals: bool = False
 ) -> dict[str, str]:
     env = dict(os.environ)
-    env["RLREPLAY_DIR"] = str(run_dir.resolve())
-    env["RLREPLAY_FRAMEWORK"] = framework
+    env[settings.DIR.name] = str(run_dir.resolve())
+    env[settings.FRAMEWORK.name] = framework
     if token_signals:
-        env["RLREPLAY_TOKEN_SIGNALS"] = "1"
+        env[settings.TOKEN_SIGNALS.name] = "1"
     if experiment:
-        env["RLREPLAY_EXPERIMENT"] = experiment
+        env[settings.EXPERIMENT.name] = experiment
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(bootstrap_dir()), env.get("PYTHONPATH")) if p)
     return env
 

@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     command = command_group(given)
     try:
+        from rlreplay import settings
+
+        settings.check()  # a bad RLREPLAY_* value is bad input: one line naming it, exit 2
         result = command.main(args=argv, prog_name="rlreplay", standalone_mode=False)
     except CliError as exc:
         _error(str(exc))

@@ -18,11 +18,15 @@ from rlreplay.cli.app import (
     app,
     cluster_for,
     fail,
+    left_out_note,
     open_run_arg,
     report_warnings,
     selection_options,
     sparkline,
+    terminal_width,
+    text_table,
     whole_number,
+    wrap_lines,
 )
 from rlreplay.mismatch import BY as BY_KEYS
 
@@ -132,7 +136,8 @@ def mismatch_command(
         if as_json:
             print(f"rlreplay: note: {exc}", file=sys.stderr)
         else:
-            sys.stdout.write(f"{exc.why}\n{exc.how}\n")
+            width = terminal_width()  # wrapped on a terminal, one line each to a pipe
+            sys.stdout.write(f"{wrap_lines(exc.why, width)}\n{wrap_lines(exc.how, width)}\n")
         return
     finally:  # before any error: a damaged file may be why nothing could be compared
         report_warnings(opened)
@@ -195,8 +200,7 @@ STEP_TABLES = (
         ],
     ),
     (
-        "the gap |Δ| = |trainer − rollout| log-prob of each sampled model token; seq_max: each "
-        "response's largest",
+        "the gap |Δ| = |trainer − rollout| log-prob of each sampled model token (seq_max: a response's)",
         [
             ("diff_mean", "logprob_diff_mean"),
             ("diff_p99", "logprob_diff_p99"),
@@ -254,14 +258,9 @@ def fmt(value: Any) -> str:
 
 
 def table(header: list[str], rows: list[list[str]], indent: str = "") -> list[str]:
-    """Right-aligned columns, the first left-aligned."""
-    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(header)]
-
-    def line(cells: list[str]) -> str:
-        first = cells[0].ljust(widths[0])
-        return (indent + "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:]))])).rstrip()
-
-    return [line(header), *(line(r) for r in rows)]
+    """Right-aligned columns, the first left-aligned; on a terminal, the first columns that fit it."""
+    lines, left_out = text_table(header, rows, width=terminal_width(), indent=indent)
+    return lines + [indent + n for n in left_out_note(left_out, "--json")]
 
 
 def prose(*texts: str) -> list[str]:
@@ -302,7 +301,7 @@ def render(report: Any, shown: int) -> str:
         ]
         lines += [
             "",
-            f"{title}:",
+            *prose(f"{title}:"),
             *table(["step", "split", "seqs", "tokens", *(h for h, _ in columns)], rows),
         ]
     lines += ["", *prose(NAMES, m.BOUNDS_RULE, m.VERDICT_RULE)]

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from rlreplay.cli.app import TokenizerOption, app, fail
+from rlreplay.cli.app import TokenizerOption, app, fail, run_counts
 from rlreplay.cli.launch import (
     AUTO_FRAMEWORK,
     DEFAULT_FRAMEWORK,
@@ -219,8 +219,7 @@ def record_run(
     )
     bpt = summary["bytes_per_token"]
     print(
-        f"rlreplay: {run_dir}: {summary['steps']} steps, {summary['trajectories']} trajectories, "
-        f"{summary['spans']} spans, {summary['bytes_on_disk']:,} bytes on disk"
+        f"rlreplay: {run_dir}: {run_counts(summary)}, {summary['bytes_on_disk']:,} bytes on disk"
         + (f" ({bpt:.3f} bytes/token id)" if bpt else "")
         + f"; dropped {summary['dropped']}, spilled {summary['spilled']}, lost {summary['lost']}, "
         f"recovered shards {recovered['recovered_shards']}"

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlreplay.cli.app import fail
+from rlreplay import settings
+from rlreplay.cli.app import fail, run_counts
 
 
 def _say(message: str) -> None:
@@ -53,8 +54,8 @@ def record_to_uri(
 
     _say(f"recording into {shown} (spool: {spool_root})")
     env = child_env(Path("."), experiment)
-    env["RLREPLAY_DIR"] = uri
-    env[publish.ENV_SPOOL] = str(spool_root)
+    env[settings.DIR.name] = uri
+    env[settings.SPOOL.name] = str(spool_root)
     try:
         code = run_forwarding_signals(command, env)
     except CommandNotStarted:  # after the check `record` made first: the run says it never started
@@ -81,8 +82,7 @@ def record_to_uri(
         local_manifest.unlink(missing_ok=True)
     if summary is not None:
         _say(
-            f"{shown}: {summary['steps']} steps, {summary['trajectories']} trajectories, "
-            f"{summary['spans']} spans; dropped {summary['dropped']}, spilled {summary['spilled']}, "
+            f"{shown}: {run_counts(summary)}; dropped {summary['dropped']}, spilled {summary['spilled']}, "
             f"lost {summary['lost']}, recovered shards {recovered['recovered_shards']}"
         )
     if recovered["live_partials"]:

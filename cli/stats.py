@@ -17,11 +17,15 @@ from rlreplay.cli.app import (
     RunOption,
     app,
     fail,
+    left_out_note,
     open_run_arg,
     output_path,
+    plural,
     report_warnings,
     selection_options,
     sparkline,
+    terminal_width,
+    text_table,
     write_atomically,
 )
 from rlreplay.errors import install_hint
@@ -36,6 +40,16 @@ PLOT_DEFAULT = (
     "duration_p95_s",
 )
 PLOT_SUFFIXES = (".html", ".svg", ".png")
+#: The columns a terminal shows first, as many as fit after step and split.
+TERMINAL_FIRST = (
+    "trajectories",
+    "reward_mean",
+    "frac_groups_zero_std",
+    "tool_error_rate",
+    "error_rate",
+    "logprob_diff_mean",
+    "response_tokens_mean",
+)
 COLORS = {"train": "#1f77b4", "val": "#ff7f0e", "all": "#2ca02c"}
 
 
@@ -91,8 +105,16 @@ def stats_command(
         for row in rows:
             sys.stdout.write(orjson.dumps({c: row[c] for c in STATS_COLUMNS}).decode() + "\n")
         return
+    # on a terminal, the most telling columns that fit (the trends below give every column);
+    # --columns chooses, a pipe gets them all in their --json order
+    width = terminal_width() if columns is None else None
+    if width is not None:
+        metrics = [c for c in TERMINAL_FIRST if c in metrics] + [
+            c for c in metrics if c not in TERMINAL_FIRST
+        ]
     shown = ["step", "split", *metrics]
-    sys.stdout.write(_table(rows, shown))
+    lines, left_out = _table(rows, shown, width)
+    sys.stdout.write("\n".join([*lines, *left_out_note(left_out, "--columns NAMES, --json")]) + "\n")
     sys.stdout.write(_trends(rows, metrics))
     if target is not None:
         print(f"wrote {target}", file=sys.stderr)
@@ -127,12 +149,9 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _table(rows: list[dict[str, Any]], shown: list[str]) -> str:
+def _table(rows: list[dict[str, Any]], shown: list[str], width: int | None) -> tuple[list[str], list[str]]:
     cells = [[_fmt(r["step"]), split_name(r["validate"]), *(_fmt(r[c]) for c in shown[2:])] for r in rows]
-    widths = [max([len(name), *(len(row[i]) for row in cells)]) for i, name in enumerate(shown)]
-    lines = ["  ".join(name.rjust(w) for name, w in zip(shown, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines) + "\n"
+    return text_table(shown, cells, width=width, right=[True] * len(shown))
 
 
 def _by_split(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -170,7 +189,7 @@ def _trends(rows: list[dict[str, Any]], metrics: list[str]) -> str:
     for split, split_lines in by_split.items():
         steps = [r["step"] for r in grouped[split]]
         span = f"step {_fmt(steps[0])}" if len(steps) == 1 else f"steps {_fmt(steps[0])} to {_fmt(steps[-1])}"
-        lines.append(f"trends ({split}, {len(steps)} rows, {span}):")
+        lines.append(f"trends ({split}, {plural(len(steps), 'row')}, {span}):")
         lines += split_lines
     return ("\n" + "\n".join(lines) + "\n") if lines else ""
 

@@ -87,11 +87,11 @@ def ui_command(
 
 
 def _default_root() -> Path:
-    import os
 
+    from rlreplay import settings
     from rlreplay.read.open import default_run_path
     from rlreplay.read.run import RUNS_DIR
 
-    if not os.environ.get("RLREPLAY_DIR") and Path(RUNS_DIR).is_dir():
+    if not settings.DIR.get() and Path(RUNS_DIR).is_dir():
         return Path(RUNS_DIR)
     return default_run_path()

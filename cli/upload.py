@@ -23,8 +23,12 @@ from rlreplay.cli.app import (
     err_console,
     fail,
     open_run_arg,
+    plural,
     report_warnings,
     selection_options,
+    terminal_width,
+    trajectories,
+    wrap_lines,
 )
 
 EXIT_FAILED = 1
@@ -376,7 +380,9 @@ def upload_command(
         sys.stdout.write(orjson.dumps(shown).decode() + "\n")
     else:
         if chose is not None:
-            sys.stdout.write(f"--max-samples {max_samples} chose {chose}\n")
+            sys.stdout.write(
+                wrap_lines(f"--max-samples {max_samples} chose {chose}", terminal_width()) + "\n"
+            )
         _print_summary(summary, describe=getattr(uploader, "describe", lambda: summary.target)())
     if summary.error:
         rerun = "; what was sent is recorded, rerun to resume" if summary.resumable else ""
@@ -387,31 +393,35 @@ def upload_command(
 
 
 def _print_summary(summary: Any, describe: str) -> None:
-    out = sys.stdout
+    width = terminal_width()
+
+    def say(line: str) -> None:  # wrapped to the terminal
+        sys.stdout.write(wrap_lines(line, width) + "\n")
+
     budget = ""
     if summary.over_budget_groups:
         budget = (
             f"; {summary.over_budget_trajectories} more trajectories "
-            f"({summary.over_budget_groups} groups) left out by --max-bytes"
+            f"({plural(summary.over_budget_groups, 'group')}) left out by --max-bytes"
         )
-    out.write(
-        f"selected {summary.selected} trajectories in {summary.groups} groups, "
-        f"{_human(summary.selected_bytes)}{budget}\n"
+    say(
+        f"selected {trajectories(summary.selected)} in {plural(summary.groups, 'group')}, "
+        f"{_human(summary.selected_bytes)}{budget}"
     )
     if summary.dry_run:
-        out.write(
-            f"dry run: would send {summary.to_send} trajectories ({_human(summary.bytes)}, "
-            f"{summary.bytes} bytes) to {describe}; {summary.already_uploaded} already uploaded\n"
+        say(
+            f"dry run: would send {trajectories(summary.to_send)} ({_human(summary.bytes)}, "
+            f"{summary.bytes} bytes) to {describe}; {summary.already_uploaded} already uploaded"
         )
         if summary.on_server is not None:
-            out.write(f"the server has {summary.on_server} of the {summary.selected} selected\n")
+            say(f"the server has {summary.on_server} of the {summary.selected} selected")
         return
     rate = summary.sent / summary.seconds if summary.seconds else 0.0
     replaced = f" ({summary.replaced} replacing earlier uploads)" if summary.replaced else ""
-    out.write(
+    say(
         f"sent {summary.sent}{replaced} ({_human(summary.bytes)}) to {describe} in {summary.seconds:.1f}s "
         f"({rate:.1f} traces/s); {summary.already_uploaded} already uploaded"
-        f"{f'; text: {summary.text}' if summary.text else '; no text (token ids only)'}\n"
+        f"{f'; text: {summary.text}' if summary.text else '; no text (token ids only)'}"
     )
 
 
@@ -422,7 +432,8 @@ def _print_failures(summary: Any) -> None:
     for failure in summary.failures:
         reasons[failure.error] = reasons.get(failure.error, 0) + 1
     err.write(
-        f"rlreplay: error: {summary.failed} trajectories failed, {summary.not_attempted} not attempted"
+        f"rlreplay: error: {trajectories(summary.failed)} failed, "
+        f"{summary.not_attempted} not attempted"
         f"{': ' + '; '.join(f'{r} ({n}x)' for r, n in reasons.items()) if reasons else ''}\n"
     )
     for failure in summary.failures[:20]:

@@ -21,14 +21,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from rlreplay import plugins
+from rlreplay import plugins, settings
 
 log = logging.getLogger("rlreplay")
 
-ENV_PREFIX = "RLREPLAY_"
-ENV_CHAINED_HOOK = "RLREPLAY_CHAINED_SETUP_HOOK"
-ENV_FRAMEWORK = "RLREPLAY_FRAMEWORK"
-ENV_REPLAY_SOURCE = "RLREPLAY_REPLAY_SOURCE"  # rlreplay.playback.ENV_SOURCE
 BUILTIN_FRAMEWORKS = ("verl", "generic", "auto")  # hooked by HOOKS below, no entry-point lookup
 SETUP_HOOK = "rlreplay.recorders.activate.worker_setup"
 VERL_TRACE_MODULE = "verl.utils.rollout_trace"
@@ -75,7 +71,7 @@ def _close_writers_at_shutdown(ray: ModuleType) -> None:
     """In the driver: before Ray ends the job (whose actors are killed without closing), ask the
     recording processes on every node to seal and upload their files."""
     global _shutdown_hooked
-    if _shutdown_hooked or not os.environ.get("RLREPLAY_DIR"):
+    if _shutdown_hooked or not settings.DIR.get():
         return
     _shutdown_hooked = True
     shutdown = ray.shutdown
@@ -96,7 +92,7 @@ def close_cluster_writers(wait_s: float = CLOSE_WAIT_S) -> int:
     """Run :func:`rlreplay.remote.publish.close_node_writers` on every live node of the cluster."""
     global _closed_cluster
     ray = sys.modules.get("ray")
-    target = os.environ.get("RLREPLAY_DIR")
+    target = settings.DIR.get()
     if _closed_cluster or ray is None or not target or not ray.is_initialized():
         return 0
     _closed_cluster = True
@@ -107,7 +103,7 @@ def close_cluster_writers(wait_s: float = CLOSE_WAIT_S) -> int:
         refs = [
             task.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-            ).remote(target, os.environ.get("RLREPLAY_SPOOL"), wait_s, os.getpid())
+            ).remote(target, settings.SPOOL.get(), wait_s, os.getpid())
             for node in ray.nodes()
             if node.get("Alive")
         ]
@@ -132,7 +128,8 @@ HOOKS: dict[str, Callable[[ModuleType], None]] = {
 
 
 def recording_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX) and k != ENV_CHAINED_HOOK}
+    chained = settings.CHAINED_SETUP_HOOK.name
+    return {k: v for k, v in os.environ.items() if k.startswith(settings.PREFIX) and k != chained}
 
 
 def job_runtime_env(runtime_env: Any) -> Any:
@@ -143,7 +140,7 @@ def job_runtime_env(runtime_env: Any) -> Any:
     if existing and existing != SETUP_HOOK:
         if not isinstance(existing, str):
             return runtime_env  # a callable hook cannot be chained by name; keep the user's
-        env_vars[ENV_CHAINED_HOOK] = existing
+        env_vars[settings.CHAINED_SETUP_HOOK.name] = existing
     env["env_vars"] = env_vars
     env["worker_process_setup_hook"] = SETUP_HOOK
     return env
@@ -193,7 +190,7 @@ class ImportHook(importlib.abc.MetaPathFinder):
 def activate() -> None:
     """Install the import hooks (idempotent); patch watched modules already imported."""
     global _activated
-    if _activated or os.environ.get("RLREPLAY_DISABLE"):
+    if _activated or settings.DISABLE.get_or_default():
         return
     _activated = True
     sys.meta_path.insert(0, ImportHook(HOOKS))
@@ -205,14 +202,14 @@ def activate() -> None:
                 callback(module)
             except Exception as exc:
                 log.warning("rlreplay: could not hook %s: %s", name, exc)
-    if os.environ.get(ENV_REPLAY_SOURCE):
+    if settings.REPLAY_SOURCE.get():
         try:
             from rlreplay.playback import start_from_env
 
             start_from_env()
         except Exception as exc:
             log.warning("rlreplay: replay not started in pid %s: %s", os.getpid(), exc)
-    framework = os.environ.get(ENV_FRAMEWORK, "").strip().lower()
+    framework = (settings.FRAMEWORK.get() or "").strip().lower()
     if framework and framework not in BUILTIN_FRAMEWORKS:
         try:
             from rlreplay.adapters.registry import get_adapter
@@ -225,7 +222,7 @@ def activate() -> None:
 def worker_setup() -> None:
     """Ray's ``worker_process_setup_hook``: runs in every worker before its tasks and actors."""
     activate()
-    chained = os.environ.get(ENV_CHAINED_HOOK)
+    chained = settings.CHAINED_SETUP_HOOK.get()
     if chained:
         module_name, _, func = chained.rpartition(".")
         getattr(importlib.import_module(module_name), func)()

@@ -27,7 +27,6 @@ import atexit
 import functools
 import inspect
 import logging
-import os
 import queue
 import sys
 import threading
@@ -36,12 +35,12 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from rlreplay import settings
 from rlreplay.recorders.verl import EXTRA_FIELD
 
 log = logging.getLogger("rlreplay")
 
 TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
-ENV_TOKEN_SIGNALS = "RLREPLAY_TOKEN_SIGNALS"
 _MARK = "__rlreplay_verl_trainer__"
 _warned: set[str] = set()
 unmatched_rows = [0]  # rows without a recorded trajectory (e.g. verl's per-worker trace sampling)
@@ -54,7 +53,7 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def token_signals_wanted() -> bool:
-    return os.environ.get(ENV_TOKEN_SIGNALS, "").strip().lower() in ("1", "true", "yes", "on")
+    return settings.TOKEN_SIGNALS.get_or_default()
 
 
 @functools.lru_cache(maxsize=1)

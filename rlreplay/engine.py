@@ -28,12 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlreplay import settings
 from rlreplay.errors import EngineError, RlreplayError, install_hint
 
 ENGINES = ("local", "ray")
-#: Bytes of span files a part reads (a part holds whole steps: a step is read in one pass).
-PART_BYTES = 64 << 20
-ENV_PART_BYTES = "RLREPLAY_PART_BYTES"
 #: Tasks in flight per CPU of the cluster (their answers wait on the driver in part order).
 IN_FLIGHT_PER_CPU = 2
 #: Times Ray runs a task again when its node or worker is lost.
@@ -43,11 +41,8 @@ CONNECT_TIMEOUT_S = 10.0
 
 
 def part_bytes() -> int:
-    chosen = os.environ.get(ENV_PART_BYTES)
-    try:
-        return max(1, int(chosen)) if chosen else PART_BYTES
-    except ValueError:
-        raise EngineError(f"{ENV_PART_BYTES}={chosen!r}: give a number of bytes") from None
+    """Bytes of span files a part reads (a part holds whole steps: a step is read in one pass)."""
+    return settings.PART_BYTES.get()
 
 
 def plan(run: Any, listing: Any, target: int | None = None) -> list[Any]:
@@ -130,7 +125,7 @@ def run_part(address: str, job: Callable[[Any, Any], Any], listing: Any) -> Answ
         time.perf_counter() - started,
         read,
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        os.environ.get("RLREPLAY_HOST") or os.uname().nodename,
+        settings.HOST.get() or os.uname().nodename,
     )
 
 

@@ -25,6 +25,10 @@ class EngineError(RlreplayError):
     not installed, workers without rlreplay, a task that failed."""
 
 
+class SettingError(RlreplayError):
+    """An ``RLREPLAY_*`` environment variable whose value cannot be used (one line naming it)."""
+
+
 class RunError(RlreplayError):
     """Bad input when reading a run: a missing run, an unknown or ambiguous id, a bad filter."""
 

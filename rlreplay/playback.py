@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from rlreplay import settings
 from rlreplay.adapters.registry import MANIFEST_KEY as ADAPTER_KEY
 from rlreplay.adapters.registry import adapter_for_run
 from rlreplay.errors import ReplayError, RlreplayError
@@ -49,11 +50,6 @@ from rlreplay.remote import location
 
 #: What ``serve`` may name, and the span kind each serves.
 SERVE_KINDS = {"llm": KIND_LLM, "tool": KIND_TOOL, "agent": KIND_AGENT}
-ENV_SOURCE = "RLREPLAY_REPLAY_SOURCE"
-ENV_SERVE = "RLREPLAY_REPLAY_SERVE"
-ENV_ON_DIVERGE = "RLREPLAY_REPLAY_ON_DIVERGE"
-ENV_SELECT = "RLREPLAY_REPLAY_SELECT"
-ENV_MATCH_ON = "RLREPLAY_REPLAY_MATCH_ON"
 #: The manifest's record of a replay (``run.json``), and the listing columns a replay adds.
 MANIFEST_KEY = "replay"
 #: How ``Run.warnings`` names a span file it could not read.
@@ -152,31 +148,32 @@ class ReplayConfig:
     def env(self) -> dict[str, str]:
         """What carries this replay into every process of a job."""
         return {
-            ENV_SOURCE: self.source,
-            ENV_SERVE: ",".join(self.serve),
-            ENV_ON_DIVERGE: self.on_diverge,
-            ENV_SELECT: orjson.dumps(_selection_record(self.selection)).decode(),
-            ENV_MATCH_ON: ",".join(self.match_on),
+            settings.REPLAY_SOURCE.name: self.source,
+            settings.REPLAY_SERVE.name: ",".join(self.serve),
+            settings.REPLAY_ON_DIVERGE.name: self.on_diverge,
+            settings.REPLAY_SELECT.name: orjson.dumps(_selection_record(self.selection)).decode(),
+            settings.REPLAY_MATCH_ON.name: ",".join(self.match_on),
         }
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> ReplayConfig | None:
         """The replay the environment names; None when it names none. Raises ReplayError."""
-        source = environ.get(ENV_SOURCE)
+        source = settings.REPLAY_SOURCE.get(environ)
         if not source:
             return None
+        name = settings.REPLAY_SELECT.name
         try:
-            select = orjson.loads(environ.get(ENV_SELECT) or "{}")
+            select = orjson.loads(settings.REPLAY_SELECT.get(environ) or "{}")
         except orjson.JSONDecodeError as exc:
-            raise ReplayError(f"${ENV_SELECT}: not JSON ({exc})") from None
+            raise ReplayError(f"${name}: not JSON ({exc})") from None
         if not isinstance(select, dict):
-            raise ReplayError(f"${ENV_SELECT}: not a JSON object")
+            raise ReplayError(f"${name}: not a JSON object")
         return cls.of(
             source,
-            environ.get(ENV_SERVE) or "llm",
+            settings.REPLAY_SERVE.get(environ),
             select,
-            environ.get(ENV_ON_DIVERGE) or "live",
-            environ.get(ENV_MATCH_ON) or DEFAULT_MATCH_ON,
+            settings.REPLAY_ON_DIVERGE.get(environ),
+            settings.REPLAY_MATCH_ON.get(environ) or DEFAULT_MATCH_ON,
         )
 
     # -- into the new run's manifest, and back --------------------------------------------------

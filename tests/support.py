@@ -33,9 +33,12 @@ def rlreplay_cli(
     )
 
 
-def on_terminal(*args: str, columns: int, env: dict[str, str] | None = None) -> str:
+def on_terminal(
+    *args: str, columns: int, env: dict[str, str] | None = None, exit_codes: tuple[int, ...] = (0,)
+) -> str:
     """What ``rlreplay ARGS`` prints on a terminal ``columns`` wide (a real pseudo-terminal whose window
-    size says so; no ``COLUMNS`` in the environment), without colour codes or carriage returns."""
+    size says so; no ``COLUMNS`` in the environment), without colour codes or carriage returns;
+    ``exit_codes``: the exit statuses it may end with."""
     import fcntl
     import pty
     import re
@@ -64,7 +67,7 @@ def on_terminal(*args: str, columns: int, env: dict[str, str] | None = None) -> 
             break
         out += chunk
     os.close(primary)
-    assert proc.wait(timeout=120) == 0, out.decode(errors="replace")
+    assert proc.wait(timeout=120) in exit_codes, out.decode(errors="replace")
     return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode()).replace("\r", "")
 
 

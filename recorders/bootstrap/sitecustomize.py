@@ -21,12 +21,14 @@ def _run_shadowed_sitecustomize() -> None:
             return
 
 
-if os.environ.get("RLREPLAY_DIR"):
-    try:
+try:  # this folder is on PYTHONPATH only in a recorded job's processes: rlreplay loads there anyway
+    from rlreplay import settings
+
+    if settings.DIR.get():
         from rlreplay.recorders.activate import activate
 
         activate()
-    except Exception as exc:  # recording must never stop the user's program
-        print(f"rlreplay: recording not activated in pid {os.getpid()}: {exc}", file=sys.stderr)
+except Exception as exc:  # recording must never stop the user's program
+    print(f"rlreplay: recording not activated in pid {os.getpid()}: {exc}", file=sys.stderr)
 
 _run_shadowed_sitecustomize()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from rlreplay import settings
 from rlreplay.errors import RunError
 from rlreplay.format import manifest
 from rlreplay.read.run import RUNS_DIR, Run
@@ -13,7 +14,7 @@ from rlreplay.shards.layout import SPANS_DIR
 
 def default_run_path() -> Path:
     """``$RLREPLAY_DIR``, else the newest run under ``./rlreplay-runs/``."""
-    env = os.environ.get("RLREPLAY_DIR")
+    env = settings.DIR.get()
     if env:
         return Path(env)
     base = Path(RUNS_DIR)
@@ -28,7 +29,7 @@ def open_run(path: str | os.PathLike[str] | None = None) -> Run:
     from rlreplay.read import remote as remote_run
     from rlreplay.remote import location
 
-    uri = location.as_uri(path if path is not None else os.environ.get("RLREPLAY_DIR"))
+    uri = location.as_uri(path if path is not None else settings.DIR.get())
     if uri is not None:  # a run on an object store, read through a local cache
         return remote_run.open_remote(uri)
     run_path = location.local_path(path) if path is not None else default_run_path()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
+from rlreplay import settings
 from rlreplay.format import manifest, payload
 from rlreplay.format.keys import TrajectoryKey
 from rlreplay.format.schema import KIND_OP, KIND_TRAJECTORY
@@ -33,10 +34,7 @@ from rlreplay.recorder.events import (
     given_keys,
     payload_bytes,
 )
-from rlreplay.recorder.workers import ENV_WORKER
 from rlreplay.recorder.writer import (
-    ENV_MAX_QUEUE_MB,
-    ENV_POLICY,
     POLICY_DROP,
     POLICY_SPILL,
     Recorder,
@@ -46,9 +44,9 @@ from rlreplay.recorder.writer import (
 from rlreplay.remote import publish
 
 log = logging.getLogger("rlreplay")
-ENV_DIR = "RLREPLAY_DIR"
-ENV_EXPERIMENT = "RLREPLAY_EXPERIMENT"
-ENV_DISABLE = "RLREPLAY_DISABLE"
+ENV_DIR = settings.DIR.name
+ENV_EXPERIMENT = settings.EXPERIMENT.name
+ENV_DISABLE = settings.DISABLE.name
 
 
 _OFF = object()  # tracing disabled in this context
@@ -97,17 +95,17 @@ def init(
 ) -> Recorder:
     """Start recording in this process into run directory ``dir`` (default: ``$RLREPLAY_DIR``)."""
     global _recorder, _env_checked
-    run_dir = dir if dir is not None else os.environ.get(ENV_DIR)
+    run_dir = dir if dir is not None else settings.DIR.get()
     if not run_dir:
         raise ValueError(f"rlreplay.init needs dir= or ${ENV_DIR}")
-    policy = policy or os.environ.get(ENV_POLICY) or POLICY_SPILL
+    policy = policy or settings.POLICY.get_or_default()
     if policy not in (POLICY_SPILL, POLICY_DROP):
         raise ValueError(f"policy must be {POLICY_SPILL!r} or {POLICY_DROP!r}, not {policy!r}")
-    queue_mb = max_queue_mb if max_queue_mb is not None else float(os.environ.get(ENV_MAX_QUEUE_MB, 32))
+    queue_mb = max_queue_mb if max_queue_mb is not None else settings.MAX_QUEUE_MB.get_or_default()
     config = RecorderConfig(
         run_dir=publish.recording_dir(run_dir),  # a URI records into a local spool, published
-        experiment=experiment or os.environ.get(ENV_EXPERIMENT),
-        worker=worker or os.environ.get(ENV_WORKER),
+        experiment=experiment or settings.EXPERIMENT.get(),
+        worker=worker or settings.WORKER.get(),
         policy=policy,
         max_queue_bytes=int(queue_mb * (1 << 20)),
         max_field_bytes=max_field_bytes,
@@ -133,7 +131,7 @@ def _from_env() -> Recorder | None:
         if _env_checked:
             return _recorder
         _env_checked = True
-    if not os.environ.get(ENV_DIR) or os.environ.get(ENV_DISABLE):
+    if not settings.DIR.get() or settings.DISABLE.get_or_default():
         return None
     try:
         return init()

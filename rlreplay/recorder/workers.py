@@ -7,7 +7,7 @@ import os
 import socket
 from collections.abc import Callable
 
-ENV_WORKER = "RLREPLAY_WORKER"
+from rlreplay import settings
 
 _resolver: Callable[[], str | None] | None = None
 
@@ -20,7 +20,7 @@ def set_worker_resolver(resolver: Callable[[], str | None] | None) -> None:
 
 def resolve_worker_name() -> str:
     """``$RLREPLAY_WORKER``, else the registered resolver's answer, else ``<host>-<pid>``."""
-    name = os.environ.get(ENV_WORKER)
+    name = settings.WORKER.get()
     if not name and _resolver is not None:
         with contextlib.suppress(Exception):
             name = _resolver()

@@ -43,8 +43,6 @@ from rlreplay.shards.live import live_options
 from rlreplay.shards.sink import GoneFile, ShardSink
 
 log = logging.getLogger("rlreplay")
-ENV_POLICY = "RLREPLAY_POLICY"
-ENV_MAX_QUEUE_MB = "RLREPLAY_MAX_QUEUE_MB"
 
 LOSS_COUNTERS = ("dropped", "lost", "encode_errors")  # spans that did not reach disk as given
 POLICY_SPILL = "spill"

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from rlreplay import settings
 from rlreplay.format import manifest
 from rlreplay.remote.location import Location, list_objects, read_bytes
 
-ENV_CACHE = "RLREPLAY_CACHE"
 #: Copies from the store in flight at once.
 MAX_DOWNLOADS = 16
 
@@ -20,7 +20,7 @@ MAX_DOWNLOADS = 16
 
 
 def cache_root() -> Path:
-    chosen = os.environ.get(ENV_CACHE)
+    chosen = settings.CACHE.get()
     if chosen:
         return Path(chosen).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlreplay import settings
 from rlreplay.format import manifest
 from rlreplay.remote.location import (
     Location,
@@ -35,9 +36,6 @@ from rlreplay.shards.recover import recover_run
 
 log = logging.getLogger("rlreplay")
 
-ENV_SPOOL = "RLREPLAY_SPOOL"
-ENV_PUBLISH_INTERVAL = "RLREPLAY_PUBLISH_INTERVAL_S"
-ENV_UPLOAD_TIMEOUT = "RLREPLAY_UPLOAD_TIMEOUT_S"  # how long a closing process retries its last uploads
 MAX_BACKOFF_S = 30.0
 UPLOAD_THREADS = 8
 
@@ -47,7 +45,7 @@ UPLOAD_THREADS = 8
 
 def spool_root(spool: str | os.PathLike[str] | None = None) -> Path:
     """Where local spools live: ``spool``, else ``$RLREPLAY_SPOOL``, else ~/.cache/rlreplay/spool."""
-    chosen = spool or os.environ.get(ENV_SPOOL)
+    chosen = spool or settings.SPOOL.get()
     if chosen:
         return Path(chosen).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -300,7 +298,7 @@ def recording_dir(target: str | os.PathLike[str]) -> Path:
 
     spool_dir = run_spool(loc) / f"{host_name()}-{os.getpid()}-{os.urandom(3).hex()}"
     spool_dir.mkdir(parents=True, exist_ok=True)
-    interval = float(os.environ.get(ENV_PUBLISH_INTERVAL, 1.0))
+    interval = settings.PUBLISH_INTERVAL_S.get_or_default()
     publisher = Publisher(loc, spool_dir, lease_name=f"_lease-{spool_dir.name}.json", interval_s=interval)
     publisher.start()
     _attached[spool_dir] = _Attached(loc, publisher, os.getpid())
@@ -320,7 +318,7 @@ def recorder_closed(run_dir: Path, timeout_s: float | None = None) -> PublishSta
     if attached is None:
         return None
     if timeout_s is None:
-        timeout_s = float(os.environ.get(ENV_UPLOAD_TIMEOUT, 30.0))
+        timeout_s = settings.UPLOAD_TIMEOUT_S.get_or_default()
     owner = attached.pid == os.getpid()
     publisher = attached.publisher
     if publisher is None or not owner:  # a forked child: the thread stayed with the parent

@@ -15,11 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlreplay import settings
 from rlreplay.shards.layout import LEASE_DIR, new_uid
 
-ENV_HOST = "RLREPLAY_HOST"
-ENV_LEASE_TTL = "RLREPLAY_LEASE_TTL_S"
-DEFAULT_LEASE_TTL_S = 60.0
 _PARTIAL_PID = re.compile(r"^_part-[0-9a-f]+-(\d+)-")
 #: Files holding a lock (leases, live files): each is disowned in a forked child (``disown``).
 open_writers: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -27,15 +25,12 @@ open_writers: weakref.WeakSet[Any] = weakref.WeakSet()
 
 def host_name() -> str:
     """This node's name as leases record it (``$RLREPLAY_HOST`` overrides the hostname)."""
-    return os.environ.get(ENV_HOST) or socket.gethostname()
+    return settings.HOST.get() or socket.gethostname()
 
 
 def lease_ttl_s() -> float:
     """How long a lease of another node counts as live after its last heartbeat."""
-    try:
-        return float(os.environ.get(ENV_LEASE_TTL, DEFAULT_LEASE_TTL_S))
-    except ValueError:
-        return DEFAULT_LEASE_TTL_S
+    return settings.LEASE_TTL_S.get_or_default()
 
 
 class Lease:

@@ -287,8 +287,8 @@ def test_terminal_report_and_fail_on(planted_run: Any) -> None:
     traj_id = next(
         r["id"] for r in listing if (r["sample_index"], r["rollout_n"]) == (retok.sample, retok.rollout)
     )
-    assert "retokenization: 1 findings" in proc.stdout and traj_id[:12] in proc.stdout
-    assert "group_collapse: 1 findings" in proc.stdout
+    assert "retokenization: 1 finding\n" in proc.stdout and traj_id[:12] in proc.stdout
+    assert "group_collapse: 1 finding\n" in proc.stdout
     # group findings alone do not fail by default; --fail-on names what does
     assert audit(str(run_dir), "--checks", "group_collapse").returncode == 0
     assert audit(str(run_dir), "--checks", "group_collapse", "--fail-on", "group_collapse").returncode == 1

@@ -228,7 +228,8 @@ def test_show_prints_text_as_text_and_the_listing_counts(capsys: pytest.CaptureF
     tools = sum(s["kind"] == "tool" for s in spans)
     errors = sum(s["kind"] == "tool" and s["status"] == "error" for s in spans)
     assert f"model_calls={llm} tool_calls={tools} tool_errors={errors}" in tree
-    assert conversation.startswith(f"{llm} model calls, {tools} tool calls)")
+    said = f"{llm} model call{'s' * (llm != 1)}, {tools} tool call{'s' * (tools != 1)})"  # 1 call, 2 calls
+    assert conversation.startswith(said)
     assert " turns" not in out
     rc, out, _ = cli(capsys, "show", SAMPLE, TOOL_ROLLOUT, "--json", "--no-text")
     data = json.loads(out)

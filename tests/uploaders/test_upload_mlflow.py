@@ -304,7 +304,7 @@ def test_failures_are_retried_then_reported(
     # the human summary names the failure too
     FlakyMlflow.refuse_always = ids[5]
     rc, out, err = run_cli(capsys, str(run_copy), "--step", "1", "--project", project, "--backend", "flaky")
-    assert rc == 1 and "1 trajectories failed" in err and ids[5] in err and ids[5] not in out
+    assert rc == 1 and "1 trajectory failed" in err and ids[5] in err and ids[5] not in out
     # the plain backend, same ledger: only the missing one goes
     again = run_json(capsys, str(run_copy), "--step", "1", "--project", project)
     assert again["sent"] == 1 and again["already_uploaded"] == len(ids) - 1

@@ -1,0 +1,95 @@
+"""Absent values print as "-", never Python's "None"; counts agree with their nouns."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from support import rlreplay_cli
+
+from rlreplay.cli.app import plural, shown
+
+RECORD = """
+import asyncio, sys
+import rlreplay
+
+rlreplay.init(sys.argv[1])  # no experiment
+
+
+@rlreplay.trace_op(kind="llm")
+async def generate(prompt_ids):
+    return {"token_ids": [791, 4320, 374]}
+
+
+async def rollout(sample):
+    async with rlreplay.trajectory(step=1, sample_index=sample):  # no rollout_n
+        await generate([3838, 374, 220])
+
+
+async def main():
+    await rollout(0)
+    await rollout(1)
+
+
+asyncio.run(main())
+rlreplay.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def bare_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("bare") / "run"
+    subprocess.run([sys.executable, "-c", RECORD, str(run)], check=True, timeout=120)
+    return run
+
+
+def _out(*args: str, cwd: Path) -> str:
+    done = rlreplay_cli(*args, cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_no_none_where_a_key_or_the_experiment_is_absent(bare_run: Path) -> None:
+    rows = [
+        json.loads(line) for line in _out("ls", "--run", str(bare_run), "--json", cwd=bare_run).splitlines()
+    ]
+    assert len(rows) == 2 and all(r["rollout_n"] is None and r["experiment"] is None for r in rows)
+    a, b = (r["id"] for r in rows)
+    show = _out("show", a, "--run", str(bare_run), cwd=bare_run)
+    assert "rollout_n=- " in show and "experiment=- " in show
+    diff = _out("diff", a, b, "--run", str(bare_run), cwd=bare_run)
+    assert diff.count("rollout_n=- ") == 2 and diff.count("experiment=-") == 2
+    info = _out("info", "--run", str(bare_run), cwd=bare_run)
+    assert any(line.split(":", 1)[0].strip() == "experiment" for line in info.splitlines())
+    for text in (show, diff, info):
+        assert "None" not in text, text
+
+
+@given(st.integers(min_value=0, max_value=10**6), st.sampled_from(["tool call", "finding", "model call"]))
+def test_plural_agrees_with_the_count(count: int, noun: str) -> None:
+    said = plural(count, noun)
+    assert said == (f"1 {noun}" if count == 1 else f"{count} {noun}s")
+    assert plural(count, "trajectory", "trajectories").endswith(
+        "trajectory" if count == 1 else "trajectories"
+    )
+
+
+@given(st.one_of(st.none(), st.integers(), st.text()))
+def test_shown_says_dash_only_for_absent(value: object) -> None:
+    assert shown(value) == ("-" if value is None else str(value))
+
+
+def test_counts_of_one_read_right_in_stats_and_ls() -> None:
+    root = Path(__file__).resolve().parents[2]
+    run = "sample_runs/verl-arith-smollm2"
+    rows = [json.loads(line) for line in _out("stats", "--run", run, "--json", cwd=root).splitlines()]
+    val = [r for r in rows if r["validate"]]
+    assert len(val) == 1  # the sample run validates once
+    assert f"trends (val, 1 row, step {val[0]['step']}):" in _out("stats", "--run", run, cwd=root)
+    listing = _out("ls", "--run", run, "--limit", "1", cwd=root)
+    assert listing.splitlines()[-1] == f"1 trajectory (--limit) in {run}"
