@@ -33,6 +33,21 @@ def rlreplay_cli(
     )
 
 
+def read_terminal(fd: int) -> bytes:
+    """Everything written to the pseudo-terminal whose primary side is ``fd``, until the child
+    closes it."""
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
 def on_terminal(
     *args: str, columns: int, env: dict[str, str] | None = None, exit_codes: tuple[int, ...] = (0,)
 ) -> str:
@@ -57,15 +72,7 @@ def on_terminal(
         env=child_env,
     )
     os.close(secondary)
-    out = b""
-    while True:
-        try:
-            chunk = os.read(primary, 65536)
-        except OSError:  # the child closed the terminal
-            break
-        if not chunk:
-            break
-        out += chunk
+    out = read_terminal(primary)
     os.close(primary)
     assert proc.wait(timeout=120) in exit_codes, out.decode(errors="replace")
     return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode()).replace("\r", "")

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import read_terminal
 from test_object_store import BUCKET, S3Server, _env, _free_port, rlreplay, s3  # noqa: F401  (s3: a fixture)
 
 SHOWCASE = Path(__file__).parents[2] / "sample_runs" / "verl-arith-smollm2"
@@ -248,15 +249,7 @@ def test_a_progress_bar_on_a_terminal_only(s3: S3Server, showcase: Path, cluster
         stderr=follower,
     )
     os.close(follower)
-    drawn = b""
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # the process closed the terminal
-            break
-        if not chunk:
-            break
-        drawn += chunk
+    drawn = read_terminal(leader)
     out, _ = proc.communicate(timeout=300)
     os.close(leader)
     assert proc.returncode == 0 and out.count(b"\n") == 6
