@@ -919,11 +919,11 @@ def direct_count(run_dir: Path, partials: bool) -> int:
     """Distinct trajectory ids over a run's span files, read with pyarrow alone (live files too)."""
     ids: set[str] = set()
     spans = run_dir / "spans"
-    for path in spans.glob("step=*/worker=*/*.parquet"):
-        ids |= file_ids(path)
-    if partials:
+    if partials:  # live files first: one sealed meanwhile is in its shard before the live file goes
         for path in spans.glob("step=*/worker=*/_part-*.partial"):
             ids |= file_ids(path)
+    for path in spans.glob("step=*/worker=*/*.parquet"):
+        ids |= file_ids(path)
     return len(ids)
 
 
