@@ -203,6 +203,17 @@ def test_a_node_lost_mid_scan_leaves_the_answer_unchanged(
     Ray runs the task again elsewhere and the answer is the local one."""
     env = _ray_env(s3, tmp_path, cluster)
     expected = rlreplay(env, "audit", str(showcase), "--json", "--fail-on", "none", cwd=tmp_path)
+    retried = False
+    for _ in range(3):  # a task caught running may still end before its node goes: then try again
+        retried = _lose_a_node_mid_scan(env, cluster, tmp_path, expected)
+        if retried:
+            break
+    assert retried, "no task caught on the removed node ran again"
+
+
+def _lose_a_node_mid_scan(env: dict[str, str], cluster, tmp_path: Path, expected) -> bool:
+    """Remove a fourth node while the scan runs a task there; the answer must be the local one.
+    True when that task ran again (it had not ended before its node went)."""
     node = cluster.add_node(num_cpus=1, env_vars=cluster.node_env(3))
     cluster.wait_for_nodes()
     before = {t.task_id for t in _tasks(cluster)}
@@ -232,7 +243,7 @@ def test_a_node_lost_mid_scan_leaves_the_answer_unchanged(
     # rlreplay says what it said locally; Ray's own note of the lost node may come beside it
     assert [line for line in err.splitlines() if line.startswith("rlreplay")] == expected.stderr.splitlines()
     again = [t for t in _tasks(cluster) if t.task_id == caught.task_id]
-    assert max(t.attempt_number for t in again) >= 1  # the lost task ran again
+    return max(t.attempt_number for t in again) >= 1  # the lost task ran again
 
 
 def test_a_progress_bar_on_a_terminal_only(s3: S3Server, showcase: Path, cluster, tmp_path: Path) -> None:
