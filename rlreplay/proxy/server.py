@@ -412,16 +412,16 @@ class Proxy:
             failure, upstream_failed = f"the upstream's stream broke off: {_why(exc)}", True
         end = time.time_ns()
         wire = b"".join(sent) + b"".join(held)
-        if not rewriting:
-            for chunk in stream_chunks(wire):
-                answer.add(chunk)
+        chunks = None if rewriting else stream_chunks(wire)  # read once, for the answer and the record
+        for chunk in chunks or ():
+            answer.add(chunk)
         found = answer.generated()
         record = {"status": resp.status, **found.record()}
         kept = _kept(wire)
         if kept is not None:
             record["wire"] = kept
         else:  # the chunks, each as a value (what cannot be kept as bytes)
-            record["stream"] = stream_chunks(wire)
+            record["stream"] = chunks if chunks is not None else stream_chunks(wire)
         error = None
         if failure is not None:
             got = sum(map(len, sent))
