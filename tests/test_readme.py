@@ -1,5 +1,6 @@
-"""Every code block of README.md and sample_runs/README.md runs as documented, in the venv the
-README's first command makes.
+"""Every code block of README.md, sample_runs/README.md and the pages of docs/ runs as documented, in
+the venv the README's first command makes; the links between them resolve, and docs/'s generated
+pages (the command-line reference, the settings) match the code.
 
 bash blocks run in a shell with this venv first on PATH (and as ``.venv``), python blocks in a child
 Python; both in a scratch folder holding a copy of the shipped sample runs, so nothing they write
@@ -29,13 +30,15 @@ import shlex
 import shutil
 import subprocess
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", ROOT / "sample_runs" / "README.md"]
+DOCS = [ROOT / "README.md", ROOT / "sample_runs" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README_MAX_WORDS = 3000
 FENCE = re.compile(r"^```(\S*)\s*$")
 SKIP = re.compile(r"^<!-- (not-run: .+|test-command) -->$")
 RUNNABLE = {"bash", "python"}
@@ -573,3 +576,159 @@ def test_the_verl_extra_runs_the_verl_recipe(tmp_path: Path) -> None:
     proc = subprocess.run(job, cwd=ROOT, env=env, capture_output=True, text=True, timeout=VERL_JOB_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 1: 2 rollouts" in proc.stdout
+
+
+# ---- docs/: pages, links, generated references -------------------------------------------------
+
+#: How the generated pages are made again (the one command a stale page's failure names).
+REGENERATE = ".venv/bin/python -m docs.gen"
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^(#{1,6}) (.+?)\s*$")
+
+
+def _gen() -> types.ModuleType:
+    """docs/gen.py, loaded from its file (docs/ is no package of the project)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_gen", ROOT / "docs" / "gen.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _prose(doc: Path) -> list[str]:
+    """The lines of a Markdown file outside its fenced blocks."""
+    out, fenced = [], False
+    for line in doc.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            out.append(line)
+    return out
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to dashes."""
+    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(doc: Path) -> set[str]:
+    return {_slug(m.group(2)) for line in _prose(doc) if (m := HEADING.match(line))}
+
+
+def test_the_readme_is_short_and_the_reference_is_in_docs() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert len(text.split()) <= README_MAX_WORDS, len(text.split())
+    reference = text.split("\n# Reference")[1]
+    linked = {m.group(1).split("#")[0] for m in LINK.finditer(reference)}
+    pages = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
+    assert pages <= linked, f"pages the README's reference does not link: {sorted(pages - linked)}"
+
+
+def test_every_relative_link_points_to_a_file_and_heading() -> None:
+    docs = [*DOCS, ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md"]
+    checked, broken = 0, []
+    for doc in docs:
+        for line in _prose(doc):
+            for target in (m.group(1) for m in LINK.finditer(line)):
+                if re.match(r"[a-z]+:", target):  # https:, mailto:
+                    continue
+                path, _, anchor = target.partition("#")
+                file = (doc.parent / path).resolve() if path else doc
+                checked += 1
+                if not file.exists():
+                    broken.append(f"{doc.relative_to(ROOT)}: {target}: no such file")
+                elif anchor and (file.suffix != ".md" or anchor not in _anchors(file)):
+                    broken.append(f"{doc.relative_to(ROOT)}: {target}: no such heading")
+    assert checked >= 30
+    assert broken == []
+
+
+def test_the_link_check_finds_a_heading_by_githubs_anchor() -> None:
+    """A check on the check: anchors are made as GitHub makes them."""
+    assert _slug("Large runs on a Ray cluster: `--engine ray`") == "large-runs-on-a-ray-cluster---engine-ray"
+    assert _slug("Training–inference mismatch: `rlreplay mismatch`") == (
+        "traininginference-mismatch-rlreplay-mismatch"
+    )
+
+
+def _command_names() -> list[str]:
+    """Every command and subcommand, as typed after ``rlreplay``."""
+    gen = _gen()
+    return [
+        " ".join(name for name, _ in chain[1:]) for chain in gen._walk((("rlreplay", gen._commands()),))[1:]
+    ]
+
+
+def test_docs_have_a_page_heading_for_every_command() -> None:
+    """Each command is a heading of a topic page (the generated reference aside) and of docs/cli.md."""
+    names = _command_names()
+    assert {"ls", "show", "record", "replay", "proxy", "watch"} <= set(names)
+    headings: dict[str, set[str]] = {}
+    for doc in (ROOT / "docs").glob("*.md"):
+        headings[doc.name] = {m.group(2) for line in _prose(doc) if (m := HEADING.match(line))}
+    topics = set().union(*(h for name, h in headings.items() if name != "cli.md"))
+    missing = [n for n in names if not any(f"`rlreplay {n}`" in h for h in topics)]
+    assert missing == [], f"commands no topic page of docs/ has a heading for: {missing}"
+    assert {f"`rlreplay {n}`" for n in names} <= headings["cli.md"]
+
+
+def test_the_generated_pages_are_current() -> None:
+    stale = [str(p.relative_to(ROOT)) for p in _gen().stale()]
+    assert stale == [], f"{', '.join(stale)} out of date with the code: run `{REGENERATE}`"
+
+
+def test_the_generated_cli_reference_is_what_help_prints() -> None:
+    """docs/cli.md holds, for each command, what ``rlreplay COMMAND --help`` prints in an 80-column
+    terminal (run here as a user runs it)."""
+    gen = _gen()
+    page = (ROOT / "docs" / "cli.md").read_text()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLREPLAY_")} | {"COLUMNS": str(gen.WIDTH)}
+    for args in ([], ["ls"], ["upload"]):
+        printed = subprocess.run(
+            [str(Path(sys.executable).parent / "rlreplay"), *args, "--help"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+        heading = " ".join(["rlreplay", *args])
+        assert f"## `{heading}`\n\n```text\n{printed}```\n" in page, heading
+
+
+def test_the_check_names_a_stale_page_and_the_command(tmp_path: Path) -> None:
+    """A --help that changed without the docs is caught: here the page is made stale instead."""
+    gen = _gen()
+    for name in ("cli.md", "settings.md"):
+        shutil.copy(ROOT / "docs" / name, tmp_path / name)
+    page = tmp_path / "cli.md"
+    page.write_text(page.read_text().replace("List trajectories, one row each.", "List trajectories.", 1))
+    assert gen.stale(tmp_path) == [page]
+    proc = subprocess.run(
+        [sys.executable, "-m", "docs.gen", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_settings_page_lists_every_variable_the_code_reads() -> None:
+    """Every ``RLREPLAY_*`` name in the product's code is a row of docs/settings.md, with its
+    declared type and default."""
+    from rlreplay import settings
+
+    code = [ROOT / d for d in ("rlreplay", "cli", "recorders", "uploaders")]
+    named = {
+        n
+        for d in code
+        for f in d.rglob("*.py")
+        for n in re.findall(r"RLREPLAY_[A-Z0-9_]*[A-Z0-9]", f.read_text())
+    }
+    rows = {
+        cells[0].strip("|` "): cells
+        for line in (ROOT / "docs" / "settings.md").read_text().splitlines()
+        if line.startswith("| `RLREPLAY_") and (cells := line.split(" | "))
+    }
+    assert len(named) >= 15 and named <= set(rows), sorted(named - set(rows))
+    for name, setting in settings.SETTINGS.items():
+        assert rows[name][1] == setting.type and rows[name][3].startswith(setting.doc[:20]), name
