@@ -122,18 +122,18 @@ def stale(docs: Path = DOCS) -> list[Path]:
     return [path for path, text in pages(docs).items() if not path.exists() or path.read_text() != text]
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], docs: Path = DOCS) -> int:
     if argv == ["--check"]:
-        out_of_date = stale()
+        out_of_date = stale(docs)
         for path in out_of_date:
-            print(f"{path.relative_to(DOCS.parent)} is out of date: run `{COMMAND}`", file=sys.stderr)
+            print(f"{path.relative_to(docs.parent)} is out of date: run `{COMMAND}`", file=sys.stderr)
         return 1 if out_of_date else 0
     if argv:
         print(f"usage: {COMMAND} [--check]", file=sys.stderr)
         return 2
-    for path, text in pages().items():
+    for path, text in pages(docs).items():
         path.write_text(text)
-        print(f"wrote {path.relative_to(DOCS.parent)}")
+        print(f"wrote {path.relative_to(docs.parent)}")
     return 0
 
 

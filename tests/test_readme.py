@@ -698,14 +698,20 @@ def test_the_generated_cli_reference_is_what_help_prints() -> None:
         assert f"## `{heading}`\n\n```text\n{printed}```\n" in page, heading
 
 
-def test_the_check_names_a_stale_page_and_the_command(tmp_path: Path) -> None:
+def test_the_check_names_a_stale_page_and_the_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A --help that changed without the docs is caught: here the page is made stale instead."""
     gen = _gen()
+    docs = tmp_path / "docs"
+    docs.mkdir()
     for name in ("cli.md", "settings.md"):
-        shutil.copy(ROOT / "docs" / name, tmp_path / name)
-    page = tmp_path / "cli.md"
+        shutil.copy(ROOT / "docs" / name, docs / name)
+    assert gen.main(["--check"], docs) == 0
+    page = docs / "cli.md"
     page.write_text(page.read_text().replace("List trajectories, one row each.", "List trajectories.", 1))
-    assert gen.stale(tmp_path) == [page]
+    assert gen.stale(docs) == [page]
+    assert gen.main(["--check"], docs) == 1
+    assert capsys.readouterr().err == "docs/cli.md is out of date: run `python -m docs.gen`\n"
+    assert gen.main([], docs) == 0 and gen.stale(docs) == []  # one command makes it current
     proc = subprocess.run(
         [sys.executable, "-m", "docs.gen", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
