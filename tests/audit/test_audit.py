@@ -378,7 +378,7 @@ def test_length_and_reward_drift(tmp_path: Path) -> None:
     assert steady == []
 
 
-VERL_RUN = ROOT / "sample_runs" / "verl-arith-smollm2"  # the showcase, audited in README
+VERL_RUN = ROOT / "sample_runs" / "verl-arith-smollm2"  # the showcase, audited in docs/audit.md
 
 
 @pytest.mark.parametrize("name", ["verl-arith-smollm2", "verl-toolagent-smollm2"])
@@ -403,8 +403,8 @@ def test_the_real_verl_sample_run(name: str) -> None:
 
 
 def test_the_readme_shows_the_real_output_on_the_sample_run() -> None:
-    """The README's audit example prints what its text block shows."""
-    readme = (ROOT / "README.md").read_text()
+    """docs/audit.md's example prints what its text block shows."""
+    readme = (ROOT / "docs" / "audit.md").read_text()
     command = "rlreplay audit sample_runs/verl-arith-smollm2 --fail-on none"
     after = readme.split(f"```bash\n{command}\n```\n", 1)[1]
     shown = after.split("```text\n", 1)[1].split("```", 1)[0]

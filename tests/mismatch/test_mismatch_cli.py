@@ -63,9 +63,9 @@ def test_the_text_report_shows_the_json_numbers() -> None:
 
 
 def test_the_readme_shows_the_commands_real_output_on_the_showcase_run() -> None:
-    """The README's example output is what the command prints on the shipped run as it is now
+    """docs/mismatch.md's example output is what the command prints on the shipped run as it is now
     (re-recording the run means pasting the new output)."""
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "mismatch.md").read_text()
     command = "rlreplay mismatch sample_runs/verl-arith-smollm2"
     shown = readme.split(f"```bash\n{command}\n```\n\n```text\n", 1)[1].split("```", 1)[0]
     proc = rlreplay(str(SHOWCASE))
