@@ -16,6 +16,11 @@ class CliError(RlreplayError):
     """Bad input on the command line (an option's value, a missing argument)."""
 
 
+class KeyTextError(RlreplayError):
+    """Trajectory keys written as text (``step=5,sample_index=12``) that cannot be read: an empty
+    item, an unknown or repeated key, a key without a value."""
+
+
 class CommandNotStarted(CliError):
     """The command given to ``record`` could not be started (not found, not executable)."""
 

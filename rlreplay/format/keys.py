@@ -13,11 +13,14 @@ processes use it.
 
 from __future__ import annotations
 
+import json
 import operator
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Union
+
+from rlreplay.errors import KeyTextError
 
 KeyValue = Union[int, str, None]  # noqa: UP007 (a runtime alias on Python 3.10)
 
@@ -143,13 +146,96 @@ class TrajectoryKey:
         return {f: v for f in FIELDS if (v := getattr(self, f)) is not None}
 
     def __str__(self) -> str:
-        """As a selector: ``step=5,sample_index=12,rollout_n=0,validate=false``."""
-        return ",".join(
-            f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.as_dict().items()
-        )
+        """As a selector: ``step=5,sample_index=12,rollout_n=0,validate=false``; a text value that
+        would read back otherwise (``"12"``, one with a comma) is quoted as a JSON string."""
+        return ",".join(f"{k}={_value_text(k, v)}" for k, v in self.as_dict().items())
+
+    @classmethod
+    def parse(cls, text: str) -> TrajectoryKey:
+        """The key ``str(key)`` writes (``step=5,sample_index=12,validate=false``; a field may be
+        named by an alias, ``sample=12``): integers as integers, a quoted value as text; raises
+        :class:`KeyTextError` naming what is wrong."""
+        values: dict[str, Any] = {}
+        for name, value, quoted in key_pairs(text, FIELDS):
+            if name == "validate":
+                flag = parse_bool(value) if not quoted else None
+                if flag is None:
+                    raise KeyTextError(f"validate={value!r} is not true or false")
+                values[name] = flag
+            elif name == "experiment" or quoted:
+                values[name] = value
+            else:
+                number = parse_int(value)
+                values[name] = number if number is not None else value
+        return cls.of(**values)
 
 
 FIELDS = tuple(f.name for f in fields(TrajectoryKey))
+
+
+def _value_text(name: str, value: Any) -> str:
+    """A key field's value as ``str(key)`` writes it (see :meth:`TrajectoryKey.parse`)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if not isinstance(value, str):
+        return str(value)
+    plain = (
+        value
+        and value == value.strip()
+        and "," not in value
+        and not value.startswith('"')
+        and (name == "experiment" or parse_int(value) is None)
+    )
+    return value if plain else json.dumps(value, ensure_ascii=False)
+
+
+_QUOTED = json.JSONDecoder()
+
+
+def key_pairs(text: str, known: Iterable[str]) -> list[tuple[str, str, bool]]:
+    """``name=value,name=value`` as ``(name, value, quoted)`` triples, each name the listing's (an
+    alias, any case, ``-`` for ``_``), each in ``known``; a value in double quotes is a JSON
+    string. Raises :class:`KeyTextError` on an empty item (a trailing comma too), an unknown or
+    repeated name, or an empty value."""
+    names = tuple(known)
+    out: list[tuple[str, str, bool]] = []
+    if not text.strip():
+        raise KeyTextError(f"no keys given (keys: {', '.join(names)})")
+    at, end = 0, len(text)
+    while True:
+        comma = text.find(",", at)
+        part = text[at : comma if comma >= 0 else end]
+        if not part.strip():
+            raise KeyTextError("empty item between commas" if comma >= 0 else "trailing comma")
+        raw_name, sep, value = part.partition("=")
+        name = column_name(raw_name.strip().lower().replace("-", "_"))
+        if not sep or not name:
+            raise KeyTextError(f"{part.strip()!r} is not key=value")
+        if name not in names:
+            raise KeyTextError(f"unknown key {raw_name.strip()!r} (keys: {', '.join(names)})")
+        if any(name == seen for seen, _, _ in out):
+            raise KeyTextError(f"key {name!r} given twice")
+        quoted = value.strip().startswith('"')
+        if quoted:
+            start = at + len(raw_name) + 1 + (len(value) - len(value.lstrip()))
+            try:
+                value, stop = _QUOTED.raw_decode(text, start)
+            except ValueError:
+                raise KeyTextError(f"{name}: unfinished quoted value") from None
+            if not isinstance(value, str):
+                raise KeyTextError(f"{name}: a quoted value is one string")
+            comma = text.find(",", stop)
+            rest = text[stop : comma if comma >= 0 else end]
+            if rest.strip():
+                raise KeyTextError(f"{name}: {rest.strip()!r} after a quoted value")
+        else:
+            value = value.strip()
+            if not value:
+                raise KeyTextError(f"no value for {name!r}")
+        out.append((name, value, quoted))
+        if comma < 0:
+            return out
+        at = comma + 1
 
 
 # ---- the keys a selection names ----------------------------------------------------------------

@@ -41,8 +41,8 @@ from typing import Any
 
 import orjson
 
-from rlreplay.errors import ProxyError, ReplayDivergence, UnknownTrajectory
-from rlreplay.format.keys import KEYS, TrajectoryKey, parse_bool, parse_int
+from rlreplay.errors import KeyTextError, ProxyError, ReplayDivergence, UnknownTrajectory
+from rlreplay.format.keys import FIELDS, KEYS, TrajectoryKey, parse_int
 from rlreplay.format.schema import KIND_LLM, KIND_TRAJECTORY
 from rlreplay.proxy.handoff import Handoff
 from rlreplay.proxy.protocol import CHAT, answer_of, prompt_of
@@ -55,7 +55,6 @@ ID_HEADER = "X-Rlreplay-Trajectory-Id"  # on every answer; a client may send it 
 METADATA_KEY = "rlreplay_trajectory"
 AUTO = "auto-"  # the sample_index of a trajectory no call named: auto-0, auto-1, ...
 KEPT = 100_000  # written trajectories that stay joinable (and take signals)
-_KEY_NAMES = (*KEYS, "validate")
 
 
 def auto_number(value: Any) -> int | None:
@@ -66,31 +65,20 @@ def auto_number(value: Any) -> int | None:
 
 
 def parse_key(text: str) -> TrajectoryKey:
-    """``step=3,sample_index=12,rollout_n=0,validate=false`` as a key (integers as integers, other
-    values as strings); raises ProxyError naming what is wrong."""
-    values: dict[str, Any] = {}
-    for part in text.split(","):
-        if not part.strip():
-            continue
-        name, sep, value = part.partition("=")
-        name, value = name.strip(), value.strip()
-        if not sep or name not in _KEY_NAMES:
-            raise ProxyError(
-                f"{HEADER}: {part.strip()!r} is not one of {', '.join(k + '=' for k in _KEY_NAMES)}"
-            )
-        if name == "validate":
-            flag = parse_bool(value)
-            if flag is None:
-                raise ProxyError(f"{HEADER}: validate={value!r} is not true or false")
-            values[name] = flag
-        else:
-            number = parse_int(value)
-            if number is None and value.startswith(AUTO):
-                raise ProxyError(f"{HEADER}: {name}={value!r}: values {AUTO}N are the proxy's own")
-            values[name] = number if number is not None else value
-    if not values:
-        raise ProxyError(f"{HEADER}: no key given")
-    return TrajectoryKey.of(**values)
+    """The keys a call names (``TrajectoryKey.parse``), with the proxy's rules: no ``auto-N``
+    values (the proxy's own) and no experiment (the proxy's ``--experiment-name``); raises
+    ProxyError naming what is wrong."""
+    try:
+        key = TrajectoryKey.parse(text)
+    except KeyTextError as exc:
+        raise ProxyError(f"{HEADER}: {exc}") from None
+    if key.experiment is not None:
+        raise ProxyError(f"{HEADER}: experiment is the proxy's own, not a call's")
+    for name in KEYS:
+        value = getattr(key, name)
+        if isinstance(value, str) and value.startswith(AUTO):
+            raise ProxyError(f"{HEADER}: {name}={value!r}: values {AUTO}N are the proxy's own")
+    return key
 
 
 def key_text(headers: Any, body: dict[str, Any]) -> str | None:
@@ -504,7 +492,7 @@ class Trajectories:
         ``old_log_probs``) posted for a trajectory (by ``trajectory_id`` or by its keys);
         writes it first when it is open. Returns its id; raises UnknownTrajectory when this proxy
         recorded no such trajectory (nothing is written then)."""
-        names = {k: data[k] for k in _KEY_NAMES if k in data}
+        names = {k: data[k] for k in FIELDS if k in data and k != "experiment"}
         trajectory_id = data.get("trajectory_id")
         key = TrajectoryKey.of(**names) if names else None
         if trajectory_id is not None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from rlreplay.errors import SelectionError, SelectorError
+from rlreplay.errors import KeyTextError, SelectionError, SelectorError
 from rlreplay.format import arrow_ops as ops
 from rlreplay.format.index import LISTING_FIELDS, LISTING_SCHEMA
 from rlreplay.format.keys import (
@@ -32,6 +32,7 @@ from rlreplay.format.keys import (
     SELECT_KEYS,
     SelectKey,
     column_name,
+    key_pairs,
     parse_bool,
     parse_int,
 )
@@ -350,24 +351,12 @@ class _Selecting:
                 )
             return cls(id=raw.lower())
         values: dict[str, Any] = {}
-        for part in (p.strip() for p in raw.split(",")):
-            if not part:
-                raise SelectorError(f"selector {raw!r}: empty item between commas")
-            name, sep, value = part.partition("=")
-            name, value = column_name(name.strip().lower().replace("-", "_")), value.strip()
-            if not sep or not name:
-                raise SelectorError(f"selector {raw!r}: {part!r} is not key=value")
-            key = SELECT_BY_NAME.get(name)
-            if key is None:
-                raise SelectorError(f"selector {raw!r}: unknown key {name!r} (keys: {_KEY_NAMES})")
-            if name in values:
-                raise SelectorError(f"selector {raw!r}: key {name!r} given twice")
-            if not value:
-                raise SelectorError(f"selector {raw!r}: no value for {name!r}")
-            try:
-                values[name] = key_text(key, value, f"selector {raw!r}: {name}")
-            except SelectionError as exc:
-                raise SelectorError(str(exc)) from None
+        try:
+            for name, value, _ in key_pairs(raw, SELECT_BY_NAME):
+                values[name] = key_text(SELECT_BY_NAME[name], value, f"selector {raw!r}: {name}")
+        except (KeyTextError, SelectionError) as exc:
+            prefix = "" if isinstance(exc, SelectionError) else f"selector {raw!r}: "
+            raise SelectorError(f"{prefix}{exc}") from None
         return cls(**values)
 
     @classmethod

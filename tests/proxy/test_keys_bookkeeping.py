@@ -75,6 +75,29 @@ def test_unnamed_keys_are_never_named_keys() -> None:
     assert _call(fresh, QUESTION, "4").key.sample_index == "auto-8"
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("step=0,sample_index=1,", "trailing comma"),
+        ("step=0,step=1", "given twice"),
+        ("step=0,sample_index=", "no value for 'sample_index'"),
+        ("step=0,colour=red", "unknown key 'colour'"),
+        ("step=0,experiment=x", "experiment is the proxy's own"),
+        ("step=0,rollout_n=auto-3", "auto-"),
+    ],
+)
+def test_keys_a_call_names_are_refused_when_malformed(text: str, message: str) -> None:
+    with pytest.raises(ProxyError) as caught:
+        parse_key(text)
+    assert message in str(caught.value) and str(caught.value).startswith("X-Rlreplay-Trajectory: ")
+
+
+def test_keys_a_call_names_read_as_str_writes_them() -> None:
+    key = TrajectoryKey.of(3, "12", 0, True)
+    assert parse_key(str(key)) == key
+    assert parse_key("step=3,sample=4,rollout=0,split=val") == TrajectoryKey.of(3, 4, 0, True)
+
+
 def test_written_trajectories_are_joined_again_by_every_rule() -> None:
     t = Trajectories(None, idle_s=1.0)
     a = _call(t, QUESTION, "4")
