@@ -16,7 +16,16 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 import typer
 
 from rlreplay.errors import CliError
-from rlreplay.format.keys import BOOL, INT64_MAX, KEY, SELECT_BY_NAME, SELECT_KEYS, SelectKey, parse_int
+from rlreplay.format.keys import (  # noqa: F401 (key_fields: the CLI's, from one place)
+    BOOL,
+    INT64_MAX,
+    KEY,
+    SELECT_BY_NAME,
+    SELECT_KEYS,
+    SelectKey,
+    key_fields,
+    parse_int,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -319,11 +328,6 @@ def terminal_width() -> int | None:
 def shown(value: Any) -> str:
     """A value as the CLI prints it: "-" when absent (None), never Python's "None"."""
     return "-" if value is None else str(value)
-
-
-def key_fields(item: Any) -> str:
-    """A trajectory's keys as ``step=1 sample_index=26 rollout_n=0`` ("-" for one it has not)."""
-    return " ".join(f"{k}={shown(getattr(item, k))}" for k in ("step", "sample_index", "rollout_n"))
 
 
 def plural(count: int, noun: str, nouns: str | None = None) -> str:

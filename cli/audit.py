@@ -26,6 +26,7 @@ from rlreplay.cli.app import (
     text_table,
     trajectories,
 )
+from rlreplay.format.keys import KEYS
 
 #: worst examples shown per check
 EXAMPLES = 5
@@ -188,10 +189,9 @@ def render(report: Any, incomplete: str | None = None) -> str:
         by_step = [[step, str(n)] for step, n in steps.items()]
         lines += text_table(["step", "findings"], by_step, right=[False, False], indent="  ")[0]
         worst = sorted(found, key=lambda f: -f.score)[:EXAMPLES]
-        keys = ("step", "sample_index", "rollout_n")  # the listing's names
-        rows = [["id", *keys, "detail"]]
+        rows = [["id", *KEYS, "detail"]]
         for f in worst:
-            cells = [f.trajectory_id[:12] if f.trajectory_id else "-", *(getattr(f, k) for k in keys)]
+            cells = [f.trajectory_id[:12] if f.trajectory_id else "-", *(getattr(f, k) for k in KEYS)]
             rows.append(["-" if c is None else str(c) for c in cells] + [f.detail])
         table, _ = text_table(
             rows[0], rows[1:], width=terminal_width(), right=[False] * 5, text_column=4, indent="  "

@@ -28,6 +28,7 @@ from rlreplay.cli.app import (
     whole_number,
     wrap_lines,
 )
+from rlreplay.format.keys import KEYS
 from rlreplay.mismatch import BY as BY_KEYS
 
 #: Said beside per-rollout figures.
@@ -329,7 +330,7 @@ def render(report: Any, shown: int) -> str:
          _token(r), fmt(r["rollout"]), fmt(r["trainer"]), fmt(r["logprob_diff"])]
         for r in report.worst_tokens[:shown]
     ]  # fmt: skip
-    header = ["id", "step", "sample_index", "rollout_n", "position", "token", "rollout", "trainer", "|Δ|"]
+    header = ["id", *KEYS, "position", "token", "rollout", "trainer", "|Δ|"]
     lines += table(header, rows, "  ")
     return "\n".join(lines) + "\n"
 
@@ -384,7 +385,7 @@ def render_per_rollout(report: Any, shown: int) -> str:
          fmt(r["logprob_diff_max"]), fmt(r["logprob_diff_mean"]), fmt(r["importance_ratio"])]
         for r in report.worst_rollouts[:shown]
     ]  # fmt: skip
-    header = ["id", "step", "sample_index", "rollout_n", "diff_max", "diff_mean", "importance_ratio"]
+    header = ["id", *KEYS, "diff_max", "diff_mean", "importance_ratio"]
     lines += table(header, rows, "  ")
     return "\n".join(lines) + "\n"
 
@@ -416,7 +417,7 @@ def _buckets(report: Any) -> list[str]:
         head = [by, "seqs", "tokens"]
         columns += SEQUENCE_COLUMNS
     if by == "rollout":
-        head = ["id", "step", "sample_index", "rollout_n", "tokens"]
+        head = ["id", *KEYS, "tokens"]
     if by == "token":
         head = ["token", "text", "tokens", "diff_sum"]
     cells = []

@@ -10,6 +10,7 @@ from typing import Any
 from rlreplay import plugins
 from rlreplay.audit.finding import LEVEL_TRAJECTORY, OVER_LISTING, Check, Context, Finding
 from rlreplay.errors import SelectionError
+from rlreplay.format.keys import group_key
 
 
 def available(broken: dict[str, str] | None = None) -> dict[str, Check]:
@@ -182,12 +183,12 @@ def check_trajectory(traj: Any, checks: Sequence[Check], ctx: Context) -> list[F
 
 def about(findings: Sequence[Finding], traj: Any) -> list[Finding]:
     """The findings that point at ``traj``: its own, and its group's."""
-    group = (traj.step, traj.sample_index)
+    group = group_key(traj)
     return [
         f
         for f in findings
         if f.trajectory_id == traj.id
-        or (f.trajectory_id is None and not traj.validate and (f.step, f.sample_index) == group)
+        or (f.trajectory_id is None and not traj.validate and group_key(f) == group)
     ]
 
 
@@ -214,13 +215,9 @@ def finding_ids(report: Report, listing: Any) -> set[str]:
     from rlreplay.model import listing_rows
 
     ids = {f.trajectory_id for f in report.findings if f.trajectory_id}
-    groups = {
-        (f.step, f.sample_index)
-        for f in report.findings
-        if f.trajectory_id is None and f.sample_index is not None
-    }
+    groups = {group_key(f) for f in report.findings if f.trajectory_id is None and f.sample_index is not None}
     if groups:
         for row in listing_rows(listing.select(["id", *KEYS, *KEY_STR.values(), "validate"])):
-            if not row["validate"] and (row["step"], row["sample_index"]) in groups:
+            if not row["validate"] and group_key(row) in groups:
                 ids.add(row["id"])
     return ids

@@ -19,7 +19,7 @@ from rlreplay.audit.finding import (
     finding_about,
 )
 from rlreplay.format import arrow_ops as ops
-from rlreplay.format.keys import KEY_STR, KEYS, TrajectoryKey
+from rlreplay.format.keys import GROUP_KEYS, KEY_STR, KEYS, TrajectoryKey, group_key
 from rlreplay.format.kinds import KIND_SIGNALS
 from rlreplay.model import listing_rows
 
@@ -78,7 +78,7 @@ def _groups(*keys: Any) -> tuple[Any, Any]:
 def group_collapse(listing: Any, ctx: Context) -> Iterator[Finding]:
     import numpy as np
 
-    keys = _int_keys(listing, ("step", "sample_index"))
+    keys = _int_keys(listing, GROUP_KEYS)
     if keys is None:
         yield from _group_collapse_rows(listing, ctx)
         return
@@ -117,7 +117,7 @@ def _group_collapse_rows(listing: Any, ctx: Context) -> Iterator[Finding]:
     for row in listing_rows(listing.select([*_KEY_COLUMNS, "validate", "reward"])):
         if row["validate"] or row["sample_index"] is None or row["reward"] is None:
             continue
-        groups.setdefault((row["step"], row["sample_index"]), []).append(row["reward"])
+        groups.setdefault(group_key(row), []).append(row["reward"])
     for (step, sample), rewards in groups.items():
         if (
             len(rewards) >= ctx["collapse_min_rollouts"]

@@ -171,6 +171,23 @@ class TrajectoryKey:
 
 
 FIELDS = tuple(f.name for f in fields(TrajectoryKey))
+#: The keys that name a group: every rollout of one sample at one step (in one split).
+GROUP_KEYS = KEYS[:2]
+
+
+def _field(item: Any, name: str) -> Any:
+    return item.get(name) if isinstance(item, Mapping) else getattr(item, name)
+
+
+def group_key(item: Any) -> tuple[KeyValue, ...]:
+    """The group ``item`` belongs to (a key, a trajectory, a finding, a listing row as a dict): its
+    :data:`GROUP_KEYS` values."""
+    return tuple(_field(item, k) for k in GROUP_KEYS)
+
+
+def key_fields(item: Any) -> str:
+    """An item's keys as ``step=1 sample_index=26 rollout_n=0`` ("-" for one it has not)."""
+    return " ".join(f"{k}={'-' if (v := _field(item, k)) is None else v}" for k in KEYS)
 
 
 def _value_text(name: str, value: Any) -> str:

@@ -21,7 +21,7 @@ import pyarrow as pa
 from rlreplay.format import arrays as token_arrays
 from rlreplay.format import payload, tool_errors
 from rlreplay.format import redact as redaction
-from rlreplay.format.keys import key_value
+from rlreplay.format.keys import KEYS, key_value
 from rlreplay.format.schema import (
     KIND_AGENT,
     KIND_SIGNALS,
@@ -213,7 +213,7 @@ def key_columns(traj: Any, experiment: str | None) -> tuple[list, list, str | No
     issues: list[str] = []
     key = traj.key
     ints, strs = [], []
-    for value in traj.given or (key.step, key.sample_index, key.rollout_n):
+    for value in traj.given or (getattr(key, k) for k in KEYS):
         number, text, issue = key_parts(value)
         ints.append(number)
         strs.append(text)
