@@ -201,7 +201,7 @@ def main() -> None:
         result = diff_trajectories(a, b, None, run, run)
         div = result.first_divergence
         cli_s = {}
-        for label, extra in (("token ids", ["--ids"]), ("text", [])):
+        for label, extra in (("token ids", ["--no-text"]), ("text", [])):
             cmd = [
                 sys.executable,
                 "-m",
@@ -236,7 +236,7 @@ def main() -> None:
         shown = "" if ratio is None else f"{ratio:.1f}x"
         print(f"{name:<52} {seconds * 1e3:>9.1f} {shown:>17}")
     print(
-        f"CLI end to end: {cli_s['token ids'] * 1e3:.0f} ms with --ids, "
+        f"CLI end to end: {cli_s['token ids'] * 1e3:.0f} ms with --no-text, "
         f"{cli_s['text'] * 1e3:.0f} ms with text; "
         f"of which process start + imports {import_s * 1e3:.0f} ms, "
         f"and a process that only loads the tokenizer takes {tokenizer_s * 1e3:.0f} ms"

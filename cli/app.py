@@ -10,6 +10,7 @@ import stat
 import sys
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
@@ -416,6 +417,42 @@ def signal_cell(value: float | None) -> str:
 
 
 ForceOption = Annotated[bool, typer.Option("--force", help="Replace the output file if it exists.")]
+
+
+@dataclass(frozen=True)
+class Renamed:
+    """An option's earlier spelling, kept working but left out of --help."""
+
+    old: str
+    new: str
+    flag: bool
+
+    @property
+    def option(self) -> Any:
+        """The hidden option under the old spelling (a command's parameter type)."""
+        hidden = typer.Option(self.old, hidden=True, help=f"Renamed {self.new}.")
+        return Annotated[bool, hidden] if self.flag else Annotated[str | None, hidden]
+
+    def take(self, new: Any, old: Any) -> Any:
+        """The option's value: the new spelling's when given, else the old one's (saying so)."""
+        if old is None or old is False:
+            return new
+        print(f"rlreplay: {self.old} is now {self.new}", file=sys.stderr)
+        return old if new is None or new is False else new
+
+
+def renamed(old: str, new: str, flag: bool = False) -> Renamed:
+    """Option ``new``, formerly ``old``: declare ``Renamed.option`` beside it, and ``take`` both."""
+    return Renamed(old, new, flag)
+
+
+# Options renamed so that one name means one thing across commands.
+EXPERIMENT_NAME = renamed("--experiment", "--experiment-name")
+RESEND = renamed("--force", "--resend", flag=True)
+NO_TEXT = renamed("--ids", "--no-text", flag=True)
+ExperimentNameWas = EXPERIMENT_NAME.option
+ResendWas = RESEND.option
+NoTextWas = NO_TEXT.option
 MemoryLimitOption = Annotated[
     str | None,
     typer.Option(

@@ -10,8 +10,10 @@ import orjson
 import typer
 
 from rlreplay.cli.app import (
+    NO_TEXT,
     SIGNAL_COLUMNS,
     JsonOption,
+    NoTextWas,
     RunOption,
     TokenizerOption,
     app,
@@ -526,7 +528,10 @@ def diff_command(
         typer.Option("--run-b", metavar="RUN", help="Run directory of B (default: the run of A)."),
     ] = None,
     tokenizer: TokenizerOption = None,
-    no_text: Annotated[bool, typer.Option("--ids", help="Compare token ids only; do not decode.")] = False,
+    no_text: Annotated[
+        bool, typer.Option("--no-text", help="Compare token ids only; do not decode.")
+    ] = False,
+    no_text_was: NoTextWas = False,
     group: Annotated[
         bool,
         typer.Option("--group", help="Compare every rollout of A's sample with the best-rewarded one."),
@@ -558,6 +563,7 @@ def diff_command(
     from rlreplay.diff import align as diffing
     from rlreplay.diff import pick
 
+    no_text = NO_TEXT.take(no_text, no_text_was)
     run_path = None
     if is_run_dir(a):  # the run first, as on ls, show, info
         run_path, a, b, extra = Path(a), b, extra, None

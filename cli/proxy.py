@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from rlreplay.cli.app import TokenizerOption, app, fail
+from rlreplay.cli.app import EXPERIMENT_NAME, ExperimentNameWas, TokenizerOption, app, fail
 from rlreplay.cli.launch import (
     DEFAULT_MATCH_ON,
     DEFAULT_ON_DIVERGE,
@@ -61,8 +61,11 @@ def proxy_command(
     match_on: MatchOnOption = DEFAULT_MATCH_ON,
     experiment: Annotated[
         str | None,
-        typer.Option("--experiment", "-e", metavar="NAME", help="Experiment name of the recorded run."),
+        typer.Option(
+            "--experiment-name", "-e", metavar="NAME", help="Experiment name recorded with the run."
+        ),
     ] = None,
+    experiment_was: ExperimentNameWas = None,
     tokenizer: TokenizerOption = None,
     idle_close: Annotated[
         float,
@@ -96,6 +99,7 @@ def proxy_command(
         fail(f"--port {port}: not a port number (0 to 65535)")
     if idle_close <= 0:
         fail(f"--idle-close {idle_close}: give a number of seconds above 0")
+    experiment = EXPERIMENT_NAME.take(experiment, experiment_was)
     return run_proxy(
         upstream, out, port, host, replay, on_diverge, match_on, experiment, idle_close, tokenizer
     )

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from rlreplay.cli.app import TokenizerOption, app, fail, run_counts
+from rlreplay.cli.app import EXPERIMENT_NAME, ExperimentNameWas, TokenizerOption, app, fail, run_counts
 from rlreplay.cli.launch import (
     AUTO_FRAMEWORK,
     DEFAULT_FRAMEWORK,
@@ -101,8 +101,10 @@ def record_command(
         ),
     ] = None,
     experiment: Annotated[
-        str | None, typer.Option("--experiment", metavar="NAME", help="Experiment name for the run.")
+        str | None,
+        typer.Option("--experiment-name", metavar="NAME", help="Experiment name recorded with the run."),
     ] = None,
+    experiment_was: ExperimentNameWas = None,
     tokenizer: TokenizerOption = None,
     framework: FrameworkOption = DEFAULT_FRAMEWORK,
     token_signals: Annotated[
@@ -117,6 +119,7 @@ def record_command(
 
     Every Python process of the job records; at the end the run is sealed and summarized.
     """
+    experiment = EXPERIMENT_NAME.take(experiment, experiment_was)
     return record_run(command, out, spool, experiment, tokenizer, framework, token_signals, grace)
 
 

@@ -16,7 +16,9 @@ from typer.core import TyperCommand
 
 from rlreplay.cli.app import (
     MAX_SECONDS,
+    RESEND,
     JsonOption,
+    ResendWas,
     RunOption,
     TokenizerOption,
     app,
@@ -278,9 +280,11 @@ def upload_command(
     force: Annotated[
         bool,
         typer.Option(
-            "--force", help="Send the selection again, replacing what the backend has (backends that upsert)."
+            "--resend",
+            help="Send the selection again, replacing what the backend has (backends that upsert).",
         ),
     ] = False,
+    force_was: ResendWas = False,
     timeout: Annotated[
         float,
         typer.Option(
@@ -316,6 +320,7 @@ def upload_command(
 
     backend_class(backend)  # an unknown name lists the installed backends (exit 2)
     values = ctx.meta.get(_META_VALUES, {})
+    force = RESEND.take(force, force_was)
     budget = _size(max_bytes)
     opened = open_run_arg(run, run_path)
     # the shared selection (--step, --where, --sort, --limit, ...), then whole groups per step

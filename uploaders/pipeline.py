@@ -199,7 +199,7 @@ class UploadSummary:
     selected_bytes: int = 0  # their bytes, counting those already uploaded
     already_uploaded: int = 0
     to_send: int = 0
-    replaced: int = 0  # of to_send: already uploaded, sent again (with text now, or --force)
+    replaced: int = 0  # of to_send: already uploaded, sent again (with text now, or --resend)
     sent: int = 0
     failed: int = 0
     not_attempted: int = 0  # left after the upload gave up
@@ -402,7 +402,7 @@ def upload(
         uploader.decoder = decoder
     can_upsert = bool(getattr(uploader, "can_upsert", False))
     if force and not can_upsert:
-        raise RunError(f"--force: the {uploader.backend} backend cannot replace traces it has (no upsert)")
+        raise RunError(f"--resend: the {uploader.backend} backend cannot replace traces it has (no upsert)")
     selected_ids = {i for g in groups for i in g.ids}
     if force:
         redo = ledger.done() & selected_ids

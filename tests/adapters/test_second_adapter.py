@@ -214,7 +214,7 @@ def test_diff_uses_the_adapter(site: Path, recorded: Path) -> None:
         str(recorded),
         "step=1,sample_index=0,rollout_n=0",
         "rollout_n=1",
-        "--ids",
+        "--no-text",
         "--json",
         cwd=site,
     )

@@ -73,8 +73,7 @@ def test_every_reading_command_takes_dash_r() -> None:
 #: Options whose help differs between commands, and the one meaning they share.
 SHARED_MEANING = {
     "--columns": "which columns to show (each command lists its own)",
-    "--experiment": "the experiment's name (record names it, the others select by it)",
-    "--force": "replace what is already there (a file, or the backend's copy for upload)",
+    "--force": "replace the file the command writes",
     "--framework": "the framework adapter",
     "--limit": "at most N of what the command gives (trajectories; sql: the rows its table shows)",
     "--out": "where the command writes (record and replay: a run; export: a file)",
@@ -95,7 +94,10 @@ def test_one_meaning_per_option_name() -> None:
                 helps.setdefault(opt, set()).add(getattr(param, "help", None) or "")
     differing = {opt for opt, texts in helps.items() if len(texts) > 1}
     assert differing <= set(SHARED_MEANING), {o: helps[o] for o in differing - set(SHARED_MEANING)}
-    assert helps["--ids"] == {"Compare token ids only; do not decode."}
+    assert helps["--no-text"] == {"Compare token ids only; do not decode."}
+    assert helps["--experiment"] == {"Only this experiment name."}
+    assert helps["--experiment-name"] == {"Experiment name recorded with the run."}
+    assert "--ids" not in helps and "--resend" in helps
     assert "--token-ids" in helps
 
 
@@ -113,3 +115,51 @@ def test_export_ids_is_token_ids_with_a_deprecation_line(tmp_path) -> None:
         assert len(deprecated) == (flag == "--ids")
         outputs[flag] = out.read_text()
     assert outputs["--ids"] == outputs["--token-ids"] and '"prompt_ids"' in outputs["--ids"]
+
+
+#: Options renamed so that one name means one thing: (command, new, old).
+RENAMED = (
+    ("record", "--experiment-name", "--experiment"),
+    ("proxy", "--experiment-name", "--experiment"),
+    ("upload", "--resend", "--force"),
+    ("diff", "--no-text", "--ids"),
+)
+
+
+def test_help_shows_only_the_new_name_of_a_renamed_option() -> None:
+    import re
+
+    for command, new, old in RENAMED:
+        text = rlreplay(command, "--help").stdout
+        assert re.search(rf"{new}\b", text), (command, new)
+        assert not re.search(rf"{old}(?![-\w])", text), (command, old)
+
+
+def _old_and_new(command: list[str], new: str, old: str) -> dict[str, subprocess.CompletedProcess[str]]:
+    return {flag: rlreplay(*[flag if a == new else a for a in command]) for flag in (new, old)}
+
+
+def test_diff_takes_ids_as_no_text_saying_so() -> None:
+    from pathlib import Path
+
+    run = str(Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3")
+    got = _old_and_new(
+        ["diff", run, "step=5,sample_index=730,rollout_n=0", "rollout_n=1", "--no-text", "--json"],
+        "--no-text",
+        "--ids",
+    )
+    assert got["--ids"].returncode == 0 == got["--no-text"].returncode, got["--ids"].stderr
+    assert got["--ids"].stdout == got["--no-text"].stdout and '"first_divergence"' in got["--ids"].stdout
+    assert "rlreplay: --ids is now --no-text" in got["--ids"].stderr
+    assert "is now" not in got["--no-text"].stderr
+
+
+def test_record_takes_experiment_as_experiment_name(tmp_path) -> None:
+    import json
+
+    for flag in ("--experiment-name", "--experiment"):
+        out = tmp_path / flag.strip("-")
+        proc = rlreplay("record", "--out", str(out), flag, f"exp{flag}", "--", sys.executable, "-c", "pass")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads((out / "run.json").read_text())["experiment"] == f"exp{flag}"
+        assert ("rlreplay: --experiment is now --experiment-name" in proc.stderr) == (flag == "--experiment")

@@ -126,7 +126,7 @@ def test_info_says_what_it_could_not_read_beside_the_recorders_counts(
         ("sql", "{run}", "SELECT count(*) AS n FROM spans"),
         ("export", "{run}", "--out", "{tmp}/out.jsonl", "--tokenizer", "{tokenizer}"),
         ("ls", "{run}", "--finding", "empty_response"),
-        ("diff", "{run}", "step=0,sample_index=0,rollout_n=0", "rollout_n=1", "--ids"),
+        ("diff", "{run}", "step=0,sample_index=0,rollout_n=0", "rollout_n=1", "--no-text"),
         ("upload", "{run}", "-b", "otlp", "--endpoint", "http://127.0.0.1:9/v1/traces", "--dry-run"),
         ("compare", "{run}", "{intact}"),
         ("compare", "{intact}", "{run}"),

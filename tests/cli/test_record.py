@@ -72,7 +72,7 @@ def test_record_activates_every_process_and_keeps_exit_code(tmp_path: Path) -> N
         tmp_path,
         "--out",
         str(out),
-        "--experiment",
+        "--experiment-name",
         "exp-rec",
         "--",
         sys.executable,

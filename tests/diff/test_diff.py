@@ -214,7 +214,7 @@ def test_first_divergence_matches_the_recorded_ids(runs, capsys, other: int) -> 
     id_b = ids_of(run_a, step=0, sample_index=7, rollout_n=other, validate=False)
     expected = expected_divergence(raw_agent_output(run_a, id_a), raw_agent_output(run_a, id_b))
     assert expected is not None and expected["response_offset"] is not None
-    got = diff_json(capsys, id_a[:10], id_b[:10], "--run", run_a, "--ids")
+    got = diff_json(capsys, id_a[:10], id_b[:10], "--run", run_a, "--no-text")
     assert _subset(got["first_divergence"], expected) == expected
     assert got["identical"] is False
     # the aligned pair at that turn is the first one that is not equal, and it differs at that token
@@ -231,7 +231,7 @@ def test_first_divergence_matches_the_recorded_ids(runs, capsys, other: int) -> 
 def test_token_level_diff_reconstructs_both_turns(runs, capsys) -> None:
     run_a, _ = runs
     got = diff_json(
-        capsys, "step=0,sample_index=7,rollout_n=0,validate=false", "rollout_n=2", "--run", run_a, "--ids"
+        capsys, "step=0,sample_index=7,rollout_n=0,validate=false", "rollout_n=2", "--run", run_a, "--no-text"
     )
     out_a = raw_agent_output(run_a, got["a"]["id"])
     out_b = raw_agent_output(run_a, got["b"]["id"])
@@ -300,7 +300,7 @@ def test_same_ids_in_two_trajectories_is_no_divergence(runs, capsys) -> None:
 def test_selector_across_steps_inherits_the_other_keys(runs, capsys) -> None:
     run_a, _ = runs
     got = diff_json(
-        capsys, "step=0,sample_index=7,rollout_n=0,validate=false", "step=1", "--run", run_a, "--ids"
+        capsys, "step=0,sample_index=7,rollout_n=0,validate=false", "step=1", "--run", run_a, "--no-text"
     )
     assert (got["a"]["step"], got["b"]["step"]) == (0, 1)
     for key in ("sample_index", "rollout_n", "validate", "experiment"):
@@ -311,14 +311,14 @@ def test_selector_across_steps_inherits_the_other_keys(runs, capsys) -> None:
     expected = expected_divergence(raw_agent_output(run_a, id_a), raw_agent_output(run_a, id_b))
     assert _subset(got["first_divergence"], expected) == expected
     # A given by id prefix: B's selector inherits from that trajectory
-    by_id = diff_json(capsys, id_a[:8], "step=1", "--run", run_a, "--ids")
+    by_id = diff_json(capsys, id_a[:8], "step=1", "--run", run_a, "--no-text")
     assert (by_id["a"]["id"], by_id["b"]["id"]) == (id_a, id_b)
 
 
 def test_selector_across_two_runs(runs, capsys) -> None:
     run_a, run_b = runs
     sel = "step=0,sample_index=7,rollout_n=0,validate=false"
-    got = diff_json(capsys, sel, "--run", run_a, "--run-b", run_b, "--ids")  # B: the same keys in run B
+    got = diff_json(capsys, sel, "--run", run_a, "--run-b", run_b, "--no-text")  # B: the same keys in run B
     assert (got["a"]["experiment"], got["b"]["experiment"]) == ("exp-a", "exp-b")
     assert got["a"]["run"] != got["b"]["run"]
     id_a = ids_of(run_a, step=0, sample_index=7, rollout_n=0, validate=False)
@@ -328,7 +328,7 @@ def test_selector_across_two_runs(runs, capsys) -> None:
     assert expected is not None
     assert _subset(got["first_divergence"], expected) == expected
     # and an explicit partial selector for B in the other run
-    got2 = diff_json(capsys, sel, "rollout_n=1", "--run", run_a, "--run-b", run_b, "--ids")
+    got2 = diff_json(capsys, sel, "rollout_n=1", "--run", run_a, "--run-b", run_b, "--no-text")
     assert got2["b"]["id"] == ids_of(run_b, step=0, sample_index=7, rollout_n=1, validate=False)
 
 
@@ -394,10 +394,10 @@ def test_terminal_rendering_marks_changes_without_colour(runs, capsys, monkeypat
     assert lines[turn_line + 1].split() == ["A", "B"]  # the two columns' header
     row = lines[turn_line + 2]
     assert row.index("[-") < row.index("{+")  # A's deletion on the left, B's insertion on the right
-    rc, ids_out, _ = cli(capsys, "diff", sel, "rollout_n=1", "--run", run_a, "--ids")
+    rc, ids_out, _ = cli(capsys, "diff", sel, "rollout_n=1", "--run", run_a, "--no-text")
     assert rc == 0 and "compared as token ids" in ids_out
     # token ids are printed, not text: the changed ids appear as numbers
-    got = diff_json(capsys, sel, "rollout_n=1", "--run", run_a, "--ids")
+    got = diff_json(capsys, sel, "rollout_n=1", "--run", run_a, "--no-text")
     change = next(
         s for t in got["turns"] if t["status"] == "changed" for s in t["diff"] if s["op"] == "change"
     )
@@ -407,7 +407,7 @@ def test_terminal_rendering_marks_changes_without_colour(runs, capsys, monkeypat
 def test_group_compares_every_rollout_with_the_best(runs, capsys) -> None:
     run_a, _ = runs
     got = diff_json(
-        capsys, "step=0,sample_index=7,rollout_n=1,validate=false", "--group", "--run", run_a, "--ids"
+        capsys, "step=0,sample_index=7,rollout_n=1,validate=false", "--group", "--run", run_a, "--no-text"
     )
     members = got["rollouts"]
     assert sorted(m["rollout_n"] for m in members) == sorted(ROLLOUTS)
@@ -429,7 +429,7 @@ def test_group_compares_every_rollout_with_the_best(runs, capsys) -> None:
     )
     assert rc == 0 and "(best)" in out and "identical" in out
     # a selector naming the sample only picks the same group
-    again = diff_json(capsys, "step=0,sample_index=7,validate=false", "--group", "--run", run_a, "--ids")
+    again = diff_json(capsys, "step=0,sample_index=7,validate=false", "--group", "--run", run_a, "--no-text")
     assert again == got
     # but not one that spans two groups (train and validation at step 1)
     rc, _, err = cli(capsys, "diff", "step=1,sample_index=7", "--group", "--run", run_a)
@@ -471,13 +471,13 @@ def test_sample_run_two_rollouts_diverge_where_their_ids_do(capsys) -> None:
     id_a, id_b, out_a, out_b = _sample_pair(step=5)
     expected = expected_divergence(out_a, out_b)
     assert expected is not None
-    got = diff_json(capsys, id_a, id_b, "--run", SAMPLE_RUN, "--ids")
+    got = diff_json(capsys, id_a, id_b, "--run", SAMPLE_RUN, "--no-text")
     assert _subset(got["first_divergence"], expected) == expected
     assert got["a"]["response_tokens"] == len(out_a["response_ids"])
     assert got["b"]["response_tokens"] == len(out_b["response_ids"])
     # the same pair by selector gives the same answer
     sel = f"step=5,sample_index={got['a']['sample_index']},rollout_n={got['a']['rollout_n']},validate=false"
-    by_sel = diff_json(capsys, sel, f"rollout_n={got['b']['rollout_n']}", "--run", SAMPLE_RUN, "--ids")
+    by_sel = diff_json(capsys, sel, f"rollout_n={got['b']['rollout_n']}", "--run", SAMPLE_RUN, "--no-text")
     assert (by_sel["a"]["id"], by_sel["b"]["id"]) == (id_a, id_b)
     assert by_sel["first_divergence"] == got["first_divergence"]
     rc, out, err = cli(capsys, "diff", id_a, id_b, "--run", SAMPLE_RUN)
@@ -494,7 +494,7 @@ def test_sample_run_self_diff_and_validation_across_steps(capsys) -> None:
     got = diff_json(capsys, first["id"], first["id"], "--run", SAMPLE_RUN)
     assert got["identical"] is True and got["first_divergence"] is None
     sel = f"step={steps[0]},sample_index={first['sample_index']},rollout_n={first['rollout_n']},validate=true"
-    got = diff_json(capsys, sel, f"step={steps[-1]}", "--run", SAMPLE_RUN, "--ids")
+    got = diff_json(capsys, sel, f"step={steps[-1]}", "--run", SAMPLE_RUN, "--no-text")
     later = next(r for r in val if r["step"] == steps[-1] and r["sample_index"] == first["sample_index"])
     assert (got["a"]["id"], got["b"]["id"]) == (first["id"], later["id"])
     expected = expected_divergence(

@@ -205,6 +205,16 @@ def test_a_malformed_body_goes_to_the_server_as_is(model_server: str, start_prox
         assert (got.status_code, got.json()) == (direct.status_code, direct.json())
 
 
+def test_the_experiment_name_is_recorded_under_either_spelling(start_proxy: Any, tmp_path: Path) -> None:
+    for flag in ("--experiment-name", "--experiment"):
+        out = tmp_path / flag.strip("-")
+        proxy = start_proxy("--upstream", "http://127.0.0.1:1", "--out", str(out), flag, f"exp{flag}")
+        assert proxy.stop() == 0, proxy.stderr
+        assert open_run(out).manifest["experiment"] == f"exp{flag}"
+        said = "rlreplay: --experiment is now --experiment-name" in proxy.stderr
+        assert said == (flag == "--experiment")
+
+
 def test_bad_options_are_one_line_exit_2(tmp_path: Path) -> None:
     for args, words in (
         (["--port", "0"], "give --upstream"),

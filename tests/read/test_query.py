@@ -804,13 +804,13 @@ def test_diff_group_takes_the_selection(
     gsm8k: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     group = [r for r in gsm8k if r["step"] == 5 and r["sample_index"] == 730 and not r["validate"]]
-    rc, out, err = cli(capsys, "diff", GSM8K, "--group", "step=5,sample_index=730", "--ids", "--json")
+    rc, out, err = cli(capsys, "diff", GSM8K, "--group", "step=5,sample_index=730", "--no-text", "--json")
     assert rc == 0, err
     assert sorted(r["id"] for r in json.loads(out)["rollouts"]) == sorted(r["id"] for r in group)
     argv = [
         "--group",
         "step=5,sample_index=730",
-        "--ids",
+        "--no-text",
         "--rollout-n",
         "1..3",
         "--where",

@@ -252,19 +252,19 @@ def _span_counts(run_dir: Path, tid: str) -> tuple[int, int, int]:
 
 
 def test_diff_counts_are_the_listing_counts(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, err = cli(capsys, "diff", "--run", SAMPLE, *PAIR, "--json", "--ids")
+    rc, out, err = cli(capsys, "diff", "--run", SAMPLE, *PAIR, "--json", "--no-text")
     assert rc == 0, err
     got = json.loads(out)
     for side in (got["a"], got["b"]):
         counts = (side["model_calls"], side["tool_calls"], side["tool_errors"])
         assert counts == _span_counts(SAMPLE, side["id"])
         assert not {"turns", "model_turns", "tool_turns"} & side.keys()
-    rc, out, _ = cli(capsys, "diff", "--run", SAMPLE, *PAIR, "--ids")
+    rc, out, _ = cli(capsys, "diff", "--run", SAMPLE, *PAIR, "--no-text")
     rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines() if line.strip()}
     assert rows["model_calls"] == [str(got["a"]["model_calls"]), str(got["b"]["model_calls"])]
     assert rows["tool_calls"] == [str(got["a"]["tool_calls"]), str(got["b"]["tool_calls"])]
     assert "turns (" not in out and "model turns" not in out
-    rc, out, _ = cli(capsys, "diff", "--run", SAMPLE, "--group", PAIR[0], "--ids", "--json")
+    rc, out, _ = cli(capsys, "diff", "--run", SAMPLE, "--group", PAIR[0], "--no-text", "--json")
     for member in json.loads(out)["rollouts"]:
         assert (member["model_calls"], member["tool_calls"], member["tool_errors"]) == _span_counts(
             SAMPLE, member["id"]
@@ -304,19 +304,19 @@ def test_html_report_never_writes_into_a_run_or_over_a_file(
         (tmp_path / "missing" / "report.html", "no directory"),
     ]:
         for force in ([], ["--force"]):
-            err = _bad(capsys, "diff", "--run", sample_copy, *PAIR, "--ids", "--html", target, *force)
+            err = _bad(capsys, "diff", "--run", sample_copy, *PAIR, "--no-text", "--html", target, *force)
             assert words in err, err
     assert {p: p.read_bytes() for p in sample_copy.rglob("*") if p.is_file()} == before
 
     report = outside / "report.html"
     report.write_text("mine")
-    assert "--force" in _bad(capsys, "diff", "--run", sample_copy, *PAIR, "--ids", "--html", report)
+    assert "--force" in _bad(capsys, "diff", "--run", sample_copy, *PAIR, "--no-text", "--html", report)
     assert report.read_text() == "mine"
-    rc, _, err = cli(capsys, "diff", "--run", sample_copy, *PAIR, "--ids", "--html", report, "--force")
+    rc, _, err = cli(capsys, "diff", "--run", sample_copy, *PAIR, "--no-text", "--html", report, "--force")
     assert rc == 0, err
     assert report.read_text().startswith("<!DOCTYPE html>")
     fresh = outside / "fresh.html"
-    rc, _, err = cli(capsys, "diff", "--run", sample_copy, *PAIR, "--ids", "--html", fresh)
+    rc, _, err = cli(capsys, "diff", "--run", sample_copy, *PAIR, "--no-text", "--html", fresh)
     assert rc == 0 and fresh.read_text().startswith("<!DOCTYPE html>")
     assert sorted(p.name for p in outside.iterdir()) == [
         "fresh.html",
@@ -330,7 +330,7 @@ def test_html_report_never_writes_into_a_run_or_over_a_file(
     "selector", ["step=５,sample_index=730", "step=5,sample_index=７３０", "rollout_n=٣"]
 )
 def test_selectors_take_ascii_digits_only(selector: str, capsys: pytest.CaptureFixture[str]) -> None:
-    err = _bad(capsys, "diff", "--run", SAMPLE, "--group", selector, "--ids")
+    err = _bad(capsys, "diff", "--run", SAMPLE, "--group", selector, "--no-text")
     assert "ASCII digits" in err
 
 

@@ -116,9 +116,14 @@ def test_a_backend_from_another_package_uploads_through_the_cli(
     report = json.loads(check.stdout)
     assert report["on_server"] == report["selected"] == len(lines) and report["to_send"] == len(lines)
 
-    refused = cli(site, *args[:-1], "--force")  # no upsert: --force would duplicate
+    refused = cli(site, *args[:-1], "--resend")  # no upsert: --resend would duplicate
     assert refused.returncode == 2 and "cannot replace" in refused.stderr
     assert refused.stderr.count("\n") == 1
+    old = cli(site, *args[:-1], "--force")  # the option's earlier name: the same, said
+    assert old.returncode == 2 and old.stderr.splitlines() == [
+        "rlreplay: --force is now --resend",
+        refused.stderr.strip(),
+    ]
 
 
 def test_unknown_backend_lists_the_installed_ones(run_copy: Path, site: Path) -> None:

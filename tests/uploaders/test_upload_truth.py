@@ -114,7 +114,7 @@ def test_local_sqlite_store_keeps_artifacts_in_the_run(
     assert location == (run_copy / LEDGER_DIR / "mlflow-artifacts").resolve().as_uri()
 
 
-# -- 10: a rerun that can decode replaces undecoded traces; --force re-sends -----------------------------
+# -- 10: a rerun that can decode replaces undecoded traces; --resend re-sends -----------------------------
 
 
 def test_rerun_with_a_tokenizer_replaces_traces_sent_without_text(
@@ -148,7 +148,7 @@ def test_rerun_with_a_tokenizer_replaces_traces_sent_without_text(
 
     rc, out, _ = run_cli(capsys, *args)  # with text already there: nothing to do
     assert json.loads(out)["sent"] == 0
-    rc, out, _ = run_cli(capsys, *args, "--force")  # --force re-sends the selection
+    rc, out, _ = run_cli(capsys, *args, "--resend")  # --resend re-sends the selection
     forced = json.loads(out)
     assert rc == 0 and forced["sent"] == first["sent"] and forced["replaced"] == first["sent"]
     assert len(traces(mlflow_server, project)) == len(before)
