@@ -24,6 +24,7 @@ from rlreplay.cli.app import (
     output_path,
     report_warnings,
     selection_options,
+    trajectories,
     whole_number,
     write_atomically,
 )
@@ -148,4 +149,4 @@ def export_command(
 
     write_atomically(target, run_export)
     report_warnings(opened)
-    print(f"wrote {written} trajectories to {target} ({fmt})", file=sys.stderr)
+    print(f"wrote {trajectories(written)} to {target} ({fmt})", file=sys.stderr)

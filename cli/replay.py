@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from rlreplay.cli.app import TokenizerOption, app, fail, selection_options
+from rlreplay.cli.app import TokenizerOption, app, fail, plural, selection_options, trajectories
 from rlreplay.cli.launch import (
     AUTO_FRAMEWORK,
     DEFAULT_FRAMEWORK,
@@ -62,11 +62,12 @@ class ReplayPlan:
         summary = replay_summary(new_run, self.config, self.source)
         diverged, never, unserved = summary["diverged"], summary["never_asked"], summary["unserved"]
         lines = [
-            f"rlreplay: replay of {self.shown or self.source.address}: {summary['served']} ops served; "
-            f"{len(diverged)} trajectories diverged"
+            f"rlreplay: replay of {self.shown or self.source.address}: "
+            f"{plural(summary['served'], 'op')} served; "
+            f"{trajectories(len(diverged))} diverged"
             + (f" ({_some(diverged)})" if diverged else "")
             + (
-                f"; {len(never)} source trajectories never asked for"
+                f"; {plural(len(never), 'source trajectory', 'source trajectories')} never asked for"
                 + (f" ({_some(never)})" if never else "")
                 if never is not None
                 else ""
@@ -80,7 +81,8 @@ class ReplayPlan:
                 f"replay_reason in `rlreplay ls {new_run.address} --json`"
             )
         for why, count in unserved.items():
-            lines.append(f"rlreplay: replay: {count} trajectories were not served: {why}")
+            were = "was" if count == 1 else "were"
+            lines.append(f"rlreplay: replay: {trajectories(count)} {were} not served: {why}")
         if summary["source_problem"]:
             lines.append(f"rlreplay: replay: {summary['source_problem']}")
         print("\n".join(lines), file=sys.stderr)

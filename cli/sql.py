@@ -17,6 +17,7 @@ from rlreplay.cli.app import (
     app,
     fail,
     open_run_arg,
+    plural,
     report_warnings,
     set_memory_limit,
 )
@@ -137,5 +138,5 @@ def _print(rows: Any, as_json: bool, limit: int) -> None:
 
     out = ["  ".join(clip(n, w).ljust(w) for n, w in zip(names, widths)).rstrip()]
     out += ["  ".join(clip(c, w).ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    shown = f"(first {len(cells)} rows shown; more follow: --limit N, or --json for every row)"
-    sys.stdout.write("\n".join(out) + "\n" + (shown if more else f"({len(cells)} rows)") + "\n")
+    shown = f"(first {plural(len(cells), 'row')} shown; more follow: --limit N, or --json for every row)"
+    sys.stdout.write("\n".join(out) + "\n" + (shown if more else f"({plural(len(cells), 'row')})") + "\n")

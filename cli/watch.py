@@ -18,6 +18,7 @@ from rlreplay.cli.app import (
     app,
     open_run_arg,
     report_warnings,
+    trajectories,
     whole_number,
 )
 
@@ -166,7 +167,7 @@ def render(event: dict[str, Any]) -> str:
         return (
             f"ALERT step {event['step']} {event['check']} ({event['severity']}): {event['message']}: {named}"
         )
-    cells = [f"step {event['step']}", f"{event['trajectories']} trajectories"]
+    cells = [f"step {event['step']}", trajectories(event["trajectories"])]
     for label, key in (("reward", "reward"), ("adv std", "advantage_std"), ("len", "response_tokens")):
         if event.get(key) is not None:
             cells.append(f"{label} {event[key]:.3g}")

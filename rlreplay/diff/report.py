@@ -16,6 +16,7 @@ from typing import Any
 
 from rlreplay.diff.align import DELTA_FIELDS, EQUAL, TrajectoryDiff, TurnDiff, format_tool_calls
 from rlreplay.errors import ReportPathError
+from rlreplay.format.keys import key_fields
 from rlreplay.format.manifest import MANIFEST
 from rlreplay.shards.layout import SPANS_DIR
 
@@ -195,9 +196,8 @@ def _side_line(label: str, side: Any) -> str:
     split = "validate" if side.validate else "train"
     run = f" run={side.run}" if side.run else ""
     return (
-        f'<p class="meta"><b>{label}</b> {_e(side.id)} step={_e(side.step)} '
-        f"sample_index={_e(side.sample_index)} rollout_n={_e(side.rollout_n)} {split} "
-        f"experiment={_e(side.experiment)}{_e(run)}</p>"
+        f'<p class="meta"><b>{label}</b> {_e(side.id)} {_e(key_fields(side))} {split} '
+        f"experiment={_e('-' if side.experiment is None else side.experiment)}{_e(run)}</p>"
     )
 
 

@@ -70,6 +70,32 @@ def test_no_none_where_a_key_or_the_experiment_is_absent(bare_run: Path) -> None
         assert "None" not in text, text
 
 
+def test_the_html_report_says_dash_for_an_absent_key(bare_run: Path, tmp_path: Path) -> None:
+    ids = [
+        json.loads(line)["id"]
+        for line in _out("ls", "--run", str(bare_run), "--json", cwd=bare_run).splitlines()
+    ]
+    report = tmp_path / "report.html"
+    _out("diff", *ids, "--run", str(bare_run), "--no-text", "--html", str(report), cwd=bare_run)
+    page = report.read_text()
+    assert page.count("rollout_n=- ") == 2 and page.count("experiment=-") == 2
+    assert "None" not in page
+
+
+def test_one_row_and_one_trajectory_read_right_in_sql_and_export(bare_run: Path, tmp_path: Path) -> None:
+    one = _out("sql", "--run", str(bare_run), "SELECT count(*) AS n FROM trajectories", cwd=bare_run)
+    assert one.splitlines()[-1] == "(1 row)"
+    two = _out("sql", "--run", str(bare_run), "SELECT id FROM trajectories", cwd=bare_run)
+    assert two.splitlines()[-1] == "(2 rows)"
+    root, run = Path(__file__).resolve().parents[2], "sample_runs/verl-arith-smollm2"
+    for limit, said in (("1", "wrote 1 trajectory to "), ("2", "wrote 2 trajectories to ")):
+        out = tmp_path / f"{limit}.jsonl"
+        done = rlreplay_cli(
+            "export", "--run", run, "--step", "1", "--limit", limit, "--out", str(out), cwd=root
+        )
+        assert done.returncode == 0 and said in done.stderr, done.stderr
+
+
 @given(st.integers(min_value=0, max_value=10**6), st.sampled_from(["tool call", "finding", "model call"]))
 def test_plural_agrees_with_the_count(count: int, noun: str) -> None:
     said = plural(count, noun)

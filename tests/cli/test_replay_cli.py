@@ -85,7 +85,7 @@ def test_summary_names_diverged_and_never_asked(source: Path, tmp_path: Path) ->
     assert diverged
     line = next(line for line in proc.stderr.splitlines() if "ops served" in line)
     assert f"{len(diverged)} trajectories diverged ({', '.join(diverged)})" in line
-    assert f"1 source trajectories never asked for ({facts[(1, 2, 1)]['id']})" in line
+    assert f"1 source trajectory never asked for ({facts[(1, 2, 1)]['id']})" in line
     served = sum(1 if f["calls"] >= 2 else f["calls"] for k, f in facts.items() if k != (1, 2, 1))
     assert f"{served} ops served" in line
     rows = ls_rows(new)
