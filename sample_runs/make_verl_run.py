@@ -832,7 +832,7 @@ def record(args: argparse.Namespace) -> int:
     command = ["python", "-m", "rlreplay", "record", "--out", str(out), "--framework", "verl"]
     # the model folder's tokenizer is the one verl renders prompts with (Qwen3's chat template):
     # record keeps a copy of its files in the run
-    command += ["--experiment", task["experiment"], "--tokenizer", str(path)]
+    command += ["--experiment-name", task["experiment"], "--tokenizer", str(path)]
     command += ["--token-signals"] if args.token_signals else []
     code = subprocess.call([*command, "--", *job_command(args)], env=env, cwd=HERE.parent)
     if code == 0:
