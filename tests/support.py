@@ -1,5 +1,6 @@
-"""Helpers the tests share: the Qwen3 tokenizer, a free port, the CLI (also without a module or on a
-terminal of a given width), run shape, an exported record's first prompt."""
+"""Helpers the tests share: the Qwen3 tokenizer, a free port, the CLI (in this process, as a child
+process, also without a module or on a terminal of a given width), run shape, an exported record's
+first prompt."""
 
 from __future__ import annotations
 
@@ -19,18 +20,39 @@ def qwen_tokenizer_dir() -> Path:
     return Path(spec.origin).parent / "tokenizer_files"
 
 
-def rlreplay_cli(
-    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
+def rlreplay_proc(
+    *args: object,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    drop: tuple[str, ...] = (),
+    columns: int | None = None,
+    timeout: float = 300,
 ) -> subprocess.CompletedProcess[str]:
-    """``rlreplay ARGS`` in a child process, in ``cwd``, with ``env`` added to this one's."""
+    """``rlreplay ARGS`` in a child process, in ``cwd``, with this process's environment less the
+    variables in ``drop``, plus ``env`` (and ``COLUMNS`` when ``columns`` is given)."""
+    child = {k: v for k, v in os.environ.items() if k not in drop}
+    if columns is not None:
+        child["COLUMNS"] = str(columns)
     return subprocess.run(
-        [sys.executable, "-m", "rlreplay", *args],
+        [sys.executable, "-m", "rlreplay", *(str(a) for a in args)],
         cwd=cwd,
         capture_output=True,
         text=True,
-        env={**os.environ, **(env or {})},
+        env={**child, **(env or {})},
         timeout=timeout,
     )
+
+
+def run_cli(capsys: Any, *args: object, json_out: bool = False) -> tuple[int, Any, str]:
+    """``rlreplay ARGS`` in this process through the CLI's ``main``, its output taken from ``capsys``:
+    the exit status, stdout (parsed as JSON when ``json_out``), stderr."""
+    import json
+
+    from rlreplay.cli.main import main
+
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, json.loads(out) if json_out else out, err
 
 
 def read_terminal(fd: int) -> bytes:
@@ -164,9 +186,24 @@ EXPERIMENT = "gsm8k-fixture"
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (bound once, then closed again)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    """Returns once something accepts connections on 127.0.0.1:``port``; ``TimeoutError`` after
+    ``timeout`` seconds."""
+    import contextlib
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
 
 
 def first_prompt_ids(tokenizer: Any, record: dict[str, Any]) -> list[int]:

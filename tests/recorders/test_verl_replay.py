@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support import rlreplay_cli
+from support import rlreplay_proc
 
 SCRIPT = Path(__file__).parents[1] / "verl_scripts" / "replay_agent_loop.py"
 #: rlreplay's own key in ``non_tensor_batch``: names the trajectory in its own run.
@@ -23,7 +23,7 @@ OWN_KEY = "rlreplay_trajectory"
 
 
 def rlreplay(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return rlreplay_cli(*args, cwd=cwd, env=env, timeout=400)
+    return rlreplay_proc(*args, cwd=cwd, env=env, timeout=400)
 
 
 def job(workdir: Path, out: Path) -> list[str]:
