@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+from support import run_cli as cli
 
 import rlreplay
-from rlreplay.cli.main import main
 from rlreplay.shards.layout import list_files
 
 STEPS = [3, 4, 5]
@@ -73,12 +73,6 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("runs") / "run"
     record(path)
     return path
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def test_files_are_partitioned_sealed_and_versioned(run_dir: Path) -> None:

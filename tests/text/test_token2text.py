@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import run_cli as cli
 from tokenizers import Tokenizer
 
 import rlreplay
-from rlreplay.cli.main import main
 from rlreplay.format import manifest
 from rlreplay.text.token2text import Decoder, TokenizerUnavailable, add_text, resolve_tokenizer
 
@@ -201,12 +201,6 @@ def decoder() -> Decoder:
 def load_all(run_dir: Path) -> list[rlreplay.Trajectory]:
     run = rlreplay.open_run(run_dir)
     return run.load(run.trajectories()["id"].to_pylist())
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def one_id(run_dir: Path, sample: int) -> str:
