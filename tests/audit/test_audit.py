@@ -9,12 +9,13 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 from audit_truth import verl_sample_truth
-from support import qwen_tokenizer_dir
+from support import qwen_tokenizer_dir, rlreplay_proc
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, SAMPLES, ROLLOUTS = 4, 6, 4
@@ -194,14 +195,7 @@ def prompt_for(tok: Any) -> Callable[[Plan], list[int]]:
     )
 
 
-def audit(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", "audit", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+audit = partial(rlreplay_proc, "audit", cwd=ROOT)
 
 
 def findings(proc: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
