@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -288,13 +287,7 @@ def test_terminal_report_and_fail_on(planted_run: Any) -> None:
     assert audit(str(run_dir), "--checks", "group_collapse", "--fail-on", "group_collapse").returncode == 1
     assert audit(str(run_dir), "--fail-on", "none").returncode == 0
     # ls --finding selects the flagged trajectories
-    ls = subprocess.run(
-        [sys.executable, "-m", "rlreplay", "ls", str(run_dir), "--json", "--finding", "truncated"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    ls = rlreplay_proc("ls", run_dir, "--json", "--finding", "truncated", cwd=ROOT)
     assert ls.returncode == 0, ls.stderr
     keys = {(r["step"], r["sample_index"], r["rollout_n"]) for r in map(json.loads, ls.stdout.splitlines())}
     assert keys == {p.key for p in plans if ("truncated", 1) in p.planted}

@@ -78,9 +78,7 @@ def truncated(value: Any) -> bool:
 
 
 def cli(cwd: Path, *args: str, env: dict[str, str] | None = None) -> Any:
-    proc = rlreplay_proc(*args, cwd=cwd, env=env)
-    assert proc.returncode == 0, proc.stderr
-    return proc
+    return rlreplay_proc(*args, cwd=cwd, env=env, check=True)
 
 
 def verdicts(cwd: Path, run_a: Path, run_b: Path) -> dict[int, bool]:
