@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +30,17 @@ def rlreplay_proc(
     drop: tuple[str, ...] = (),
     columns: int | None = None,
     inherit: bool = True,
+    check: bool = False,
     timeout: float = 300,
 ) -> subprocess.CompletedProcess[str]:
     """``rlreplay ARGS`` in a child process, in ``cwd``, with this process's environment less the
     variables in ``drop``, plus ``env`` (and ``COLUMNS`` when ``columns`` is given); without
-    ``inherit``, ``env`` is its whole environment."""
+    ``inherit``, ``env`` is its whole environment. ``check``: it must exit 0 (else the end of its
+    stderr is said)."""
     child = {k: v for k, v in os.environ.items() if k not in drop} if inherit else {}
     if columns is not None:
         child["COLUMNS"] = str(columns)
-    return subprocess.run(
+    proc = subprocess.run(
         [sys.executable, "-m", "rlreplay", *(str(a) for a in args)],
         cwd=cwd,
         capture_output=True,
@@ -45,6 +48,8 @@ def rlreplay_proc(
         env={**child, **(env or {})},
         timeout=timeout,
     )
+    assert not check or proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
 
 def run_cli(
@@ -65,8 +70,7 @@ def json_rows(*args: object, cwd: Path | None = None, timeout: float = 300) -> l
     """``rlreplay ARGS`` in a child process, which must succeed: each line it prints, parsed as JSON."""
     import json
 
-    proc = rlreplay_proc(*args, cwd=cwd, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr
+    proc = rlreplay_proc(*args, cwd=cwd, check=True, timeout=timeout)
     return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
 
 
@@ -218,6 +222,44 @@ def wait_port(port: int, timeout: float = 30.0) -> None:
             return
         time.sleep(0.1)
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def record(
+    run_dir: Path,
+    agent: Callable[[Any, int], Awaitable[Any]],
+    *,
+    steps: Iterable[Any],
+    samples: Iterable[Any],
+    rollouts: int,
+    experiment: str,
+    worker: str = "w0",
+    validate: bool = False,
+) -> None:
+    """Records a small run with the real recorder: at each step, every sample's ``rollouts`` rollouts
+    at once (with ``validate``, also sample 0 rollout 0 as a validation trajectory), each a trajectory
+    ``agent_loop`` inside which ``agent(sample, rollout)`` is awaited."""
+    import asyncio
+
+    import rlreplay
+
+    rlreplay.init(run_dir, experiment=experiment, worker=worker)
+    samples = list(samples)
+
+    async def one(step: Any, sample: Any, n: int, val: bool) -> None:
+        async with rlreplay.trajectory(
+            step=step, sample_index=sample, rollout_n=n, validate=val, name="agent_loop"
+        ):
+            await agent(sample, n)
+
+    async def go() -> None:
+        for step in steps:
+            jobs = [one(step, s, n, False) for s in samples for n in range(rollouts)]
+            if validate:
+                jobs.append(one(step, 0, 0, True))
+            await asyncio.gather(*jobs)
+
+    asyncio.run(go())
+    rlreplay.close()
 
 
 def mlflow_server_command(home: Path, port: int) -> tuple[list[str], dict[str, str]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +23,7 @@ SCRIPT = Path(__file__).parents[1] / "verl_scripts" / "replay_agent_loop.py"
 OWN_KEY = "rlreplay_trajectory"
 
 
-def rlreplay(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return rlreplay_proc(*args, cwd=cwd, env=env, timeout=400)
+rlreplay = partial(rlreplay_proc, timeout=400)
 
 
 def job(workdir: Path, out: Path) -> list[str]:
