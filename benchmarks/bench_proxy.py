@@ -28,7 +28,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,9 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support import free_port
 
 PROMPT_IDS = 1000
 ANSWER_IDS = (200, 2000)
@@ -124,12 +126,6 @@ def upstream_tokens() -> tuple[list[int], list[float]]:
     ids = [rng.randrange(50000) for _ in range(max(ANSWER_IDS))]
     lps = [struct.unpack("f", struct.pack("f", -rng.random() * 3))[0] for _ in ids]
     return ids, lps
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_s(pid: int) -> float:

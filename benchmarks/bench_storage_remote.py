@@ -36,6 +36,9 @@ from pathlib import Path
 
 from rlreplay.shards.layout import SPANS_DIR
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support import free_port
+
 BUCKET = "rlreplay-bench"
 
 CALLER = textwrap.dedent(
@@ -140,12 +143,6 @@ class CountingProxy:
 
     def close(self) -> None:
         self._server.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,11 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_upload_mlflow import start_server as start_mlflow  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support import free_port, phoenix_env, start_server  # noqa: E402  (tests/: the helpers the tests share)
 
 
 def start_phoenix(home: Path) -> tuple[subprocess.Popen, str] | None:
@@ -49,31 +45,11 @@ def start_phoenix(home: Path) -> tuple[subprocess.Popen, str] | None:
         print(f"otlp: no Phoenix at {exe} (see README: .phoenix-venv)")
         return None
     port = free_port()
-    env = {
-        **os.environ,
-        "PHOENIX_WORKING_DIR": str(home),
-        "PHOENIX_HOST": "127.0.0.1",
-        "PHOENIX_PORT": str(port),
-        "PHOENIX_GRPC_PORT": str(free_port()),
-        "PHOENIX_TELEMETRY_ENABLED": "false",
-        "PHOENIX_ALLOW_EXTERNAL_RESOURCES": "false",
-    }
-    log = open(home / "phoenix.log", "wb")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(
-        [str(exe), "serve"], cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/healthz", timeout=2):
-                return proc, url
-        except OSError:
-            if proc.poll() is not None:
-                break
-            time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise SystemExit(f"phoenix did not start; see {home / 'phoenix.log'}")
+    env = phoenix_env(home, port)
+    return start_server(
+        [str(exe), "serve"], home=home, env=env, health=f"{url}/healthz", log="phoenix.log"
+    ), url
 
 
 def phoenix_arrived(url: str, project: str, expect_spans: int) -> tuple[int, int]:

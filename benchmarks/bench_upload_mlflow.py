@@ -20,44 +20,26 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import support
+from support import free_port, mlflow_server_command
 
 REPO = Path(__file__).resolve().parents[1]
 SPAN_TYPES = {"trajectory": "CHAIN", "agent": "AGENT", "llm": "LLM", "tool": "TOOL", "parser": "PARSER"}
 
 
 def start_server(home: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri"]
-    cmd += [f"sqlite:///{home / 'mlflow.db'}", "--default-artifact-root", str(home / "artifacts")]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    log = open(home / "server.log", "wb")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(
-        cmd, cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    port = free_port()
     uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2):
-                return proc, uri
-        except OSError:
-            if proc.poll() is not None:
-                break
-            time.sleep(0.25)
-    proc.kill()
-    raise SystemExit(f"mlflow server did not start; see {home / 'server.log'}")
+    cmd, env = mlflow_server_command(home, port)
+    return support.start_server(cmd, home=home, env=env, health=f"{uri}/health"), uri
 
 
 def arrived(uri: str, experiment: str) -> tuple[int, int]:

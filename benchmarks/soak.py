@@ -27,7 +27,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,9 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+from support import Forwarder, free_port, wait_port  # noqa: E402  (tests/: the helpers the tests share)
+
 BUCKET = "soak"
 SPANS_PER_TURN = 2  # an llm span, and a tool span between turns
 STOP_FILE = "stop"
@@ -128,84 +130,17 @@ def record_worker(args: argparse.Namespace) -> None:
 # ---- the object store ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
-
-
-class Forwarder:
-    """A loopback TCP forwarder to the store: stopped, connections are refused; started, on the same port."""
-
-    def __init__(self, target: int) -> None:
-        self.target = target
-        self.port = _free_port()
-        self._server: socket.socket | None = None
-        self._conns: list[socket.socket] = []
-        self._lock = threading.Lock()
-
-    def start(self) -> None:
-        server = socket.socket()
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("127.0.0.1", self.port))
-        server.listen(128)
-        self._server = server
-        threading.Thread(target=self._accept, args=(server,), daemon=True).start()
-
-    def _accept(self, server: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = server.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:
-                return
-            with self._lock:
-                self._conns = [c for c in self._conns if c.fileno() != -1] + [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-        with contextlib.suppress(OSError):
-            src.close()
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        with self._lock:
-            conns, self._conns = self._conns, []
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-            conn.close()
-
-
 class Store:
     """A real moto S3 server (objects in memory), reached through a forwarder that chaos cuts."""
 
     def __init__(self, state: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         moto = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
         self.log = open(state / "moto.log", "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             [moto, "-H", "127.0.0.1", "-p", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT
         )
-        _wait_port(self.port)
+        wait_port(self.port, 60)
         self.forwarder = Forwarder(self.port)
         self.forwarder.start()
         self.client().create_bucket(Bucket=BUCKET)
@@ -591,7 +526,7 @@ class Soak:
                 self.reader_errors.extend(problems)
 
     def start_ui(self) -> None:
-        self.ui_port = _free_port()
+        self.ui_port = free_port()
         log = open(self.state / "ui.log", "w")  # noqa: SIM115 - lives as long as the soak
         self.ui = subprocess.Popen(
             [sys.executable, "-m", "rlreplay", "ui", self.run, "--port", str(self.ui_port)],
@@ -601,7 +536,7 @@ class Soak:
             cwd=self.state,
         )
         try:
-            _wait_port(self.ui_port, 120)
+            wait_port(self.ui_port, 120)
         except TimeoutError:
             self.ui_port = 0
 

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,7 +17,10 @@ from support import (
     VAL_SAMPLES,
     VAL_STEPS,
     free_port,
+    mlflow_server_command,
     qwen_tokenizer_dir,
+    start_server,
+    stop_server,
 )
 
 
@@ -135,50 +133,8 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
     """A real ``mlflow server`` on 127.0.0.1 (sqlite backend); yields its URI."""
     home = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    log = open(home / "server.log", "wb")  # noqa: SIM115 - closed at teardown
-    mlflow_bin = Path(sys.executable).with_name("mlflow")
-    proc = subprocess.Popen(
-        [
-            str(mlflow_bin),
-            "server",
-            "--backend-store-uri",
-            f"sqlite:///{home / 'mlflow.db'}",
-            "--default-artifact-root",
-            str(home / "artifacts"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        cwd=home,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    cmd, env = mlflow_server_command(home, port)
     uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            log.close()
-            raise RuntimeError(f"mlflow server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.25)
+    proc = start_server(cmd, home=home, env=env, health=f"{uri}/health", timeout=120)
     yield uri
-    os.killpg(proc.pid, 15)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-    log.close()
+    stop_server(proc, 15)

@@ -1,12 +1,16 @@
-"""Helpers the tests share: the Qwen3 tokenizer, a free port, the CLI (also without a module or on a
-terminal of a given width), run shape, an exported record's first prompt."""
+"""Helpers the tests share: the Qwen3 tokenizer, a free port, the CLI (in this process, as a child
+process, also without a module or on a terminal of a given width), run shape, an exported record's
+first prompt."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +23,55 @@ def qwen_tokenizer_dir() -> Path:
     return Path(spec.origin).parent / "tokenizer_files"
 
 
-def rlreplay_cli(
-    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
+def rlreplay_proc(
+    *args: object,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    drop: tuple[str, ...] = (),
+    columns: int | None = None,
+    inherit: bool = True,
+    check: bool = False,
+    timeout: float = 300,
 ) -> subprocess.CompletedProcess[str]:
-    """``rlreplay ARGS`` in a child process, in ``cwd``, with ``env`` added to this one's."""
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", *args],
+    """``rlreplay ARGS`` in a child process, in ``cwd``, with this process's environment less the
+    variables in ``drop``, plus ``env`` (and ``COLUMNS`` when ``columns`` is given); without
+    ``inherit``, ``env`` is its whole environment. ``check``: it must exit 0 (else the end of its
+    stderr is said)."""
+    child = {k: v for k, v in os.environ.items() if k not in drop} if inherit else {}
+    if columns is not None:
+        child["COLUMNS"] = str(columns)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlreplay", *(str(a) for a in args)],
         cwd=cwd,
         capture_output=True,
         text=True,
-        env={**os.environ, **(env or {})},
+        env={**child, **(env or {})},
         timeout=timeout,
     )
+    assert not check or proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def run_cli(
+    capsys: Any, *args: object, command: str | None = None, json_out: bool = False
+) -> tuple[int, Any, str]:
+    """``rlreplay [COMMAND] ARGS [--json]`` in this process through the CLI's ``main``, its output
+    taken from ``capsys``: the exit status, stdout (parsed as JSON when ``json_out``), stderr."""
+    import json
+
+    from rlreplay.cli.main import main
+
+    rc = main([*([command] if command else []), *(str(a) for a in args), *(["--json"] if json_out else [])])
+    out, err = capsys.readouterr()
+    return rc, json.loads(out) if json_out else out, err
+
+
+def json_rows(*args: object, cwd: Path | None = None, timeout: float = 300) -> list[dict[str, Any]]:
+    """``rlreplay ARGS`` in a child process, which must succeed: each line it prints, parsed as JSON."""
+    import json
+
+    proc = rlreplay_proc(*args, cwd=cwd, check=True, timeout=timeout)
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
 
 
 def read_terminal(fd: int) -> bytes:
@@ -164,9 +205,181 @@ EXPERIMENT = "gsm8k-fixture"
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (bound once, then closed again)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    """Returns once something accepts connections on 127.0.0.1:``port``; ``TimeoutError`` after
+    ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def record(
+    run_dir: Path,
+    agent: Callable[[Any, int], Awaitable[Any]],
+    *,
+    steps: Iterable[Any],
+    samples: Iterable[Any],
+    rollouts: int,
+    experiment: str,
+    worker: str = "w0",
+    validate: bool = False,
+) -> None:
+    """Records a small run with the real recorder: at each step, every sample's ``rollouts`` rollouts
+    at once (with ``validate``, also sample 0 rollout 0 as a validation trajectory), each a trajectory
+    ``agent_loop`` inside which ``agent(sample, rollout)`` is awaited."""
+    import asyncio
+
+    import rlreplay
+
+    rlreplay.init(run_dir, experiment=experiment, worker=worker)
+    samples = list(samples)
+
+    async def one(step: Any, sample: Any, n: int, val: bool) -> None:
+        async with rlreplay.trajectory(
+            step=step, sample_index=sample, rollout_n=n, validate=val, name="agent_loop"
+        ):
+            await agent(sample, n)
+
+    async def go() -> None:
+        for step in steps:
+            jobs = [one(step, s, n, False) for s in samples for n in range(rollouts)]
+            if validate:
+                jobs.append(one(step, 0, 0, True))
+            await asyncio.gather(*jobs)
+
+    asyncio.run(go())
+    rlreplay.close()
+
+
+def mlflow_server_command(home: Path, port: int) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a real ``mlflow server`` on 127.0.0.1:``port``, its sqlite
+    store and artifacts in ``home``."""
+    cmd = [str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri"]
+    cmd += [f"sqlite:///{home / 'mlflow.db'}", "--default-artifact-root", str(home / "artifacts")]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    return cmd, {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
+def phoenix_env(home: Path, port: int) -> dict[str, str]:
+    """The environment of a real ``phoenix serve`` on 127.0.0.1:``port``, its data in ``home``."""
+    return {
+        **os.environ,
+        "PHOENIX_WORKING_DIR": str(home),
+        "PHOENIX_HOST": "127.0.0.1",
+        "PHOENIX_PORT": str(port),
+        "PHOENIX_GRPC_PORT": str(free_port()),
+        "PHOENIX_TELEMETRY_ENABLED": "false",
+        "PHOENIX_ALLOW_EXTERNAL_RESOURCES": "false",
+    }
+
+
+def start_server(
+    cmd: list[str],
+    *,
+    home: Path,
+    env: dict[str, str],
+    health: str,
+    log: str = "server.log",
+    timeout: float = 180,
+) -> subprocess.Popen:
+    """``cmd`` started in ``home`` in a session of its own, its output into ``home/log``; returns once
+    ``health`` answers a GET. If it exits first or ``timeout`` seconds pass, it is killed and
+    ``RuntimeError`` carries the end of its log."""
+    import signal
+    import time
+    import urllib.request
+
+    with open(home / log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=home, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError), urllib.request.urlopen(health, timeout=2):
+            return proc
+        if proc.poll() is not None or time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError(f"{cmd[0]} did not start:\n{(home / log).read_text()[-3000:]}")
+        time.sleep(0.25)
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """Ends a server ``start_server`` started: SIGTERM to its session, SIGKILL after ``timeout`` s."""
+    import signal
+
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+class Forwarder:
+    """A loopback TCP forwarder to ``target``: stopped, connections are refused; started again, on the
+    same port."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.port = free_port()
+        self._server: socket.socket | None = None
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", self.port))
+        server.listen(128)
+        self._server = server
+        threading.Thread(target=self._accept, args=(server,), daemon=True).start()
+
+    def _accept(self, server: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = server.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                return
+            with self._lock:
+                self._conns = [c for c in self._conns if c.fileno() != -1] + [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError):
+            src.close()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
 
 
 def first_prompt_ids(tokenizer: Any, record: dict[str, Any]) -> list[int]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from support import rlreplay_cli
+from support import rlreplay_proc
 
 from rlreplay import settings
 from rlreplay.errors import RlreplayError, SettingError
@@ -59,7 +59,7 @@ def test_no_variable_is_read_or_named_outside_the_settings_module() -> None:
 
 
 def test_a_bad_value_is_one_line_naming_the_variable_and_exit_2() -> None:
-    done = rlreplay_cli(
+    done = rlreplay_proc(
         "ls", "--run", "sample_runs/gsm8k-grpo-qwen3", cwd=ROOT, env={"RLREPLAY_LEASE_TTL_S": "soon"}
     )
     assert done.returncode == 2 and done.stdout == ""

@@ -6,15 +6,15 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 from audit_truth import verl_sample_truth
-from support import qwen_tokenizer_dir
+from support import qwen_tokenizer_dir, rlreplay_proc
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, SAMPLES, ROLLOUTS = 4, 6, 4
@@ -194,14 +194,7 @@ def prompt_for(tok: Any) -> Callable[[Plan], list[int]]:
     )
 
 
-def audit(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", "audit", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+audit = partial(rlreplay_proc, "audit", cwd=ROOT)
 
 
 def findings(proc: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
@@ -294,13 +287,7 @@ def test_terminal_report_and_fail_on(planted_run: Any) -> None:
     assert audit(str(run_dir), "--checks", "group_collapse", "--fail-on", "group_collapse").returncode == 1
     assert audit(str(run_dir), "--fail-on", "none").returncode == 0
     # ls --finding selects the flagged trajectories
-    ls = subprocess.run(
-        [sys.executable, "-m", "rlreplay", "ls", str(run_dir), "--json", "--finding", "truncated"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    ls = rlreplay_proc("ls", run_dir, "--json", "--finding", "truncated", cwd=ROOT)
     assert ls.returncode == 0, ls.stderr
     keys = {(r["step"], r["sample_index"], r["rollout_n"]) for r in map(json.loads, ls.stdout.splitlines())}
     assert keys == {p.key for p in plans if ("truncated", 1) in p.planted}

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import rlreplay_proc as _cli
 
 #: Past a float's 53 bits of mantissa: as a float, K and K - 1 are the same number.
 K = 2**53 + 1
@@ -43,12 +44,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("int64") / "run"
     _record(path)
     return path
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", *args], capture_output=True, text=True, timeout=120
-    )
 
 
 def test_keys_past_53_bits_stay_exact_from_listing_to_audit_json(run: Path) -> None:

@@ -5,15 +5,13 @@ The worst tokens and the flagged groups are computed here from what was recorded
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from support import json_rows
 
 import rlreplay
 from rlreplay.recorder.signals import record_signals
@@ -23,15 +21,7 @@ PER_STEP = 10
 
 
 def audit(*args: str) -> list[dict[str, Any]]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlreplay", "audit", *args, "--json", "--fail-on", "none"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    return json_rows("audit", *args, "--json", "--fail-on", "none", cwd=ROOT)
 
 
 def reward(samples: list[Any], sample: Any, n: int) -> float:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import rlreplay_proc
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "sample_runs" / "make_verl_run.py"
@@ -75,12 +76,7 @@ def test_every_planted_problem_happened(planted: tuple) -> None:
 
 def test_audit_finds_what_went_wrong_and_flags_no_clean_rollout(planted: tuple) -> None:
     run_dir, happened, keys = planted
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlreplay", "audit", str(run_dir), "--json", "--checks", ",".join(CHECKS)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = rlreplay_proc("audit", run_dir, "--json", "--checks", ",".join(CHECKS))
     assert proc.returncode == 1, proc.stderr
     found = set()
     for line in proc.stdout.splitlines():

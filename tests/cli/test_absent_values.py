@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from support import rlreplay_cli
+from support import rlreplay_proc
 
 from rlreplay.cli.app import plural, shown
 
@@ -49,7 +49,7 @@ def bare_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _out(*args: str, cwd: Path) -> str:
-    done = rlreplay_cli(*args, cwd=cwd)
+    done = rlreplay_proc(*args, cwd=cwd)
     assert done.returncode == 0, done.stderr
     return done.stdout
 

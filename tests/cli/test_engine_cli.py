@@ -3,33 +3,17 @@ and how a run is cut into parts (consecutive steps, by the bytes of their span f
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
+from support import free_port, rlreplay_proc
 
 SHOWCASE = Path(__file__).resolve().parents[2] / "sample_runs" / "verl-arith-smollm2"
 
 
-def _rlreplay(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", *args],
-        env={**base, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed again: nothing listens there
+_rlreplay = partial(rlreplay_proc, drop=("RAY_ADDRESS",))
 
 
 @pytest.mark.parametrize(
@@ -51,7 +35,7 @@ def _closed_port() -> int:
     ],
 )
 def test_an_engine_that_cannot_run_is_one_line(args: list[str], env: dict[str, str], said: str) -> None:
-    port = str(_closed_port())
+    port = str(free_port())
     args = [a.replace("{port}", port) for a in args]
     env = {k: v.replace("{port}", port) for k, v in env.items()}
     for command in (["audit"], ["mismatch"], ["ls", "--grep", "1"], ["export", "--out", "x.jsonl"]):

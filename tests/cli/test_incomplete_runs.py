@@ -12,11 +12,12 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from functools import partial
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from support import qwen_tokenizer_dir
+from support import qwen_tokenizer_dir, rlreplay_proc
 
 from rlreplay.format import index as tindex
 from rlreplay.shards.layout import list_files
@@ -49,17 +50,7 @@ JOB = textwrap.dedent(
 )
 
 
-def cli(
-    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cwd,
-        env={**os.environ, "COLUMNS": "200", **(env or {})},
-    )
+cli = partial(rlreplay_proc, columns=200)
 
 
 @pytest.fixture(scope="module")

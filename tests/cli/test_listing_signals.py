@@ -8,12 +8,12 @@ import math
 import os
 import pty
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support import rlreplay_proc as rlreplay
 
 ROOT = Path(__file__).resolve().parents[2]
 SIGNALS_RUN = ROOT / "sample_runs" / "verl-toolagent-smollm2"  # verl's driver recorded the signals
@@ -21,12 +21,6 @@ PLAIN_RUN = ROOT / "sample_runs" / "gsm8k-grpo-qwen3"  # rewards only
 #: The signals' columns, by their short names (aliases wherever a column is named).
 SIGNAL_COLUMNS = {"adv": "advantage", "dlogp_max": "logprob_diff_max", "is_ratio": "importance_ratio"}
 KEY_HEADER = ["id", "step", "sample_index", "rollout_n", "validate", "reward"]
-
-
-def rlreplay(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", *args], capture_output=True, text=True, timeout=120, env=env
-    )
 
 
 def json_rows(run: Path, *args: str) -> list[dict]:

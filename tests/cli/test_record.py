@@ -12,7 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from support import qwen_tokenizer_dir
+from support import qwen_tokenizer_dir, rlreplay_proc
 
 import rlreplay
 
@@ -40,18 +40,8 @@ JOB = textwrap.dedent(
 )
 
 
-def record(
-    tmp_path: Path, *args: str, env: dict[str, str] | None = None, **kw
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", "record", *args],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=120,
-        **kw,
-    )
+def record(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return rlreplay_proc("record", *args, cwd=tmp_path, env=env, timeout=120)
 
 
 def record_job(

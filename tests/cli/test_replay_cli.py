@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import rlreplay_cli
+from support import rlreplay_proc
 
 import rlreplay
 
@@ -22,7 +22,7 @@ BASE = {"steps": 2, "samples": 3, "rollouts": 2, "seed": 0, "parser": "v1", "spa
 
 
 def cli(cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return rlreplay_cli(*args, cwd=cwd, env=env)
+    return rlreplay_proc(*args, cwd=cwd, env=env)
 
 
 def job(config: dict) -> list[str]:

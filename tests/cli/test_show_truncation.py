@@ -4,11 +4,9 @@ the conversation; the truth is each model call's recorded ``stop_reason``, read 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-from support import length_stops
+from support import length_stops, rlreplay_proc
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "sample_runs" / "verl-arith-smollm2"  # recorded with verl's length stop on
@@ -16,15 +14,8 @@ MARK = "stopped on its length limit"
 
 
 def _show(traj_id: str, *args: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlreplay", "show", str(RUN), traj_id, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"NO_COLOR": "1", "PATH": "", "HOME": str(Path.home())},
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+    env = {"NO_COLOR": "1", "PATH": "", "HOME": str(Path.home())}
+    return rlreplay_proc("show", RUN, traj_id, *args, env=env, inherit=False, check=True).stdout
 
 
 def test_show_marks_the_turn_and_the_call_that_stopped_on_length() -> None:

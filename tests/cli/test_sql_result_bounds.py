@@ -12,6 +12,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from support import rlreplay_proc
 
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "verl-toolagent-smollm2"
 LIMIT_MB = 50
@@ -67,12 +68,7 @@ def test_the_memory_limit_bounds_the_printed_result(run: Path) -> None:
 
 
 def _sql(run: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", "sql", str(run), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return rlreplay_proc("sql", run, *args)
 
 
 @pytest.mark.parametrize(("total", "limit"), [(5, 5), (6, 5), (0, 5), (3000, 2500)])

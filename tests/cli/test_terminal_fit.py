@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support import on_terminal, rlreplay_cli
+from support import on_terminal, rlreplay_proc
 
 ROOT = Path(__file__).resolve().parents[2]
 ARITH = "sample_runs/verl-arith-smollm2"  # per-token trainer log-probs
@@ -17,7 +17,7 @@ COLUMNS = 100
 
 
 def _piped(*args: str) -> str:
-    done = rlreplay_cli(*args, cwd=ROOT)
+    done = rlreplay_proc(*args, cwd=ROOT)
     assert done.returncode in (0, 1), done.stderr
     return done.stdout
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import rlreplay_cli
+from support import rlreplay_proc
 
 import rlreplay
 from rlreplay.compare import compare_runs
@@ -78,9 +78,7 @@ def truncated(value: Any) -> bool:
 
 
 def cli(cwd: Path, *args: str, env: dict[str, str] | None = None) -> Any:
-    proc = rlreplay_cli(*args, cwd=cwd, env=env)
-    assert proc.returncode == 0, proc.stderr
-    return proc
+    return rlreplay_proc(*args, cwd=cwd, env=env, check=True)
 
 
 def verdicts(cwd: Path, run_a: Path, run_b: Path) -> dict[int, bool]:

@@ -17,9 +17,9 @@ from pathlib import Path
 import orjson
 import pytest
 from support import qwen_tokenizer_dir
+from support import run_cli as cli
 
 import rlreplay
-from rlreplay.cli.main import main
 from rlreplay.format import manifest
 
 SAMPLE_RUN = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-qwen3"
@@ -186,12 +186,6 @@ def ids_of(run_dir: Path, **keys) -> str:
     rows = rlreplay.open_run(run_dir).trajectories(**keys).to_pylist()
     assert len(rows) == 1, rows
     return rows[0]["id"]
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def diff_json(capsys: pytest.CaptureFixture[str], *args: object) -> dict:

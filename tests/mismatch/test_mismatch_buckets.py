@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from mismatch_runs import record_planted
 from mismatch_truth import responses
+from support import rlreplay_proc
 from test_mismatch_verl import ROOT, SHOWCASE, mismatch_json
 
 TOKEN_METRICS = (
@@ -184,13 +185,7 @@ def test_top_keeps_the_largest_rollouts(planted: Path) -> None:
 
 
 def test_a_bucket_without_data_is_said(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlreplay", "mismatch", str(SHOWCASE), "--by", "entropy", "--json"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    proc = rlreplay_proc("mismatch", str(SHOWCASE), "--by", "entropy", "--json", cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout == ""
     assert "no entropy was recorded per token" in proc.stderr
     text = subprocess.run(

@@ -3,21 +3,13 @@ report shows what ``--json`` says."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from functools import partial
 
 import pytest
+from support import rlreplay_proc
 from test_mismatch_verl import ROOT, SHOWCASE, mismatch_json
 
-
-def rlreplay(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", "mismatch", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+rlreplay = partial(rlreplay_proc, "mismatch", cwd=ROOT)
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import rlreplay_proc
 
 import rlreplay
 from rlreplay.mismatch import metrics as m
@@ -86,12 +85,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     return run_dir, _record(run_dir)
 
 
-def rlreplay_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", *args], capture_output=True, text=True, timeout=300
-    )
-
-
 def _truth(specs: list[dict]) -> dict[int, dict]:
     """Per step, from what the test recorded: responses compared and left out, counted gaps."""
     out: dict[int, dict] = {}
@@ -114,7 +107,7 @@ def test_lengths_that_differ_and_non_finite_tokens_are_left_out_and_counted(
     run: tuple[Path, list[dict]],
 ) -> None:
     run_dir, specs = run
-    proc = rlreplay_cli("mismatch", str(run_dir), "--json")
+    proc = rlreplay_proc("mismatch", str(run_dir), "--json")
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
     rows = {r["step"]: r for r in map(json.loads, proc.stdout.splitlines())}
@@ -136,7 +129,7 @@ def test_lengths_that_differ_and_non_finite_tokens_are_left_out_and_counted(
 
 def test_the_text_report_says_what_was_left_out(run: tuple[Path, list[dict]]) -> None:
     run_dir, specs = run
-    proc = rlreplay_cli("mismatch", str(run_dir))
+    proc = rlreplay_proc("mismatch", str(run_dir))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr and "Warning" not in proc.stderr, (
         proc.stderr
     )
@@ -149,9 +142,9 @@ def test_the_text_report_says_what_was_left_out(run: tuple[Path, list[dict]]) ->
 
 def test_the_audit_and_by_buckets_take_the_same_tokens(run: tuple[Path, list[dict]]) -> None:
     run_dir, specs = run
-    proc = rlreplay_cli("audit", str(run_dir), "--checks", "mismatch")
+    proc = rlreplay_proc("audit", str(run_dir), "--checks", "mismatch")
     assert "Traceback" not in proc.stderr and "failed" not in proc.stdout + proc.stderr, proc.stderr
-    proc = rlreplay_cli("mismatch", str(run_dir), "--json", "--by", "position")
+    proc = rlreplay_proc("mismatch", str(run_dir), "--json", "--by", "position")
     assert proc.returncode == 0 and "Warning" not in proc.stderr, proc.stderr
     counted = sum(len(t["gaps"]) for t in _truth(specs).values())
     assert sum(json.loads(line)["tokens"] for line in proc.stdout.splitlines()) == counted

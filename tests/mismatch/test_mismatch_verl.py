@@ -6,10 +6,7 @@ compute equal numpy's."""
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,21 +14,14 @@ import numpy as np
 import pytest
 from mismatch_runs import record_planted
 from mismatch_truth import padded, responses
+from support import json_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOWCASE = ROOT / "sample_runs" / "verl-arith-smollm2"
 
 
 def mismatch_json(*args: str) -> list[dict[str, Any]]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlreplay", "mismatch", *args, "--json"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    return json_rows("mismatch", *args, "--json", cwd=ROOT, timeout=600)
 
 
 #: verl takes the sequence-level fraction as a float32 mean (``.float().mean()``): equal to float32's

@@ -14,7 +14,7 @@ from typing import Any
 
 import openai
 import pytest
-from support import rlreplay_cli
+from support import rlreplay_proc
 
 from rlreplay.read.open import open_run
 
@@ -170,6 +170,6 @@ def test_agent_frameworks_record_and_replay_their_own_tool_loops(
     assert replay.stop() == 0, replay.stderr
     assert "8 calls served; 0 trajectories diverged; 0 recorded trajectories never asked for" in replay.stderr
     assert replayed == recorded
-    compared = rlreplay_cli("compare", "recorded", "replayed", cwd=tmp_path)
+    compared = rlreplay_proc("compare", "recorded", "replayed", cwd=tmp_path)
     assert compared.returncode == 0, compared.stderr
     assert "4 pairs: 4 same, 0 changed, 0 only in A, 0 only in B" in compared.stdout

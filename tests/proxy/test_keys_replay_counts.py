@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support import rlreplay_cli
+from support import rlreplay_proc
 
 from rlreplay.read.open import open_run
 
@@ -52,7 +52,7 @@ def test_a_diverged_replay_is_not_ok_and_refused_calls_are_counted(
     rows = {r["sample_index"]: r for r in open_run(tmp_path / "live").trajectories().to_pylist()}
     assert rows[0]["status"] == "ok"
     assert rows[1]["status"] == "error" and "replay diverged" in rows[1]["error"]
-    listed = rlreplay_cli("ls", "live", "--json", cwd=tmp_path)
+    listed = rlreplay_proc("ls", "live", "--json", cwd=tmp_path)
     assert sorted(json.loads(line)["status"] for line in listed.stdout.splitlines()) == ["error", "ok"]
 
     failing = start_proxy("--replay", "recorded", "--out", "failed", "--on-diverge", "fail")
@@ -61,7 +61,7 @@ def test_a_diverged_replay_is_not_ok_and_refused_calls_are_counted(
         assert ask(failing.url, text, key).status_code == 409
     assert failing.stop() == 0, failing.stderr
     assert "2 calls refused (409)" in failing.stderr
-    info = rlreplay_cli("info", "failed", "--json", cwd=tmp_path)
+    info = rlreplay_proc("info", "failed", "--json", cwd=tmp_path)
     assert json.loads(info.stdout)["refused_calls"] == 2, info.stdout
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from support import free_port, rlreplay_cli
+from support import free_port, rlreplay_proc
 
 from rlreplay.format import payload
 from rlreplay.proxy.protocol import stream_chunks
@@ -222,7 +222,7 @@ def test_bad_options_are_one_line_exit_2(tmp_path: Path) -> None:
         (["--upstream", "http://127.0.0.1:1", "--out", str(tmp_path)], "never overwritten"),
     ):
         (tmp_path / "x").write_text("")  # --out tmp_path: not empty
-        proc = rlreplay_cli("proxy", *args, cwd=tmp_path)
+        proc = rlreplay_proc("proxy", *args, cwd=tmp_path)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr
 
@@ -254,7 +254,7 @@ def test_a_replay_answers_from_the_recording_with_the_server_gone(
     assert session(replay.url) == answers
     assert replay.stop() == 0, replay.stderr
     assert "3 calls served; 0 trajectories diverged; 0 recorded trajectories never asked for" in replay.stderr
-    compared = rlreplay_cli("compare", "recorded", "replayed", cwd=tmp_path)
+    compared = rlreplay_proc("compare", "recorded", "replayed", cwd=tmp_path)
     assert compared.returncode == 0, compared.stderr
     assert "2 pairs: 2 same, 0 changed, 0 only in A, 0 only in B" in compared.stdout
     assert {r["replay"] for r in replay_rows(open_run(tmp_path / "replayed")).values()} == {"served"}

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 from proxy.conftest import ProxyProcess
-from support import rlreplay_cli
+from support import rlreplay_proc
 
 from rlreplay.proxy.protocol import stream_chunks
 
@@ -134,7 +134,7 @@ def _json_lines(text: str) -> list[dict[str, Any]]:
 
 def test_mismatch_reads_the_proxy_runs_two_sides(proxy_run: tuple[Path, dict]) -> None:
     run, truth = proxy_run
-    proc = rlreplay_cli("mismatch", str(run), "--json", cwd=run.parent)
+    proc = rlreplay_proc("mismatch", str(run), "--json", cwd=run.parent)
     assert proc.returncode == 0, proc.stderr
     rows = {r["step"]: r for r in _json_lines(proc.stdout)}
     expected = _by_step(truth)
@@ -145,7 +145,7 @@ def test_mismatch_reads_the_proxy_runs_two_sides(proxy_run: tuple[Path, dict]) -
     assert rows[1]["verdict"] == "healthy" and rows[2]["verdict"] == "broken"
     assert "1 of 4 selected trajectories have no trainer log-probs" in proc.stderr
     # the worst token is the worst |Δ| the test made, at its place in the response
-    by = _json_lines(rlreplay_cli("mismatch", str(run), "--json", "--by", "position", cwd=run.parent).stdout)
+    by = _json_lines(rlreplay_proc("mismatch", str(run), "--json", "--by", "position", cwd=run.parent).stdout)
     assert sum(r["tokens"] for r in by) == sum(w["tokens"] for w in expected.values())
 
 
@@ -155,7 +155,7 @@ def test_a_proxy_run_without_trainer_log_probs_says_how_to_record_them(
     proxy = ProxyProcess("--upstream", model_server, "--out", "plain", cwd=tmp_path)
     _chat(proxy.url, (0, 0), (3,))
     assert proxy.stop() == 0, proxy.stderr
-    proc = rlreplay_cli("mismatch", "plain", cwd=tmp_path)
+    proc = rlreplay_proc("mismatch", "plain", cwd=tmp_path)
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0 and len(lines) == 2 and proc.stderr == "", proc.stderr
     assert (
@@ -165,7 +165,7 @@ def test_a_proxy_run_without_trainer_log_probs_says_how_to_record_them(
 
 def test_the_audit_flags_the_broken_step_of_a_proxy_run(proxy_run: tuple[Path, dict]) -> None:
     run, truth = proxy_run
-    proc = rlreplay_cli("audit", str(run), "--checks", "mismatch", "--json", cwd=run.parent)
+    proc = rlreplay_proc("audit", str(run), "--checks", "mismatch", "--json", cwd=run.parent)
     assert proc.returncode == 1, proc.stderr
     findings = [
         f for f in _json_lines(proc.stdout) if f.get("check") == "mismatch" and f.get("trajectory_id") is None

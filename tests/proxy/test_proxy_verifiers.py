@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support import free_port, rlreplay_cli
+from support import free_port, rlreplay_proc
 
 from rlreplay.format import payload
 from rlreplay.proxy.protocol import stream_chunks
@@ -183,14 +183,14 @@ def test_vf_eval_recorded_through_the_proxy_replays_with_the_server_gone(
     assert KEY.encode() not in stored
 
     # the run reads like any other: the audit finds each answer cut by its length limit
-    audited = rlreplay_cli("audit", "recorded", cwd=tmp_path)
+    audited = rlreplay_proc("audit", "recorded", cwd=tmp_path)
     cut = finish_reasons.count("length")
     assert audited.returncode == (1 if cut else 0), audited.stderr
     assert f"audited {2 * TASKS} trajectories" in audited.stdout
     lines = {line.split()[0]: line.split()[1:] for line in audited.stdout.splitlines()[1:12] if line.strip()}
     assert lines["truncated"][0] == str(cut) and lines["garbled"][1:] == ["findings"]
     first = run.trajectories()["id"][0].as_py()
-    shown = rlreplay_cli("show", "recorded", first, cwd=tmp_path)
+    shown = rlreplay_proc("show", "recorded", first, cwd=tmp_path)
     assert shown.returncode == 0 and "no tokenizer" not in shown.stdout + shown.stderr
     # the UI shows it as text: the trajectory's last answer, as verifiers saw it
     said = recorded[first][-1][1].strip()
@@ -207,7 +207,7 @@ def test_vf_eval_recorded_through_the_proxy_replays_with_the_server_gone(
         in replay.stderr
     )
     assert {r["replay"] for r in replay_rows(open_run(tmp_path / "replayed")).values()} == {"served"}
-    compared = rlreplay_cli("compare", "recorded", "replayed", cwd=tmp_path)
+    compared = rlreplay_proc("compare", "recorded", "replayed", cwd=tmp_path)
     assert compared.returncode == 0, compared.stderr
     pairs = 2 * TASKS
     assert f"{pairs} pairs: {pairs} same, 0 changed, 0 only in A, 0 only in B" in compared.stdout

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ProxyProcess
-from support import rlreplay_cli
+from support import rlreplay_proc
 from test_proxy import llm_spans
 from wire_upstream import Script, Upstream
 
@@ -91,10 +91,10 @@ def test_sigkill_under_load_loses_no_answered_call(tmp_path: Path) -> None:
     assert len(answered) > 30, "the load did not run"
     run = tmp_path / "run"
     time.sleep(0.5)
-    done = rlreplay_cli("recover", str(run), cwd=tmp_path)
+    done = rlreplay_proc("recover", str(run), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     recorded = {span.inputs["messages"][0]["content"] for _, spans in llm_spans(run) for span in spans}
-    info = json.loads(rlreplay_cli("info", str(run), "--json", cwd=tmp_path).stdout)
+    info = json.loads(rlreplay_proc("info", str(run), "--json", cwd=tmp_path).stdout)
     counted = sum(int(info.get(k) or 0) for k in ("lost", "dropped"))
     missing = answered - recorded
     assert len(missing) <= counted, (

@@ -15,8 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from support import run_cli as cli
 
-from rlreplay.cli.main import main
 from rlreplay.errors import SelectionError
 from rlreplay.read.selection import parse_keys, parse_sort
 
@@ -35,12 +35,6 @@ META = [
     "response_tokens",
 ]
 KEYS = ["step", "sample_index", "rollout_n", "validate", "experiment", "worker"]
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str, str]:
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def json_lines(text: str) -> list[dict[str, Any]]:

@@ -16,19 +16,13 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import run_cli as cli
 
-from rlreplay.cli.main import main
 from rlreplay.read import where
 
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "verl-toolagent-smollm2"
 #: A query that runs for minutes: a cross join counted.
 ENDLESS = "(SELECT count(*) FROM range(1000000) a, range(1000000) b WHERE (a.range * b.range) % 7 = 3)"
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 # ---- --where: one expression ---------------------------------------------------------------------

@@ -10,14 +10,16 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+import support
+from support import run_cli as cli
 
 import rlreplay
-from rlreplay.cli.main import main
 from rlreplay.shards.layout import list_files
 
 STEPS = [3, 4, 5]
@@ -50,22 +52,19 @@ class Agent:
 
 
 def record(run_dir: Path, experiment: str = "exp-a", worker: str = "w0") -> None:
-    rlreplay.init(run_dir, experiment=experiment, worker=worker)
+    def agent(sample: int, n: int) -> Any:
+        return Agent().run([1, 2, 3, sample], fail=(n == 1))
 
-    async def one(step: int, sample: int, n: int, validate: bool) -> None:
-        async with rlreplay.trajectory(
-            step=step, sample_index=sample, rollout_n=n, validate=validate, name="agent_loop"
-        ):
-            await Agent().run([1, 2, 3, sample], fail=(n == 1))
-
-    async def go() -> None:
-        for step in STEPS:
-            jobs = [one(step, s, n, False) for s in range(SAMPLES) for n in range(ROLLOUTS)]
-            jobs.append(one(step, 0, 0, True))
-            await asyncio.gather(*jobs)
-
-    asyncio.run(go())
-    rlreplay.close()
+    support.record(
+        run_dir,
+        agent,
+        steps=STEPS,
+        samples=range(SAMPLES),
+        rollouts=ROLLOUTS,
+        experiment=experiment,
+        worker=worker,
+        validate=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +72,6 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("runs") / "run"
     record(path)
     return path
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def test_files_are_partitioned_sealed_and_versioned(run_dir: Path) -> None:

@@ -19,9 +19,9 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from support import run_cli
 
 import rlreplay
-from rlreplay.cli.main import main
 
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "verl-toolagent-smollm2"
 _FAILED_TEXT = re.compile(r"\s*(error|exception|traceback)\b", re.IGNORECASE)
@@ -62,8 +62,7 @@ def expected_errors(run: Path) -> dict[str, int]:
 
 
 def cli(capsys: pytest.CaptureFixture[str], *args: Any) -> str:
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
+    rc, out, err = run_cli(capsys, *args)
     assert rc in (0, 1), err  # audit exits 1 when it finds something
     return out
 

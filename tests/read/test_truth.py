@@ -10,20 +10,14 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from support import run_cli as cli
 
 import rlreplay
-from rlreplay.cli.main import main
 from rlreplay.format import manifest
 from rlreplay.format.index import summarize
 from rlreplay.model import trajectory_from_table
 
 STATUS_INCOMPLETE = "incomplete"
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 # ---- a run whose trajectories carry rewards in several places ------------------------------------

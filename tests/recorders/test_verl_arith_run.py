@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from support import json_rows
 
 RUN = Path(__file__).resolve().parents[2] / "sample_runs" / "verl-arith-smollm2"
 
@@ -74,14 +73,7 @@ def test_rewards_advantages_and_mismatch_vary_across_steps_as_stats_says(signals
     for figures in (reward, advantage, mismatch):
         assert len({round(x, 6) for x in figures.values()}) > 1, figures
     assert min(mismatch.values()) > 1e-3  # bfloat16 rollout weights against a float32 trainer
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlreplay", "stats", str(RUN), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    stats = {r["step"]: r for r in map(json.loads, proc.stdout.splitlines()) if not r["validate"]}
+    stats = {r["step"]: r for r in json_rows("stats", RUN, "--json") if not r["validate"]}
     assert set(stats) == set(reward)
     for step in stats:
         assert stats[step]["reward_mean"] == pytest.approx(reward[step])

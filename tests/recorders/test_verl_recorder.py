@@ -20,6 +20,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from support import json_rows, rlreplay_proc
 
 import rlreplay
 
@@ -27,24 +28,11 @@ SCRIPTS = Path(__file__).parents[1] / "verl_scripts"
 
 
 def record(out: Path, *command: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", "record", "--out", str(out), "--", *command],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return rlreplay_proc("record", "--out", out, "--", *command, cwd=cwd, timeout=timeout)
 
 
 def ls_json(run: Path, *filters: str) -> list[dict]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlreplay", "ls", str(run), *filters, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    return json_rows("ls", run, *filters, "--json", timeout=60)
 
 
 def check_tool_agent_tree(traj: rlreplay.Trajectory) -> None:

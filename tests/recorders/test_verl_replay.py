@@ -10,20 +10,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from support import rlreplay_cli
+from support import rlreplay_proc
 
 SCRIPT = Path(__file__).parents[1] / "verl_scripts" / "replay_agent_loop.py"
 #: rlreplay's own key in ``non_tensor_batch``: names the trajectory in its own run.
 OWN_KEY = "rlreplay_trajectory"
 
 
-def rlreplay(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return rlreplay_cli(*args, cwd=cwd, env=env, timeout=400)
+rlreplay = partial(rlreplay_proc, timeout=400)
 
 
 def job(workdir: Path, out: Path) -> list[str]:

@@ -6,17 +6,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
+
+from support import rlreplay_proc
 
 SCRIPT = Path(__file__).parents[1] / "verl_scripts" / "replay_shared_extra_info.py"
 
 
-def rlreplay(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlreplay", *args], cwd=cwd, capture_output=True, text=True, timeout=400
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+rlreplay = partial(rlreplay_proc, check=True, timeout=400)
 
 
 def engine_calls(proc: subprocess.CompletedProcess) -> int:

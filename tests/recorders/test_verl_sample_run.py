@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from support import json_rows, rlreplay_proc
 
 import rlreplay
 from rlreplay.format import payload
@@ -24,14 +22,7 @@ def run() -> rlreplay.Run:
 
 @pytest.fixture(scope="module")
 def rows() -> list[dict]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlreplay", "ls", str(RUN), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    return json_rows("ls", RUN, "--json")
 
 
 @pytest.fixture(scope="module")
@@ -101,13 +92,15 @@ def test_rollouts_of_a_prompt_differ(run: rlreplay.Run, rows: list[dict]) -> Non
 
 def test_show_decodes_with_the_shipped_tokenizer(rows: list[dict], tmp_path: Path) -> None:
     traj_id = next(r["id"] for r in rows if not r["validate"])
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlreplay", "show", "-r", str(RUN), traj_id],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = rlreplay_proc(
+        "show",
+        "-r",
+        RUN,
+        traj_id,
         cwd=tmp_path,  # nothing but the run folder: the tokenizer ships inside it
         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"},
+        inherit=False,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "<tool_call>" in proc.stdout and "####" in proc.stdout

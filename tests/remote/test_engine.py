@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from support import read_terminal
-from test_object_store import BUCKET, S3Server, _env, _free_port, rlreplay, s3  # noqa: F401  (s3: a fixture)
+from support import free_port, read_terminal
+from test_object_store import BUCKET, S3Server, _env, rlreplay, s3  # noqa: F401  (s3: a fixture)
 
 SHOWCASE = Path(__file__).parents[2] / "sample_runs" / "verl-arith-smollm2"
 PREFIX = "exp/showcase"
@@ -94,7 +94,7 @@ def cluster(s3: S3Server, tmp_path_factory: pytest.TempPathFactory):
         own = {"RLREPLAY_CACHE": str(base / f"node-{i}" / "cache"), "XDG_CACHE_HOME": str(base / f"node-{i}")}
         return {**creds, **own, "RLREPLAY_HOST": f"node-{i}"}
 
-    port = _free_port()
+    port = free_port()
     made = Cluster(
         initialize_head=True,
         head_node_args={

@@ -7,39 +7,22 @@ in memory: it is never restarted). The Ray test starts a real 3-node cluster on 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support import Forwarder, free_port, rlreplay_proc, wait_port
 
 SCRIPTS = Path(__file__).parents[1] / "node_scripts"
 BUCKET = "rlreplay-runs"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
 
 
 @dataclass
@@ -70,7 +53,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory):
     """moto_server with IAM auth enforced after 3 setup calls (a user, its policy, its access key)."""
     import boto3
 
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")  # noqa: SIM115
     moto = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
     proc = subprocess.Popen(
@@ -80,7 +63,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory):
         stderr=subprocess.STDOUT,
     )
     try:
-        _wait_port(port)
+        wait_port(port)
         endpoint = f"http://127.0.0.1:{port}"
         anon = {"endpoint_url": endpoint, "region_name": "us-east-1"}
         iam = boto3.client("iam", aws_access_key_id="setup", aws_secret_access_key="setup", **anon)
@@ -115,14 +98,7 @@ def _env(s3: S3Server, tmp: Path, endpoint: str | None = None, secret: str | Non
 
 
 def rlreplay(env: dict[str, str], *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", *args],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return rlreplay_proc(*args, env=env, inherit=False, cwd=cwd, timeout=timeout)
 
 
 def ls_json(env: dict[str, str], run: str, *args: str, cwd: Path) -> list[dict]:
@@ -273,53 +249,6 @@ def test_recover_pushes_what_a_killed_process_left_in_its_spool(s3: S3Server, tm
     rows = ls_json(env, uri, cwd=tmp_path)
     assert sorted((r["step"], r["sample_index"]) for r in rows) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
     assert not spool.exists()  # published, then removed from the spool
-
-
-class Forwarder:
-    """A loopback TCP forwarder that can be cut (connections refused) and restored on the same port."""
-
-    def __init__(self, target: int) -> None:
-        self.target = target
-        self.port = _free_port()
-        self._server: socket.socket | None = None
-        self._conns: list[socket.socket] = []
-
-    def start(self) -> None:
-        server = socket.socket()
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("127.0.0.1", self.port))
-        server.listen(64)
-        self._server = server
-        threading.Thread(target=self._accept, args=(server,), daemon=True).start()
-
-    def _accept(self, server: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = server.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target))
-            self._conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        for conn in self._conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-            conn.close()
-        self._conns.clear()
 
 
 STEPPED = textwrap.dedent(

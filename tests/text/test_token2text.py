@@ -10,12 +10,15 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import support
+from support import rlreplay_proc
+from support import run_cli as cli
 from tokenizers import Tokenizer
 
 import rlreplay
-from rlreplay.cli.main import main
 from rlreplay.format import manifest
 from rlreplay.text.token2text import Decoder, TokenizerUnavailable, add_text, resolve_tokenizer
 
@@ -170,18 +173,10 @@ SAMPLES = [0, 1, 2, EMOJI_SPLIT]
 
 
 def record(run_dir: Path, tokenizer: str | None) -> None:
-    rlreplay.init(run_dir, experiment="t2t", worker="w0")
+    def agent(sample: int, n: int) -> Any:
+        return ToolAgentLoop().run({"temperature": 1.0}, raw_prompt=[], index=sample)
 
-    async def one(step: int, sample: int, n: int) -> None:
-        async with rlreplay.trajectory(step=step, sample_index=sample, rollout_n=n, name="agent_loop"):
-            await ToolAgentLoop().run({"temperature": 1.0}, raw_prompt=[], index=sample)
-
-    async def go() -> None:
-        for step in (0, 1):
-            await asyncio.gather(*(one(step, s, n) for s in SAMPLES for n in range(2)))
-
-    asyncio.run(go())
-    rlreplay.close()
+    support.record(run_dir, agent, steps=(0, 1), samples=SAMPLES, rollouts=2, experiment="t2t")
     if tokenizer is not None:
         manifest.update_manifest(run_dir, tokenizer=tokenizer)
 
@@ -201,12 +196,6 @@ def decoder() -> Decoder:
 def load_all(run_dir: Path) -> list[rlreplay.Trajectory]:
     run = rlreplay.open_run(run_dir)
     return run.load(run.trajectories()["id"].to_pylist())
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def one_id(run_dir: Path, sample: int) -> str:
@@ -492,11 +481,8 @@ def test_text_without_any_tokenizer_is_an_error(
 
 
 def test_missing_tokenizer_offline_exits_2_without_traceback(run_dir: Path) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     args = ["show", one_id(run_dir, 0), "--run", str(run_dir), "--tokenizer", "no-such-org/no-such-model"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlreplay", *args], env=env, capture_output=True, text=True, timeout=60
-    )
+    proc = rlreplay_proc(*args, env={"HF_HUB_OFFLINE": "1"}, timeout=60)
     assert proc.returncode == 2
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()

@@ -15,14 +15,15 @@ import sys
 import time
 import uuid
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+import support
 from support import EXPERIMENT, VAL_STEPS, qwen_tokenizer_dir
 
 import rlreplay
-from rlreplay.cli.main import main
 from rlreplay.format.manifest import update_manifest
 from rlreplay.uploaders import pipeline as upload_module
 from rlreplay.uploaders.base import LEDGER_DIR, SendResult, UploadError
@@ -35,10 +36,7 @@ SAMPLE_RUN = Path(__file__).resolve().parents[2] / "sample_runs" / "gsm8k-grpo-q
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    rc = main(["upload", *args])
-    out, err = capsys.readouterr()
-    return rc, out, err
+run_cli = partial(support.run_cli, command="upload")
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
@@ -403,11 +401,7 @@ def test_max_samples_to_local_sqlite_by_default(
 def test_unreachable_server_is_one_line(
     run_copy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = support.free_port()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
     started = time.monotonic()
     rc, out, err = run_cli(capsys, str(run_copy), "--max-samples", "1")

@@ -15,7 +15,6 @@ import http.server
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -24,14 +23,15 @@ import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import free_port, qwen_tokenizer_dir
+import support
+from support import free_port, phoenix_env, qwen_tokenizer_dir, start_server, stop_server
 
 import rlreplay
-from rlreplay.cli.main import main
 from rlreplay.uploaders.base import LEDGER_DIR
 from rlreplay.uploaders.otlp_proto import otel_span_id, otel_trace_id
 
@@ -58,46 +58,11 @@ def phoenix(tmp_path_factory: pytest.TempPathFactory):
     """A real Phoenix server on 127.0.0.1; yields its base URL."""
     home = tmp_path_factory.mktemp("phoenix")
     port = free_port()
-    env = {
-        **os.environ,
-        "PHOENIX_WORKING_DIR": str(home),
-        "PHOENIX_HOST": "127.0.0.1",
-        "PHOENIX_PORT": str(port),
-        "PHOENIX_GRPC_PORT": str(free_port()),
-        "PHOENIX_TELEMETRY_ENABLED": "false",
-        "PHOENIX_ALLOW_EXTERNAL_RESOURCES": "false",
-    }
-    log = open(home / "server.log", "wb")  # noqa: SIM115 - closed at teardown
-    proc = subprocess.Popen(
-        [str(phoenix_executable()), "serve"],
-        cwd=home,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    env = phoenix_env(home, port)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log.close()
-            raise RuntimeError(f"phoenix did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.5)
+    proc = start_server([str(phoenix_executable()), "serve"], home=home, env=env, health=f"{url}/healthz")
     yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    log.close()
+    stop_server(proc)
 
 
 class CountingProxy:
@@ -161,10 +126,7 @@ class CountingProxy:
         self.server.server_close()
 
 
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    rc = main(["upload", *args])
-    out, err = capsys.readouterr()
-    return rc, out, err
+run_cli = partial(support.run_cli, command="upload")
 
 
 def phoenix_spans(url: str, project: str, expect: int) -> list[dict[str, Any]]:

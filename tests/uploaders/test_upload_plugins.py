@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support import rlreplay_proc
 
 import rlreplay
 
@@ -78,17 +78,8 @@ def site(tmp_path: Path) -> Path:
 
 
 def cli(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", "upload", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    return rlreplay_proc("upload", *args, env={"PYTHONPATH": path})
 
 
 def test_a_backend_from_another_package_uploads_through_the_cli(

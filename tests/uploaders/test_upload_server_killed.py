@@ -18,16 +18,17 @@ import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+import support
 from support import free_port
 from test_upload_mlflow import MAX_SAMPLES, check_max_samples_upload, traj_id
 from weave_loopback import WeaveLoopback
 
 import rlreplay
-from rlreplay.cli.main import main
 
 WEAVE_KEY = "wandb-key-0123456789abcdef0123456789abcdef"
 
@@ -89,10 +90,7 @@ class ForwardingProxy:
         self.server.server_close()
 
 
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any], str]:
-    rc = main(["upload", *args, "--json"])
-    out, err = capsys.readouterr()
-    return rc, json.loads(out), err
+run_cli = partial(support.run_cli, command="upload", json_out=True)
 
 
 def otlp_trace_ids(bodies: list[bytes]) -> Counter[str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import qwen_tokenizer_dir
+from support import qwen_tokenizer_dir, rlreplay_proc
 
 import rlreplay
 from rlreplay.uploaders.base import LEDGER_DIR
@@ -36,14 +36,7 @@ print(json.dumps({"runs": SQLiteStorage.get_runs(project), "traces": traces, "lo
 
 
 def cli(store: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TRACKIO_DIR": str(store)}
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", "upload", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return rlreplay_proc("upload", *args, env={"TRACKIO_DIR": str(store)})
 
 
 def read_back(store: Path, run_name: str) -> dict[str, Any]:

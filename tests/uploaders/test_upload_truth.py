@@ -9,21 +9,18 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
+import support
 from support import qwen_tokenizer_dir
 
 import rlreplay
-from rlreplay.cli.main import main
 from rlreplay.format.manifest import update_manifest
 from rlreplay.uploaders.base import LEDGER_DIR
 
-
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    rc = main(["upload", *args])
-    out, err = capsys.readouterr()
-    return rc, out, err
+run_cli = partial(support.run_cli, command="upload")
 
 
 def ledger_lines(run_dir: Path, backend: str = "mlflow") -> list[dict]:
@@ -82,9 +79,7 @@ def silent_server() -> Iterator[str]:
 
 
 def closed_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{support.free_port()}"
 
 
 # -- 9: artifact location ------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ from typing import Any
 
 import orjson
 import pytest
+from support import record
+from support import run_cli as cli
 from weave_loopback import WeaveLoopback
 
 import rlreplay
@@ -98,24 +100,20 @@ class ToolAgentLoop:
 
 
 def record_run(run_dir: Path, steps: tuple[int, ...] = STEPS) -> None:
-    rlreplay.init(run_dir, experiment="grpo-qwen3", worker="w0")
+    def agent(sample: int, n: int) -> Any:
+        return ToolAgentLoop().run(
+            {"temperature": 1.0}, raw_prompt_ids=[151644, 872, 198, sample], fail=(n == 1)
+        )
 
-    async def one(step: int, sample: int, n: int, validate: bool) -> None:
-        async with rlreplay.trajectory(
-            step=step, sample_index=sample, rollout_n=n, validate=validate, name="agent_loop"
-        ):
-            await ToolAgentLoop().run(
-                {"temperature": 1.0}, raw_prompt_ids=[151644, 872, 198, sample], fail=(n == 1)
-            )
-
-    async def go() -> None:
-        for step in steps:
-            jobs = [one(step, s, n, False) for s in range(SAMPLES) for n in range(ROLLOUTS)]
-            jobs.append(one(step, 0, 0, True))
-            await asyncio.gather(*jobs)
-
-    asyncio.run(go())
-    rlreplay.close()
+    record(
+        run_dir,
+        agent,
+        steps=steps,
+        samples=range(SAMPLES),
+        rollouts=ROLLOUTS,
+        experiment="grpo-qwen3",
+        validate=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -439,14 +437,6 @@ def weave_env(loopback: WeaveLoopback, monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("WANDB_API_KEY", KEY)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc to fall back on
     return loopback
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str, str]:
-    from rlreplay.cli.main import main
-
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def upload_args(run: Path, *extra: Any) -> list[Any]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import rlreplay_proc as rlreplay
 from watch_live import Watched, faulty_ids, watch_beside
 
 from rlreplay.watch import NAMED, THRESHOLDS, WINDOW, StepSummary, Watcher, binomial_tail
@@ -22,12 +23,6 @@ from rlreplay.watch import NAMED, THRESHOLDS, WINDOW, StepSummary, Watcher, bino
 STEPS = 6
 FAULT_STEP = 3
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def rlreplay(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", *args], capture_output=True, text=True, timeout=timeout
-    )
 
 
 def json_lines(text: str) -> list[dict]:
