@@ -6,8 +6,9 @@ The run is bench_mismatch.py's (one step of PER_STEP trajectories of ~2,000 resp
 recorded with the real recorder, with the trainer's per-token log-probs, written again as STEPS
 steps over two workers). Each command runs through the library as the CLI runs it (the driver is
 this process, so the tasks' own figures can be read): its wall time, and per task (a part of one
-or more steps, ``RLREPLAY_PART_BYTES``) the time inside the task, the bytes of span files it read
-and the peak resident memory of the worker process that ran it. Per-task overhead: the wall time
+or more steps, ``RLREPLAY_PART_BYTES``; for audit again with parts smaller than a step,
+``--cut-bytes``) the time inside the task, the bytes of span files it read and the peak
+resident memory of the worker process while it ran the task. Per-task overhead: the wall time
 of tasks that only open the run (as many as the parts), a task at a time.
 
     python benchmarks/bench_engine.py                             # 300 x 1,024 (>= 60 s locally)
@@ -80,9 +81,9 @@ def overhead(run_dir: Path, cluster, tasks: int) -> float:
 
     run = opened(run_dir)
     empty = pa.table({"id": pa.array([], pa.string())})
-    list(cluster.map(run, [(open_only, empty)] * tasks, "warm-up"))
+    list(cluster.map(run, [(open_only, empty, None)] * tasks, "warm-up"))
     started = time.perf_counter()
-    list(cluster.map(run, [(open_only, empty)] * tasks, "noop"))
+    list(cluster.map(run, [(open_only, empty, None)] * tasks, "noop"))
     return (time.perf_counter() - started) * cluster.cpus / tasks
 
 
@@ -94,6 +95,12 @@ def main() -> None:
     parser.add_argument("--per-step", type=int, default=1024)
     parser.add_argument("--keep", type=Path, help="keep the generated run here (reused when present)")
     parser.add_argument("--commands", default="mismatch,audit")
+    parser.add_argument(
+        "--cut-bytes",
+        type=int,
+        default=1 << 20,
+        help="a part size smaller than a step (RLREPLAY_PART_BYTES), run after the default one",
+    )
     args = parser.parse_args()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench-engine-"))
@@ -109,8 +116,11 @@ def main() -> None:
     files = list(run_dir.glob("spans/*/*/*.parquet"))
     stored = sum(f.stat().st_size for f in files)
     parts = len(engine.plan(opened(run_dir), opened(run_dir).trajectories()))
+    pieces = len(engine.plan(opened(run_dir), opened(run_dir).trajectories(), args.cut_bytes))
     size = f"{len(files)} files, {stored / 1e6:,.0f} MB"
-    print(f"run: {args.steps} steps x {args.per_step}, {size}, {parts} parts")
+    print(
+        f"run: {args.steps} steps x {args.per_step}, {size}, {parts} parts ({pieces} at {args.cut_bytes:,} B)"
+    )
     print(f"load average at the start: {os.getloadavg()[0]:.2f}")
     commands = {"mismatch": mismatch, "audit": audit}
     chosen = [c.strip() for c in args.commands.split(",")]
@@ -135,25 +145,24 @@ def main() -> None:
                     took, expected[name] = commands[name](run_dir, None)
                     rows.append((name, "local", took, None, None, None, None))
                     commands[name](run_dir, cluster)  # once untimed: workers started, files cached
-                cluster.answers.clear()
-                took, answer = commands[name](run_dir, cluster)
-                if answer != expected[name]:
-                    raise SystemExit(f"{name}: --engine ray answered otherwise")
-                tasks = list(cluster.answers)
-                inside = sum(a.seconds for a in tasks)
-                read = sum(a.bytes_read for a in tasks)
-                peak = max(a.peak_rss for a in tasks)
-                rows.append(
-                    (
-                        name,
-                        f"ray, {workers} worker{'s' if workers > 1 else ''}",
-                        took,
-                        len(tasks),
-                        inside,
-                        read,
-                        peak,
-                    )
-                )
+                # mismatch keeps a step in one task: parts that cut steps change nothing there
+                for part in (None,) if name == "mismatch" else (None, args.cut_bytes):
+                    if part is None:
+                        os.environ.pop("RLREPLAY_PART_BYTES", None)
+                    else:
+                        os.environ["RLREPLAY_PART_BYTES"] = str(part)
+                    cluster.answers.clear()
+                    took, answer = commands[name](run_dir, cluster)
+                    if answer != expected[name]:
+                        raise SystemExit(f"{name}: --engine ray answered otherwise")
+                    tasks = list(cluster.answers)
+                    how = f"ray, {workers} worker{'s' if workers > 1 else ''}"
+                    how += "" if part is None else f", parts of {part / 1e6:g} MB"
+                    inside = sum(a.seconds for a in tasks)
+                    read = sum(a.bytes_read for a in tasks)
+                    peak = max(a.peak_rss for a in tasks)
+                    rows.append((name, how, took, len(tasks), inside, read, peak))
+                os.environ.pop("RLREPLAY_PART_BYTES", None)
             rows.append(
                 (
                     "(a task that opens the run)",

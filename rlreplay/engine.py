@@ -41,14 +41,26 @@ CONNECT_TIMEOUT_S = 10.0
 
 
 def part_bytes() -> int:
-    """Bytes of span files a part reads (a part holds whole steps: a step is read in one pass)."""
+    """Bytes of span files a part reads (whole steps, or a piece of a larger step)."""
     return settings.PART_BYTES.get()
 
 
-def plan(run: Any, listing: Any, target: int | None = None) -> list[Any]:
-    """The listing's row numbers (numpy int64, ascending) of each part: consecutive steps in the
-    order they first appear, up to ``target`` bytes of span files a part (a step at least); a
-    step that is not an integer is a part of its own."""
+@dataclass
+class Part:
+    """A task's share of the listing: its row numbers (numpy int64, ascending); ``owner`` is None
+    for whole steps, else the part is a piece of one step (its reads keep to its trajectories'
+    row groups) and True for the step's first piece (see ``Run.keep_to``)."""
+
+    rows: Any
+    owner: bool | None = None
+
+
+def plan(run: Any, listing: Any, target: int | None = None, cut: bool = True) -> list[Part]:
+    """The parts of the listing: consecutive steps in the order they first appear, up to
+    ``target`` bytes of span files a part; a step larger than that is cut (with ``cut``) into
+    pieces of about ``target`` bytes each, between groups (the rollouts of one sample stay in one
+    piece, and a piece's rows are consecutive in the listing); a step that is not an integer is a
+    part of its own."""
     import numpy as np
 
     from rlreplay.read.scan import step_rows
@@ -59,25 +71,71 @@ def plan(run: Any, listing: Any, target: int | None = None) -> list[Any]:
     for path, nbytes in [*((p, run.store.stamp(p)[0]) for p in sealed), *((p, _size(p)) for p in live)]:
         step = next((part[5:] for part in Path(path).parts if part.startswith("step=")), "")
         stored[step] = stored.get(step, 0) + nbytes
-    parts: list[Any] = []
+    parts: list[Part] = []
     current: list[Any] = []
     size = 0
+
+    def close() -> None:
+        nonlocal current, size
+        if current:
+            parts.append(Part(np.sort(np.concatenate(current))))
+        current, size = [], 0
+
     for step, rows in step_rows(listing):
-        if type(step) is not int:
-            if current:
-                parts.append(current)
-            parts.append([rows])
-            current, size = [], 0
+        here = stored.get(str(step), 0) if type(step) is int else 0
+        pieces = _pieces(listing, rows, here, target) if cut and type(step) is int and here > target else []
+        if type(step) is not int or len(pieces) > 1:
+            close()
+            if pieces:
+                parts += [Part(p, k == 0) for k, p in enumerate(pieces)]
+            else:
+                parts.append(Part(rows))
             continue
-        here = stored.get(str(step), 0)
         if current and size + here > target:
-            parts.append(current)
-            current, size = [], 0
+            close()
         current.append(rows)
         size += here
-    if current:
-        parts.append(current)
-    return [np.sort(np.concatenate(p)) for p in parts]
+    close()
+    return parts
+
+
+def _pieces(listing: Any, rows: Any, stored: int, target: int) -> list[Any]:
+    """One step's rows (ascending) cut into runs of about ``target`` bytes (``stored``: the step's,
+    shared evenly by its rows), only where no sample's rollouts lie on both sides."""
+    import numpy as np
+
+    from rlreplay.format import arrow_ops as ops
+
+    n = len(rows)
+    per = max(1, int(target * n // max(stored, 1)))  # rows a piece
+    if n <= per:
+        return [rows]
+    taken = ops.take(listing.select(["sample_index", "sample_index_str"]), _int64(rows))
+    keys = list(zip(taken["sample_index"].to_pylist(), taken["sample_index_str"].to_pylist()))
+    group: dict[Any, int] = {}
+    gid = np.fromiter((group.setdefault(k, len(group)) for k in keys), np.int64, n)
+    last = np.zeros(len(group), np.int64)
+    last[gid] = np.arange(n)  # the last row of each group (later rows overwrite)
+    reach = np.maximum.accumulate(last[gid])  # the last row of any group begun so far
+    allowed = np.flatnonzero(reach[:-1] <= np.arange(n - 1)) + 1  # cut before these rows
+    cuts, start = [], 0
+    while n - start > per:
+        below = int(np.searchsorted(allowed, start + per, side="right")) - 1
+        if below >= 0 and allowed[below] > start:
+            start = int(allowed[below])
+        else:
+            after = int(np.searchsorted(allowed, start, side="right"))
+            if after == len(allowed):
+                break
+            start = int(allowed[after])
+        cuts.append(start)
+    return np.split(rows, cuts)
+
+
+def _int64(rows: Any) -> Any:
+    import pyarrow as pa
+
+    return pa.array(rows, pa.int64())
 
 
 def _size(path: Path) -> int:
@@ -102,18 +160,23 @@ class Answer:
     unverified: set[str]
     seconds: float = 0.0
     bytes_read: int = 0
+    #: the worker's peak resident memory while it ran the task (Linux; else the process's peak)
     peak_rss: int = 0
     node: str = ""
 
 
-def run_part(address: str, job: Callable[[Any, Any], Any], listing: Any) -> Answer:
-    """Open the run at ``address`` and run ``job(run, listing)`` (a part's rows): the Ray task."""
+def run_part(address: str, job: Callable[[Any, Any], Any], listing: Any, owner: bool | None = None) -> Answer:
+    """Open the run at ``address`` and run ``job(run, listing)`` (a part's rows): the Ray task;
+    ``owner``: see :class:`Part`."""
     import resource
 
     from rlreplay.read.open import open_run
 
     started = time.perf_counter()
+    fresh = _reset_peak()
     run = open_run(address)
+    if owner is not None:
+        run.keep_to(listing["id"].to_pylist(), owner)
     value = job(run, listing)
     read = sum(run.store.stamp(run.path / rel)[0] for rel in run.files_read)
     return Answer(
@@ -124,9 +187,32 @@ def run_part(address: str, job: Callable[[Any, Any], Any], listing: Any) -> Answ
         set(run.unverified),
         time.perf_counter() - started,
         read,
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        (_peak() if fresh else 0) or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         settings.HOST.get() or os.uname().nodename,
     )
+
+
+def _reset_peak() -> bool:
+    """Start this process's peak resident memory afresh (Linux), so a reused worker's figure is
+    its task's; False where it cannot be (the figure is then the process's peak)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak() -> int:
+    """This process's peak resident memory since :func:`_reset_peak` (bytes; 0: not known)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def absorb(run: Any, answer: Answer) -> None:
@@ -222,11 +308,12 @@ class Cluster:
     stay: bool = False
 
     def map(
-        self, run: Any, work: Sequence[tuple[Callable[[Any, Any], Any], Any]], what: str
+        self, run: Any, work: Sequence[tuple[Callable[[Any, Any], Any], Any, bool | None]], what: str
     ) -> Iterator[Any]:
-        """Each (job, listing of a part) of ``work`` as a Ray task: the values in order, each
-        task's warnings absorbed into ``run`` as its value comes. At most ``IN_FLIGHT_PER_CPU``
-        tasks a CPU are in flight: answers wait on the driver only that far ahead."""
+        """Each (job, listing of a part, its ``Part.owner``) of ``work`` as a Ray task: the values
+        in order, each task's warnings absorbed into ``run`` as its value comes. At most
+        ``IN_FLIGHT_PER_CPU`` tasks a CPU are in flight: answers wait on the driver only that far
+        ahead."""
         from collections import deque
 
         import ray
@@ -241,8 +328,8 @@ class Cluster:
         pending: deque[Any] = deque()
 
         def submit() -> None:
-            for job, listing in todo:
-                pending.append(task.remote(where, job, listing))
+            for job, listing, owner in todo:
+                pending.append(task.remote(where, job, listing, owner))
                 return
 
         # Ray's driver prints what the cluster says (a node lost, a worker killed) on stdout:
@@ -413,7 +500,7 @@ def audit(
         return report
     found = list(report.findings)
     job = AuditJob([c.name for c in over_spans], dict(thresholds or {}), tokenizer)
-    work = [(job, _rows(listing, rows)) for rows in plan(run, listing)]
+    work = [(job, _rows(listing, p.rows), p.owner) for p in plan(run, listing)]
     for findings, skipped, failed in cluster.map(run, work, "audit"):
         found.extend(findings)
         for name, why in skipped.items():
@@ -432,9 +519,11 @@ def mismatch_pieces(
     from rlreplay.mismatch.tokens import Counts
 
     counts = Counts()
-    plans = plan(run, listing)
+    # whole steps: a step's numbers (its |Δ| percentile, its sums in the order of its tokens)
+    # are made from all its tokens at once, as locally
+    plans = [p.rows for p in plan(run, listing, cut=False)]
     job = MismatchJob(by, token_ids, limits)
-    work = [(job, _rows(listing, rows)) for rows in plans]
+    work = [(job, _rows(listing, rows), None) for rows in plans]
 
     def pieces() -> Iterator[Any]:
         for rows, (made, seen) in zip(plans, cluster.map(run, work, "mismatch")):
@@ -465,9 +554,9 @@ class Search:
             return pa.array(mask)
         plans = plan(self.run, listing)
         job = SearchJob(regex, self.tokenizer)
-        work = [(job, _rows(listing, rows)) for rows in plans]
-        for rows, hit in zip(plans, self.cluster.map(self.run, work, "grep")):
-            mask[rows] = hit
+        work = [(job, _rows(listing, p.rows), p.owner) for p in plans]
+        for p, hit in zip(plans, self.cluster.map(self.run, work, "grep")):
+            mask[p.rows] = hit
         return pa.array(mask)
 
 
@@ -485,15 +574,15 @@ def export_batches(
 
     plans = plan(run, listing)
     part_of = np.empty(listing.num_rows, np.int64)
-    for k, rows in enumerate(plans):
-        part_of[rows] = k
+    for k, p in enumerate(plans):
+        part_of[p.rows] = k
     row_of = {i: r for r, i in enumerate(listing["id"].to_pylist())}
     chosen: list[list[str]] = [[] for _ in plans]  # per part: its ids, in the order given
     for i in ids:
         chosen[part_of[row_of[i]]].append(i)
     used = [k for k in range(len(plans)) if chosen[k]]
     jobs = {k: ExportJob(chosen[k], tokenizer, with_ids, with_logprobs) for k in used}
-    work = [(jobs[k], _rows(listing, plans[k])) for k in used]
+    work = [(jobs[k], _rows(listing, plans[k].rows), plans[k].owner) for k in used]
     made = cluster.map(run, work, "export")
     fetched = -1  # parts come in order; ids given out of it wait in ``ready``
     ready: dict[str, dict[str, Any]] = {}

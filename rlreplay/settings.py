@@ -136,7 +136,7 @@ PART_BYTES = Setting(
     "RLREPLAY_PART_BYTES",
     "bytes",
     64 << 20,
-    "Bytes of span files one --engine ray task reads (whole steps: a step at least).",
+    "Bytes of span files one --engine ray task reads (whole steps, or a piece of a larger one).",
     lambda value: max(1, int(value)),
 )
 # --- replay -----------------------------------------------------------------------------------

@@ -59,6 +59,8 @@ class Run:
         self.files_read: set[str] = set()
         self.unreadable: dict[str, str] = {}
         self.unverified: set[str] = set()
+        #: (trajectory ids, owner) while reads keep to a part of a step: see :meth:`keep_to`
+        self.scope: tuple[list[str], bool] | None = None
         self.manifest = manifest.read_manifest(path, self.warnings)
         self._indexes: dict[Path, tuple[float, int, pa.Table]] = {}
         self._segments: dict[Path, tuple[tuple[int, int], pa.Table]] = {}
@@ -150,9 +152,12 @@ class Run:
         filters: Filters,
         columns: list[str] | None,
         row_groups: list[int] | None = None,
+        verify_all: bool = False,
     ) -> pa.Table | None:
         """Matching rows of one sealed file (format 2 columns), reading only the row groups that may
-        match (``row_groups``, else those whose statistics do not exclude them)."""
+        match (``row_groups``, else those whose statistics do not exclude them); ``verify_all``:
+        every row group's chunks of the columns read are verified first, as a read of them all
+        would (a file damaged anywhere is skipped whichever rows are read of it)."""
         wanted = filters.items()
         try:
             with self._open_sealed(
@@ -165,7 +170,7 @@ class Run:
                         for i in range(pf.num_row_groups)
                         if _row_group_may_match(pf.metadata.row_group(i), wanted)
                     ]
-                if not row_groups:
+                if not row_groups and not verify_all:
                     return None
                 need = None if columns is None else set(columns) | {k for k, _ in wanted}
                 if need is not None and any(k in KEYS for k in need):
@@ -174,6 +179,10 @@ class Run:
                     need.add("trajectory_id")
                 names = V1_COLUMNS if version == 1 else SPAN_SCHEMA.names
                 read_cols = None if need is None else [c for c in names if c in need]
+                if verify_all:
+                    pf.verify(None, read_cols)
+                    if not row_groups:
+                        return None
                 table = pf.read_row_groups(row_groups, columns=read_cols)
             if version == 1:
                 table = upgrade(table, [c for c in SPAN_SCHEMA.names if need is None or c in need])
@@ -382,6 +391,8 @@ class Run:
         filters = filters or Filters(**kw)
         cols = list(columns) if columns is not None else None
         sealed, partials = self._paths(filters)
+        if self.scope is not None and filters.trajectory_id is None:
+            return self._scoped_spans(filters, cols, sealed, partials)
         if filters.trajectory_id is not None:  # a shard not local yet is read only when it may hold them
             far = [p for p in sealed if not self.store.is_local(p)]
             indexes = dict(zip(far, self._indexes_of(far, True)))  # their index files fetched at once
@@ -398,6 +409,53 @@ class Run:
             table = filters.apply(table)
             tables.append(table.select(cols) if cols else table)
         return concat_spans(tables, cols)
+
+    def keep_to(self, ids: Sequence[str], owner: bool) -> None:
+        """Reads of whole steps keep to trajectories ``ids`` (a part of a step): of each span file
+        only the row groups holding them are read (per the file's index), every row group of the
+        columns read still verified, so a file damaged anywhere is skipped as a whole read would
+        skip it. The ``owner`` of a step (one part of it) also verifies the files that hold none
+        of ``ids``, so each damaged file is warned about as a read of the whole step would."""
+        self.scope = (list(ids), owner)
+
+    def _scoped_spans(
+        self, filters: Filters, cols: list[str] | None, sealed: list[Path], partials: list[Path]
+    ) -> pa.Table:
+        """``spans`` while reads keep to a part of a step (:meth:`keep_to`)."""
+        assert self.scope is not None
+        ids, owner = self.scope
+        scoped = Filters(**{**filters.__dict__, "trajectory_id": ids})
+        groups = self._groups_holding(sealed, pa.array(ids, pa.string()))
+        chosen = [(p, g) for p, g in zip(sealed, groups) if owner or g != []]
+        if cols is None or any(c in PAYLOAD_COLUMNS for c in cols):
+            self.store.make_local([p for p, _ in chosen])
+        read = self._each(lambda pair: self._read_sealed(pair[0], scoped, cols, pair[1], True), chosen)
+        tables = [t for t in read if t is not None]
+        for partial in partials:
+            table = self._partial(partial)
+            if table is not None:
+                table = scoped.apply(table)
+                tables.append(table.select(cols) if cols else table)
+        return concat_spans(tables, cols)
+
+    def _groups_holding(self, paths: Sequence[Path], ids: pa.Array) -> list[list[int] | None]:
+        """Per sealed file, the row groups that hold rows of ``ids`` by its index file (None: not
+        known; the file's row-group statistics then choose)."""
+        out: list[list[int] | None] = []
+        sidecars = [tindex.index_path(p) for p in paths]
+        self.store.make_local(sidecars)
+        for path, sidecar in zip(paths, sidecars):
+            try:
+                index = tindex.read(sidecar, self.store.stamp(path)[0])
+            except OSError:
+                index = None
+            if index is None:
+                out.append(None)
+                continue
+            hits = ops.filter(index, ops.is_in(index["id"], ids))
+            held = hits["row_groups"].to_pylist()
+            out.append(None if any(g is None for g in held) else sorted({g for gs in held for g in gs}))
+        return out
 
     def index(self, filters: Filters | None = None, **kw: Any) -> pa.Table:
         """Merged index rows (one per trajectory) passing the filters."""

@@ -102,8 +102,14 @@ def parquet_options() -> dict[str, Any]:
     }
 
 
-def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes] | None = None) -> None:
-    """Sort and write a sealed shard and its index durably: temp names, fsync, rename, directory fsync.
+def write_sealed(
+    table: pa.Table,
+    final: Path,
+    extra_metadata: dict[bytes, bytes] | None = None,
+    row_group_bytes: int | None = None,
+) -> None:
+    """Sort and write a sealed shard and its index durably: temp names, fsync, rename, directory fsync;
+    row groups of about ``row_group_bytes`` (default ``ROW_GROUP_BYTES``), cut between trajectories.
 
     ``table`` may be in chunks (the live file's batches, as written): each row group is gathered
     from them in sorted order, runs of consecutive rows at a time, so writing holds ``table`` and
@@ -114,7 +120,7 @@ def write_sealed(table: pa.Table, final: Path, extra_metadata: dict[bytes, bytes
     table = table.replace_schema_metadata(metadata)
     order = ops.sort_indices(table, SORT_KEYS).to_numpy()
     spans = ops.take(table.select(tindex.SPAN_COLUMNS), order)
-    bounds = row_group_bounds(spans, sizes=pa.array(row_sizes(table).to_numpy()[order]))
+    bounds = row_group_bounds(spans, row_group_bytes, pa.array(row_sizes(table).to_numpy()[order]))
     row_group_of = np.repeat(np.arange(len(bounds)), [b - a for a, b in bounds]).tolist()
     tmp = final.with_name("_" + final.name + ".tmp")
     with open(tmp, "xb") as f:

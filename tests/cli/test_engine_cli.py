@@ -61,7 +61,7 @@ def test_parts_are_consecutive_steps_sized_by_bytes(tmp_path: Path) -> None:
             p.stat().st_size for p in (tmp_path / "run" / "spans" / f"step={step}").rglob("*.parquet")
         )
     for target in (1, max(size.values()), 2 * max(size.values()), sum(size.values())):
-        parts = plan(run, listing, target)
+        parts = [p.rows for p in plan(run, listing, target, cut=False)]
         assert np.array_equal(np.concatenate(parts), np.arange(listing.num_rows))  # every row, in order
         for rows in parts:
             held = sorted({steps[r] for r in rows})
@@ -71,6 +71,44 @@ def test_parts_are_consecutive_steps_sized_by_bytes(tmp_path: Path) -> None:
             assert len(parts) == len(size)
         if target == sum(size.values()):
             assert len(parts) == 1
+
+
+def test_a_step_larger_than_a_part_is_cut_between_samples(tmp_path: Path) -> None:
+    """A step of more bytes than a part: pieces of consecutive rows, about the part's size each,
+    never two pieces holding rollouts of one sample; the step's first piece owns its files."""
+    import numpy as np
+
+    from rlreplay.engine import plan
+    from rlreplay.read.open import open_run
+
+    run = open_run(shutil.copytree(SHOWCASE, tmp_path / "run"))
+    listing = run.trajectories()
+    steps = listing["step"].to_pylist()
+    samples = list(zip(steps, listing["sample_index"].to_pylist()))
+    size = {
+        s: sum(p.stat().st_size for p in (tmp_path / "run" / "spans" / f"step={s}").rglob("*.parquet"))
+        for s in set(steps)
+    }
+    for target in (1, min(size.values()) // 3):
+        parts = plan(run, listing, target)
+        assert np.array_equal(np.concatenate([p.rows for p in parts]), np.arange(listing.num_rows))
+        held_by: dict = {}
+        for k, part in enumerate(parts):
+            assert np.array_equal(part.rows, np.arange(part.rows[0], part.rows[-1] + 1))  # consecutive
+            assert len({steps[r] for r in part.rows}) == 1 and part.owner is not None
+            for r in part.rows:
+                held_by.setdefault(samples[r], set()).add(k)
+        assert all(len(ks) == 1 for ks in held_by.values())  # a sample's rollouts in one piece
+        for step in size:  # each step: its first piece owns it
+            owners = [p.owner for p in parts if steps[p.rows[0]] == step]
+            assert owners[0] is True and not any(owners[1:]) and len(owners) > 1
+        per_sample = len(held_by)
+        if target == 1:  # a piece a sample
+            assert len(parts) == per_sample
+        else:  # about 3 pieces a step (cut only between samples)
+            assert len(size) * 3 <= len(parts) < per_sample
+    whole = plan(run, listing, max(size.values()))
+    assert [p.owner for p in whole] == [None] * len(size)  # no step larger: whole steps
 
 
 def test_workers_without_rlreplay_are_one_line_naming_it(tmp_path: Path) -> None:
@@ -109,7 +147,7 @@ def test_mismatch_pieces_made_apart_fold_into_the_same_report(by: str, tmp_path:
     listing = run.trajectories().select(LISTING_COLUMNS)
     whole = compute(run, listing, by=by)
     counts, pieces = Counts(), []
-    for rows in plan(run, listing, 1):  # a part a step
+    for rows in (p.rows for p in plan(run, listing, 1, cut=False)):  # a part a step
         for piece in digest(run, ops.take(listing, pa.array(rows)), by, None, counts):
             piece.rows = rows[piece.rows]
             pieces.append(piece)
@@ -119,5 +157,5 @@ def test_mismatch_pieces_made_apart_fold_into_the_same_report(by: str, tmp_path:
         parts = (report.steps, report.buckets, report.worst_rollouts, report.worst_tokens, report.notes)
         return orjson.dumps(parts, option=orjson.OPT_SERIALIZE_NUMPY)
 
-    assert len(plan(run, listing, 1)) == 6 and said(apart) == said(whole)
+    assert len(plan(run, listing, 1, cut=False)) == 6 and said(apart) == said(whole)
     assert orjson.dumps(apart.largest_gaps.tolist()) == orjson.dumps(whole.largest_gaps.tolist())

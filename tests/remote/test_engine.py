@@ -115,10 +115,16 @@ def cluster(s3: S3Server, tmp_path_factory: pytest.TempPathFactory):
         made.shutdown()
 
 
-def _ray_env(s3: S3Server, tmp: Path, cluster) -> dict[str, str]:
-    """The driver's environment: the cluster's address, parts of one step each (the showcase
-    run's steps are ~60 KB), a cache of its own."""
-    return {**_env(s3, tmp), "RAY_ADDRESS": cluster.address, "RLREPLAY_PART_BYTES": "1"}
+#: The showcase run's steps are 44-57 KB of span files: parts of this size hold one whole step.
+STEP_PART = 60_000
+#: Parts of this size cut each step into 3-4 pieces.
+CUT_PART = 14_000
+
+
+def _ray_env(s3: S3Server, tmp: Path, cluster, part: int = STEP_PART) -> dict[str, str]:
+    """The driver's environment: the cluster's address, parts of ``part`` bytes (default: one
+    step each), a cache of its own."""
+    return {**_env(s3, tmp), "RAY_ADDRESS": cluster.address, "RLREPLAY_PART_BYTES": str(part)}
 
 
 def _tasks(cluster) -> list:
@@ -139,10 +145,25 @@ COMMANDS = [
 ]
 
 
-def test_ray_engine_answers_as_the_local_one(s3: S3Server, showcase: Path, cluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("part", [STEP_PART, CUT_PART])
+def test_ray_engine_answers_as_the_local_one(
+    s3: S3Server, showcase: Path, cluster, tmp_path: Path, part: int
+) -> None:
     """Each command with --engine ray on the s3:// run equals the local command on a local copy:
-    stdout, stderr and exit code; the tasks ran on more than one node."""
-    env = _ray_env(s3, tmp_path, cluster)
+    stdout, stderr and exit code; the tasks ran on more than one node. With parts of one step,
+    and with parts smaller than a step: each step read as 3-4 tasks (but mismatch's), each
+    reading only its trajectories' row groups."""
+    from rlreplay.engine import plan
+    from rlreplay.read.open import open_run
+
+    run = open_run(showcase)
+    steps = len(set(run.trajectories()["step"].to_pylist()))
+    parts = plan(run, run.trajectories(), part)
+    if part == CUT_PART:
+        assert len(parts) >= 3 * steps and all(p.owner is not None for p in parts)
+    else:
+        assert len(parts) == steps and all(p.owner is None for p in parts)
+    env = _ray_env(s3, tmp_path, cluster, part)
     before = {t.task_id for t in _tasks(cluster)}
     for command in COMMANDS:
         remote, here = _same(env, showcase, tmp_path, command, "--engine", "ray")
@@ -162,16 +183,18 @@ def test_ray_engine_answers_as_the_local_one(s3: S3Server, showcase: Path, clust
         outs.append(out.read_bytes())
     assert outs[0] == outs[1] and outs[0].count(b"\n") == 200
     ours = [t for t in _tasks(cluster) if t.task_id not in before]
-    steps = 6  # a part a step
-    assert len(ours) >= steps * (len(COMMANDS) + 1) and {t.state for t in ours} == {"FINISHED"}
+    # audit twice, ls --grep and export: a task a part; mismatch twice: a task a step
+    assert len(ours) >= 4 * len(parts) + 2 * steps and {t.state for t in ours} == {"FINISHED"}
     assert len({t.node_id for t in ours}) >= 2
 
 
+@pytest.mark.parametrize("part", [STEP_PART, CUT_PART])
 def test_ray_engine_warns_of_damaged_files_as_the_local_one(
-    s3: S3Server, showcase: Path, cluster, tmp_path: Path
+    s3: S3Server, showcase: Path, cluster, tmp_path: Path, part: int
 ) -> None:
     """A shard whose bytes no longer match its checksums: the same warning, the same "not in
-    full" line and exit code 2 from the tasks as from the local reader."""
+    full" line and exit code 2 from the tasks as from the local reader, with whole steps a task
+    and with steps cut into pieces (every piece verifies the file whole)."""
     damaged = tmp_path / "damaged"
     shutil.copytree(showcase, damaged)
     shard = sorted(damaged.glob("spans/step=3/*/*.parquet"))[0]
@@ -181,10 +204,10 @@ def test_ray_engine_warns_of_damaged_files_as_the_local_one(
     client = s3.client()
     for path in sorted(damaged.rglob("*")):
         if path.is_file() and not path.relative_to(damaged).as_posix().startswith("_run_index"):
-            key = f"exp/damaged/{path.relative_to(damaged).as_posix()}"
+            key = f"exp/damaged-{part}/{path.relative_to(damaged).as_posix()}"
             client.put_object(Bucket=BUCKET, Key=key, Body=path.read_bytes())
-    env = _ray_env(s3, tmp_path, cluster)
-    uri = f"s3://{BUCKET}/exp/damaged"
+    env = _ray_env(s3, tmp_path, cluster, part)
+    uri = f"s3://{BUCKET}/exp/damaged-{part}"
     codes = {}
     for command in (["audit", "--json"], ["mismatch", "--json"]):
         remote = rlreplay(env, command[0], uri, *command[1:], "--engine", "ray", cwd=tmp_path, timeout=300)
