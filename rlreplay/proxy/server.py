@@ -45,7 +45,7 @@ from rlreplay.proxy.protocol import (
 )
 from rlreplay.proxy.replaying import ProxyReplay
 from rlreplay.proxy.trajectories import ID_HEADER, ProxyTrajectory, Trajectories, key_text, parse_key
-from rlreplay.recorder.events import FLUSH, Control
+from rlreplay.recorder.events import WRITE, Control
 from rlreplay.recorder.replay import DIVERGED, SERVED
 
 #: How long an answer's end waits for the call to be in the run's live file (a stalled disk)
@@ -487,7 +487,7 @@ class Proxy:
             return
         loop = asyncio.get_running_loop()
         written = loop.create_future()
-        handoff.give(Control(FLUSH, _Written(loop, written)))
+        handoff.give(Control(WRITE, _Written(loop, written)))
         recorder.wake()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(written, self.durable_wait_s)
