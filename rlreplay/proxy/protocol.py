@@ -394,10 +394,11 @@ def prompt_of(route: str, body: dict[str, Any]) -> Any:
     return body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
 
 
-def answer_of(route: str, record: dict[str, Any]) -> Any:
+def answer_of(route: str, record: dict[str, Any], read: list[Any] | None = None) -> Any:
     """What the first choice of a recorded answer (the span output: ``body`` or ``stream`` as the
     client got it, ``token_ids``) said, in the shape the next prompt would hold it: the assistant
-    message (chat), else the text and the ids."""
+    message (chat), else the text and the ids. ``read``: the values of a streamed answer's events,
+    what :func:`stream_chunks` reads of its ``wire`` (read by the caller on the way)."""
     if route == RESPONSES:  # a later call names the response it follows (previous_response_id)
         return None
     ids = _ids(record.get("token_ids")) if route != CHAT else None  # a chat prompt holds messages
@@ -405,11 +406,11 @@ def answer_of(route: str, record: dict[str, Any]) -> Any:
     body = record.get("body") if isinstance(record.get("body"), dict) else None
     wire = record.get("wire")
     if stream is None and body is None and isinstance(wire, bytes):  # the answer's bytes alone
-        whole = read_json(wire)
+        whole = read_json(wire) if read is None or wire.lstrip()[:1] == b"{" else None
         if isinstance(whole, dict):
             body = whole
         else:
-            stream = stream_chunks(wire)
+            stream = stream_chunks(wire) if read is None else read
     chunks = [c for c in stream or () if isinstance(c, dict)]
     if route == GENERATE:
         source = body if body is not None else chunks[-1] if chunks else {}

@@ -45,7 +45,7 @@ from rlreplay.proxy.protocol import (
 )
 from rlreplay.proxy.replaying import ProxyReplay
 from rlreplay.proxy.trajectories import ID_HEADER, ProxyTrajectory, Trajectories, key_text, parse_key
-from rlreplay.recorder.events import FLUSH, Control
+from rlreplay.recorder.events import WRITE, Control
 from rlreplay.recorder.replay import DIVERGED, SERVED
 
 #: How long an answer's end waits for the call to be in the run's live file (a stalled disk)
@@ -413,6 +413,10 @@ class Proxy:
         end = time.time_ns()
         wire = b"".join(sent) + b"".join(held)
         chunks = None if rewriting else stream_chunks(wire)  # read once, for the answer and the record
+        # what the next call's prompt is matched against, read once: the chunks read on the way
+        # when the wire holds only their events (the upstream's, with what the proxy asked for:
+        # nothing that a prompt holds)
+        read = chunks if not rewriting else None if buffer else answer.chunks
         for chunk in chunks or ():
             answer.add(chunk)
         found = answer.generated()
@@ -431,7 +435,7 @@ class Proxy:
             if upstream_failed:  # the client sees the stream fail, as it would without the proxy
                 _abort(request)
             return out
-        self.trajectories.continues(call.traj, call.route, call.body, record)
+        self.trajectories.continues(call.traj, call.route, call.body, record, read)
         await self._durable()
         try:
             for piece in held:
@@ -444,7 +448,10 @@ class Proxy:
     def _client_event(self, call: Call, event: bytes, answer: StreamedAnswer) -> bytes:
         """One SSE event as the client gets it, without what the proxy asked for (its chunk read
         into ``answer`` on the way)."""
-        data = sse_data(event)
+        if event.startswith(b"data: ") and b"\n" not in event and b"\r" not in event:
+            data: bytes | None = event[6:].lstrip(b" ")  # one data line: the usual event
+        else:
+            data = sse_data(event)
         if data is None:
             return event + b"\n\n"
         obj = read_json(data)
@@ -487,7 +494,7 @@ class Proxy:
             return
         loop = asyncio.get_running_loop()
         written = loop.create_future()
-        handoff.give(Control(FLUSH, _Written(loop, written)))
+        handoff.give(Control(WRITE, _Written(loop, written)))
         recorder.wake()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(written, self.durable_wait_s)

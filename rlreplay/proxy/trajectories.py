@@ -146,14 +146,16 @@ def prompt_sequence(route: str, body: dict[str, Any]) -> tuple[str, Any] | None:
     return None
 
 
-def context_sequence(route: str, body: dict[str, Any], record: dict[str, Any]) -> tuple[str, Any] | None:
+def context_sequence(
+    route: str, body: dict[str, Any], record: dict[str, Any], chunks: list[Any] | None = None
+) -> tuple[str, Any] | None:
     """(kind, sequence) a later call's prompt starts with when it continues this call: the prompt
-    and the first choice's answer."""
+    and the first choice's answer (``chunks``: a streamed answer's, as :func:`answer_of`)."""
     prompt = prompt_sequence(route, body)
     if prompt is None:
         return None
     kind, sequence = prompt
-    answer = answer_of(route, record)
+    answer = answer_of(route, record, chunks)
     if kind == "chat":
         return (kind, (*sequence, normal_message(answer))) if isinstance(answer, dict) else None
     if not isinstance(answer, dict):
@@ -340,12 +342,18 @@ class Trajectories:
         self.by_key.setdefault(traj.key, traj)
 
     def continues(
-        self, traj: ProxyTrajectory, route: str, body: dict[str, Any], record: dict[str, Any]
+        self,
+        traj: ProxyTrajectory,
+        route: str,
+        body: dict[str, Any],
+        record: dict[str, Any],
+        chunks: list[Any] | None = None,
     ) -> None:
-        """After a call answered: later calls extending its prompt + answer join ``traj``."""
+        """After a call answered: later calls extending its prompt + answer join ``traj``
+        (``chunks``: a streamed answer's, already read)."""
         if traj.explicit or not isinstance(record, dict):
             return
-        context = context_sequence(route, body, record)
+        context = context_sequence(route, body, record, chunks)
         if context is not None and (traj in self.open or traj in self.written):
             self.index.add(context, traj)
 

@@ -172,6 +172,9 @@ SPAN = 0  # a finished call (SpanEvent)
 OPEN = 1  # an explicit trajectory started (Control: subject = the OpenTrajectory)
 FLUSH = 2  # write and fsync what came before (Control: subject = a threading.Event to set, or None)
 CLOSE = 3  # the root span of a trajectory was dropped (queue full) (Control: subject = the OpenTrajectory)
+# write what came before into the live files, without fsync: the OS holds it, and a killed process
+# loses none of it (Control: subject = a threading.Event to set, or None)
+WRITE = 4
 OPEN_BYTES = 64
 
 
@@ -214,7 +217,7 @@ def payload_bytes(args: tuple, kwargs: dict, result: Any) -> int:
 
 @dataclass(slots=True)
 class Control:
-    """A queue event that is not a span: its kind (OPEN, FLUSH, CLOSE) and what it is about."""
+    """A queue event that is not a span: its kind (OPEN, FLUSH, WRITE, CLOSE) and what it is about."""
 
     kind: int
     subject: Any

@@ -283,6 +283,7 @@ class Recorder:
 
     def _cycle(self, force: bool = False) -> None:
         flushes: list[threading.Event | None] = []
+        sync = False  # a FLUSH came: fsync too
         queue = self._queue
         # yield the GIL between slices, unless a batch ended and waits to be made durable
         on_writer = threading.current_thread() is self._thread and not self._urgent
@@ -294,10 +295,11 @@ class Recorder:
                     kind = self._take(queue.popleft(), flushes)
                 except IndexError:
                     break
+            sync = sync or kind == FLUSH
             if kind == SPAN and on_writer and clock() > slice_end:
                 time.sleep(_YIELD_S)  # hand the GIL to the training threads (an event loop)
                 slice_end = clock() + _WORK_SLICE_S
-        self._end_cycle(flushes, force)
+        self._end_cycle(flushes, force, sync)
 
     def _take(
         self, event: SpanEvent | Control, flushes: list[threading.Event | None], spilled: bool = False
@@ -321,10 +323,14 @@ class Recorder:
             self._urgent = False
         return kind
 
-    def _end_cycle(self, flushes: list[threading.Event | None], force: bool) -> None:
-        """Write the batches that are due (all with ``force`` or a flush), fsync, seal finished steps,
-        then wake whoever waits on ``flushes``."""
+    def _end_cycle(
+        self, flushes: list[threading.Event | None], force: bool, sync: bool | None = None
+    ) -> None:
+        """Write the batches that are due (all with ``force`` or a flush), fsync (with ``sync``, by
+        default ``force``, or when one is due), seal finished steps, then wake whoever waits on
+        ``flushes``."""
         now = time.monotonic()
+        sync = force if sync is None else sync or force
         force = force or bool(flushes)
         config = self.config
         next_write = None
@@ -347,7 +353,7 @@ class Recorder:
                     due = step.last_write + config.min_write_interval_s
                     next_write = due if next_write is None else min(next_write, due)
             self._next_write = next_write
-            if force or now - self._last_fsync >= config.fsync_interval_s:
+            if sync or now - self._last_fsync >= config.fsync_interval_s:
                 self._fsync()
             self._finish_steps()
         if (self._counters_dirty and now - self._last_counters >= 1.0) or now - self._last_counters > 10:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlreplay.proxy.protocol import CHAT, COMPLETIONS, GENERATE, generated
+from rlreplay.proxy.protocol import CHAT, COMPLETIONS, GENERATE, answer_of, generated, stream_chunks
 
 JSON_SCALARS = st.one_of(
     st.none(),
@@ -61,3 +62,20 @@ def test_ids_and_log_probs_are_taken_as_they_are_or_not_at_all(
     assert (found.prompt_ids, found.choices[0]["token_ids"]) == (as_ids(prompt), as_ids(ids))
     found = generated(GENERATE, {"input_ids": prompt}, {"output_ids": ids, "meta_info": {}})
     assert (found.prompt_ids, found.choices[0]["token_ids"]) == (as_ids(prompt), as_ids(ids))
+
+
+@settings(max_examples=100, deadline=None)
+@given(pieces=st.lists(st.text(max_size=5), max_size=8), whole=st.booleans())
+def test_a_streamed_answer_read_on_the_way_says_what_its_bytes_say(pieces: list[str], whole: bool) -> None:
+    """The answer a continuing call's prompt is matched against is the same whether the proxy
+    hands over the chunks it read on the way or the recorded bytes are read again."""
+    if whole:  # an answer that is one JSON object, whatever the chunks handed over say
+        message = {"role": "assistant", "content": "".join(pieces)}
+        wire = orjson.dumps({"choices": [{"index": 0, "message": message}]})
+    else:
+        chunks = [{"choices": [{"index": 0, "delta": {"content": p}}]} for p in pieces]
+        wire = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    expected = {"role": "assistant", "content": "".join(pieces)}
+    record = {"status": 200, "wire": wire}
+    assert answer_of(CHAT, record) == expected
+    assert answer_of(CHAT, record, stream_chunks(wire)) == expected
