@@ -90,7 +90,7 @@ def test_one_row_and_one_trajectory_read_right_in_sql_and_export(bare_run: Path,
     root, run = Path(__file__).resolve().parents[2], "sample_runs/verl-arith-smollm2"
     for limit, said in (("1", "wrote 1 trajectory to "), ("2", "wrote 2 trajectories to ")):
         out = tmp_path / f"{limit}.jsonl"
-        done = rlreplay_cli(
+        done = rlreplay_proc(
             "export", "--run", run, "--step", "1", "--limit", limit, "--out", str(out), cwd=root
         )
         assert done.returncode == 0 and said in done.stderr, done.stderr

@@ -6,11 +6,7 @@ import subprocess
 import sys
 from importlib.metadata import version
 
-
-def rlreplay(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rlreplay", *args], capture_output=True, text=True, timeout=120
-    )
+from support import rlreplay_proc as rlreplay
 
 
 def test_version() -> None:
