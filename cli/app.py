@@ -27,6 +27,7 @@ from rlreplay.format.keys import (  # noqa: F401 (key_fields: the CLI's, from on
     key_fields,
     parse_int,
 )
+from rlreplay.words import plural, trajectories
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -329,16 +330,6 @@ def terminal_width() -> int | None:
 def shown(value: Any) -> str:
     """A value as the CLI prints it: "-" when absent (None), never Python's "None"."""
     return "-" if value is None else str(value)
-
-
-def plural(count: int, noun: str, nouns: str | None = None) -> str:
-    """``count`` and the noun that agrees with it: "1 tool call", "2 tool calls"."""
-    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
-
-
-def trajectories(count: int) -> str:
-    """``count`` trajectories, "1 trajectory" for one."""
-    return plural(count, "trajectory", "trajectories")
 
 
 def run_counts(summary: dict[str, Any]) -> str:

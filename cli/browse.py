@@ -559,11 +559,13 @@ def recover_command(
     for line in results["files"]:
         out.print(line, markup=False)
     out.print(
-        f"recovered {results['recovered_shards']} shards ({results['recovered_spans']} spans); "
-        f"set aside {results['quarantined_files']} files ({results['discarded_bytes']:,} unreadable bytes)"
+        f"recovered {plural(results['recovered_shards'], 'shard')} "
+        f"({plural(results['recovered_spans'], 'span')}); "
+        f"set aside {plural(results['quarantined_files'], 'file')} "
+        f"({plural(format(results['discarded_bytes'], ','), 'unreadable byte')})"
         + (f" in {opened.path / '_quarantine'}" if results["quarantined_files"] else "")
         + (
-            f"; {results['live_partials']} files still being written were left alone"
+            f"; left alone {plural(results['live_partials'], 'file')} still being written"
             if results["live_partials"]
             else ""
         ),

@@ -23,6 +23,7 @@ from rlreplay.cli.app import (
     fit_columns,
     key_fields,
     open_run_arg,
+    plural,
     selection_options,
     shown,
     signal_cell,
@@ -156,9 +157,9 @@ def _trim_equal(value: Any, unit: str, head: bool, tail: bool, full: bool) -> st
     elided = items[start:stop]
     if words:
         count = sum(1 for w in elided if not w.isspace())
-        return f"{''.join(items[:start])}…({count} words)…{''.join(items[stop:])}"
+        return f"{''.join(items[:start])}…({plural(count, 'word')})…{''.join(items[stop:])}"
     left, right = " ".join(map(str, items[:start])), " ".join(map(str, items[stop:]))
-    return f"{left} …({len(elided)} tokens)… {right}".strip()
+    return f"{left} …({plural(len(elided), 'token')})… {right}".strip()
 
 
 def _trim_change(value: str, full: bool) -> str:
@@ -229,6 +230,10 @@ def _index(i: int | None) -> str:
     return "–" if i is None else str(i)
 
 
+def _tokens(turn: Any) -> str:
+    return plural(format(len(turn.token_ids), ","), "token")
+
+
 def turn_header(t: Any) -> Text:
     from rich.text import Text
 
@@ -236,16 +241,16 @@ def turn_header(t: Any) -> Text:
     head = Text(f"{STATUS_MARK[t.status]} turn {idx} {ROLE_NAMES.get(t.role, t.role)}: ", style="bold")
     ta, tb = t.turn_a, t.turn_b
     if t.status == "equal":
-        head.append(f"equal ({len(ta.token_ids):,} tokens)")
+        head.append(f"equal ({_tokens(ta)})")
     elif t.status == "changed":
-        sizes = f"A {len(ta.token_ids):,} tokens, B {len(tb.token_ids):,} tokens"
+        sizes = f"A {_tokens(ta)}, B {_tokens(tb)}"
         head.append(f"changed at token {t.first_diff} ({sizes})")
         if t.same_text:
             head.append("; same text, different token ids")
     elif t.status == "only_a":
-        head.append(f"only in A ({len(ta.token_ids):,} tokens)")
+        head.append(f"only in A ({_tokens(ta)})")
     else:
-        head.append(f"only in B ({len(tb.token_ids):,} tokens)")
+        head.append(f"only in B ({_tokens(tb)})")
     if t.duration_a_s is not None or t.duration_b_s is not None:
         head.append(f"  [{_num(t.duration_a_s, True)} vs {_num(t.duration_b_s, True)}]", style="dim")
     return head
@@ -412,11 +417,11 @@ def render_group(group: Any, text: bool, width: int | None = None) -> list[Rende
 
     split = "validate" if group.validate else "train"
     title = Text(
-        f"group step={group.step} sample_index={group.sample_index} {split}: "
-        f"{len(group.members)} rollouts; best-rewarded {group.best_id[:12]}",
+        f"group step={shown(group.step)} sample_index={shown(group.sample_index)} {split}: "
+        f"{plural(len(group.members), 'rollout')}; best-rewarded {group.best_id[:12]}",
         style="bold",
     )
-    shown = [
+    columns_shown = [
         (name, right)
         for name, right in GROUP_COLUMNS
         if name not in SIGNAL_COLUMNS or any(getattr(m.side, name) is not None for m in group.members)
@@ -431,22 +436,22 @@ def render_group(group: Any, text: bool, width: int | None = None) -> list[Rende
         "tool_errors": [str(m.side.tool_errors) for m in group.members],
         "diverges at": [_diverges_at(m) for m in group.members],
     }
-    widths = {name: max([len(name), *map(len, cells[name])]) for name, _ in shown}
+    widths = {name: max([len(name), *map(len, cells[name])]) for name, _ in columns_shown}
     if width is not None:
         by_priority = [name for name in GROUP_PRIORITY if name in widths]
         kept = set(by_priority[: fit_columns([widths[n] for n in by_priority], width)])
-        shown = [(name, right) for name, right in shown if name in kept]
+        columns_shown = [(name, right) for name, right in columns_shown if name in kept]
 
     def line(values: list[str]) -> str:
         out = [
             v.rjust(widths[name]) if right else v.ljust(widths[name])
-            for v, (name, right) in zip(values, shown)
+            for v, (name, right) in zip(values, columns_shown)
         ]
         return "  ".join(out).rstrip()
 
-    table = Text(line([name for name, _ in shown]), style="bold")
+    table = Text(line([name for name, _ in columns_shown]), style="bold")
     for i, member in enumerate(group.members):
-        table.append("\n" + line([cells[name][i] for name, _ in shown]))
+        table.append("\n" + line([cells[name][i] for name, _ in columns_shown]))
         if member.preview is None and member.preview_best is None:
             continue
         for label, value in zip(SAYS, (member.preview_best, member.preview)):

@@ -416,7 +416,7 @@ def _print_summary(summary: Any, describe: str) -> None:
     if summary.dry_run:
         say(
             f"dry run: would send {trajectories(summary.to_send)} ({_human(summary.bytes)}, "
-            f"{summary.bytes} bytes) to {describe}; {summary.already_uploaded} already uploaded"
+            f"{plural(summary.bytes, 'byte')}) to {describe}; {summary.already_uploaded} already uploaded"
         )
         if summary.on_server is not None:
             say(f"the server has {summary.on_server} of the {summary.selected} selected")

@@ -14,7 +14,7 @@ PACKAGES |= {"rlreplay.recorders": ROOT / "recorders", "rlreplay.uploaders": ROO
 
 # Layers of rlreplay/, lowest first: a module imports only from its own layer or below.
 LAYERS = [
-    ("rlreplay.errors", "rlreplay.hookspecs", "rlreplay.plugins", "rlreplay.settings"),
+    ("rlreplay.errors", "rlreplay.hookspecs", "rlreplay.plugins", "rlreplay.settings", "rlreplay.words"),
     ("rlreplay.format",),
     ("rlreplay.model",),
     ("rlreplay.shards",),

@@ -39,6 +39,7 @@ from rlreplay.format.keys import (
 from rlreplay.read.filters import Filters, KeySpec, parse_keys, term
 from rlreplay.read.search import TextSearch, check_pattern, matching
 from rlreplay.read.where import filter_where
+from rlreplay.words import plural, trajectories
 
 STATUSES = ("ok", "error", "incomplete")
 
@@ -137,10 +138,6 @@ def _span_text(values: Iterable[int]) -> str:
     return str(found[0]) if len(found) == 1 else f"{found[0]}–{found[-1]}"
 
 
-def _plural(count: str, word: str) -> str:
-    return f"{count} {word}" if count == "1" else f"{count} {word}s"
-
-
 def describe_groups(chosen: list[Group]) -> str:
     """What a per-step choice of groups amounts to, e.g. ``4 prompts a step × 8 steps × 4 rollouts
     (128) + validation: 8 prompts a step × 2 steps × 1 rollout (16) = 144 trajectories``."""
@@ -152,13 +149,13 @@ def describe_groups(chosen: list[Group]) -> str:
         per_step: dict[Any, int] = {}
         for g in split:
             per_step[g.step] = per_step.get(g.step, 0) + 1
-        prompts = _plural(_span_text(per_step.values()), "prompt")
-        rollouts = _plural(_span_text(len(g.ids) for g in split), "rollout")
-        steps = _plural(str(len(per_step)), "step")
+        prompts = plural(_span_text(per_step.values()), "prompt")
+        rollouts = plural(_span_text(len(g.ids) for g in split), "rollout")
+        steps = plural(str(len(per_step)), "step")
         text = f"{prompts} a step × {steps} × {rollouts} ({sum(len(g.ids) for g in split)})"
         parts.append(f"validation: {text}" if validate else text)
     total = sum(len(g.ids) for g in chosen)
-    return f"{' + '.join(parts) or 'nothing'} = {total} trajectories"
+    return f"{' + '.join(parts) or 'nothing'} = {trajectories(total)}"
 
 
 def select(

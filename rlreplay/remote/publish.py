@@ -33,6 +33,7 @@ from rlreplay.remote.location import (
 from rlreplay.shards.layout import LEASE_DIR, PARTIAL_SUFFIX, SEALED_SUFFIX, SPANS_DIR
 from rlreplay.shards.lease import close_marker, host_name, is_live, lease_owner, lease_ttl_s, live_leases
 from rlreplay.shards.recover import recover_run
+from rlreplay.words import plural
 
 log = logging.getLogger("rlreplay")
 
@@ -436,13 +437,14 @@ def _add_recovered(loc: Location, shards: int, spans: int) -> None:
 
 def recover_message(uri: str, totals: dict[str, Any]) -> str:
     text = (
-        f"recovered {totals['recovered_shards']} shards ({totals['recovered_spans']} spans); "
-        f"uploaded {totals['uploaded']} files to {redact(uri)}"
+        f"recovered {plural(totals['recovered_shards'], 'shard')} "
+        f"({plural(totals['recovered_spans'], 'span')}); "
+        f"uploaded {plural(totals['uploaded'], 'file')} to {redact(uri)}"
     )
     if totals["live_partials"]:
-        text += f"; {totals['live_partials']} files still being written were left alone"
+        text += f"; left alone {plural(totals['live_partials'], 'file')} still being written"
     if totals["pending"]:
-        text += f"; {totals['pending']} files still wait in the spool ({totals['error']})"
+        text += f"; {plural(totals['pending'], 'file')} still waiting in the spool ({totals['error']})"
     return text
 
 

@@ -119,3 +119,25 @@ def test_counts_of_one_read_right_in_stats_and_ls() -> None:
     assert f"trends (val, 1 row, step {val[0]['step']}):" in _out("stats", "--run", run, cwd=root)
     listing = _out("ls", "--run", run, "--limit", "1", cwd=root)
     assert listing.splitlines()[-1] == f"1 trajectory (--limit) in {run}"
+
+
+def test_one_of_each_reads_right_in_selection_recover_and_diff() -> None:
+    from rlreplay.cli.diff import render_group
+    from rlreplay.read.selection import Group, describe_groups
+    from rlreplay.remote.publish import recover_message
+
+    one = describe_groups([Group(step=3, validate=False, sample_index=0, ids=["a"])])
+    assert one == "1 prompt a step × 1 step × 1 rollout (1) = 1 trajectory"
+    ones = {"recovered_shards": 1, "recovered_spans": 1, "uploaded": 1, "live_partials": 1, "pending": 1}
+    said = recover_message("s3://bucket/run", {**ones, "error": "refused"})
+    for phrase in ("1 shard (1 span)", "uploaded 1 file to", "left alone 1 file still", "; 1 file still"):
+        assert phrase in said, (phrase, said)
+
+    class Lone:  # a trajectory recorded with no step and no sample index
+        step = sample_index = None
+        validate = False
+        members: list = []
+        best_id = "0123456789abcdef"
+
+    title = render_group(Lone(), text=False)[0].plain
+    assert title.startswith("group step=- sample_index=- train: 0 rollouts;") and "None" not in title

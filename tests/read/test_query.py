@@ -582,7 +582,7 @@ def test_sql_views(gsm8k: list[dict[str, Any]], capsys: pytest.CaptureFixture[st
     )
 
     rc, out, _ = cli(capsys, "sql", "SELECT count(*) AS n FROM trajectories", "--run", GSM8K)
-    assert rc == 0 and out.splitlines()[1].strip() == str(len(gsm8k)) and out.endswith("(1 rows)\n")
+    assert rc == 0 and out.splitlines()[1].strip() == str(len(gsm8k)) and out.endswith("(1 row)\n")
     # the run may come first, as on every command
     rc, out_first, _ = cli(capsys, "sql", GSM8K, "SELECT count(*) AS n FROM trajectories")
     assert rc == 0 and out_first == out

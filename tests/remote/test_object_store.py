@@ -245,7 +245,7 @@ def test_recover_pushes_what_a_killed_process_left_in_its_spool(s3: S3Server, tm
 
     proc = rlreplay(env, "recover", uri, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "recovered 1 shards (2 spans)" in proc.stdout
+    assert "recovered 1 shard (2 spans)" in proc.stdout
     rows = ls_json(env, uri, cwd=tmp_path)
     assert sorted((r["step"], r["sample_index"]) for r in rows) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
     assert not spool.exists()  # published, then removed from the spool

@@ -317,7 +317,7 @@ def test_a_live_file_that_does_not_match_is_never_sealed_and_recover_keeps_the_r
     capsys.readouterr()
     assert main(["recover", str(run_dir)]) == 0
     out = capsys.readouterr().out
-    assert "kept 12 spans" in out and "set aside 1 files" in out
+    assert "kept 12 spans" in out and "set aside 1 file (" in out
     assert len(list_files(run_dir)[0]) == 1
     kept = Run(run_dir).spans().sort_by("span_id")
     ids = pa.array(sorted(set(kept["span_id"].to_pylist())))

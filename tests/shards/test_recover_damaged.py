@@ -88,7 +88,7 @@ def test_garbage_in_the_middle_keeps_every_batch_around_it(tmp_path: Path, capsy
     kept = pq.read_table(sealed[0])
     assert sorted(set(kept["sample_index"].to_pylist())) == [0, 1, 2, 3, 4, 6, 7, 8, 9]
     assert kept.num_rows == 9 * ROWS
-    assert f"kept {9 * ROWS} spans" in out and "recovered 1 shards" in out
+    assert f"kept {9 * ROWS} spans" in out and "recovered 1 shard (" in out
     # the unreadable bytes are kept, byte for byte, and reported
     aside = _quarantined(run_dir)
     assert len(aside) == 2 and "set aside 2 files" in out
@@ -191,7 +191,7 @@ def test_partial_with_a_bad_format_version_does_not_stop_the_run(
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 2 and "_part-bad.partial" in err and "Traceback" not in err
     out = _recover(run_dir, capsys)
-    assert "recovered 1 shards" in out and "_part-bad.partial" in out
+    assert "recovered 1 shard (" in out and "_part-bad.partial" in out
     assert not bad.exists() and [p.name for p in _quarantined(run_dir)] == ["_part-bad.partial"]
     assert rlreplay.open_run(run_dir).spans().num_rows == 2 * ROWS
     assert not good.exists()
@@ -205,7 +205,7 @@ def test_recover_never_writes_or_deletes_outside_the_run(tmp_path: Path, capsys)
     (run_dir / "spans" / "step=13").symlink_to(outside / "spans" / "step=13")
     before = sorted(p.name for p in outside.rglob("*"))
     out = _recover(run_dir, capsys)
-    assert "recovered 1 shards" in out and "outside the run" in out
+    assert "recovered 1 shard (" in out and "outside the run" in out
     assert outside_partial.exists() and sorted(p.name for p in outside.rglob("*")) == before
 
     # a quarantine folder that points elsewhere is not used either: the damaged file stays put
@@ -247,7 +247,7 @@ def test_recover_reads_a_format_1_live_file(tmp_path: Path, capsys) -> None:
     shutil.copytree(Path(__file__).parents[1] / "fixtures" / "v1-run", run_dir)
     before = rlreplay.open_run(run_dir).trajectories().num_rows
     out = _recover(run_dir, capsys)
-    assert "recovered 1 shards" in out and list_files(run_dir)[1] == []
+    assert "recovered 1 shard (" in out and list_files(run_dir)[1] == []
     assert rlreplay.open_run(run_dir).trajectories().num_rows == before > 0
 
 

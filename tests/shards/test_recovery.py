@@ -72,7 +72,7 @@ def test_sigkilled_writer_is_recovered(tmp_path: Path, capsys) -> None:
     assert live.num_rows == 20 * len(batches)
 
     assert main(["recover", str(run_dir)]) == 0
-    assert "recovered 1 shards" in capsys.readouterr().out
+    assert "recovered 1 shard (" in capsys.readouterr().out
     sealed, partials = list_files(run_dir)
     assert partials == [] and len(sealed) == 1
     meta = pq.read_schema(sealed[0]).metadata

@@ -29,7 +29,6 @@ from rlreplay.text.token2text import Decoder
 HERE = Path(__file__).parents[1]
 SAMPLE = HERE.parent / "sample_runs" / "gsm8k-grpo-qwen3"
 JOB = HERE / "ui_record_job.py"
-CHROMIUM = "/usr/bin/chromium"
 
 sys.path.insert(0, str(HERE))
 from ui_record_job import (  # noqa: E402
@@ -89,27 +88,10 @@ def server(ui_root: Path):
         yield url
 
 
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    assert Path(CHROMIUM).exists(), "the UI is tested in Debian's chromium: apt-get install chromium"
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
-
-
 @pytest.fixture
-def page(browser):
-    context = browser.new_context(viewport={"width": 1300, "height": 900})
-    pg = context.new_page()
-    pg.set_default_timeout(60_000)  # generous: CI machines are small and shared
-    errors: list[str] = []
-    pg.on("pageerror", lambda exc: errors.append(str(exc)))
-    pg.errors = errors  # type: ignore[attr-defined]
-    yield pg
-    context.close()
+def page(tab):
+    tab.set_viewport_size({"width": 1300, "height": 900})
+    return tab
 
 
 def _shot(page, path: Path) -> None:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ui_support import CHROMIUM, serving
+from ui_support import serving
 from watch_live import JOB, faulty_ids
 
 STEPS = 5
@@ -37,8 +37,8 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return base / "run", control
 
 
-def test_alerts_appear_live_and_link_to_the_faulty_trajectories(recorded, tmp_path: Path) -> None:
-    from playwright.sync_api import expect, sync_playwright
+def test_alerts_appear_live_and_link_to_the_faulty_trajectories(recorded, tab, tmp_path: Path) -> None:
+    from playwright.sync_api import expect
 
     from rlreplay.ui.app import create_app
 
@@ -50,16 +50,8 @@ def test_alerts_appear_live_and_link_to_the_faulty_trajectories(recorded, tmp_pa
     for step in (FAULT_STEP, FAULT_STEP + 1):
         shutil.copytree(run / "spans" / f"step={step}", later / f"step={step}")
     bad = {i for i, is_bad in faulty_ids(control)[FAULT_STEP].items() if is_bad}
-    assert Path(CHROMIUM).exists(), "the UI is tested in Debian's chromium: apt-get install chromium"
-    with (
-        serving(create_app(root, poll_ms=300, allowed_hosts=["127.0.0.1"])) as url,
-        sync_playwright() as p,
-    ):
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = browser.new_page()
-        page.set_default_timeout(60_000)
-        errors: list[str] = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page = tab
+    with serving(create_app(root, poll_ms=300, allowed_hosts=["127.0.0.1"])) as url:
         page.goto(f"{url}/r/faulty/")
         expect(page.locator("#alerts #no-alerts")).to_be_visible()  # healthy steps: no alert
         for step in (FAULT_STEP, FAULT_STEP + 1):  # the next steps land, as a recorder seals them
@@ -75,8 +67,7 @@ def test_alerts_appear_live_and_link_to_the_faulty_trajectories(recorded, tmp_pa
         page.wait_for_selector("table")
         listed = {href.split("?")[0].rsplit("/", 1)[1] for href in _hrefs(page) if "/t/" in href}
         assert listed == bad
-        browser.close()
-    assert errors == []
+    assert page.errors == []
 
 
 def _hrefs(page) -> list[str]:

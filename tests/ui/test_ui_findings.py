@@ -11,7 +11,6 @@ from audit_truth import verl_sample_truth
 from ui_support import serving
 
 VERL = Path(__file__).parents[2] / "sample_runs" / "verl-toolagent-smollm2"
-CHROMIUM = "/usr/bin/chromium"
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +25,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture
-def page():
-    from playwright.sync_api import sync_playwright
-
-    assert Path(CHROMIUM).exists(), "the UI is tested in Debian's chromium: apt-get install chromium"
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        pg = browser.new_page()
-        pg.set_default_timeout(60_000)
-        yield pg
-        browser.close()
+def page(tab):
+    return tab
 
 
 def test_findings_page_and_badges(server: str, page) -> None:
