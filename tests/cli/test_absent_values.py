@@ -136,7 +136,7 @@ def test_one_of_each_reads_right_in_selection_recover_and_diff() -> None:
     class Lone:  # a trajectory recorded with no step and no sample index
         step = sample_index = None
         validate = False
-        members: list = []
+        members = ()
         best_id = "0123456789abcdef"
 
     title = render_group(Lone(), text=False)[0].plain
