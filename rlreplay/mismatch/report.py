@@ -3,7 +3,10 @@ the worst responses and tokens. ``rlreplay mismatch``, the audit's ``mismatch`` 
 UI's mismatch page all show what :func:`compute` returns.
 
 The run is read a step at a time (``rlreplay.mismatch.tokens.read_batches``): memory holds one
-step's tokens, a few sums per response and per bucket, and the worst tokens seen so far.
+step's tokens, a few sums per response and per bucket, and the worst tokens seen so far. What a
+step adds is a :class:`Piece`, and a step may come as several (``--engine ray`` cuts a large
+step between samples): its figures are made once its pieces are folded, the same floats either
+way.
 
 A selection without the trainer's per-token log-probs gets the per-rollout figures the trainer
 recorded, when it did (:func:`per_rollout`, ``Report.per == "rollout"``); one with neither raises
