@@ -7,8 +7,10 @@ through its node's read cache, or a folder every node sees), reads its part with
 reader (checksums verified as always) and sends back only what the command keeps of it:
 
 - ``audit``: the trajectory checks' findings (the listing checks run on the driver);
-- ``mismatch``: one :class:`rlreplay.mismatch.report.Piece` per step (per-response sums, bucket
-  sums, the worst tokens), folded in step order as the local command folds them;
+- ``mismatch``: one :class:`rlreplay.mismatch.report.Piece` per step or piece of a step
+  (per-response sums, per response and bucket sums, the largest |Δ| its step's percentile may
+  read, the worst tokens), folded in step order as the local command folds its one piece a step:
+  a step's figures are made once its pieces are all in, from its responses' sums in order;
 - ``ls --grep``: whether each trajectory's text matches;
 - ``export``: the records, written by the driver in the selection's order.
 
@@ -248,6 +250,8 @@ class MismatchJob:
     by: str
     token_ids: bool
     limits: tuple[float, float]
+    #: None: the part holds whole steps; else it is a piece of a step (``mismatch.report.digest``)
+    keep: int | None = None
 
     def __call__(self, run: Any, listing: Any) -> tuple[list[Any], Any]:
         from rlreplay.adapters.registry import adapter_for_run
@@ -256,7 +260,8 @@ class MismatchJob:
 
         counts = Counts()
         fields = getattr(adapter_for_run(run), "fields", None)
-        return list(digest(run, listing, self.by, fields, counts, self.token_ids, self.limits)), counts
+        made = digest(run, listing, self.by, fields, counts, self.token_ids, self.limits, self.keep)
+        return list(made), counts
 
 
 @dataclass
@@ -515,24 +520,62 @@ def mismatch_pieces(
     run: Any, listing: Any, by: str, token_ids: bool, limits: tuple[float, float], cluster: Cluster
 ) -> tuple[Iterator[Any], Any]:
     """(the pieces of the listing's steps, made on the cluster, rows numbered in ``listing``; the
-    counts they add to, filled as the pieces come) for ``mismatch.report.compute``."""
+    counts they add to, filled as the pieces come) for ``mismatch.report.compute``. A step larger
+    than a part comes in pieces cut between samples; its pieces are given once all are in, and
+    should they have kept too few of their largest |Δ| for the step's percentile, they are made
+    again keeping enough (so the figures are the whole step's, always)."""
+    from rlreplay.mismatch.report import kept_too_few, same_step
     from rlreplay.mismatch.tokens import Counts
 
     counts = Counts()
-    # whole steps: a step's numbers (its |Δ| percentile, its sums in the order of its tokens)
-    # are made from all its tokens at once, as locally
-    plans = [p.rows for p in plan(run, listing, cut=False)]
-    job = MismatchJob(by, token_ids, limits)
-    work = [(job, _rows(listing, rows), None) for rows in plans]
+    parts = plan(run, listing)
+    work = [(_mismatch_job(by, token_ids, limits, p), _rows(listing, p.rows), p.owner) for p in parts]
+
+    def complete(held: list[tuple[int, Any]]) -> Iterator[Any]:
+        need = kept_too_few([piece for _, piece in held])
+        if need:
+            redo = sorted({k for k, _ in held})
+            again = [
+                (_mismatch_job(by, token_ids, limits, parts[k], need), work[k][1], parts[k].owner)
+                for k in redo
+            ]
+            fresh = {k: made for k, (made, _) in zip(redo, cluster.map(run, again, "mismatch"))}
+            for k, piece in held:  # a piece of a step is a part of its own: one piece
+                piece.splits = fresh[k][0].splits
+        for _, piece in held:
+            yield piece
 
     def pieces() -> Iterator[Any]:
-        for rows, (made, seen) in zip(plans, cluster.map(run, work, "mismatch")):
-            counts.merge(seen)
-            for piece in made:
-                piece.rows = rows[piece.rows]
-                yield piece
+        # connected until the last step's pieces are complete (they may be made again); what Ray
+        # prints meanwhile goes to stderr, as in ``Cluster.map``
+        stay, cluster.stay = cluster.stay, True
+        with contextlib.redirect_stdout(sys.stderr):
+            try:
+                held: list[tuple[int, Any]] = []  # the pieces of the step not given yet
+                for k, (made, seen) in enumerate(cluster.map(run, work, "mismatch")):
+                    counts.merge(seen)
+                    for piece in made:
+                        piece.rows = parts[k].rows[piece.rows]
+                        if held and not same_step(held[-1][1].step, piece.step):
+                            yield from complete(held)
+                            held = []
+                        held.append((k, piece))
+                yield from complete(held)
+            finally:
+                cluster.stay = stay
+                if not stay:
+                    import ray
+
+                    ray.shutdown()
 
     return pieces(), counts
+
+
+def _mismatch_job(
+    by: str, token_ids: bool, limits: tuple[float, float], part: Part, keep: int = 0
+) -> MismatchJob:
+    """The job of a part: whole steps keep what their percentile reads, a piece at least ``keep``."""
+    return MismatchJob(by, token_ids, limits, None if part.owner is None else keep)
 
 
 class Search:

@@ -167,31 +167,39 @@ class Segments:
 
 
 class Buckets:
-    """``TOKEN_SUMS`` per token bucket (an int key ≥ 0), added up over steps."""
+    """``TOKEN_SUMS`` per token bucket (an int key ≥ 0), added up over steps: each response's
+    sums per bucket first (:meth:`partials`), then those added to the bucket's in response order
+    (:meth:`fold`), so the same floats come out however the responses were cut into pieces."""
 
     def __init__(self) -> None:
         self.sums: dict[str, Any] | None = None
 
-    def add(self, key: Any, name: str, values: Any) -> None:
-        self.fold(name, self.reduce(key, name, values))
+    @staticmethod
+    def groups(response: Any, key: Any) -> tuple[Any, Any]:
+        """(each group's bucket, each token's group) of tokens grouped by (response, bucket),
+        the groups in response order (``response``: each token's, ascending; ``key``: its bucket)."""
+        if not len(key):
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        width = int(key.max()) + 1
+        pairs, inverse = np.unique(response.astype(np.int64) * width + key, return_inverse=True)
+        return pairs % width, inverse.reshape(-1)
 
     @staticmethod
-    def reduce(key: Any, name: str, values: Any) -> Any:
-        """``values`` summed (``max_abs``: their largest; ``tokens``: counted) per bucket ``key``:
-        what :meth:`fold` adds, made apart (where the tokens are) and added in order later."""
-        size = int(key.max()) + 1 if len(key) else 0
+    def partials(inverse: Any, size: int, name: str, values: Any) -> Any:
+        """``values`` summed (``max_abs``: their largest; ``tokens``: counted) per group
+        (``inverse``: each token's, of ``size`` groups), in the order of the tokens."""
         if name == "max_abs":
             out = np.full(size, np.nan)
-            np.fmax.at(out, key, values)
+            np.fmax.at(out, inverse, values)
             return out
         if name == "tokens":
-            return np.bincount(key, minlength=size)
-        return np.bincount(key, weights=values, minlength=size)
+            return np.bincount(inverse, minlength=size).astype(np.float64)
+        return np.bincount(inverse, weights=values, minlength=size)
 
-    def fold(self, name: str, reduced: Any) -> None:
-        """Add one :meth:`reduce` result to the sums (the same float additions as adding the
-        tokens themselves)."""
-        size = len(reduced)
+    def fold(self, name: str, bucket: Any, reduced: Any) -> None:
+        """Add groups' :meth:`partials` (``bucket``: each group's) to the sums, one at a time in
+        their order."""
+        size = int(bucket.max()) + 1 if len(bucket) else 0
         sums = self.sums = self.sums if self.sums is not None else {}
         old = sums.get(name)
         if old is None or len(old) < size:
@@ -201,9 +209,10 @@ class Buckets:
                 grown[: len(old)] = old
             sums[name] = old = grown
         if name == "max_abs":
-            np.fmax(old[:size], reduced, out=old[:size])
+            np.fmax.at(old, bucket, reduced)
         else:
-            old[:size] += reduced
+            with np.errstate(all="ignore"):  # a sum past float64: ±inf
+                np.add.at(old, bucket, reduced)
 
     def size(self) -> int:
         return 0 if self.sums is None else max(len(v) for v in self.sums.values())
@@ -267,6 +276,79 @@ def sequence_sums(
     return out
 
 
+#: The percentile of a group's every |Δ| (``logprob_diff_p99``).
+GAP_PERCENTILE = 99
+#: A piece of a step keeps twice what its own percentile would read, and this many more.
+TAIL_SLACK = 32
+
+
+def top_needed(count: int, q: float = GAP_PERCENTILE) -> int:
+    """How many of the largest of ``count`` values numpy's ``percentile(values, q)`` (its linear
+    method) reads: the values below those do not change it. Grows with ``count``."""
+    if count <= 0:
+        return 0
+    virtual = (count - 1) * (q / 100)
+    return 1 if virtual >= count - 1 else count - math.floor(virtual)
+
+
+def percentile_of_top(count: int, top: Any, q: float = GAP_PERCENTILE) -> float:
+    """``np.percentile(values, q)`` of ``count`` values from their largest ones (``top``,
+    ascending, at least ``top_needed(count, q)`` of them): numpy's arithmetic, step for step."""
+    virtual = (count - 1) * (q / 100)
+    if virtual >= count - 1:
+        return float(top[-1])
+    below = math.floor(virtual)
+    at = below - (count - len(top))  # ``top[0]`` is the value ranked count - len(top)
+    a, b = float(top[at]), float(top[at + 1])
+    gamma = virtual - below
+    diff = b - a
+    return b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
+
+
+@dataclass
+class Tail:
+    """The largest of a group's ``count`` values (``values``, ascending): what its percentile
+    reads, merged from pieces of the group; ``whole``: ``values`` are all of them."""
+
+    count: int
+    values: Any
+    whole: bool = True
+
+    @classmethod
+    def of(cls, values: Any, keep: int | None = None) -> Tail:
+        """The tail of ``values``: their ``keep`` largest (at least :func:`spare`), or with None
+        what their own percentile reads (a group not cut into pieces)."""
+        n = len(values)
+        k = top_needed(n) if keep is None else min(n, max(keep, spare(n)))
+        top = np.sort(np.partition(values, n - k)[n - k :]) if 0 < k < n else np.sort(values)[n - k :]
+        return cls(n, top, k == n)
+
+    @classmethod
+    def merged(cls, tails: list[Tail]) -> Tail | None:
+        """The tail of the group made of ``tails``' groups, holding what its percentile reads;
+        None when a tail left out a value that could be among those (its piece must keep more)."""
+        count = sum(t.count for t in tails)
+        need = top_needed(count)
+        union = np.concatenate([t.values for t in tails]) if tails else np.zeros(0)
+        if len(union) < need:
+            return None
+        top = np.sort(np.partition(union, len(union) - need)[len(union) - need :]) if need else union[:0]
+        for t in tails:  # what a tail left out is at most its smallest value kept
+            if not t.whole and (not len(t.values) or t.values[0] > top[0]):
+                return None
+        return cls(count, top, need == count)
+
+    def percentile(self) -> float | None:
+        """``np.percentile`` of the group's values (``GAP_PERCENTILE``); None: no values."""
+        return percentile_of_top(self.count, self.values) if self.count else None
+
+
+def spare(count: int) -> int:
+    """Values a piece of a group keeps of its ``count``: twice what its own percentile reads, and
+    ``TAIL_SLACK`` more (the group's percentile may read more of one piece than of another)."""
+    return min(count, 2 * top_needed(count) + TAIL_SLACK)
+
+
 def _f(value: Any) -> float | None:
     """A number as a Python float; None for NaN (no value)."""
     value = float(value)
@@ -278,7 +360,8 @@ def summarize(
 ) -> dict[str, Any]:
     """The metrics of a group of tokens from its ``totals`` (``TOKEN_SUMS`` added up), with
     ``sequences`` (per-response ``SUMS`` arrays of its responses) when the group is made of whole
-    responses, and ``gaps`` (every |Δ| of the group) for the percentile. Missing numbers are None."""
+    responses, and ``gaps`` (the :class:`Tail` of every |Δ| of the group) for the percentile.
+    Missing numbers are None."""
     with np.errstate(all="ignore"):  # overflow: ±inf; inf − inf: None
         return _summarize(totals, sequences, gaps)
 
@@ -302,8 +385,8 @@ def _summarize(totals: dict[str, float], sequences: dict[str, Any] | None, gaps:
         mean_w = totals["sum_w"] / count
         if totals["sum_w2"] > 0:
             out["eff_sample_size"] = _f(count * (mean_w + EPS) ** 2 / totals["sum_w2"])
-        if gaps is not None and len(gaps):
-            out["logprob_diff_p99"] = _f(np.percentile(gaps, 99))
+        if gaps is not None and gaps.count:
+            out["logprob_diff_p99"] = _f(gaps.percentile())
     if sequences is not None and len(sequences["tokens"]):
         out.update(_sequence_metrics(sequences))
     return out

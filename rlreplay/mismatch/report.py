@@ -3,7 +3,10 @@ the worst responses and tokens. ``rlreplay mismatch``, the audit's ``mismatch`` 
 UI's mismatch page all show what :func:`compute` returns.
 
 The run is read a step at a time (``rlreplay.mismatch.tokens.read_batches``): memory holds one
-step's tokens, a few sums per response and per bucket, and the worst tokens seen so far.
+step's tokens, a few sums per response and per bucket, and the worst tokens seen so far. What a
+step adds is a :class:`Piece`, and a step may come as several (``--engine ray`` cuts a large
+step between samples): its figures are made once its pieces are folded, the same floats either
+way.
 
 A selection without the trainer's per-token log-probs gets the per-rollout figures the trainer
 recorded, when it did (:func:`per_rollout`, ``Report.per == "rollout"``); one with neither raises
@@ -318,10 +321,13 @@ def digest(
     counts: Counts,
     token_ids: bool = True,
     limits: tuple[float, float] = (m.INVESTIGATE, m.BROKEN),
+    keep: int | None = None,
 ) -> Iterator[Piece]:
     """The listing's steps, one :class:`Piece` each (read a step at a time: memory holds one
-    step's tokens); ``counts`` is told what was left out and why."""
-    acc = _Accumulator(by, listing, limits)
+    step's tokens); ``counts`` is told what was left out and why. ``keep``: None when each step
+    is whole in the listing, else the listing is a piece of its step and each split keeps at
+    least ``keep`` of its largest |Δ| (``metrics.Tail.of``)."""
+    acc = _Accumulator(by, listing, limits, keep)
     for batch in read_batches(run, listing, fields, counts, ids=token_ids or by == "token"):
         piece = acc.piece(batch)
         del batch
@@ -331,16 +337,21 @@ def digest(
 
 @dataclass
 class Piece:
-    """What one step's responses add to a report, small beside their tokens: per response its
-    listing row number and sums, the step's rows (per split), its token buckets' sums (in the
-    order they are added) and its largest |Δ| (largest first, ``response`` numbered in the step).
-    Folding the pieces of a run's steps in order gives the report, however they were made."""
+    """What some responses of one step (all of them, or a piece cut between samples) add to a
+    report, small beside their tokens: per response its listing row number, split and sums; per
+    split the tail of its |Δ| (``metrics.Tail``) and its tokens left out; per response and token
+    bucket its sums (``metrics.Buckets.partials``); its largest |Δ| (largest first, ``response``
+    numbered in the piece). The step's figures are made when its pieces are all folded, from
+    every response's sums in order: folding a run's pieces in order gives the same report however
+    the steps were cut."""
 
     rows: Any
     sums: dict[str, Any]
     version: Any
-    step_metrics: list[dict[str, Any]]
-    buckets: list[tuple[str, Any]]
+    step: Any
+    validate: Any
+    splits: dict[bool, tuple[m.Tail, int]]
+    buckets: list[tuple[str, Any, Any]]
     worst: list[tuple[float, dict[str, Any]]]
 
 
@@ -348,10 +359,12 @@ class _Accumulator:
     """What the report keeps while the steps go by: per response its listing row number and sums,
     per token bucket its sums, the worst tokens; per step and split its numbers."""
 
-    def __init__(self, by: str, listing: Any, limits: tuple[float, float]) -> None:
+    def __init__(self, by: str, listing: Any, limits: tuple[float, float], keep: int | None = None) -> None:
         self.by = by
         self.listing = listing
         self.limits = limits
+        self.keep = keep
+        self.open: list[Piece] = []  # the pieces folded of the step not yet closed
         self.rows: list[Any] = []  # per batch: its responses' listing row numbers
         self.parts: Any = []  # per batch: per-response sums (then, all of them: ``sums``)
         self.versions: list[Any] = []
@@ -365,59 +378,89 @@ class _Accumulator:
         self.fold(self.piece(batch))
 
     def piece(self, batch: Batch) -> Piece:
-        """What ``batch`` adds (see :class:`Piece`)."""
+        """What ``batch`` (one step's responses, or some of them) adds (see :class:`Piece`)."""
         counted = batch.counted
         key = self.token_key(batch, counted) if self.by in m.TOKEN_KEYS else None
         keep = None if key is None or (key >= 0).all() else key >= 0  # per counted token
         gaps: list[Any] = []
-        buckets: list[tuple[str, Any]] = []
+        buckets: list[tuple[str, Any, Any]] = []
+        groups: dict[str, Any] = {}
+        if key is not None:
+            running = np.r_[0, np.cumsum(counted, dtype=np.int64)]
+            per = running[batch.offsets[1:]] - running[batch.offsets[:-1]]
+            response = np.repeat(np.arange(len(per)), per)  # each counted token's response
+            del running
 
         def each(name: str, values: Any, at: slice) -> None:
             if name == "max_abs":
                 gaps.append(values)
-            if key is not None:
-                if keep is None:
-                    buckets.append((name, m.Buckets.reduce(key[at], name, values)))
-                else:
-                    buckets.append((name, m.Buckets.reduce(key[at][keep[at]], name, values[keep[at]])))
+            if key is None:
+                return
+            if groups.get("at") != (at.start, at.stop):  # one grouping a chunk of whole responses
+                chosen = slice(None) if keep is None else keep[at]
+                groups.update(at=(at.start, at.stop), chosen=chosen)
+                groups.update(
+                    zip(("bucket", "inverse"), m.Buckets.groups(response[at][chosen], key[at][chosen]))
+                )
+            chosen = groups["chosen"]
+            reduced = m.Buckets.partials(groups["inverse"], len(groups["bucket"]), name, values[chosen])
+            buckets.append((name, groups["bucket"], reduced))
 
         sums = m.sequence_sums(batch, counted, each)
         left_out = batch.mask & ~counted  # model tokens whose log-prob difference is not finite
         gap = np.concatenate(gaps) if len(gaps) != 1 else gaps[0]
         step = self.listing_row(int(batch.rows[0]))["step"]
-        rows = []
+        splits: dict[bool, tuple[m.Tail, int]] = {}
         for split in (False, True):
-            chosen = np.flatnonzero(batch.validate == split)
-            if not len(chosen):
+            chosen = batch.validate == split
+            if not chosen.any():
                 continue
-            part = m.take(sums, chosen)
-            if len(chosen) == len(batch.validate):  # the usual case: one split a step, no copy
-                gaps_of_split = gap
-            else:
-                gaps_of_split = gap[np.repeat(batch.validate == split, np.diff(batch.offsets))[counted]]
-            row = {"step": step, "validate": split, "per": "token"}
-            row.update(m.summarize(m.totals_of(part), part, gaps_of_split))
-            row["verdict"] = m.verdict(row["token_mult_prob_error"], *self.limits)
-            if len(chosen) == len(batch.validate):
-                row["tokens_not_finite"] = int(np.count_nonzero(left_out))
-            else:
-                of_split = np.repeat(batch.validate == split, np.diff(batch.offsets))
-                row["tokens_not_finite"] = int(np.count_nonzero(left_out & of_split))
-            rows.append(row)
+            if chosen.all():  # the usual case: one split a step, no copy
+                splits[split] = (m.Tail.of(gap, self.keep), int(np.count_nonzero(left_out)))
+                continue
+            of_split = np.repeat(chosen, np.diff(batch.offsets))
+            tail = m.Tail.of(gap[of_split[counted]], self.keep)
+            splits[split] = (tail, int(np.count_nonzero(left_out & of_split)))
         worst = self.worst_of(batch, counted, gap)
-        return Piece(batch.rows, sums, batch.version, rows, buckets, worst)
+        return Piece(batch.rows, sums, batch.version, step, batch.validate, splits, buckets, worst)
 
     def fold(self, piece: Piece) -> None:
-        """Add what one step's responses add (:meth:`piece`), after the steps folded so far."""
+        """Add what some responses of a step add (:meth:`piece`), after the pieces folded so
+        far; a piece of another step closes the step before (:meth:`close`)."""
+        if self.open and not same_step(self.open[-1].step, piece.step):
+            self.close()
         base = self.count
         self.count += len(piece.rows)
         self.rows.append(piece.rows)
         self.parts.append(piece.sums)
         self.versions.append(piece.version)
-        self.step_metrics.extend(piece.step_metrics)
-        for name, reduced in piece.buckets:
-            self.buckets.fold(name, reduced)
+        for name, bucket, reduced in piece.buckets:
+            self.buckets.fold(name, bucket, reduced)
         self.add_worst(piece.worst, base)
+        self.open.append(piece)
+
+    def close(self) -> None:
+        """The figures of the step whose pieces are folded, per split, from its responses' sums
+        in order (as one piece of the whole step would give them)."""
+        pieces, self.open = self.open, []
+        if not pieces:
+            return
+        sums = {name: np.concatenate([p.sums[name] for p in pieces]) for name in m.SUMS}
+        validate = np.concatenate([p.validate for p in pieces])
+        for split in (False, True):
+            chosen = np.flatnonzero(validate == split)
+            if not len(chosen):
+                continue
+            held = [p.splits[split] for p in pieces if split in p.splits]
+            tail = m.Tail.merged([t for t, _ in held])
+            if tail is None:
+                raise ValueError("a piece of a step kept too few of its largest |Δ| (ask it for more)")
+            part = m.take(sums, chosen)
+            row = {"step": pieces[0].step, "validate": split, "per": "token"}
+            row.update(m.summarize(m.totals_of(part), part, tail))
+            row["verdict"] = m.verdict(row["token_mult_prob_error"], *self.limits)
+            row["tokens_not_finite"] = sum(k for _, k in held)
+            self.step_metrics.append(row)
 
     def token_key(self, batch: Batch, counted: Any) -> Any:
         """Each counted token's bucket (an int ≥ 0; -1: none), or None when the run has no data."""
@@ -443,7 +486,9 @@ class _Accumulator:
         if not len(gaps):
             return []
         k = min(WORST, len(gaps))
-        top = np.argpartition(-gaps, k - 1)[:k]
+        kth = gaps[np.argpartition(-gaps, k - 1)[k - 1]]
+        above = np.flatnonzero(gaps > kth)  # ties at the k-th: the first tokens (as in any piece)
+        top = np.sort(np.r_[above, np.flatnonzero(gaps == kth)[: k - len(above)]])
         where = np.flatnonzero(counted)
         out = []
         for i in top[np.argsort(-gaps[top], kind="stable")]:
@@ -490,6 +535,7 @@ class _Accumulator:
     def step_rows(self, counts: Counts | None = None) -> list[dict[str, Any]]:
         """Per step and split, its numbers and what was left out; a step and split of which
         every response was left out for lengths that differ has a row of its own (no numbers)."""
+        self.close()
         differ = dict(counts.lengths_differ_at) if counts is not None else {}
         rows = []
         for row in self.step_metrics:
@@ -629,6 +675,22 @@ class _Accumulator:
                 row.update(logprob_diff_sum=float(sums["sum_abs"][i]), text=text)
             out.append(row)
         return out
+
+
+def kept_too_few(pieces: list[Piece]) -> int:
+    """0 when the pieces of one step (all of them) kept the largest |Δ| their step's percentiles
+    read, else how many of its largest each piece must keep (``digest``'s ``keep``)."""
+    need = 0
+    for split in (False, True):
+        tails = [p.splits[split][0] for p in pieces if split in p.splits]
+        if tails and m.Tail.merged(tails) is None:
+            need = max(need, m.top_needed(sum(t.count for t in tails)))
+    return need
+
+
+def same_step(a: Any, b: Any) -> bool:
+    """Whether two pieces' steps are one (an integer step and a step recorded as text never are)."""
+    return type(a) is type(b) and a == b
 
 
 def _texts(decoder: Any, ids: list[int]) -> list[str | None]:

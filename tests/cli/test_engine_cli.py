@@ -159,3 +159,48 @@ def test_mismatch_pieces_made_apart_fold_into_the_same_report(by: str, tmp_path:
 
     assert len(plan(run, listing, 1, cut=False)) == 6 and said(apart) == said(whole)
     assert orjson.dumps(apart.largest_gaps.tolist()) == orjson.dumps(whole.largest_gaps.tolist())
+
+
+@pytest.mark.parametrize("by", ["step", "token", "position", "probability", "entropy", "turn", "rollout"])
+@pytest.mark.parametrize("target", [1, 14_000])
+def test_mismatch_pieces_of_steps_cut_between_samples_fold_into_the_same_report(
+    by: str, target: int, tmp_path: Path
+) -> None:
+    """Steps cut into pieces (a piece a sample, or 3-4 a step), each digested on its own as a Ray
+    task does, folded in order: every figure of the report as the one-pass report's, the |Δ|
+    percentile and the token buckets' sums included, float for float."""
+    import orjson
+    import pyarrow as pa
+
+    from rlreplay.engine import plan
+    from rlreplay.format import arrow_ops as ops
+    from rlreplay.mismatch.report import LISTING_COLUMNS, compute, digest, kept_too_few, same_step
+    from rlreplay.mismatch.tokens import Counts
+    from rlreplay.read.open import open_run
+
+    run = open_run(shutil.copytree(SHOWCASE, tmp_path / "run"))
+    listing = run.trajectories().select(LISTING_COLUMNS)
+    whole = compute(run, listing, by=by)
+    parts = plan(run, listing, target)
+    assert len(parts) >= 3 * 6 and all(p.owner is not None for p in parts)
+    counts, pieces = Counts(), []
+    for p in parts:
+        for piece in digest(run, ops.take(listing, pa.array(p.rows)), by, None, counts, keep=0):
+            piece.rows = p.rows[piece.rows]
+            pieces.append(piece)
+    steps: list[list] = []
+    for piece in pieces:
+        if steps and same_step(steps[-1][0].step, piece.step):
+            steps[-1].append(piece)
+        else:
+            steps.append([piece])
+    assert len(steps) == 6 and not any(kept_too_few(s) for s in steps)
+    assert all(not piece.splits[False][0].whole for piece in pieces)  # each kept a part of its |Δ|
+    apart = compute(run, listing, by=by, pieces=pieces, counts=counts)
+
+    def said(report) -> bytes:
+        parts = (report.steps, report.buckets, report.worst_rollouts, report.worst_tokens, report.notes)
+        return orjson.dumps(parts, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    assert said(apart) == said(whole)
+    assert orjson.dumps(apart.largest_gaps.tolist()) == orjson.dumps(whole.largest_gaps.tolist())

@@ -140,6 +140,7 @@ COMMANDS = [
     ["audit", "--json", "--fail-on", "none"],
     ["audit"],
     ["mismatch"],
+    ["mismatch", "--json"],
     ["mismatch", "--json", "--by", "position"],
     ["ls", "--json", "--grep", PATTERN],
 ]
@@ -183,8 +184,9 @@ def test_ray_engine_answers_as_the_local_one(
         outs.append(out.read_bytes())
     assert outs[0] == outs[1] and outs[0].count(b"\n") == 200
     ours = [t for t in _tasks(cluster) if t.task_id not in before]
-    # audit twice, ls --grep and export: a task a part; mismatch twice: a task a step
-    assert len(ours) >= 4 * len(parts) + 2 * steps and {t.state for t in ours} == {"FINISHED"}
+    # audit twice, mismatch three times, ls --grep and export: a task a part each (and audit's
+    # mismatch check's)
+    assert len(ours) >= 7 * len(parts) and {t.state for t in ours} == {"FINISHED"}
     assert len({t.node_id for t in ours}) >= 2
 
 
@@ -288,3 +290,92 @@ def test_a_progress_bar_on_a_terminal_only(s3: S3Server, showcase: Path, cluster
     os.close(leader)
     assert proc.returncode == 0 and out.count(b"\n") == 6
     assert b"mismatch [" in drawn and b"] 6/6 parts" in drawn, drawn[-500:]
+
+
+#: A step of one response far off (every token |Δ| ≥ 3) beside many close ones, a sample each.
+FAR_TOKENS, CLOSE_TOKENS, CLOSE_SAMPLES = 40, 200, 20
+
+
+def _record_far_and_close(run_dir: Path) -> list[float]:
+    """Record the step (and a step 1 of three close samples); every counted |Δ| of step 0, as
+    recorded (float32 log-probs, their difference in float64)."""
+    import asyncio
+
+    import numpy as np
+
+    import rlreplay
+    from rlreplay.recorder.signals import record_signals
+
+    rng = np.random.default_rng(5)
+
+    @rlreplay.trace_op(name="AgentLoop.run", kind="agent")
+    async def agent(ids: list[int], rollout: list[float]) -> dict:
+        return {"response_ids": ids, "response_mask": [1] * len(ids), "response_logprobs": rollout}
+
+    async def one(step: int, sample: int, n: int, off: float) -> list[float]:
+        rollout = np.float32(-rng.random(n) * 3)
+        trainer = np.float32(rollout + off + rng.normal(0, 0.02, n))
+        async with rlreplay.trajectory(step=step, sample_index=sample, rollout_n=0) as traj:
+            await agent(list(range(100, 100 + n)), [float(v) for v in rollout])
+        record_signals(
+            traj.id, step=step, sample_index=sample, rollout_n=0, validate=False,
+            output={"old_log_probs": [float(v) for v in trainer]},
+        )  # fmt: skip
+        return np.abs(trainer.astype(np.float64) - rollout.astype(np.float64)).tolist()
+
+    rlreplay.init(run_dir, worker="w0")
+    gaps = asyncio.run(one(0, 0, FAR_TOKENS, 3.0))
+    for sample in range(1, CLOSE_SAMPLES + 1):
+        gaps += asyncio.run(one(0, sample, CLOSE_TOKENS, 0.0))
+    for sample in range(3):
+        asyncio.run(one(1, sample, CLOSE_TOKENS, 0.0))
+    rlreplay.close()
+    return gaps
+
+
+def test_mismatch_pieces_that_kept_too_few_of_a_step_are_made_again(
+    s3: S3Server, cluster, tmp_path: Path
+) -> None:
+    """A piece a sample: the far response's piece keeps fewer of its |Δ| than the step's p99
+    reads of it, so the step's pieces are made again keeping enough; ``mismatch`` (printed and
+    --json) equals the local command's, the p99 numpy's over every |Δ| of the step."""
+    import numpy as np
+    import pyarrow as pa
+
+    from rlreplay.engine import plan
+    from rlreplay.format import arrow_ops as ops
+    from rlreplay.mismatch.report import LISTING_COLUMNS, digest, kept_too_few
+    from rlreplay.mismatch.tokens import Counts
+    from rlreplay.read.open import open_run
+
+    run_dir = tmp_path / "run"
+    gaps = _record_far_and_close(run_dir)
+    run = open_run(run_dir)
+    listing = run.trajectories().select(LISTING_COLUMNS)
+    parts = plan(run, listing, 1)
+    first = [p for p in parts if listing["step"][int(p.rows[0])].as_py() == 0]
+    assert len(first) == CLOSE_SAMPLES + 1 and all(p.owner is not None for p in first)
+    made = [
+        piece
+        for p in first
+        for piece in digest(run, ops.take(listing, pa.array(p.rows)), "step", None, Counts(), keep=0)
+    ]
+    assert kept_too_few(made) > 0  # what the pieces keep at first is not enough here
+    env = _ray_env(s3, tmp_path, cluster, 1)
+    before = {t.task_id for t in _tasks(cluster)}
+    for command in (["mismatch", "--json"], ["mismatch"]):
+        name, *rest = command
+        remote = rlreplay(env, name, str(run_dir), *rest, "--engine", "ray", cwd=tmp_path, timeout=300)
+        here = rlreplay(env, name, str(run_dir), *rest, cwd=tmp_path, timeout=300)
+        assert (remote.returncode, remote.stdout, remote.stderr) == (
+            here.returncode,
+            here.stdout,
+            here.stderr,
+        )
+        assert here.returncode in (0, 1) and here.stdout.strip()
+        if "--json" in command:
+            rows = [r for r in _lines(here) if r.get("step") == 0 and "logprob_diff_p99" in r]
+            assert [r["logprob_diff_p99"] for r in rows] == [float(np.percentile(gaps, 99))]
+    ours = [t for t in _tasks(cluster) if t.task_id not in before]
+    # each command: a task a part, and the step's pieces once more
+    assert len(ours) >= 2 * (len(parts) + len(first))
