@@ -6,9 +6,10 @@ The run is bench_mismatch.py's (one step of PER_STEP trajectories of ~2,000 resp
 recorded with the real recorder, with the trainer's per-token log-probs, written again as STEPS
 steps over two workers). Each command runs through the library as the CLI runs it (the driver is
 this process, so the tasks' own figures can be read): its wall time, and per task (a part of one
-or more steps, ``RLREPLAY_PART_BYTES``; for audit again with parts smaller than a step,
-``--cut-bytes``) the time inside the task, the bytes of span files it read and the peak
-resident memory of the worker process while it ran the task. Per-task overhead: the wall time
+or more steps, ``RLREPLAY_PART_BYTES``; again with parts smaller than a step, ``--cut-bytes``)
+the time inside the task, the bytes of span files it read, the peak resident memory of the
+worker process while it ran the task and how much of that the task added to what the worker
+held when it began. Per-task overhead: the wall time
 of tasks that only open the run (as many as the parts), a task at a time.
 
     python benchmarks/bench_engine.py                             # 300 x 1,024 (>= 60 s locally)
@@ -145,8 +146,7 @@ def main() -> None:
                     took, expected[name] = commands[name](run_dir, None)
                     rows.append((name, "local", took, None, None, None, None))
                     commands[name](run_dir, cluster)  # once untimed: workers started, files cached
-                # mismatch keeps a step in one task: parts that cut steps change nothing there
-                for part in (None,) if name == "mismatch" else (None, args.cut_bytes):
+                for part in (None, args.cut_bytes):
                     if part is None:
                         os.environ.pop("RLREPLAY_PART_BYTES", None)
                     else:
@@ -160,24 +160,17 @@ def main() -> None:
                     how += "" if part is None else f", parts of {part / 1e6:g} MB"
                     inside = sum(a.seconds for a in tasks)
                     read = sum(a.bytes_read for a in tasks)
-                    peak = max(a.peak_rss for a in tasks)
-                    rows.append((name, how, took, len(tasks), inside, read, peak))
+                    worst = max(tasks, key=lambda a: a.peak_rss)
+                    grown = max(a.peak_rss - a.rss_before for a in tasks)
+                    rows.append((name, how, took, len(tasks), inside, read, (worst.peak_rss, grown)))
                 os.environ.pop("RLREPLAY_PART_BYTES", None)
-            rows.append(
-                (
-                    "(a task that opens the run)",
-                    f"ray, {workers} worker(s), per task",
-                    cost,
-                    None,
-                    None,
-                    None,
-                    None,
-                )
-            )
+            opens = "(a task that opens the run)", f"ray, {workers} worker(s), per task"
+            rows.append((*opens, cost, None, None, None, None))
         print(f"load average at the end: {os.getloadavg()[0]:.2f}")
         print()
-        print("| command | engine | wall | tasks | time in tasks | bytes read | peak memory a worker |")
-        print("|---|---|---:|---:|---:|---:|---:|")
+        head = "| command | engine | wall | tasks | time in tasks | bytes read | peak memory a worker "
+        print(head + "| most a task added to it |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
         for name, how, took, n, inside, read, peak in rows:
             cells = [
                 name,
@@ -186,7 +179,8 @@ def main() -> None:
                 "" if n is None else str(n),
                 "" if inside is None else f"{inside:.2f} s",
                 "" if read is None else f"{read / 1e6:,.0f} MB",
-                "" if peak is None else f"{peak / 1e6:,.0f} MB",
+                "" if peak is None else f"{peak[0] / 1e6:,.0f} MB",
+                "" if peak is None else f"{peak[1] / 1e6:,.0f} MB",
             ]
             print("| " + " | ".join(cells) + " |")
     finally:

@@ -165,6 +165,8 @@ class Answer:
     #: the worker's peak resident memory while it ran the task (Linux; else the process's peak)
     peak_rss: int = 0
     node: str = ""
+    #: the worker's resident memory when the task began (what earlier tasks and imports left)
+    rss_before: int = 0
 
 
 def run_part(address: str, job: Callable[[Any, Any], Any], listing: Any, owner: bool | None = None) -> Answer:
@@ -176,6 +178,7 @@ def run_part(address: str, job: Callable[[Any, Any], Any], listing: Any, owner: 
 
     started = time.perf_counter()
     fresh = _reset_peak()
+    before = _status("VmRSS:")
     run = open_run(address)
     if owner is not None:
         run.keep_to(listing["id"].to_pylist(), owner)
@@ -189,8 +192,9 @@ def run_part(address: str, job: Callable[[Any, Any], Any], listing: Any, owner: 
         set(run.unverified),
         time.perf_counter() - started,
         read,
-        (_peak() if fresh else 0) or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        (_status("VmHWM:") if fresh else 0) or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         settings.HOST.get() or os.uname().nodename,
+        before,
     )
 
 
@@ -205,12 +209,13 @@ def _reset_peak() -> bool:
         return False
 
 
-def _peak() -> int:
-    """This process's peak resident memory since :func:`_reset_peak` (bytes; 0: not known)."""
+def _status(field: str) -> int:
+    """A memory figure of this process's /proc status (bytes; 0: not known): ``VmHWM:``, its peak
+    resident memory since :func:`_reset_peak`, or ``VmRSS:``, its resident memory now."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
