@@ -135,7 +135,7 @@ LEASE_TTL_S = Setting(
 PART_BYTES = Setting(
     "RLREPLAY_PART_BYTES",
     "bytes",
-    64 << 20,
+    8 << 20,
     "Bytes of span files one --engine ray task reads (whole steps, or a piece of a larger one).",
     lambda value: max(1, int(value)),
 )
