@@ -356,6 +356,10 @@ class Forwarder:
             except OSError:
                 return
             with self._lock:
+                if self._server is not server:  # stopped meanwhile: this connection is refused too
+                    for conn in (client, upstream):
+                        conn.close()
+                    return
                 self._conns = [c for c in self._conns if c.fileno() != -1] + [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
@@ -371,11 +375,15 @@ class Forwarder:
             src.close()
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        """Refuse from now on: the listening socket is shut (a close alone leaves a blocked accept
+        listening) and every open connection cut."""
         with self._lock:
+            server, self._server = self._server, None
             conns, self._conns = self._conns, []
+        if server is not None:
+            with contextlib.suppress(OSError):
+                server.shutdown(socket.SHUT_RDWR)
+            server.close()
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)

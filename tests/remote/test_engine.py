@@ -264,11 +264,26 @@ def _lose_a_node_mid_scan(env: dict[str, str], cluster, tmp_path: Path, expected
     finally:
         if proc.poll() is None:
             proc.kill()
+        _wait_until_dead(cluster, node.node_id)
     assert (proc.returncode, out) == (expected.returncode, expected.stdout)
     # rlreplay says what it said locally; Ray's own note of the lost node may come beside it
     assert [line for line in err.splitlines() if line.startswith("rlreplay")] == expected.stderr.splitlines()
     again = [t for t in _tasks(cluster) if t.task_id == caught.task_id]
     return max(t.attempt_number for t in again) >= 1  # the lost task ran again
+
+
+def _wait_until_dead(cluster, node_id: str) -> None:
+    """Until the cluster has marked the removed node dead: Ray tells every driver connected at that
+    moment (a "(raylet)" line on its stderr), which must be this test's and not the next one's."""
+    from ray.util.state import list_nodes
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        states = {n.node_id: n.state for n in list_nodes(address=cluster.dashboard, limit=1000)}
+        if states.get(node_id) == "DEAD":
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"node {node_id} was never marked dead")
 
 
 def test_a_progress_bar_on_a_terminal_only(s3: S3Server, showcase: Path, cluster, tmp_path: Path) -> None:
