@@ -2,7 +2,8 @@
 and with ``--engine ray`` on a real Ray cluster on this machine of 1 and then 2 worker nodes (one
 CPU each), in one sitting; every answer checked equal to the local one.
 
-The run is bench_mismatch.py's (one step of PER_STEP trajectories of ~2,000 response tokens
+The run is bench_mismatch.py's (one step of PER_STEP trajectories of ~2,000 response tokens, or
+``--tokens``,
 recorded with the real recorder, with the trainer's per-token log-probs, written again as STEPS
 steps over two workers). Each command runs through the library as the CLI runs it (the driver is
 this process, so the tasks' own figures can be read): its wall time, and per task (a part of one
@@ -15,6 +16,7 @@ of tasks that only open the run (as many as the parts), a task at a time.
     python benchmarks/bench_engine.py                             # 300 x 1,024 (>= 60 s locally)
     python benchmarks/bench_engine.py --steps 8 --per-step 64     # small, to see that it works
     python benchmarks/bench_engine.py --keep DIR                  # keep (or reuse) the run in DIR
+    python benchmarks/bench_engine.py --steps 320 --per-step 256 --tokens 8192  # 8k-token trajectories
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from pathlib import Path
 import orjson
 
 from rlreplay import engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_mismatch import TOKENS, run_name
 
 
 def opened(run_dir: Path):
@@ -94,6 +99,9 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--per-step", type=int, default=1024)
+    parser.add_argument(
+        "--tokens", type=int, help="response tokens a trajectory, on average (uniform within 10%%)"
+    )
     parser.add_argument("--keep", type=Path, help="keep the generated run here (reused when present)")
     parser.add_argument("--commands", default="mismatch,audit")
     parser.add_argument(
@@ -105,23 +113,23 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench-engine-"))
-    run_dir = root / f"run-{args.steps}x{args.per_step}"
+    tokens = TOKENS if args.tokens is None else (args.tokens * 9 // 10, args.tokens * 11 // 10)
+    run_dir = root / run_name(args.steps, args.per_step, tokens)
     if not run_dir.exists():
         root.mkdir(parents=True, exist_ok=True)
         print(f"building {args.steps} x {args.per_step} ...", file=sys.stderr)
         # in a process of its own: the recorder it starts stays out of the measured one
         build = "import sys; from pathlib import Path; from bench_mismatch import build_run; "
-        build += "build_run(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
-        argv = [str(root), str(args.steps), str(args.per_step)]
+        build += "a = sys.argv[1:]; build_run(Path(a[0]), int(a[1]), int(a[2]), (int(a[3]), int(a[4])))"
+        argv = [str(root), str(args.steps), str(args.per_step), *map(str, tokens)]
         subprocess.run([sys.executable, "-c", build, *argv], check=True, cwd=Path(__file__).resolve().parent)
     files = list(run_dir.glob("spans/*/*/*.parquet"))
     stored = sum(f.stat().st_size for f in files)
     parts = len(engine.plan(opened(run_dir), opened(run_dir).trajectories()))
     pieces = len(engine.plan(opened(run_dir), opened(run_dir).trajectories(), args.cut_bytes))
+    shape = f"{args.steps} steps x {args.per_step} x {tokens[0]:,}-{tokens[1]:,} tokens"
     size = f"{len(files)} files, {stored / 1e6:,.0f} MB"
-    print(
-        f"run: {args.steps} steps x {args.per_step}, {size}, {parts} parts ({pieces} at {args.cut_bytes:,} B)"
-    )
+    print(f"run: {shape}, {size}, {parts} parts ({pieces} at {args.cut_bytes:,} B)")
     print(f"load average at the start: {os.getloadavg()[0]:.2f}")
     commands = {"mismatch": mismatch, "audit": audit}
     chosen = [c.strip() for c in args.commands.split(",")]

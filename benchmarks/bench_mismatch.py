@@ -41,8 +41,9 @@ TOOL_TOKENS = 40  # each of the two tool turns
 WORKERS = ("w0", "w1")
 
 
-def record_step(run_dir: Path, per_step: int, seed: int = 0) -> None:
-    """One step of ``per_step`` trajectories recorded with the real recorder (generic API)."""
+def record_step(run_dir: Path, per_step: int, seed: int = 0, tokens: tuple[int, int] = TOKENS) -> None:
+    """One step of ``per_step`` trajectories of ``tokens`` response tokens (uniform) recorded with the
+    real recorder (generic API)."""
     import rlreplay
     from rlreplay.recorder.signals import record_signals
 
@@ -64,7 +65,7 @@ def record_step(run_dir: Path, per_step: int, seed: int = 0) -> None:
         }
 
     async def one(i: int) -> None:
-        n = int(rng.integers(*TOKENS))
+        n = int(rng.integers(*tokens))
         async with rlreplay.trajectory(step=0, sample_index=i // 8, rollout_n=i % 8) as traj:
             out = await agent(n)
         rollout = np.asarray(out["response_logprobs"], dtype=np.float64)
@@ -85,12 +86,16 @@ def record_step(run_dir: Path, per_step: int, seed: int = 0) -> None:
     rlreplay.close()
 
 
-def build_run(root: Path, steps: int, per_step: int) -> Path:
+def run_name(steps: int, per_step: int, tokens: tuple[int, int] = TOKENS) -> str:
+    return f"run-{steps}x{per_step}" + ("" if tokens == TOKENS else f"x{tokens[0]}-{tokens[1]}")
+
+
+def build_run(root: Path, steps: int, per_step: int, tokens: tuple[int, int] = TOKENS) -> Path:
     """The recorded step written again as ``steps`` steps over two workers."""
     import rlreplay
 
     template_dir = root / "template"
-    record_step(template_dir, per_step)
+    record_step(template_dir, per_step, tokens=tokens)
     template = rlreplay.open_run(template_dir).spans(step=0)
     # two workers: a trajectory's spans stay together
     odd = pc.equal(pc.utf8_slice_codeunits(template["trajectory_id"], 31), "1")
@@ -98,7 +103,7 @@ def build_run(root: Path, steps: int, per_step: int) -> Path:
         odd = pc.or_(odd, pc.equal(pc.utf8_slice_codeunits(template["trajectory_id"], 31), digit))
     worker = pc.if_else(odd, WORKERS[1], WORKERS[0])
     template = template.set_column(template.column_names.index("worker"), "worker", worker)
-    run_dir = root / f"run-{steps}x{per_step}"
+    run_dir = root / run_name(steps, per_step, tokens)
     for step in range(steps):
         table = as_step(template, step)
         for name in WORKERS:
