@@ -260,11 +260,11 @@ def _lose_a_node_mid_scan(env: dict[str, str], cluster, tmp_path: Path, expected
             time.sleep(0.1)
         assert caught is not None, "no task ran on the fourth node"
         cluster.remove_node(node, allow_graceful=False)
+        _wait_until_dead(cluster, node.node_id)
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
-        _wait_until_dead(cluster, node.node_id)
     assert (proc.returncode, out) == (expected.returncode, expected.stdout)
     # rlreplay says what it said locally; Ray's own note of the lost node may come beside it
     assert [line for line in err.splitlines() if line.startswith("rlreplay")] == expected.stderr.splitlines()
