@@ -27,6 +27,7 @@ from rlreplay.read.where import (
     current_budget,
     duckdb_module,
     one_line,
+    query_connection,
     run_query,
     shared_connection,
     with_aliases,
@@ -35,6 +36,8 @@ from rlreplay.read.where import (
 #: Rows per batch of a streamed result, and how often the reading thread looks up from a query
 #: (for Ctrl-C and the time budget).
 STREAM_BATCH_ROWS, POLL_S = 8192, 0.05
+#: Statements run on the process's shared database; any other (``CREATE``, ...) opens one of its own.
+_READ_ONLY = frozenset({"SELECT", "EXPLAIN"})
 #: The columns of :func:`stats`, in order.
 STATS_COLUMNS = (
     "step",
@@ -119,13 +122,16 @@ def _connection_for(run: Any, text: str, selection: Selection | None) -> Any:
     """A connection holding the views ``text`` (one SQL statement) names, over ``run``."""
     if not text.strip():
         raise QueryError("empty SQL query")
-    con = connect()
+    con = query_connection()
     try:
-        statements = len(con.extract_statements(text))
+        statements = con.extract_statements(text)
     except duckdb_module().Error as exc:
         raise QueryError(f"sql: {one_line(exc)}") from None
-    if statements > 1:
-        raise QueryError(f"sql: one statement at a time (got {statements}); run each on its own")
+    if len(statements) > 1:
+        raise QueryError(f"sql: one statement at a time (got {len(statements)}); run each on its own")
+    if statements and statements[0].type.name not in _READ_ONLY:  # a table it makes is its own
+        con.close()
+        con = connect()
     if _mentions(text, "trajectories"):
         register_trajectories(con, (selection or Selection()).trajectories(run), text)
     if _mentions(text, "spans"):

@@ -95,6 +95,20 @@ def connect() -> Any:
 
 
 _local = threading.local()
+_databases: dict[int, Any] = {}  # memory limit -> an open in-memory database (its first connection)
+_databases_lock = threading.Lock()
+
+
+def query_connection() -> Any:
+    """A connection of its own for one query (what it registers and its temporary views are its
+    own), to an in-memory database that this process's queries share at the current memory limit:
+    opening a database costs ~15 ms, a connection to an open one nothing."""
+    limit = _memory["bytes"]
+    with _databases_lock:
+        database = _databases.get(limit)
+        if database is None:
+            database = _databases[limit] = connect()
+        return database.cursor()
 
 
 def shared_connection() -> Any:

@@ -588,6 +588,30 @@ def test_sql_views(gsm8k: list[dict[str, Any]], capsys: pytest.CaptureFixture[st
     assert rc == 0 and out_first == out
 
 
+def test_queries_in_one_process_see_only_their_own_run_and_tables() -> None:
+    """Queries share one database in a process (opening one is slow); what one query makes or
+    registers is not seen by the next, whichever run it reads."""
+    from rlreplay.errors import QueryError
+    from rlreplay.read.open import open_run
+    from rlreplay.read.query import sql
+
+    gsm8k, smollm = open_run(GSM8K), open_run(SMOLLM)
+    counts = {}
+    for path, run in ((GSM8K, gsm8k), (SMOLLM, smollm), (GSM8K, gsm8k)):
+        got = sql(run, "SELECT count(*) AS n FROM spans").to_pylist()[0]["n"]
+        counts.setdefault(path, set()).add(got)
+        assert got == len(span_rows(path))
+    assert all(len(seen) == 1 for seen in counts.values())
+
+    made = sql(gsm8k, "CREATE TABLE made AS SELECT 1 AS x")
+    assert made.num_rows <= 1
+    with pytest.raises(QueryError, match="made"):
+        sql(gsm8k, "SELECT * FROM made")
+    # the views earlier queries made are theirs alone: one that names no view sees none
+    left = sql(smollm, "SELECT count(*) AS n FROM duckdb_views() WHERE NOT internal").to_pylist()
+    assert left == [{"n": 0}]
+
+
 # --- export -----------------------------------------------------------------------------------
 
 
