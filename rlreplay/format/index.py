@@ -174,17 +174,15 @@ def _sum(group: Any, n: int, values: Any) -> Any:
 
 def answer_calls(spans: pa.Table) -> Any:
     """Per span row: the tool calls an ``llm`` span's answer makes (``rlreplay.format.tool_errors``;
-    0 without the ``output`` column). Only outputs that name a tool call are decoded."""
+    0 without the ``output`` column). Only outputs that may name a tool call are decoded."""
     calls = np.zeros(spans.num_rows, dtype=np.int64)
     if "output" not in spans.column_names:
         return calls
     from rlreplay.format import payload
-    from rlreplay.format.tool_errors import TOOL_CALL_MARKS, answer_tool_calls
+    from rlreplay.format.tool_errors import TOOL_CALL_PATTERN, answer_tool_calls
 
     output = spans["output"]
-    named = np.zeros(spans.num_rows, bool)
-    for mark in TOOL_CALL_MARKS:
-        named |= _np(ops.fill_null(ops.match_substring(output, mark), False))
+    named = _np(ops.fill_null(ops.match_substring_regex(output, TOOL_CALL_PATTERN), False))
     rows = np.flatnonzero((_np(spans["kind"]) == KIND_LLM) & named)
     if len(rows):
         for row, text in zip(rows, ops.take(output, ops.from_numpy(rows)).to_pylist()):

@@ -35,9 +35,34 @@ REASON_CHARS = 500
 _OK_KEYS = ("ok", "success")
 
 
-#: Text an llm span's output holds when its answer may call a tool (a cheap test before decoding);
-#: ``"wire"``: the answer's bytes as the proxy keeps them (read below).
-TOOL_CALL_MARKS = ("tool_calls", "function_call", '"wire"')
+#: Keys a model's answer names its tool calls by (read below), and a key letter written as a JSON
+#: escape (``\\u005f``): bytes of an answer that hold none of these call no tool.
+WIRE_CALL_MARKS = (b"tool_calls", b"function_call", b'"calls"', b"\\u00")
+
+
+def base64_forms(mark: bytes) -> list[str]:
+    """What the base64 text of any bytes that hold ``mark`` holds, whichever of the three places in
+    a 3-byte group it starts at: the characters made of ``mark``'s bits alone."""
+    forms = []
+    for k in range(3):
+        text = base64.b64encode(b"\0" * k + mark + b"\0\0").decode()
+        first, last = -(-8 * k // 6), (8 * (k + len(mark)) - 6) // 6
+        forms.append(text[first : last + 1])
+    return forms
+
+
+#: A regular expression (RE2's and Python's) that the text of an llm span's output matches when its
+#: answer may call a tool (a cheap test before decoding): the keys read below, or the base64 form of
+#: :data:`WIRE_CALL_MARKS` within an answer's bytes as the proxy keeps them (``"wire"``).
+TOOL_CALL_PATTERN = "|".join(
+    re.escape(mark)
+    for mark in (
+        "tool_calls",
+        "function_call",
+        '"calls"',
+        *(form for mark in WIRE_CALL_MARKS for form in base64_forms(mark)),
+    )
+)
 
 
 def _calls_in(value: Any) -> int:
@@ -103,6 +128,8 @@ def answer_tool_calls(output: Any) -> int:
         return _streamed_calls(value["stream"])
     wire = _wire(value.get("wire"))
     if wire is not None and "body" not in value:  # the answer's bytes, as the proxy keeps them
+        if not any(mark in wire for mark in WIRE_CALL_MARKS):
+            return 0
         if wire.lstrip()[:1] == b"{":
             body = read_json(wire)
             return answer_tool_calls({"body": body}) if body is not NOT_JSON else 0

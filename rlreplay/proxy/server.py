@@ -394,7 +394,7 @@ class Proxy:
             async for piece in resp.content.iter_any():
                 if rewriting:
                     events, buffer = sse_events(buffer + piece)
-                    piece = b"".join(self._client_event(call, event, answer) for event in events)
+                    piece = _client_events(call, events, answer)
                     if not piece:
                         continue
                 if held or b"[DONE]" in piece or b"response.completed" in piece:  # the answer's end
@@ -444,22 +444,6 @@ class Proxy:
         except (ConnectionError, OSError, aiohttp.ClientConnectionResetError):
             pass  # recorded as answered: every byte was the client's to read
         return out
-
-    def _client_event(self, call: Call, event: bytes, answer: StreamedAnswer) -> bytes:
-        """One SSE event as the client gets it, without what the proxy asked for (its chunk read
-        into ``answer`` on the way)."""
-        if event.startswith(b"data: ") and b"\n" not in event and b"\r" not in event:
-            data: bytes | None = event[6:].lstrip(b" ")  # one data line: the usual event
-        else:
-            data = sse_data(event)
-        if data is None:
-            return event + b"\n\n"
-        obj = read_json(data)
-        if obj is NOT_JSON:
-            return event + b"\n\n"
-        answer.add(obj)
-        seen = as_client_sees(call.route, obj, call.added, streamed=True)
-        return event + b"\n\n" if seen is obj else b"data: " + _json_bytes(seen) + b"\n\n"
 
     def _record(
         self,
@@ -572,6 +556,26 @@ class Call:
         if kept is not None:
             extra["wire"] = kept
         return {**out, **extra} if extra else out
+
+
+def _client_events(call: Call, events: list[bytes], answer: StreamedAnswer) -> bytes:
+    """SSE events (without their blank lines) as the client gets them: without what the proxy asked
+    for, each chunk read into ``answer`` on the way."""
+    out = []
+    route, added = call.route, call.added
+    for event in events:
+        if event.startswith(b"data: ") and b"\n" not in event and b"\r" not in event:
+            data: bytes | None = event[6:].lstrip(b" ")  # one data line: the usual event
+        else:
+            data = sse_data(event)
+        obj = NOT_JSON if data is None else read_json(data)
+        if obj is NOT_JSON:
+            out.append(event + b"\n\n")
+            continue
+        answer.add(obj)
+        seen = as_client_sees(route, obj, added, streamed=True)
+        out.append(event + b"\n\n" if seen is obj else b"data: " + _json_bytes(seen) + b"\n\n")
+    return b"".join(out)
 
 
 class _Written:

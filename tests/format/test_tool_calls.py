@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlreplay
-from rlreplay.format.tool_errors import answer_tool_calls
+from rlreplay.format.tool_errors import WIRE_CALL_MARKS, answer_tool_calls
 
 
 def _call(n: int) -> dict[str, Any]:
@@ -100,6 +100,59 @@ def test_an_answer_kept_as_wire_bytes_counts_its_calls(k: int, pieces: int) -> N
         assert answer_tool_calls(record) == k
         stored, _ = payload.decode_safe(payload.encode(record))
         assert answer_tool_calls(stored) == k
+
+
+def _escaped(wire: bytes, letters: str) -> bytes:
+    """``wire`` with each of ``letters`` in its keys written as a JSON escape (``_`` as ``\\u005f``):
+    the same JSON value, other bytes."""
+    for name in (b"tool_calls", b"function_call", b"calls"):
+        escaped = b"".join(b"\\u%04x" % c if chr(c) in letters else bytes([c]) for c in name)
+        wire = wire.replace(b'"' + name, b'"' + escaped)
+    return wire
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    k=st.integers(min_value=0, max_value=4),
+    pieces=st.integers(min_value=1, max_value=3),
+    letters=st.text(alphabet="tool_cafuni", max_size=3),
+    whole=st.booleans(),
+)
+def test_wire_bytes_count_as_their_json_value_however_keys_are_written(
+    k: int, pieces: int, letters: str, whole: bool
+) -> None:
+    """Kept bytes count what their JSON value counts, keys written plainly or escaped."""
+    value: Any = _chat_body(k) if whole else _chat_stream(k, pieces)
+    plain = json.dumps(value).encode() if whole else _sse(value[:-1])
+    wire = _escaped(plain, letters)
+    parsed = json.loads(wire) if whole else [json.loads(line[6:]) for line in wire.split(b"\n\n")[:-2]]
+    assert parsed == (value if whole else value[:-1])  # the same value, whatever the bytes
+    by_value = answer_tool_calls({"body": parsed} if whole else {"stream": parsed})
+    assert by_value == k
+    assert answer_tool_calls({"status": 200, "wire": wire}) == by_value
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    before=st.binary(max_size=7),
+    after=st.binary(max_size=7),
+    mark=st.sampled_from(WIRE_CALL_MARKS),
+)
+def test_the_text_of_kept_bytes_that_hold_a_call_key_is_always_decoded(
+    before: bytes, after: bytes, mark: bytes
+) -> None:
+    """The listing decodes an answer kept as bytes when its stored text matches the cheap test:
+    bytes holding a call key, wherever it falls in base64's 3-byte groups, always match."""
+    import base64
+    import re
+
+    from rlreplay.format import payload
+    from rlreplay.format.tool_errors import TOOL_CALL_PATTERN
+
+    text = payload.encode({"status": 200, "wire": before + mark + after})
+    assert base64.b64encode(before + mark + after).decode() in text
+    assert re.search(TOOL_CALL_PATTERN, text)
+    assert re.search(TOOL_CALL_PATTERN, payload.encode({"status": 200, "wire": b"data: [DONE]"})) is None
 
 
 def test_not_an_answer_counts_none() -> None:
