@@ -21,14 +21,15 @@ _AS_ZEROS = bytes.maketrans(b"123456789", b"000000000")
 _LONG_NUMBER = b"0" * 19  # 19 digits in a row: maybe an integer beyond 64 bits
 
 
-def _long_number(raw: bytes) -> bool:
+def long_number(raw: bytes) -> bool:
+    """Whether ``raw`` may hold an integer beyond 64 bits (19 digits in a row, anywhere)."""
     return _LONG_NUMBER in raw.translate(_AS_ZEROS)  # in C, no regex engine
 
 
 def read_plain_json(raw: bytes) -> Any:
     """The JSON value of ``raw`` when it holds only what every JSON reader reads alike (orjson's
     reading; no integer beyond 64 bits, NaN or lone surrogate), else :data:`NOT_JSON`."""
-    if _long_number(raw):  # orjson reads integers beyond 64 bits as floats
+    if long_number(raw):  # orjson reads integers beyond 64 bits as floats
         return NOT_JSON
     try:
         return orjson.loads(raw)
@@ -36,13 +37,20 @@ def read_plain_json(raw: bytes) -> Any:
         return NOT_JSON
 
 
-def read_json(raw: bytes) -> Any:
+def read_json(raw: bytes, short_numbers: bool = False) -> Any:
     """The JSON value of ``raw``: orjson's reading, else Python's, which also reads what orjson
     refuses and clients send (integers beyond 64 bits, bare ``NaN``/``Infinity``, lone surrogates
-    such as ``"\\ud83d"``); :data:`NOT_JSON` when neither can (not JSON, nested too deep)."""
-    value = read_plain_json(raw)
-    if value is not NOT_JSON:
-        return value
+    such as ``"\\ud83d"``); :data:`NOT_JSON` when neither can (not JSON, nested too deep).
+    ``short_numbers``: the caller saw that ``raw`` holds no :func:`long_number`."""
+    if short_numbers:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    else:
+        value = read_plain_json(raw)
+        if value is not NOT_JSON:
+            return value
     import json
 
     try:
@@ -80,15 +88,9 @@ def stream_chunks(raw: bytes) -> list[Any]:
             data = sse_data(event)
             if data is not None:
                 datas.append(data)
-    # the chunks, JSON objects each, read in one call (the usual stream), else one by one
-    done = bool(datas) and datas[-1] == b"[DONE]"
-    objects = datas[:-1] if done else datas
-    if objects and all(d[:1] == b"{" and d[-1:] == b"}" for d in objects):
-        values = read_plain_json(b"[" + b",".join(objects) + b"]")
-        if isinstance(values, list) and len(values) == len(objects):
-            return [*values, "[DONE]"] if done else values
+    short = not long_number(raw)  # looked for once, not event by event
     out: list[Any] = []
-    for data in datas:
-        value = read_json(data)
+    for data in datas:  # each on its own: events that are no JSON alone may be some together
+        value = read_json(data, short)
         out.append(data.decode("utf-8", "replace") if value is NOT_JSON else value)
     return out

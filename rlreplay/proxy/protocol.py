@@ -24,6 +24,7 @@ from typing import Any
 
 from rlreplay.format.wire import (  # noqa: F401  (the proxy's names for them)
     NOT_JSON,
+    long_number,
     read_json,
     read_plain_json,
     sse_data,
@@ -136,8 +137,13 @@ def as_client_sees(route: str, obj: Any, added: frozenset[str], streamed: bool =
         _drop(out, "prompt_token_ids", streamed)
     choices = obj.get("choices")
     if isinstance(choices, list):
-        seen = [_choice_as_client_sees(c, added, streamed) for c in choices]
-        if any(a is not b for a, b in zip(seen, choices)):
+        seen = None  # a copy of the list once a choice differs
+        for at, choice in enumerate(choices):
+            changed = _choice_as_client_sees(choice, added, streamed)
+            if changed is not choice:
+                seen = seen or list(choices)
+                seen[at] = changed
+        if seen is not None:
             out = dict(out) if out is obj else out
             out["choices"] = seen
     return out

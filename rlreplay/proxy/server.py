@@ -36,6 +36,7 @@ from rlreplay.proxy.protocol import (
     generated,
     is_streamed,
     is_weight_update,
+    long_number,
     read_json,
     read_plain_json,
     sse_data,
@@ -563,12 +564,13 @@ def _client_events(call: Call, events: list[bytes], answer: StreamedAnswer) -> b
     for, each chunk read into ``answer`` on the way."""
     out = []
     route, added = call.route, call.added
+    short = not long_number(b"".join(events))  # looked for once, not event by event
     for event in events:
         if event.startswith(b"data: ") and b"\n" not in event and b"\r" not in event:
             data: bytes | None = event[6:].lstrip(b" ")  # one data line: the usual event
         else:
             data = sse_data(event)
-        obj = NOT_JSON if data is None else read_json(data)
+        obj = NOT_JSON if data is None else read_json(data, short)
         if obj is NOT_JSON:
             out.append(event + b"\n\n")
             continue

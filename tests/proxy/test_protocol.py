@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -79,3 +80,40 @@ def test_a_streamed_answer_read_on_the_way_says_what_its_bytes_say(pieces: list[
     record = {"status": 200, "wire": wire}
     assert answer_of(CHAT, record) == expected
     assert answer_of(CHAT, record, stream_chunks(wire)) == expected
+
+
+def _one_by_one(data: bytes) -> Any:
+    """One event's data read on its own: its JSON value, else its text."""
+    try:
+        return json.loads(data)
+    except ValueError:
+        return data.decode("utf-8", "replace")
+
+
+_FRAGMENT = st.sampled_from([b"{", b"}", b"[", b"]", b",", b'"a":', b"1", b"{}", b'"x"', b'"},{"'])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    datas=st.lists(
+        st.one_of(
+            st.builds(lambda v: json.dumps(v).encode(), st.dictionaries(st.text(max_size=3), st.integers())),
+            st.builds(lambda parts: b"{" + b"".join(parts) + b"}", st.lists(_FRAGMENT, max_size=6)),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    done=st.booleans(),
+)
+def test_a_streams_chunks_are_its_events_each_read_on_its_own(datas: list[bytes], done: bool) -> None:
+    """Events that are no JSON value alone stay text, whatever they make when put together (a
+    stream of ``{"a":1},{"b":2}``, ``{"c":[{}``, ``{}]}`` is three texts, not three chunks)."""
+    events = [*datas, b"[DONE]"] if done else datas
+    wire = b"".join(b"data: " + d + b"\n\n" for d in events)
+    assert stream_chunks(wire) == [_one_by_one(d) for d in events]
+
+
+def test_events_that_join_into_json_stay_text() -> None:
+    datas = [b'{"a":1},{"b":2}', b'{"c":[{}', b"{}]}"]
+    wire = b"".join(b"data: " + d + b"\n\n" for d in datas)
+    assert stream_chunks(wire) == [d.decode() for d in datas]
