@@ -342,7 +342,8 @@ class Proxy:
         encoding = resp.headers.get("Content-Encoding", "").strip().lower()
         decoded = _decoded(data, encoding)
         headers = _response_headers(resp.headers, rewritten=decoded is not data)
-        obj = read_json(decoded) if decoded is not None else NOT_JSON
+        plain = read_plain_json(decoded) if decoded is not None else NOT_JSON
+        obj = plain if plain is not NOT_JSON or decoded is None else read_json(decoded)
         found = None
         out_bytes = data if decoded is None else decoded
         if obj is not NOT_JSON:
@@ -356,9 +357,12 @@ class Proxy:
         kept = _kept(out_bytes)
         if kept is not None:
             record["wire"] = kept
-            if "body" in record and (
-                read_plain_json(out_bytes) is NOT_JSON or _deeper_than(record["body"], _VALUE_DEPTH)
-            ):
+            # whether every reader reads the client's bytes alike: they read so above, or were
+            # written from such a value
+            faithful = plain is not NOT_JSON or (
+                out_bytes is not decoded and read_plain_json(out_bytes) is not NOT_JSON
+            )
+            if "body" in record and (not faithful or _deeper_than(record["body"], _VALUE_DEPTH)):
                 # what a value cannot hold as it was (NaN, integers beyond 64 bits, lone
                 # surrogates, deep nesting): the bytes alone say it
                 del record["body"]
