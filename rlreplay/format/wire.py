@@ -22,8 +22,16 @@ _LONG_NUMBER = b"0" * 19  # 19 digits in a row: maybe an integer beyond 64 bits
 
 
 def long_number(raw: bytes) -> bool:
-    """Whether ``raw`` may hold an integer beyond 64 bits (19 digits in a row, anywhere)."""
-    return _LONG_NUMBER in raw.translate(_AS_ZEROS)  # in C, no regex engine
+    """Whether ``raw`` may hold an integer beyond 64 bits: 19 digits in a row, anywhere but after a
+    decimal point (a fraction's digits, which orjson and Python round alike)."""
+    digits = raw.translate(_AS_ZEROS)  # in C, no regex engine
+    at = digits.find(_LONG_NUMBER)
+    while at != -1:
+        before = digits[at - 1 : at]
+        if before != b"." and before != b"0":  # a run's first digits, not a fraction's
+            return True
+        at = digits.find(_LONG_NUMBER, at + 1)
+    return False
 
 
 def read_plain_json(raw: bytes) -> Any:

@@ -24,6 +24,7 @@ from rlreplay.shards.sink import ShardSink
 pytestmark = pytest.mark.timeout(600)
 CALLS = 12
 ANSWER_BOUND_S = 60.0  # generous: a call takes well under a second on this model; a stalled one, forever
+DURABLE_WAIT_S = 0.5  # how long an answer's end waits for its call to be written (the proxy's default: 5 s)
 
 
 def stalled_disk() -> tuple[type[ShardSink], threading.Event, threading.Event]:
@@ -53,9 +54,9 @@ def stalled_recorder(run_dir: Path) -> tuple[Recorder, threading.Event, threadin
 class InProcessProxy:
     """The proxy's server on its own thread and event loop, recording with ``recorder``."""
 
-    def __init__(self, upstream: str, recorder: Recorder) -> None:
+    def __init__(self, upstream: str, recorder: Recorder, durable_wait_s: float) -> None:
         self.trajectories = Trajectories(recorder, idle_s=0.5)
-        self.proxy = Proxy(ProxySettings(upstream), self.trajectories)
+        self.proxy = Proxy(ProxySettings(upstream, durable_wait_s=durable_wait_s), self.trajectories)
         self.url = ""
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop_event: asyncio.Event | None = None
@@ -83,7 +84,7 @@ class InProcessProxy:
 def test_answers_do_not_wait_for_a_stalled_disk(model_server: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     recorder, stalled, resume = stalled_recorder(run_dir)
-    proxy = InProcessProxy(model_server, recorder)
+    proxy = InProcessProxy(model_server, recorder, DURABLE_WAIT_S)
     answered: list[float] = []
     try:
         with httpx.Client(timeout=ANSWER_BOUND_S) as client:
@@ -108,6 +109,7 @@ def test_answers_do_not_wait_for_a_stalled_disk(model_server: str, tmp_path: Pat
             for k in range(1, CALLS):
                 call(k)  # a call whose answer waited for the disk would time out here
             assert len(answered) == CALLS and max(answered) < ANSWER_BOUND_S
+            assert min(answered[1:]) >= DURABLE_WAIT_S  # each waited as long as it may, then was answered
             assert proxy.trajectories.handoff.waiting > 0  # what the stalled disk holds up waits here
     finally:
         resume.set()  # the disk answers again
