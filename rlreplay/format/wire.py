@@ -34,10 +34,11 @@ def long_number(raw: bytes) -> bool:
     return False
 
 
-def read_plain_json(raw: bytes) -> Any:
+def read_plain_json(raw: bytes, short_numbers: bool = False) -> Any:
     """The JSON value of ``raw`` when it holds only what every JSON reader reads alike (orjson's
-    reading; no integer beyond 64 bits, NaN or lone surrogate), else :data:`NOT_JSON`."""
-    if long_number(raw):  # orjson reads integers beyond 64 bits as floats
+    reading; no integer beyond 64 bits, NaN or lone surrogate), else :data:`NOT_JSON`.
+    ``short_numbers``: the caller saw that ``raw`` holds no :func:`long_number`."""
+    if not short_numbers and long_number(raw):  # orjson reads integers beyond 64 bits as floats
         return NOT_JSON
     try:
         return orjson.loads(raw)
@@ -50,15 +51,9 @@ def read_json(raw: bytes, short_numbers: bool = False) -> Any:
     refuses and clients send (integers beyond 64 bits, bare ``NaN``/``Infinity``, lone surrogates
     such as ``"\\ud83d"``); :data:`NOT_JSON` when neither can (not JSON, nested too deep).
     ``short_numbers``: the caller saw that ``raw`` holds no :func:`long_number`."""
-    if short_numbers:
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-    else:
-        value = read_plain_json(raw)
-        if value is not NOT_JSON:
-            return value
+    value = read_plain_json(raw, short_numbers)
+    if value is not NOT_JSON:
+        return value
     import json
 
     try:

@@ -350,7 +350,7 @@ class Proxy:
             found = generated(call.route, call.body, obj)
             seen = as_client_sees(call.route, obj, call.added)
             if seen is not obj:
-                out_bytes = _json_bytes(seen)
+                out_bytes = _json_bytes(seen, plain is not NOT_JSON)
             record: dict[str, Any] = {"status": resp.status, "body": seen, **found.record()}
         else:
             record = {"status": resp.status}
@@ -574,13 +574,16 @@ def _client_events(call: Call, events: list[bytes], answer: StreamedAnswer) -> b
             data: bytes | None = event[6:].lstrip(b" ")  # one data line: the usual event
         else:
             data = sse_data(event)
-        obj = NOT_JSON if data is None else read_json(data, short)
+        obj = NOT_JSON if data is None else read_plain_json(data, short)
+        plain = obj is not NOT_JSON
+        if not plain and data is not None:
+            obj = read_json(data)  # NaN, lone surrogates: what orjson does not read
         if obj is NOT_JSON:
             out.append(event + b"\n\n")
             continue
         answer.add(obj)
         seen = as_client_sees(route, obj, added, streamed=True)
-        out.append(event + b"\n\n" if seen is obj else b"data: " + _json_bytes(seen) + b"\n\n")
+        out.append(event + b"\n\n" if seen is obj else b"data: " + _json_bytes(seen, plain) + b"\n\n")
     return b"".join(out)
 
 
@@ -633,13 +636,15 @@ def _deeper_than(value: Any, limit: int) -> bool:
     return True
 
 
-def _json_bytes(value: Any) -> bytes:
-    try:
-        return orjson.dumps(value)
-    except TypeError:  # integers beyond 64 bits, lone surrogates: what orjson cannot write
-        import json
+def _json_bytes(value: Any, plain: bool) -> bytes:
+    """``value`` as JSON; ``plain``: it was read by orjson (else it may hold NaN or Infinity, which
+    orjson writes as null, and what orjson cannot write: integers beyond 64 bits, lone surrogates)."""
+    if plain:
+        with contextlib.suppress(TypeError):
+            return orjson.dumps(value)
+    import json
 
-        return json.dumps(value, separators=(",", ":")).encode()
+    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def _decoded(data: bytes, encoding: str) -> bytes | None:

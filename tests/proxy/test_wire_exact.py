@@ -232,3 +232,59 @@ def test_any_json_goes_through_exactly(upstream: Upstream, tmp_path_factory: Any
             answer = json.dumps({"answer": answers}, separators=separators).encode()
             built.append((request_bytes(values), [answer], False))
     run_through(upstream, built, tmp_path_factory.mktemp("wire"), f"any-{id(cases)}")
+
+
+ODD_VALUES = ['"v": NaN', '"v": -Infinity', '"v": 123456789012345678901234567890', '"v": "\\ud83d"']
+
+
+def _without_what_was_asked(value: Any, streamed: bool) -> Any:
+    """The upstream's answer as a client that asked for no ids and log-probs gets it: a streamed
+    chunk's ``token_ids`` taken out, a whole answer's set to null; ``logprobs`` null."""
+    for choice in value["choices"]:
+        if streamed:
+            del choice["token_ids"]
+        else:
+            choice["token_ids"] = None
+        choice["logprobs"] = None
+    return value
+
+
+def test_what_the_proxy_asked_for_is_taken_out_and_no_other_value_changes(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    """A client that did not ask for ids and log-probs gets the answer without them, every other
+    value as the upstream sent it (bare NaN and Infinity, integers beyond 64 bits, lone
+    surrogates), streamed and whole; the run records the ids and log-probs."""
+    asked = '"token_ids": [9], "logprobs": {"content": [{"token": "hi", "logprob": -0.5}]}'
+    cases = []
+    for odd in ODD_VALUES:
+        delta = '{"choices": [{"index": 0, "delta": {"content": "hi"}, ' + asked + "}], " + odd + "}"
+        message = '{"role": "assistant", "content": "hi"}'
+        whole = '{"choices": [{"index": 0, "message": ' + message + ", " + asked + "}], " + odd + "}"
+        cases += [(delta, True), (whole, False)]
+    proxy = ProxyProcess("--upstream", upstream.url, "--out", "run", cwd=tmp_path)
+    try:
+        for i, (answer, streamed) in enumerate(cases):
+            tag = f"asked-{i}"
+            pieces = sse(answer) if streamed else [answer.encode()]
+            upstream.script(
+                tag, Script(pieces, content_type="text/event-stream" if streamed else "application/json")
+            )
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": streamed}
+            got = httpx.post(
+                f"{proxy.url}{CHAT}",
+                json=body,
+                headers={"X-Test": tag, "X-Rlreplay-Trajectory": f"step=0,sample_index={i}"},
+                timeout=60,
+            )
+            assert got.status_code == 200, got.text
+            sent = json.loads(upstream.got[tag][1])
+            assert sent.get("logprobs") and sent.get("return_token_ids")  # the proxy asked
+            received = got.content.split(b"\n\n")[0].removeprefix(b"data: ") if streamed else got.content
+            expected = _without_what_was_asked(json.loads(answer), streamed)
+            assert canonical(json.loads(received)) == canonical(expected), (answer, received)
+    finally:
+        assert proxy.stop() == 0, proxy.stderr
+    recorded = {traj.sample_index: span for traj, [span] in llm_spans(tmp_path / "run")}
+    assert sorted(recorded) == list(range(len(cases)))
+    assert all(span.output["token_ids"] == [9] for span in recorded.values())
