@@ -36,8 +36,9 @@ from rlreplay.read.where import (
 #: Rows per batch of a streamed result, and how often the reading thread looks up from a query
 #: (for Ctrl-C and the time budget).
 STREAM_BATCH_ROWS, POLL_S = 8192, 0.05
-#: Statements run on the process's shared database; any other (``CREATE``, ...) opens one of its own.
-_READ_ONLY = frozenset({"SELECT", "EXPLAIN"})
+#: Statements run on the process's shared database; any other (``CREATE``, ``EXPLAIN ANALYZE``
+#: of one, ...) opens one of its own.
+_READ_ONLY = frozenset({"SELECT"})
 #: The columns of :func:`stats`, in order.
 STATS_COLUMNS = (
     "step",

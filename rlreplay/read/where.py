@@ -115,7 +115,7 @@ def shared_connection() -> Any:
     """This thread's connection for rlreplay's own queries (opening one costs tens of ms)."""
     con = getattr(_local, "con", None)
     if con is None:
-        con = _local.con = connect()
+        con = _local.con = query_connection()
     return con
 
 
