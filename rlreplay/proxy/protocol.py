@@ -131,42 +131,35 @@ def as_client_sees(route: str, obj: Any, added: frozenset[str], streamed: bool =
         ):
             return {**obj, "meta_info": {k: v for k, v in meta.items() if k not in _SGLANG_LOGPROB_KEYS}}
         return obj
-    out = obj
-    if ADDED_IDS in added and obj.get("prompt_token_ids") is not None:
-        out = dict(obj)
-        _drop(out, "prompt_token_ids", streamed)
+    choices = obj.get("choices")
+    copy = dict(obj)
+    if isinstance(choices, list):
+        copy["choices"] = [dict(c) if isinstance(c, dict) else c for c in choices]
+    return copy if take_out(copy, added, streamed) else obj
+
+
+def take_out(obj: dict[str, Any], added: frozenset[str], streamed: bool) -> bool:
+    """Take what the proxy asked for out of an OpenAI-shaped answer or chunk ``obj``, in place
+    (left out of a streamed chunk, set to null in a whole answer); whether anything was."""
+    ids = ADDED_IDS in added
+    logprobs = ADDED_LOGPROBS in added
+    changed = False
+    if ids and obj.get("prompt_token_ids") is not None:
+        _drop(obj, "prompt_token_ids", streamed)
+        changed = True
     choices = obj.get("choices")
     if isinstance(choices, list):
-        seen = None  # a copy of the list once a choice differs
-        for at, choice in enumerate(choices):
-            changed = _choice_as_client_sees(choice, added, streamed)
-            if changed is not choice:
-                seen = seen or list(choices)
-                seen[at] = changed
-        if seen is not None:
-            out = dict(out) if out is obj else out
-            out["choices"] = seen
-    return out
-
-
-def _choice_as_client_sees(choice: Any, added: frozenset[str], streamed: bool) -> Any:
-    """``choice`` without what the proxy asked for: a copy where something is taken out, else
-    ``choice`` itself."""
-    if not isinstance(choice, dict):
-        return choice
-    ids = ADDED_IDS in added and (
-        choice.get("token_ids") is not None or choice.get("prompt_token_ids") is not None
-    )
-    logprobs = ADDED_LOGPROBS in added and choice.get("logprobs") is not None
-    if not (ids or logprobs):
-        return choice
-    choice = dict(choice)
-    if ids:
-        _drop(choice, "token_ids", streamed)
-        _drop(choice, "prompt_token_ids", streamed)
-    if logprobs:
-        choice["logprobs"] = None
-    return choice
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            if ids and (choice.get("token_ids") is not None or choice.get("prompt_token_ids") is not None):
+                _drop(choice, "token_ids", streamed)
+                _drop(choice, "prompt_token_ids", streamed)
+                changed = True
+            if logprobs and choice.get("logprobs") is not None:
+                choice["logprobs"] = None
+                changed = True
+    return changed
 
 
 # ---- what a generation says about itself ---------------------------------------------------------
@@ -310,16 +303,65 @@ def generated(route: str, body: dict[str, Any], obj: Any) -> Generated:
 
 class StreamedAnswer:
     """A streamed answer put back together from its chunks (JSON values, in order): what
-    :func:`generated` says of a whole one, and the text of each choice."""
+    :func:`generated` says of a whole one, and the text of each choice. An OpenAI-shaped chunk is
+    read as it is added (its ids and log-probs are not looked for again)."""
 
     def __init__(self, route: str, body: dict[str, Any]) -> None:
         self.route = route
         self.body = body
         self.chunks: list[dict[str, Any]] = []
+        self._openai = route in (CHAT, COMPLETIONS)
+        self._logprobs = _chat_logprobs if route == CHAT else _completion_logprobs
+        self._found = Generated()
+        self._by_index: dict[int, dict[str, Any]] = {}
 
     def add(self, chunk: Any) -> None:
         if isinstance(chunk, dict):
             self.chunks.append(chunk)
+            if self._openai:
+                self._read(chunk)
+
+    def take(self, chunk: Any, added: frozenset[str]) -> Any:
+        """Add ``chunk``; it as the client sees it (:func:`as_client_sees`) where that differs,
+        else None. An OpenAI-shaped chunk is changed in place: what the answer keeps of it is
+        the client's."""
+        self.add(chunk)
+        if not added or not isinstance(chunk, dict):
+            return None
+        if self._openai:
+            return chunk if take_out(chunk, added, streamed=True) else None
+        seen = as_client_sees(self.route, chunk, added, streamed=True)
+        return seen if seen is not chunk else None
+
+    def _read(self, chunk: dict[str, Any]) -> None:
+        found = self._found
+        if found.prompt_ids is None:
+            found.prompt_ids = _ids(chunk.get("prompt_token_ids"))
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            found.usage = usage
+        _engine_openai(chunk, found.engine)
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            one = self._by_index.get(choice.get("index") or 0)
+            if one is None:
+                one = self._by_index.setdefault(
+                    int(choice.get("index") or 0), {"token_ids": [], "log_probs": []}
+                )
+            if found.prompt_ids is None:
+                found.prompt_ids = _ids(choice.get("prompt_token_ids"))
+            # a chunk without ids (vLLM's first, the role alone) adds none; later ones add theirs
+            ids = _ids(choice.get("token_ids"))
+            if ids is not None:
+                one["token_ids"].extend(ids)
+            logprobs = choice.get("logprobs")
+            if logprobs is not None:
+                values = self._logprobs(logprobs)
+                if values:
+                    one["log_probs"].extend(values)
+            if choice.get("finish_reason") is not None:
+                one["finish_reason"] = choice["finish_reason"]
 
     def generated(self) -> Generated:
         if self.route == GENERATE:
@@ -327,34 +369,9 @@ class StreamedAnswer:
         if self.route == RESPONSES:  # the last event that carries the whole response says it all
             whole = [c for c in self.chunks if isinstance(c.get("response"), dict)]
             return generated(RESPONSES, self.body, whole[-1]) if whole else Generated()
-        found = Generated()
-        by_index: dict[int, dict[str, Any]] = {}
-        for chunk in self.chunks:
-            if found.prompt_ids is None:
-                found.prompt_ids = _ids(chunk.get("prompt_token_ids"))
-            if isinstance(chunk.get("usage"), dict):
-                found.usage = chunk["usage"]
-            _engine_openai(chunk, found.engine)
-            for choice in chunk.get("choices") or ():
-                if not isinstance(choice, dict):
-                    continue
-                one = by_index.setdefault(int(choice.get("index") or 0), {"token_ids": [], "log_probs": []})
-                if found.prompt_ids is None:
-                    found.prompt_ids = _ids(choice.get("prompt_token_ids"))
-                # a chunk without ids (vLLM's first, the role alone) adds none; later ones add theirs
-                ids = _ids(choice.get("token_ids"))
-                if ids is not None:
-                    one["token_ids"].extend(ids)
-                if self.route == CHAT:
-                    values = _chat_logprobs(choice.get("logprobs"))
-                else:
-                    values = _completion_logprobs(choice.get("logprobs"))
-                if values:
-                    one["log_probs"].extend(values)
-                if choice.get("finish_reason") is not None:
-                    one["finish_reason"] = choice["finish_reason"]
-        for index in sorted(by_index):
-            one = by_index[index]
+        found = Generated(self._found.prompt_ids, [], self._found.usage, dict(self._found.engine))
+        for index in sorted(self._by_index):
+            one = self._by_index[index]
             found.choices.append(
                 {
                     "token_ids": one["token_ids"] or None,

@@ -567,7 +567,7 @@ def _client_events(call: Call, events: list[bytes], answer: StreamedAnswer) -> b
     """SSE events (without their blank lines) as the client gets them: without what the proxy asked
     for, each chunk read into ``answer`` on the way."""
     out = []
-    route, added = call.route, call.added
+    added = call.added
     short = not long_number(b"".join(events))  # looked for once, not event by event
     for event in events:
         if event.startswith(b"data: ") and b"\n" not in event and b"\r" not in event:
@@ -578,12 +578,8 @@ def _client_events(call: Call, events: list[bytes], answer: StreamedAnswer) -> b
         plain = obj is not NOT_JSON
         if not plain and data is not None:
             obj = read_json(data)  # NaN, lone surrogates: what orjson does not read
-        if obj is NOT_JSON:
-            out.append(event + b"\n\n")
-            continue
-        answer.add(obj)
-        seen = as_client_sees(route, obj, added, streamed=True)
-        out.append(event + b"\n\n" if seen is obj else b"data: " + _json_bytes(seen, plain) + b"\n\n")
+        seen = None if obj is NOT_JSON else answer.take(obj, added)
+        out.append(event + b"\n\n" if seen is None else b"data: " + _json_bytes(seen, plain) + b"\n\n")
     return b"".join(out)
 
 
@@ -640,8 +636,10 @@ def _json_bytes(value: Any, plain: bool) -> bytes:
     """``value`` as JSON; ``plain``: it was read by orjson (else it may hold NaN or Infinity, which
     orjson writes as null, and what orjson cannot write: integers beyond 64 bits, lone surrogates)."""
     if plain:
-        with contextlib.suppress(TypeError):
+        try:
             return orjson.dumps(value)
+        except TypeError:
+            pass
     import json
 
     return json.dumps(value, separators=(",", ":")).encode()

@@ -143,3 +143,59 @@ def test_a_streamed_answer_keeps_every_chunks_ids_however_it_is_cut(
     [choice] = answer.generated().choices
     assert choice["token_ids"] == ([t for t, _ in tokens] or None)
     assert choice["log_probs"] == ([lp for _, lp in tokens] or None)
+
+
+_ids = st.lists(st.integers(0, 2**31), max_size=4)
+_logprobs = st.fixed_dictionaries(
+    {
+        "content": st.lists(
+            st.fixed_dictionaries({"token": st.text(max_size=3), "logprob": st.floats(max_value=0)})
+        )
+    }
+)
+_choice = st.fixed_dictionaries(
+    {"index": st.integers(0, 2), "delta": st.fixed_dictionaries({"content": st.text(max_size=4)})},
+    optional={
+        "token_ids": st.none() | _ids,
+        "prompt_token_ids": st.none() | _ids,
+        "logprobs": st.none() | _logprobs,
+        "finish_reason": st.none() | st.sampled_from(["stop", "length"]),
+    },
+)
+_chunk = st.fixed_dictionaries(
+    {"choices": st.lists(_choice, max_size=3)},
+    optional={"prompt_token_ids": st.none() | _ids, "model": st.text(max_size=3)},
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunks=st.lists(_chunk, max_size=6), added=st.sets(st.sampled_from(["ids", "logprobs"])))
+def test_a_chunk_taken_on_the_way_reads_and_shows_as_one_read_after_the_stream(
+    chunks: list[dict[str, Any]], added: set[str]
+) -> None:
+    """The proxy reads each chunk of a stream once, as it passes, and takes out what it asked for in
+    place: the client sees what ``as_client_sees`` makes of the chunk as the server sent it, and the
+    ids and log-probs put together are every choice's, in order, per index."""
+    import copy
+
+    from rlreplay.proxy.protocol import as_client_sees
+
+    sent = copy.deepcopy(chunks)
+    answer = StreamedAnswer(CHAT_ROUTE, {})
+    for chunk, original in zip(chunks, sent):
+        seen = answer.take(chunk, frozenset(added))
+        want = as_client_sees(CHAT_ROUTE, original, frozenset(added), streamed=True)
+        assert (seen if seen is not None else chunk) == want
+        assert (seen is None) == (want is original)
+    expected: dict[int, tuple[list[int], list[float]]] = {}
+    for chunk in sent:
+        for choice in chunk["choices"]:
+            ids, values = expected.setdefault(choice["index"], ([], []))
+            ids += choice.get("token_ids") or []
+            values += [c["logprob"] for c in (choice.get("logprobs") or {"content": []})["content"]]
+    got = answer.generated().choices
+    assert len(got) == len(expected)
+    for one, index in zip(got, sorted(expected)):
+        ids, values = expected[index]
+        assert one["token_ids"] == (ids or None)
+        assert one["log_probs"] == (values or None)
