@@ -279,7 +279,7 @@ def generated(route: str, body: dict[str, Any], obj: Any) -> Generated:
         found.engine = {k: meta[k] for k in _SGLANG_ENGINE if meta.get(k) is not None}
         return found
     found.prompt_ids = _ids(obj.get("prompt_token_ids"))
-    for choice in obj.get("choices") or ():
+    for choice in _list(obj.get("choices")):
         if not isinstance(choice, dict):
             continue
         if found.prompt_ids is None:
@@ -299,6 +299,25 @@ def generated(route: str, body: dict[str, Any], obj: Any) -> Generated:
         found.usage = obj["usage"]
     _engine_openai(obj, found.engine)
     return found
+
+
+def _list(value: Any) -> list[Any]:
+    """``value`` when it is a list, else none: what a server wrote where a list belongs."""
+    return value if isinstance(value, list) else []
+
+
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def whole_index(item: dict[str, Any]) -> int | None:
+    """The ``index`` of a streamed choice or tool call (0 when it has none), None when it is no
+    whole number (a server's ``"x"``, a list): what names no choice joins none."""
+    index = item.get("index") or 0
+    try:
+        return int(index)
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 class StreamedAnswer:
@@ -341,14 +360,15 @@ class StreamedAnswer:
         if isinstance(usage, dict):
             found.usage = usage
         _engine_openai(chunk, found.engine)
-        for choice in chunk.get("choices") or ():
+        for choice in _list(chunk.get("choices")):
             if not isinstance(choice, dict):
                 continue
-            one = self._by_index.get(choice.get("index") or 0)
+            index = whole_index(choice)
+            if index is None:  # a choice the answer cannot place: its bytes alone keep it
+                continue
+            one = self._by_index.get(index)
             if one is None:
-                one = self._by_index.setdefault(
-                    int(choice.get("index") or 0), {"token_ids": [], "log_probs": []}
-                )
+                one = self._by_index[index] = {"token_ids": [], "log_probs": []}
             if found.prompt_ids is None:
                 found.prompt_ids = _ids(choice.get("prompt_token_ids"))
             # a chunk without ids (vLLM's first, the role alone) adds none; later ones add theirs
@@ -439,7 +459,7 @@ def answer_of(route: str, record: dict[str, Any], read: list[Any] | None = None)
         source = body if body is not None else chunks[-1] if chunks else {}
         return {"text": source.get("text"), "ids": ids}
     if body is not None:
-        choices = [c for c in body.get("choices") or () if isinstance(c, dict)]
+        choices = [c for c in _list(body.get("choices")) if isinstance(c, dict)]
         first = choices[0] if choices else {}
         if route == CHAT:
             return first.get("message")
@@ -447,20 +467,23 @@ def answer_of(route: str, record: dict[str, Any], read: list[Any] | None = None)
     content: list[str] = []
     calls: dict[int, dict[str, str]] = {}
     for chunk in chunks:
-        for choice in chunk.get("choices") or ():
-            if not isinstance(choice, dict) or int(choice.get("index") or 0) != 0:
+        for choice in _list(chunk.get("choices")):
+            if not isinstance(choice, dict) or whole_index(choice) != 0:
                 continue
             if route != CHAT:
-                content.append(choice.get("text") or "")
+                content.append(_str(choice.get("text")))
                 continue
             delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-            content.append(delta.get("content") or "")
-            for call in delta.get("tool_calls") or ():
+            content.append(_str(delta.get("content")))
+            for call in _list(delta.get("tool_calls")):
                 if isinstance(call, dict):
-                    one = calls.setdefault(int(call.get("index") or 0), {"name": "", "arguments": ""})
+                    at = whole_index(call)
+                    if at is None:
+                        continue
+                    one = calls.setdefault(at, {"name": "", "arguments": ""})
                     fn = call.get("function") if isinstance(call.get("function"), dict) else {}
-                    one["name"] += fn.get("name") or ""
-                    one["arguments"] += fn.get("arguments") or ""
+                    one["name"] += _str(fn.get("name"))
+                    one["arguments"] += _str(fn.get("arguments"))
     if route != CHAT:
         return {"text": "".join(content), "ids": ids}
     message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}

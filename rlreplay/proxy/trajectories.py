@@ -34,6 +34,7 @@ import contextlib
 import functools
 import hashlib
 import itertools
+import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -95,6 +96,16 @@ def key_text(headers: Any, body: dict[str, Any]) -> str | None:
 # ---- continuation ---------------------------------------------------------------------------------
 
 
+def _canonical(value: Any) -> bytes:
+    """``value`` (read from a request or an answer) as JSON, keys sorted: the same bytes for the
+    same value, whatever it holds (integers beyond 64 bits and lone surrogates, which orjson does
+    not write, by Python's writer)."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
 def _text(content: Any) -> str:
     if content is None:
         return ""
@@ -106,9 +117,9 @@ def _text(content: Any) -> str:
             if isinstance(part, dict) and isinstance(part.get("text"), str):
                 parts.append(part["text"])
             else:
-                parts.append(orjson.dumps(part, option=orjson.OPT_SORT_KEYS).decode())
+                parts.append(_canonical(part).decode())
         return "".join(parts)
-    return orjson.dumps(content, option=orjson.OPT_SORT_KEYS).decode()
+    return _canonical(content).decode()
 
 
 def _arguments(value: Any) -> str:
@@ -117,7 +128,7 @@ def _arguments(value: Any) -> str:
             value = orjson.loads(value)
         except orjson.JSONDecodeError:
             return value
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    return _canonical(value).decode()
 
 
 def normal_message(message: Any) -> tuple:
@@ -126,7 +137,8 @@ def normal_message(message: Any) -> tuple:
     if not isinstance(message, dict):
         return ("?", _text(message), (), None)
     calls = []
-    for call in message.get("tool_calls") or ():
+    calls_made = message.get("tool_calls")
+    for call in calls_made if isinstance(calls_made, list) else ():
         fn = call.get("function") if isinstance(call, dict) and isinstance(call.get("function"), dict) else {}
         calls.append((fn.get("name"), _arguments(fn.get("arguments"))))
     return (message.get("role"), _text(message.get("content")), tuple(calls), message.get("tool_call_id"))
@@ -168,7 +180,7 @@ def context_sequence(
 
 
 def _digest(sequence: Any) -> bytes:
-    return hashlib.blake2b(orjson.dumps(sequence), digest_size=16).digest()
+    return hashlib.blake2b(_canonical(sequence), digest_size=16).digest()
 
 
 class ContinuationIndex:

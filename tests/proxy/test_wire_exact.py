@@ -288,3 +288,70 @@ def test_what_the_proxy_asked_for_is_taken_out_and_no_other_value_changes(
     recorded = {traj.sample_index: span for traj, [span] in llm_spans(tmp_path / "run")}
     assert sorted(recorded) == list(range(len(cases)))
     assert all(span.output["token_ids"] == [9] for span in recorded.values())
+
+
+@pytest.mark.parametrize("index", ['"x"', "[1]", "{}", "1e400", '"0"'])
+@pytest.mark.parametrize("client_asks", [False, True])
+def test_a_choice_whose_index_is_no_whole_number_is_answered_and_recorded(
+    upstream: Upstream, tmp_path: Path, index: str, client_asks: bool
+) -> None:
+    """An upstream whose chunk names its choice (or a tool call) by something other than a whole
+    number: the client gets every byte of the stream, the call is recorded with them, and the ids
+    of the choice that is numbered are kept."""
+    chunks = [
+        '{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}',
+        '{"choices": [{"index": 0, "delta": {"content": "hi"}, "token_ids": [7],'
+        ' "logprobs": {"content": [{"token": "hi", "logprob": -0.5}]}}]}',
+        '{"choices": [{"index": '
+        + index
+        + ', "delta": {"content": "yo", "tool_calls": [{"index": '
+        + index
+        + ', "function": {"name": "f", "arguments": "{}"}}]}, "token_ids": [8]}]}',
+    ]
+    tag = f"index-{index}-{client_asks}"
+    upstream.script(tag, Script(sse(*chunks), content_type="text/event-stream"))
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    if client_asks:
+        body.update(return_token_ids=True, logprobs=True)
+    proxy = ProxyProcess("--upstream", upstream.url, "--out", "run", cwd=tmp_path)
+    try:
+        got = httpx.post(f"{proxy.url}{CHAT}", json=body, headers={"X-Test": tag}, timeout=60)
+    finally:
+        assert proxy.stop() == 0, proxy.stderr
+    assert got.status_code == 200, got.text
+    assert got.content.endswith(b"data: [DONE]\n\n")
+    received = [json.loads(e.removeprefix(b"data: ")) for e in got.content.split(b"\n\n")[:-2]]
+    assert [c["choices"][0]["delta"] for c in received] == [
+        json.loads(c)["choices"][0]["delta"] for c in chunks
+    ]
+    [(_, [span])] = llm_spans(tmp_path / "run")
+    assert payload.from_json(span.output["wire"], None) == got.content
+    assert list(span.output["token_ids"])[:1] == [7]
+
+
+def test_a_conversation_holding_what_orjson_cannot_write_is_one_trajectory(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    """Messages whose content holds an integer beyond 64 bits or a lone surrogate (what Python's
+    JSON reader reads and orjson cannot write): each call is answered and recorded, and the call
+    that continues the conversation joins its trajectory."""
+    odd = '[{"type": "text", "text": "hi"}, 123456789012345678901234567890, "\\ud83d"]'
+    first = '{"model": "m", "messages": [{"role": "user", "content": ' + odd + "}]}"
+    answer = b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "yes"}}]}'
+    second = first[:-2] + ', {"role": "assistant", "content": "yes"}, {"role": "user", "content": "and?"}]}'
+    proxy = ProxyProcess("--upstream", upstream.url, "--out", "run", cwd=tmp_path)
+    try:
+        for i, raw in enumerate((first, second)):
+            upstream.script(f"odd-{i}", Script([answer], content_type="application/json"))
+            got = httpx.post(
+                f"{proxy.url}{CHAT}",
+                content=raw.encode(),
+                headers={"Content-Type": "application/json", "X-Test": f"odd-{i}"},
+                timeout=60,
+            )
+            assert got.status_code == 200, got.text
+            assert got.content == answer
+    finally:
+        assert proxy.stop() == 0, proxy.stderr
+    [(_, spans)] = llm_spans(tmp_path / "run")
+    assert [payload.from_json(s.inputs["wire"], None) for s in spans] == [first.encode(), second.encode()]

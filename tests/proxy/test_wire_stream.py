@@ -199,3 +199,104 @@ def test_a_chunk_taken_on_the_way_reads_and_shows_as_one_read_after_the_stream(
         ids, values = expected[index]
         assert one["token_ids"] == (ids or None)
         assert one["log_probs"] == (values or None)
+
+
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(max_size=3)
+    | st.sampled_from([2**70, -(2**64), "\ud83d", "a\udfff"]),  # what Python's JSON reader reads
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def _anything_or(strategy: Any) -> Any:
+    return _json | strategy
+
+
+_odd_call = st.fixed_dictionaries(
+    {},
+    optional={
+        "index": _json,
+        "function": _anything_or(st.fixed_dictionaries({}, optional={"name": _json, "arguments": _json})),
+    },
+)
+_odd_choice = st.fixed_dictionaries(
+    {},
+    optional={
+        "index": _json,
+        "delta": _anything_or(
+            st.fixed_dictionaries(
+                {}, optional={"content": _json, "tool_calls": _anything_or(st.lists(_odd_call, max_size=2))}
+            )
+        ),
+        "message": _json,
+        "text": _json,
+        "token_ids": _json,
+        "prompt_token_ids": _json,
+        "logprobs": _anything_or(
+            st.fixed_dictionaries({}, optional={"content": _json, "token_logprobs": _json})
+        ),
+        "finish_reason": _json,
+    },
+)
+_odd_chunk = st.fixed_dictionaries(
+    {},
+    optional={
+        "choices": _anything_or(st.lists(_odd_choice, max_size=2)),
+        "usage": _anything_or(st.fixed_dictionaries({}, optional={"prompt_tokens_details": _json})),
+        "prompt_token_ids": _json,
+        "model": _json,
+        "response": _json,
+        "meta_info": _json,
+        "text": _json,
+        "output_ids": _json,
+    },
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    chunks=st.lists(_odd_chunk | _json, max_size=4),
+    route=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses"]),
+    added=st.sets(st.sampled_from(["ids", "logprobs"])),
+    messages=st.lists(_json | st.fixed_dictionaries({"role": _json, "content": _json}), max_size=2),
+)
+def test_no_answer_a_server_sends_stops_the_proxy_reading_it(
+    chunks: list[Any], route: str, added: set[str], messages: list[Any]
+) -> None:
+    """Whatever JSON a server's chunks or whole answer hold where the proxy looks (a choice
+    numbered ``"x"``, tool calls that are a number, text that is a list), and whatever a request's
+    messages hold (integers beyond 64 bits, lone surrogates), reading them for the record and for
+    the next call's prompt raises nothing: the call's bytes are recorded whatever they say."""
+    from rlreplay.format.keys import TrajectoryKey
+    from rlreplay.proxy.protocol import as_client_sees, generated
+    from rlreplay.proxy.trajectories import (
+        ContinuationIndex,
+        ProxyTrajectory,
+        context_sequence,
+        prompt_sequence,
+    )
+
+    body = {"messages": messages, "prompt": "hi", "input_ids": [1]}
+    answer = StreamedAnswer(route, body)
+    for chunk in chunks:
+        answer.take(chunk, frozenset(added))
+    answer.generated().record()
+    index = ContinuationIndex()
+    for context in (
+        context_sequence(route, body, {"token_ids": [1]}, answer.chunks),
+        prompt_sequence(route, body),
+    ):
+        if context is not None:
+            kind, sequence = context
+            index.add(context, ProxyTrajectory(TrajectoryKey(), explicit=False))
+            index.claim((kind, sequence + "..." if isinstance(sequence, str) else (*sequence, "...")))
+    for whole in chunks:
+        generated(route, body, whole).record()
+        as_client_sees(route, whole, frozenset(added))
+        if isinstance(whole, dict):
+            context_sequence(route, body, {"body": whole, "token_ids": [1]})
