@@ -62,6 +62,24 @@ def read_json(raw: bytes, short_numbers: bool = False) -> Any:
         return NOT_JSON
 
 
+def canonical_json(value: Any) -> bytes:
+    """``value`` (as a JSON reader gave it) as JSON with its keys sorted: equal values give the same
+    bytes. Integers beyond 64 bits and lone surrogates, which orjson does not write, by Python's
+    writer; numpy arrays as lists."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError:
+        import json
+
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=_as_list).encode()
+
+
+def _as_list(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
 def sse_data(event: bytes) -> bytes | None:
     """The data of one SSE event (its ``data:`` lines joined), None when it has none."""
     lines = [line for line in event.splitlines() if line.startswith(b"data:")]

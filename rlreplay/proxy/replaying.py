@@ -11,16 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from rlreplay.format.keys import TrajectoryKey
 from rlreplay.format.schema import KIND_LLM
+from rlreplay.format.wire import canonical_json
 from rlreplay.recorder.matchers import Call, RecordedOp, comparable, mismatch
 from rlreplay.recorder.replay import Cassette, Played, TrajectoryReplay
 
 
 def _digest(inputs: Any) -> bytes:
-    return orjson.dumps(inputs, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    return canonical_json(inputs)
 
 
 class ProxyReplay:
@@ -49,7 +48,7 @@ class ProxyReplay:
 
     def source_for(self, name: str, inputs: dict[str, Any]) -> TrajectoryKey | None:
         """The key of the first untaken recorded trajectory whose first call ``inputs`` match."""
-        call = Call(KIND_LLM, name, comparable(inputs, self.volatile), 0)
+        call = Call(KIND_LLM, name, self.cassette.as_recorded(inputs), 0)
         for key in self._first_calls().get(_digest(call.inputs), ()):
             if key in self.taken:
                 continue

@@ -34,7 +34,6 @@ import contextlib
 import functools
 import hashlib
 import itertools
-import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -45,6 +44,7 @@ import orjson
 from rlreplay.errors import KeyTextError, ProxyError, ReplayDivergence, UnknownTrajectory
 from rlreplay.format.keys import FIELDS, KEYS, TrajectoryKey, parse_int
 from rlreplay.format.schema import KIND_LLM, KIND_TRAJECTORY
+from rlreplay.format.wire import canonical_json
 from rlreplay.proxy.handoff import Handoff
 from rlreplay.proxy.protocol import CHAT, answer_of, prompt_of
 from rlreplay.recorder import events
@@ -96,16 +96,6 @@ def key_text(headers: Any, body: dict[str, Any]) -> str | None:
 # ---- continuation ---------------------------------------------------------------------------------
 
 
-def _canonical(value: Any) -> bytes:
-    """``value`` (read from a request or an answer) as JSON, keys sorted: the same bytes for the
-    same value, whatever it holds (integers beyond 64 bits and lone surrogates, which orjson does
-    not write, by Python's writer)."""
-    try:
-        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-    except TypeError:
-        return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
-
-
 def _text(content: Any) -> str:
     if content is None:
         return ""
@@ -117,9 +107,9 @@ def _text(content: Any) -> str:
             if isinstance(part, dict) and isinstance(part.get("text"), str):
                 parts.append(part["text"])
             else:
-                parts.append(_canonical(part).decode())
+                parts.append(canonical_json(part).decode())
         return "".join(parts)
-    return _canonical(content).decode()
+    return canonical_json(content).decode()
 
 
 def _arguments(value: Any) -> str:
@@ -128,7 +118,7 @@ def _arguments(value: Any) -> str:
             value = orjson.loads(value)
         except orjson.JSONDecodeError:
             return value
-    return _canonical(value).decode()
+    return canonical_json(value).decode()
 
 
 def normal_message(message: Any) -> tuple:
@@ -180,7 +170,7 @@ def context_sequence(
 
 
 def _digest(sequence: Any) -> bytes:
-    return hashlib.blake2b(_canonical(sequence), digest_size=16).digest()
+    return hashlib.blake2b(canonical_json(sequence), digest_size=16).digest()
 
 
 class ContinuationIndex:

@@ -210,6 +210,13 @@ class Cassette:
         """Ids of recorded trajectories no trajectory of this process asked for."""
         return [t.id for k, t in self.trajectories.items() if k not in self.asked]
 
+    def as_recorded(self, inputs: Any) -> Any:
+        """A call's ``inputs`` (values) as the recording keeps them, to be matched: redacted, what
+        JSON cannot hold (integers beyond 64 bits, lone surrogates) written as the recording wrote
+        it, its volatile keys left out."""
+        written = payload.decode(payload.dumps(payload.to_payload(inputs)[0]))
+        return comparable(written, self.recording.volatile_keys)
+
     def play(self, state: TrajectoryReplay, kind: str, name: str, inputs: Any) -> Played:
         """Serve a call of ``state``'s trajectory from the recording. ``inputs``: the call's
         arguments as values (a dict of them); they are matched in the form the recording keeps
@@ -222,11 +229,7 @@ class Cassette:
             return _NOT_SERVED
         k = state.calls.get(kind, 0)
         state.calls[kind] = k + 1
-        recording = self.recording
-        # as written: what JSON cannot hold (integers beyond 64 bits, lone surrogates) is written as
-        # the recording wrote it
-        written = payload.decode(payload.dumps(payload.to_payload(inputs)[0]))
-        call = Call(kind, name, comparable(written, recording.volatile_keys), k)
+        call = Call(kind, name, self.as_recorded(inputs), k)
         recorded = state.source.ops.get(kind, [])
         if self._by_position:  # only the op at the call's position can match
             candidates = recorded[k : k + 1]

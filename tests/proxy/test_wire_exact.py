@@ -333,8 +333,8 @@ def test_a_conversation_holding_what_orjson_cannot_write_is_one_trajectory(
     upstream: Upstream, tmp_path: Path
 ) -> None:
     """Messages whose content holds an integer beyond 64 bits or a lone surrogate (what Python's
-    JSON reader reads and orjson cannot write): each call is answered and recorded, and the call
-    that continues the conversation joins its trajectory."""
+    JSON reader reads and orjson cannot write): each call is answered and recorded, the call that
+    continues the conversation joins its trajectory, and a replay answers both from the run."""
     odd = '[{"type": "text", "text": "hi"}, 123456789012345678901234567890, "\\ud83d"]'
     first = '{"model": "m", "messages": [{"role": "user", "content": ' + odd + "}]}"
     answer = b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "yes"}}]}'
@@ -355,3 +355,15 @@ def test_a_conversation_holding_what_orjson_cannot_write_is_one_trajectory(
         assert proxy.stop() == 0, proxy.stderr
     [(_, spans)] = llm_spans(tmp_path / "run")
     assert [payload.from_json(s.inputs["wire"], None) for s in spans] == [first.encode(), second.encode()]
+    replay = ProxyProcess("--replay", "run", "--on-diverge", "fail", "--out", "replayed", cwd=tmp_path)
+    try:
+        for raw in (first, second):
+            got = httpx.post(
+                f"{replay.url}{CHAT}",
+                content=raw.encode(),
+                headers={"Content-Type": "application/json"},
+                timeout=60,
+            )
+            assert (got.status_code, got.content) == (200, answer)  # the recorded answer, served
+    finally:
+        assert replay.stop() == 0, replay.stderr
