@@ -314,6 +314,8 @@ def whole_index(item: dict[str, Any]) -> int | None:
     """The ``index`` of a streamed choice or tool call (0 when it has none), None when it is no
     whole number (a server's ``"x"``, a list): what names no choice joins none."""
     index = item.get("index") or 0
+    if type(index) is int:
+        return index
     try:
         return int(index)
     except (TypeError, ValueError, OverflowError):
@@ -360,12 +362,15 @@ class StreamedAnswer:
         if isinstance(usage, dict):
             found.usage = usage
         _engine_openai(chunk, found.engine)
-        for choice in _list(chunk.get("choices")):
+        choices = chunk.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict):
                 continue
-            index = whole_index(choice)
-            if index is None:  # a choice the answer cannot place: its bytes alone keep it
-                continue
+            index = choice.get("index") or 0
+            if type(index) is not int:
+                index = whole_index(choice)
+                if index is None:  # a choice the answer cannot place: its bytes alone keep it
+                    continue
             one = self._by_index.get(index)
             if one is None:
                 one = self._by_index[index] = {"token_ids": [], "log_probs": []}
@@ -467,15 +472,22 @@ def answer_of(route: str, record: dict[str, Any], read: list[Any] | None = None)
     content: list[str] = []
     calls: dict[int, dict[str, str]] = {}
     for chunk in chunks:
-        for choice in _list(chunk.get("choices")):
-            if not isinstance(choice, dict) or whole_index(choice) != 0:
+        choices = chunk.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index") or 0
+            if index != 0 and whole_index(choice) != 0:  # the first choice alone
                 continue
             if route != CHAT:
                 content.append(_str(choice.get("text")))
                 continue
             delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-            content.append(_str(delta.get("content")))
-            for call in _list(delta.get("tool_calls")):
+            text = delta.get("content")
+            if isinstance(text, str):
+                content.append(text)
+            made = delta.get("tool_calls")
+            for call in made if isinstance(made, list) else ():
                 if isinstance(call, dict):
                     at = whole_index(call)
                     if at is None:
