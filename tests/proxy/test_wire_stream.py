@@ -293,8 +293,10 @@ def test_no_answer_a_server_sends_stops_the_proxy_reading_it(
     ):
         if context is not None:
             kind, sequence = context
-            index.add(context, ProxyTrajectory(TrajectoryKey(), explicit=False))
-            index.claim((kind, sequence + "..." if isinstance(sequence, str) else (*sequence, "...")))
+            traj = ProxyTrajectory(TrajectoryKey(), explicit=False)
+            index.add(context, traj)
+            longer = sequence + "..." if isinstance(sequence, str) else (*sequence, "...")
+            assert index.claim((kind, longer)) == (traj, False)  # the call that continues joins it
     for whole in chunks:
         generated(route, body, whole).record()
         as_client_sees(route, whole, frozenset(added))
