@@ -346,26 +346,18 @@ class Proxy:
         obj = plain if plain is not NOT_JSON or decoded is None else read_json(decoded)
         found = None
         out_bytes = data if decoded is None else decoded
+        record: dict[str, Any] = {"status": resp.status, **_content_type(resp)}
         if obj is not NOT_JSON:
             found = generated(call.route, call.body, obj)
             seen = as_client_sees(call.route, obj, call.added)
             if seen is not obj:
                 out_bytes = _json_bytes(seen, plain is not NOT_JSON)
-            record: dict[str, Any] = {"status": resp.status, "body": seen, **found.record()}
-        else:
-            record = {"status": resp.status}
+            record.update(found.record())
         kept = _kept(out_bytes)
         if kept is not None:
-            record["wire"] = kept
-            # whether every reader reads the client's bytes alike: they read so above, or were
-            # written from such a value
-            faithful = plain is not NOT_JSON or (
-                out_bytes is not decoded and read_plain_json(out_bytes) is not NOT_JSON
-            )
-            if "body" in record and (not faithful or _deeper_than(record["body"], _VALUE_DEPTH)):
-                # what a value cannot hold as it was (NaN, integers beyond 64 bits, lone
-                # surrogates, deep nesting): the bytes alone say it
-                del record["body"]
+            record["wire"] = kept  # the answer once, as the client got it: its bytes
+        elif obj is not NOT_JSON:
+            record["body"] = seen  # what cannot be kept as bytes, as a value
         response = web.Response(body=out_bytes, status=resp.status, headers=headers)
         self._mark(response, call.traj)
         error = None
@@ -373,7 +365,8 @@ class Proxy:
             error = ProxyCallFailed(f"the upstream answered {resp.status}: {_first_line(out_bytes)}")
         self._record(call, found, record, error)
         if error is None:
-            self.trajectories.continues(call.traj, call.route, call.body, record)
+            read = {**record, "body": seen} if obj is not NOT_JSON else record  # read once, above
+            self.trajectories.continues(call.traj, call.route, call.body, read)
         await self._durable()
         return response
 
@@ -425,7 +418,7 @@ class Proxy:
         for chunk in chunks or ():
             answer.add(chunk)
         found = answer.generated()
-        record = {"status": resp.status, **found.record()}
+        record = {"status": resp.status, **_content_type(resp), **found.record()}
         kept = _kept(wire)
         if kept is not None:
             record["wire"] = kept
@@ -496,12 +489,13 @@ class Proxy:
             return error_response(409, "rlreplay proxy: the recorded call has no answer to serve")
         status = int(record.get("status") or 200)
         wire = record.get("wire")
-        streamed = "stream" in record or (
-            isinstance(wire, bytes) and not isinstance(record.get("body"), dict)
-        )
-        if isinstance(wire, bytes) and streamed:
+        content_type = record.get("content_type")
+        if not isinstance(content_type, str):  # recorded before the proxy kept it
+            whole = isinstance(record.get("body"), dict) and "stream" not in record
+            content_type = "application/json" if whole else _SSE
+        if isinstance(wire, bytes) and content_type.split(";")[0].strip().lower() == _SSE:
             out = web.StreamResponse(
-                status=status, headers={"Content-Type": _SSE, "Cache-Control": "no-cache"}
+                status=status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
             )
             self._mark(out, traj)
             await out.prepare(request)
@@ -509,7 +503,7 @@ class Proxy:
             await out.write_eof()
             return out
         if isinstance(wire, bytes):
-            response = web.Response(status=status, body=wire, content_type="application/json")
+            response = web.Response(status=status, body=wire, headers={"Content-Type": content_type})
         elif "stream" in record:  # recorded before the proxy kept the bytes
             out = web.StreamResponse(
                 status=status, headers={"Content-Type": _SSE, "Cache-Control": "no-cache"}
@@ -612,24 +606,10 @@ def _kept(raw: bytes) -> bytes | None:
         return None
 
 
-#: the nesting a recorded value keeps whole (``payload.MAX_DEPTH``, less the output's own levels)
-_VALUE_DEPTH = 20
-
-
-def _deeper_than(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests lists and dicts more than ``limit`` deep."""
-    level = [value]
-    for _ in range(limit + 1):
-        inner = []
-        for item in level:
-            if isinstance(item, dict):
-                inner.extend(v for v in item.values() if isinstance(v, (dict, list)))
-            elif isinstance(item, list):
-                inner.extend(v for v in item if isinstance(v, (dict, list)))
-        if not inner:
-            return False
-        level = inner
-    return True
+def _content_type(resp: aiohttp.ClientResponse) -> dict[str, str]:
+    """The answer's Content-Type as the client got it (a replay serves it so), when it had one."""
+    value = resp.headers.get("Content-Type")
+    return {"content_type": value} if value else {}
 
 
 def _json_bytes(value: Any, plain: bool) -> bytes:

@@ -108,7 +108,7 @@ def run_through(upstream: Upstream, cases: list[tuple[Any, ...]], tmp: Path, pre
             tag, Script(answer, content_type="text/event-stream" if streamed else "application/json")
         )
 
-    def call(url: str, i: int, raw: bytes) -> bytes:
+    def call(url: str, i: int, raw: bytes) -> tuple[bytes, str]:
         headers = {
             "Content-Type": "application/json",
             "X-Test": tags[i],
@@ -116,13 +116,16 @@ def run_through(upstream: Upstream, cases: list[tuple[Any, ...]], tmp: Path, pre
         }
         got = httpx.post(f"{url}{routes[i]}", content=raw, headers=headers, timeout=60)
         assert got.status_code == 200, got.text
-        return got.content
+        return got.content, got.headers["Content-Type"]
 
     proxy = ProxyProcess("--upstream", upstream.url, "--out", "run", cwd=tmp)
+    types = []  # the Content-Type each answer reached the client with
     try:
         for i, (raw, answer, *_) in enumerate(cases):
-            assert call(proxy.url, i, raw) == b"".join(answer)  # the client gets the upstream's bytes
+            body, content_type = call(proxy.url, i, raw)
+            assert body == b"".join(answer)  # the client gets the upstream's bytes
             assert upstream.got[tags[i]][1] == raw  # the upstream gets the client's
+            types.append(content_type)
     finally:
         assert proxy.stop() == 0, proxy.stderr
     spans = {}
@@ -132,6 +135,7 @@ def run_through(upstream: Upstream, cases: list[tuple[Any, ...]], tmp: Path, pre
         wire_in = payload.from_json(spans[i].inputs["wire"], None)
         wire_out = payload.from_json(spans[i].output["wire"], None)
         assert (wire_in, wire_out) == (raw, b"".join(answer))
+        assert "body" not in spans[i].output  # an answer is kept once: as its bytes
         value = json_value(raw)
         # the values too, where the run keeps them as values (a lone surrogate is kept in the bytes:
         # a value holds it written out, "\\ud83d")
@@ -142,7 +146,8 @@ def run_through(upstream: Upstream, cases: list[tuple[Any, ...]], tmp: Path, pre
     replay = ProxyProcess("--replay", "run", "--on-diverge", "fail", "--out", "replayed", cwd=tmp)
     try:
         for i, (raw, answer, *_) in enumerate(cases):
-            assert call(replay.url, i, raw) == b"".join(answer)  # the recorded bytes, served
+            # the recorded bytes, served as the client got them
+            assert call(replay.url, i, raw) == (b"".join(answer), types[i])
     finally:
         assert replay.stop() == 0, replay.stderr
 
