@@ -532,7 +532,11 @@ _WORD = re.compile(r"[A-Za-z][a-z]*")
 #: Every credential name holds one of these (lowercase); ``"token"`` and ``"key"`` alone are data.
 _NAME_MARKS = ("pass", "secret", "cred", "auth", "cookie", "pw", "key", "token")
 _IS_MARKS = ("pass", "secret", "key", "token")  # of the names a prose "is" assigns to
-_BARE_NAMES = (('"token"', '"_____"'), ('"key"', '"___"'))
+#: JSON keys that name data (log-prob ``token``s, lookup keys, vLLM's token ids), each with what a
+#: scan reads in its place: no mark in them is looked at, at C speed.
+_BARE_NAMES = tuple(
+    (f'"{name}"', '"' + "_" * len(name) + '"') for name in ("token", "key", "token_ids", "prompt_token_ids")
+)
 #: Names that are credentials after a word and a space (``API key``, ``access token``).
 _PAIRED = frozenset({"key", "keys", "token", "tokens"})
 _NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_.-")
@@ -703,9 +707,10 @@ def _assignment_edits(
 ) -> list[Edit]:
     """The values of credential names assigned in ``text``: ``password: X``, ``pw=X``,
     ``"api_key": "X"``, ``API key is X`` (after ``is``, a quoted value or one that is not a word)."""
-    if '"' in text and ('"token"' in low or '"key"' in low):  # JSON keys that name data: skipped at C speed
+    if '"' in text:  # JSON keys that name data: skipped at C speed
         for bare, blank in _BARE_NAMES:
-            low = low.replace(bare, blank)
+            if bare in low:
+                low = low.replace(bare, blank)
     edits: list[Edit] = []
     for mark in marks:
         at = low.find(mark)

@@ -13,7 +13,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlreplay.format.redact import REDACTED, redact_json_bytes
+from rlreplay.format.redact import _BARE_NAMES, REDACTED, credential_name, redact_json_bytes
 
 #: Words and phrases that are data, however much they look like names of secrets.
 DATA_WORDS = [
@@ -24,6 +24,8 @@ DATA_WORDS = [
     "***",
     "eos_token",
     "max_tokens",
+    "token_ids",
+    "prompt_token_ids",
     "prompt_key",
     "pass",
     "passed",
@@ -316,3 +318,11 @@ def test_not_json_and_server_sent_events() -> None:
     assert redact_json_bytes(raw) == expected
     binary = bytes(range(256)) * 4
     assert redact_json_bytes(binary) is binary
+
+
+def test_the_keys_a_scan_skips_are_no_credential_names() -> None:
+    """The scan reads the JSON keys that name data blank; none names a credential (quoted, no word
+    before it pairs with it: "API token")."""
+    for bare, blank in _BARE_NAMES:
+        assert not credential_name(bare.strip('"'))
+        assert len(blank) == len(bare) and blank.strip('"_') == ""
