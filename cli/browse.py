@@ -242,26 +242,15 @@ def preview(value: Any, limit: int = PREVIEW_CHARS) -> str:
         head = " ".join(str(v) for v in value[:PREVIEW_IDS])
         return f"[{head} …] ({len(value):,} ids)"
     if isinstance(value, dict) and value.get("__type__") == "bytes":  # kept bytes: UTF-8 as text
-        text = _utf8_text(value)
+        from rlreplay.format.payload import kept_text
+
+        text = kept_text(value, limit)
         if text is not None:
-            return f"({text[0]:,} bytes, UTF-8) " + preview(text[1], limit)
+            return text
     if isinstance(value, str):  # text as text: its line breaks are line breaks
         return value if len(value) <= limit else value[:limit] + "…"
     text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
     return text if len(text) <= limit else text[:limit] + "…"
-
-
-def _utf8_text(marker: dict[str, Any]) -> tuple[int, str] | None:
-    """The length and text of kept bytes that are UTF-8, else None."""
-    from rlreplay.format import payload
-
-    raw = payload.from_json(marker, None)
-    if not isinstance(raw, bytes):
-        return None
-    try:
-        return len(raw), raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
 
 
 def _payload_lines(label: str, value: Any, top: bool = True) -> list[str]:

@@ -619,6 +619,23 @@ def cap_field(value: Any, max_bytes: int) -> Any:
     return value if len(text) <= max_bytes else _truncated(text, max_bytes)
 
 
+def kept_text(value: Any, limit: int | None = None) -> str | None:
+    """Kept bytes (a ``bytes`` marker) that are UTF-8, as readers show them: ``(N bytes, UTF-8)``
+    and their text (cut at ``limit`` characters); None for anything else."""
+    if not (
+        isinstance(value, dict) and value.get(MARKER) == "bytes" and isinstance(value.get("base64"), str)
+    ):
+        return None
+    try:
+        raw = base64.b64decode(value["base64"], validate=True)
+        text = raw.decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if limit is not None and len(text) > limit:
+        text = text[:limit] + "…"
+    return f"({len(raw):,} bytes, UTF-8) {text}"
+
+
 def decode(text: str | bytes | None) -> Any:
     if text is None:
         return None

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 from markupsafe import Markup
 
+from rlreplay.format.payload import kept_text
 from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_SIGNALS, KIND_TOOL
 from rlreplay.format.tool_errors import tool_error
 from rlreplay.model import Span, Trajectory
@@ -21,8 +22,12 @@ MAX_TOKENS = 100_000
 
 
 def _one_line_numbers(value: Any) -> Any:
-    """``value`` with each list of numbers as ready JSON on one line (``[1, 2, 3]``), not one a line."""
+    """``value`` with each list of numbers as ready JSON on one line (``[1, 2, 3]``), not one a line,
+    and kept bytes that are UTF-8 as their text."""
     if isinstance(value, dict):
+        text = kept_text(value)
+        if text is not None:
+            return text
         return {k: _one_line_numbers(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         if value and type(value[0]) in (int, float):
