@@ -264,7 +264,7 @@ def timed(args: argparse.Namespace, procs: list[subprocess.Popen], tmp: Path, up
 
 def added(party: dict[str, float], direct: dict[str, float]) -> str:
     return (
-        f"+{party['p50'] - direct['p50']:.1f} / +{party['p99'] - direct['p99']:.1f}, "
+        f"{party['p50'] - direct['p50']:+,.1f} / {party['p99'] - direct['p99']:+,.1f}, "
         f"{party['cpu']:.2f}, {party['rate']:,.0f}"
     )
 
