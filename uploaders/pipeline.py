@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rlreplay import plugins
 from rlreplay.errors import RunError, install_hint
+from rlreplay.format.payload import readable
 from rlreplay.read.filters import Filters
 from rlreplay.read.run import Run
 from rlreplay.read.selection import Group
@@ -434,6 +435,9 @@ def upload(
                 except (ValueError, RunError) as exc:
                     text_failed = True
                     warn(f"token2text failed ({_one_line(exc)}); uploading token ids without text")
+            for traj in trajs:  # kept bytes (the proxy's wire) as text a person reads
+                for span in traj.spans:
+                    span.inputs, span.output = readable(span.inputs), readable(span.output)
             prepared = {p.trajectory_id: p for p in uploader.prepare(trajs)}
             with_text = decoder is not None and not text_failed
             for p in prepared.values():

@@ -636,6 +636,21 @@ def kept_text(value: Any, limit: int | None = None) -> str | None:
     return f"({len(raw):,} bytes, UTF-8) {text}"
 
 
+def readable(value: Any) -> Any:
+    """``value`` with its kept bytes that are UTF-8 as their text (:func:`kept_text`), for backends
+    that show payloads to people; ``value`` itself when it holds none."""
+    if isinstance(value, dict):
+        text = kept_text(value)
+        if text is not None:
+            return text
+        if not any(isinstance(v, (dict, list)) for v in value.values()):
+            return value
+        return {k: readable(v) for k, v in value.items()}
+    if isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+        return [readable(v) for v in value]
+    return value
+
+
 def decode(text: str | bytes | None) -> Any:
     if text is None:
         return None

@@ -9,6 +9,7 @@ into real files, shaped like verl's tool agent loop.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import datetime
 import functools
@@ -666,3 +667,29 @@ def test_trajectories_are_not_split_across_requests_when_they_fit(run_dir: Path)
                     next(p.body for p in prepared if p.backend_id == trace)
                 )
         assert max(r.bytes_received for r in lb.request_log) <= 9_000
+
+
+def test_kept_bytes_reach_weave_as_their_text_when_they_are_utf8(
+    tmp_path: Path, weave_env: WeaveLoopback, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An answer the proxy keeps as its bytes (``wire``) is uploaded as text a person reads, saying
+    how many bytes it was; bytes that are no UTF-8 go as the run holds them."""
+    answer = '{"choices": [{"message": {"content": "héllo"}}]}'.encode()
+    other = b"\xff\xfe not text"
+    run_dir = tmp_path / "kept"
+    rlreplay.init(run_dir, experiment="e", worker="w0")
+
+    @rlreplay.trace_op(kind="llm")
+    def generate(wire: bytes) -> dict:
+        return {"token_ids": [1, 2], "wire": answer, "raw": other}
+
+    with rlreplay.trajectory(step=0, sample_index=0, rollout_n=0):
+        generate(b'{"model": "m"}')
+    rlreplay.close()
+    rc, _out, err = cli(capsys, *upload_args(run_dir))
+    assert rc == 0, err
+    (llm,) = [c for c in read_back(weave_env) if c.op_name.endswith("generate")]
+    assert llm.output["wire"] == f"({len(answer)} bytes, UTF-8) " + answer.decode()
+    assert llm.inputs["wire"] == '(14 bytes, UTF-8) {"model": "m"}'
+    assert llm.output["raw"] == {"__type__": "bytes", "base64": base64.b64encode(other).decode()}
+    assert llm.output["token_ids"] == [1, 2]
