@@ -640,6 +640,9 @@ def readable(value: Any) -> Any:
     """``value`` with its kept bytes that are UTF-8 as their text (:func:`kept_text`), for backends
     that show payloads to people; ``value`` itself when it holds none."""
     if isinstance(value, dict):
+        own = value.get("value")
+        if value.get(MARKER) == ESCAPED and isinstance(own, dict):  # an op's own dict, no marker
+            return {**value, "value": {k: readable(v) for k, v in own.items()}}
         text = kept_text(value)
         if text is not None:
             return text

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from markupsafe import Markup
 
-from rlreplay.format.payload import kept_text
+from rlreplay.format.payload import readable
 from rlreplay.format.schema import KIND_AGENT, KIND_LLM, KIND_SIGNALS, KIND_TOOL
 from rlreplay.format.tool_errors import tool_error
 from rlreplay.model import Span, Trajectory
@@ -22,12 +22,8 @@ MAX_TOKENS = 100_000
 
 
 def _one_line_numbers(value: Any) -> Any:
-    """``value`` with each list of numbers as ready JSON on one line (``[1, 2, 3]``), not one a line,
-    and kept bytes that are UTF-8 as their text."""
+    """``value`` with each list of numbers as ready JSON on one line (``[1, 2, 3]``), not one a line."""
     if isinstance(value, dict):
-        text = kept_text(value)
-        if text is not None:
-            return text
         return {k: _one_line_numbers(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         if value and type(value[0]) in (int, float):
@@ -47,7 +43,7 @@ def pretty(value: Any, limit: int = 4000) -> str:
     else:
         try:
             text = orjson.dumps(
-                _one_line_numbers(value), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
+                _one_line_numbers(readable(value)), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
             )
             text = text.decode()
         except TypeError:

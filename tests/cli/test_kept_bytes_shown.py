@@ -44,3 +44,19 @@ def test_the_ui_prints_bytes_as_their_text_when_they_are_utf8(raw: bytes) -> Non
         assert shown["wire"] == output["wire"]
     else:
         assert shown["wire"] == f"({len(raw):,} bytes, UTF-8) {text}"
+
+
+@given(st.binary(), st.binary())
+def test_an_ops_own_bytes_shaped_dict_is_shown_and_uploaded_as_the_dict_it_is(
+    own_raw: bytes, raw: bytes
+) -> None:
+    """A tool's own ``{"__type__": "bytes", ...}`` is data (wrapped when recorded), never kept bytes;
+    real bytes beside it still read as their text."""
+    own = {"__type__": "bytes", "base64": base64.b64encode(own_raw).decode()}
+    kept = payload.to_jsonable({"reply": own, "blob": raw})
+    assert kept["reply"] == {"__type__": "dict", "value": own}
+    text = utf8(raw)
+    blob = kept["blob"] if text is None else f"({len(raw):,} bytes, UTF-8) {text}"
+    expected = {"reply": kept["reply"], "blob": blob}
+    assert payload.readable(kept) == expected  # what upload sends
+    assert json.loads(pretty(kept, limit=10**9)) == expected  # what the UI shows
