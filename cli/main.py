@@ -45,8 +45,8 @@ def command_group(args: list[str]) -> Any:
     for module in modules:
         importlib.import_module(f"rlreplay.cli.{module}")
     registered = app.registered_commands
-    if name:
-        app.registered_commands = [c for c in registered if c.name == name] or registered
+    listed = sorted(registered, key=lambda c: COMMANDS.get(c.name or "", ""))  # not import order
+    app.registered_commands = [c for c in listed if c.name == name] or listed
     try:
         return typer.main.get_command(app)
     finally:

@@ -159,3 +159,19 @@ def test_record_takes_experiment_as_experiment_name(tmp_path) -> None:
         assert proc.returncode == 0, proc.stderr
         assert json.loads((out / "run.json").read_text())["experiment"] == f"exp{flag}"
         assert ("rlreplay: --experiment is now --experiment-name" in proc.stderr) == (flag == "--experiment")
+
+
+def test_the_command_listing_is_the_same_whatever_was_imported_before() -> None:
+    """``--help`` (and docs/cli.md made from it) lists commands in one order: a process that used a
+    command's module first (a test, a plug-in) lists them as a fresh one does."""
+    from rlreplay.cli.main import COMMANDS
+
+    listing = "from rlreplay.cli.main import command_group; print(*command_group([]).commands)"
+    orders = []
+    for first in ("", *sorted(set(COMMANDS.values()), reverse=True)[:4]):
+        code = f"import rlreplay.cli.{first}; {listing}" if first else listing
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        orders.append(proc.stdout.split())
+    assert sorted(orders[0]) == sorted(COMMANDS)
+    assert all(order == orders[0] for order in orders), orders
