@@ -9,8 +9,9 @@ The upstream is a fast stand-in (it measures the proxy, not a model): an aiohttp
 and float32 log-probs when asked; streamed as vLLM's ``serving_chat`` streams (a role-only first
 chunk, then a chunk per token). Each party runs in its own process; CPU is read from
 ``/proc/PID/stat`` over the measured requests, and printed as a ratio to the forwarder's. The
-proxy's CPU includes its recorder threads (encoding, writing, the wait for each call to be in the
-live file). Needs the ``proxy`` extra; Linux.
+proxy's CPU is its serving process's (with its recorder threads: encoding, writing, the wait for
+each call to be in the live file) plus its reading processes' (``--readers``), each shown and
+both compared. Needs the ``proxy`` extra; Linux.
 
 With ``--callgrind`` (valgrind installed) the forwarder and the proxy each run under callgrind instead,
 and the instructions per call are counted (independent of the machine's load), the proxy's split into
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -133,6 +135,16 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children_cpu_s(pid: int) -> float:
+    """CPU of ``pid``'s running child processes (the proxy's reading processes)."""
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                total += cpu_s(int(child))
+    return total
+
+
 async def wait_up(url: str, tries: int = 600) -> None:
     async with aiohttp.ClientSession() as s:
         for _ in range(tries):
@@ -183,13 +195,15 @@ def pct(values: list[float], q: float) -> float:
 
 def measure(url: str, pid: int | None, total: int, streams: int, body: bytes) -> dict[str, float]:
     asyncio.run(load(url, min(total, max(streams, 64)), streams, body))  # warm up
-    before = cpu_s(pid) if pid else 0.0
+    before = (cpu_s(pid), children_cpu_s(pid)) if pid else (0.0, 0.0)
     latencies, wall = asyncio.run(load(url, total, streams, body))
-    cpu = (cpu_s(pid) - before) / len(latencies) * 1e3 if pid else 0.0
+    after = (cpu_s(pid), children_cpu_s(pid)) if pid else (0.0, 0.0)
+    own, children = ((a - b) / len(latencies) * 1e3 for a, b in zip(after, before))
     return {
         "p50": pct(latencies, 0.5),
         "p99": pct(latencies, 0.99),
-        "cpu": cpu,
+        "own": own,  # the serving process
+        "cpu": own + children,  # with its reading processes
         "rate": len(latencies) / wall,
     }
 
@@ -200,7 +214,7 @@ def start(argv: list[str], procs: list[subprocess.Popen]) -> subprocess.Popen:
     return proc
 
 
-def proxy_argv(port: int | str, upstream: str, out: Path) -> list[str]:
+def proxy_argv(port: int | str, upstream: str, out: Path, readers: int | None = None) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -214,6 +228,7 @@ def proxy_argv(port: int | str, upstream: str, out: Path) -> list[str]:
         str(out),
         "--idle-close",
         "5",
+        *([] if readers is None else ["--readers", str(readers)]),
     ]
 
 
@@ -221,7 +236,7 @@ def timed(args: argparse.Namespace, procs: list[subprocess.Popen], tmp: Path, up
     """Latency, calls/s and CPU per call, the three side by side, per answer and number of streams."""
     fwd_port, proxy_port = free_port(), free_port()
     forwarder = start([sys.executable, "-c", FORWARDER, str(fwd_port), upstream], procs)
-    proxy = start(proxy_argv(proxy_port, upstream, tmp / "run"), procs)
+    proxy = start(proxy_argv(proxy_port, upstream, tmp / "run", args.readers), procs)
     for port in (fwd_port, proxy_port):
         asyncio.run(wait_up(f"http://127.0.0.1:{port}/health"))
     print(
@@ -235,8 +250,8 @@ def timed(args: argparse.Namespace, procs: list[subprocess.Popen], tmp: Path, up
     )
     print(
         "| mode | answer | streams | direct p50 / p99 ms, calls/s | bare forwarder: added p50 / p99 ms, "
-        "CPU/call, calls/s | rlreplay proxy: added p50 / p99 ms, CPU/call, calls/s | "
-        "proxy ÷ forwarder: CPU, calls/s |"
+        "CPU/call, calls/s | rlreplay proxy: added p50 / p99 ms, CPU/call (serving + reading), calls/s | "
+        "proxy ÷ forwarder: CPU serving, CPU all, calls/s |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for streamed in (True, False):
@@ -254,7 +269,8 @@ def timed(args: argparse.Namespace, procs: list[subprocess.Popen], tmp: Path, up
                 print(
                     f"| {'stream' if streamed else 'json'} | {answer} | {streams} "
                     f"| {d['p50']:.1f} / {d['p99']:.1f}, {d['rate']:,.0f} | {added(f, d)} | {added(p, d)} "
-                    f"| {p['cpu'] / f['cpu']:.1f}×, {p['rate'] / f['rate']:.2f}× |",
+                    f"| {p['own'] / f['cpu']:.1f}×, {p['cpu'] / f['cpu']:.1f}×, "
+                    f"{p['rate'] / f['rate']:.2f}× |",
                     flush=True,
                 )
     proxy.send_signal(signal.SIGTERM)
@@ -263,9 +279,11 @@ def timed(args: argparse.Namespace, procs: list[subprocess.Popen], tmp: Path, up
 
 
 def added(party: dict[str, float], direct: dict[str, float]) -> str:
+    reading = party["cpu"] - party["own"]
+    cpu = f"{party['own']:.2f} + {reading:.2f}" if reading > 0.005 else f"{party['cpu']:.2f}"
     return (
         f"{party['p50'] - direct['p50']:+,.1f} / {party['p99'] - direct['p99']:+,.1f}, "
-        f"{party['cpu']:.2f}, {party['rate']:,.0f}"
+        f"{cpu}, {party['rate']:,.0f}"
     )
 
 
@@ -326,7 +344,8 @@ def instructions(args: argparse.Namespace, procs: list[subprocess.Popen], tmp: P
     streamed = not args.json
     fwd_argv = [sys.executable, "-c", FORWARDER, "{port}", upstream]
     forwarder = counted(fwd_argv, calls, tmp, "fwd", procs, streamed)
-    proxy = counted(proxy_argv("{port}", upstream, tmp / "run"), calls, tmp, "proxy", procs, streamed)
+    argv = proxy_argv("{port}", upstream, tmp / "run", args.readers or 0)
+    proxy = counted(argv, calls, tmp, "proxy", procs, streamed)
     fwd = sum(forwarder.values())
     loop = proxy.get(1, 0.0)
     recorder = sum(v for k, v in proxy.items() if k != 1)
@@ -358,6 +377,13 @@ def main() -> None:
         "--callgrind", action="store_true", help="instructions per call under callgrind (needs valgrind)"
     )
     parser.add_argument("--json", action="store_true", help="with --callgrind: whole answers, not streamed")
+    parser.add_argument(
+        "--readers",
+        type=int,
+        default=None,
+        help="the proxy's reading processes (default: the proxy's own choice; 0 with --callgrind, "
+        "which counts one process)",
+    )
     args = parser.parse_args()
     args.requests = args.requests or (300 if args.callgrind else 2000)
     procs: list[subprocess.Popen] = []

@@ -75,6 +75,15 @@ def proxy_command(
             help="Write a trajectory once it has had no call for this long (and when the proxy stops).",
         ),
     ] = 300.0,
+    readers: Annotated[
+        int | None,
+        typer.Option(
+            "--readers",
+            metavar="N",
+            help="Processes that read what is recorded of each answer while the proxy forwards "
+            "(0: the proxy's own; default: one per spare core, up to 4).",
+        ),
+    ] = None,
 ) -> int:
     """Record (or replay) model calls at the inference server.
 
@@ -99,9 +108,11 @@ def proxy_command(
         fail(f"--port {port}: not a port number (0 to 65535)")
     if idle_close <= 0:
         fail(f"--idle-close {idle_close}: give a number of seconds above 0")
+    if readers is not None and not 0 <= readers <= 64:
+        fail(f"--readers {readers}: give a number of processes from 0 to 64")
     experiment = EXPERIMENT_NAME.take(experiment, experiment_was)
     return run_proxy(
-        upstream, out, port, host, replay, on_diverge, match_on, experiment, idle_close, tokenizer
+        upstream, out, port, host, replay, on_diverge, match_on, experiment, idle_close, tokenizer, readers
     )
 
 
@@ -116,6 +127,7 @@ def run_proxy(
     experiment: str | None,
     idle_close: float,
     tokenizer: str | None = None,
+    readers: int | None = None,
 ) -> int:
     import asyncio
 
@@ -181,7 +193,8 @@ def run_proxy(
     if cassette is not None:
         for key in cassette.recorded_keys():
             trajectories.reserve(key.step, key.sample_index)
-    proxy = Proxy(ProxySettings(upstream, cassette, guard=GuardSettings(host=host)), trajectories)
+    settings = ProxySettings(upstream, cassette, guard=GuardSettings(host=host), readers=readers)
+    proxy = Proxy(settings, trajectories)
 
     def ready(url: str) -> None:
         print(

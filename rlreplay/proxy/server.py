@@ -25,15 +25,21 @@ import orjson
 from aiohttp import web
 
 from rlreplay.errors import ProxyCallFailed, ProxyError, UnknownTrajectory
+from rlreplay.proxy.answers import (
+    Kept,
+    json_bytes,
+    keep,
+    kept_bytes,
+    read_stream,
+    read_whole,
+)
 from rlreplay.proxy.guard import Guard, GuardSettings, upstream_credentials, with_upstream_auth
 from rlreplay.proxy.protocol import (
     GENERATING,
     NOT_JSON,
     Generated,
-    StreamedAnswer,
-    as_client_sees,
     ask_for_tokens,
-    generated,
+    client_chunk,
     is_streamed,
     is_weight_update,
     long_number,
@@ -41,9 +47,9 @@ from rlreplay.proxy.protocol import (
     read_plain_json,
     sse_data,
     sse_events,
-    stream_chunks,
     with_members,
 )
+from rlreplay.proxy.readers import Readers
 from rlreplay.proxy.replaying import ProxyReplay
 from rlreplay.proxy.trajectories import ID_HEADER, ProxyTrajectory, Trajectories, key_text, parse_key
 from rlreplay.recorder.events import WRITE, Control
@@ -111,6 +117,7 @@ class ProxySettings:
     connect_timeout_s: float = 10.0
     durable_wait_s: float = DURABLE_WAIT_S
     guard: GuardSettings | None = None
+    readers: int | None = None  # reading processes (None: as the machine's cores allow)
 
 
 class Proxy:
@@ -126,6 +133,7 @@ class Proxy:
         self.connect_timeout_s = settings.connect_timeout_s
         self.durable_wait_s = settings.durable_wait_s
         self.session: aiohttp.ClientSession | None = None
+        self.readers = Readers(settings.readers)
         self.calls = 0
 
     def app(self) -> web.Application:
@@ -143,10 +151,12 @@ class Proxy:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+        await self.readers.start()
 
     async def _close_session(self, app: web.Application) -> None:
         if self.session is not None:
             await self.session.close()
+        await self.readers.stop()
 
     def _url(self, request: web.Request) -> str:
         return f"{self.upstream}{request.rel_url}"
@@ -342,22 +352,24 @@ class Proxy:
         encoding = resp.headers.get("Content-Encoding", "").strip().lower()
         decoded = _decoded(data, encoding)
         headers = _response_headers(resp.headers, rewritten=decoded is not data)
-        plain = read_plain_json(decoded) if decoded is not None else NOT_JSON
-        obj = plain if plain is not NOT_JSON or decoded is None else read_json(decoded)
-        found = None
-        out_bytes = data if decoded is None else decoded
         record: dict[str, Any] = {"status": resp.status, **_content_type(resp)}
-        if obj is not NOT_JSON:
-            found = generated(call.route, call.body, obj)
-            seen = as_client_sees(call.route, obj, call.added)
-            if seen is not obj:
-                out_bytes = _json_bytes(seen, plain is not NOT_JSON)
-            record.update(found.record())
-        kept = _kept(out_bytes)
+        found, context = None, None
+        if decoded is None:  # an encoding the proxy cannot undo: kept as it came
+            out_bytes, kept = data, (await self.readers.run(keep, data)).of(data)
+        else:
+            continued = resp.status < 400 and not call.traj.explicit
+            read = await self.readers.run(
+                read_whole, call.route, call.body, call.raw, call.added, decoded, continued
+            )
+            found, context, call.request_kept = read.found, read.context, read.request
+            out_bytes = decoded if read.out is None else read.out
+            kept = read.kept.of(out_bytes)
+            if found is not None:
+                record.update(found.record())
+                if kept is None:
+                    record["body"] = read.body  # what cannot be kept as bytes, as a value
         if kept is not None:
             record["wire"] = kept  # the answer once, as the client got it: its bytes
-        elif obj is not NOT_JSON:
-            record["body"] = seen  # what cannot be kept as bytes, as a value
         response = web.Response(body=out_bytes, status=resp.status, headers=headers)
         self._mark(response, call.traj)
         error = None
@@ -365,8 +377,7 @@ class Proxy:
             error = ProxyCallFailed(f"the upstream answered {resp.status}: {_first_line(out_bytes)}")
         self._record(call, found, record, error)
         if error is None:
-            read = {**record, "body": seen} if obj is not NOT_JSON else record  # read once, above
-            self.trajectories.continues(call.traj, call.route, call.body, read)
+            self.trajectories.continues_at(call.traj, context)
         await self._durable()
         return response
 
@@ -384,7 +395,7 @@ class Proxy:
         sent: list[bytes] = []  # what the client got, in order
         held: list[bytes] = []  # what waits for the call to be durable: the answer's end
         rewriting = bool(call.added)
-        answer = StreamedAnswer(call.route, call.body)
+        upstream: list[bytes] = []  # the upstream's complete events, when the proxy rewrites them
         buffer = b""
         failure: str | None = None
         upstream_failed = False
@@ -392,7 +403,8 @@ class Proxy:
             async for piece in resp.content.iter_any():
                 if rewriting:
                     events, buffer = sse_events(buffer + piece)
-                    piece = _client_events(call, events, answer)
+                    upstream += (event + b"\n\n" for event in events)
+                    piece = _client_events(call, events)
                     if not piece:
                         continue
                 if held or b"[DONE]" in piece or b"response.completed" in piece:  # the answer's end
@@ -410,20 +422,19 @@ class Proxy:
             failure, upstream_failed = f"the upstream's stream broke off: {_why(exc)}", True
         end = time.time_ns()
         wire = b"".join(sent) + b"".join(held)
-        chunks = None if rewriting else stream_chunks(wire)  # read once, for the answer and the record
-        # what the next call's prompt is matched against, read once: the chunks read on the way
-        # when the wire holds only their events (the upstream's, with what the proxy asked for:
-        # nothing that a prompt holds)
-        read = chunks if not rewriting else None if buffer else answer.chunks
-        for chunk in chunks or ():
-            answer.add(chunk)
-        found = answer.generated()
+        # the next call's prompt is matched against what the client got; an unfinished last event
+        # of a rewritten stream is matched as kept
+        continued = failure is None and not call.traj.explicit and not (rewriting and buffer)
+        events = b"".join(upstream) if rewriting else None
+        read = await self.readers.run(read_stream, call.route, call.body, call.raw, wire, continued, events)
+        found, context = read.found, read.context
+        kept_read, stream, call.request_kept = read.kept, read.stream, read.request
         record = {"status": resp.status, **_content_type(resp), **found.record()}
-        kept = _kept(wire)
+        kept = kept_read.of(wire)
         if kept is not None:
             record["wire"] = kept
         else:  # the chunks, each as a value (what cannot be kept as bytes)
-            record["stream"] = chunks if chunks is not None else stream_chunks(wire)
+            record["stream"] = stream
         error = None
         if failure is not None:
             got = sum(map(len, sent))
@@ -433,7 +444,10 @@ class Proxy:
             if upstream_failed:  # the client sees the stream fail, as it would without the proxy
                 _abort(request)
             return out
-        self.trajectories.continues(call.traj, call.route, call.body, record, read)
+        if rewriting and buffer:
+            self.trajectories.continues(call.traj, call.route, call.body, record)
+        else:
+            self.trajectories.continues_at(call.traj, context)
         await self._durable()
         try:
             for piece in held:
@@ -541,6 +555,7 @@ class Call:
     parsed: bool = True  # the body was read as a JSON object (else ``body`` is empty)
     start: int = field(default_factory=time.time_ns)
     added: frozenset[str] = frozenset()
+    request_kept: Kept | None = None  # ``raw`` as kept, when read already
     status: str | None = None  # a replay's mark
     reason: str | None = None
 
@@ -551,15 +566,17 @@ class Call:
         extra: dict[str, Any] = {}
         if prompt_ids is not None and "prompt_ids" not in out:
             extra["prompt_ids"] = prompt_ids
-        kept = _kept(self.raw) if "wire" not in out else None
+        kept = None
+        if "wire" not in out:
+            kept = kept_bytes(self.raw) if self.request_kept is None else self.request_kept.of(self.raw)
         if kept is not None:
             extra["wire"] = kept
         return {**out, **extra} if extra else out
 
 
-def _client_events(call: Call, events: list[bytes], answer: StreamedAnswer) -> bytes:
+def _client_events(call: Call, events: list[bytes]) -> bytes:
     """SSE events (without their blank lines) as the client gets them: without what the proxy asked
-    for, each chunk read into ``answer`` on the way."""
+    for (what they say is read from the upstream's events, off the serving loop)."""
     out = []
     added = call.added
     short = not long_number(b"".join(events))  # looked for once, not event by event
@@ -572,8 +589,8 @@ def _client_events(call: Call, events: list[bytes], answer: StreamedAnswer) -> b
         plain = obj is not NOT_JSON
         if not plain and data is not None:
             obj = read_json(data)  # NaN, lone surrogates: what orjson does not read
-        seen = None if obj is NOT_JSON else answer.take(obj, added)
-        out.append(event + b"\n\n" if seen is None else b"data: " + _json_bytes(seen, plain) + b"\n\n")
+        seen = None if obj is NOT_JSON else client_chunk(call.route, obj, added)
+        out.append(event + b"\n\n" if seen is None else b"data: " + json_bytes(seen, plain) + b"\n\n")
     return b"".join(out)
 
 
@@ -595,34 +612,10 @@ class _Written:
             self.future.set_result(None)
 
 
-def _kept(raw: bytes) -> bytes | None:
-    """The bytes a span keeps of a request or an answer: ``raw`` with credentials taken out, or
-    None when they cannot be taken out (nothing is kept rather than a secret)."""
-    from rlreplay.format.redact import redact_json_bytes
-
-    try:
-        return redact_json_bytes(raw)
-    except Exception:
-        return None
-
-
 def _content_type(resp: aiohttp.ClientResponse) -> dict[str, str]:
     """The answer's Content-Type as the client got it (a replay serves it so), when it had one."""
     value = resp.headers.get("Content-Type")
     return {"content_type": value} if value else {}
-
-
-def _json_bytes(value: Any, plain: bool) -> bytes:
-    """``value`` as JSON; ``plain``: it was read by orjson (else it may hold NaN or Infinity, which
-    orjson writes as null, and what orjson cannot write: integers beyond 64 bits, lone surrogates)."""
-    if plain:
-        try:
-            return orjson.dumps(value)
-        except TypeError:
-            pass
-    import json
-
-    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def _decoded(data: bytes, encoding: str) -> bytes | None:

@@ -169,6 +169,23 @@ def context_sequence(
     return None
 
 
+#: Where a later call finds the call it continues: (kind, length of the sequence, its digest).
+Context = tuple[str, int, bytes]
+
+
+def context_key(
+    route: str, body: dict[str, Any], record: dict[str, Any], chunks: list[Any] | None = None
+) -> Context | None:
+    """The :data:`Context` of :func:`context_sequence`."""
+    context = context_sequence(route, body, record, chunks)
+    return None if context is None else context_of(*context)
+
+
+def context_of(kind: str, sequence: Any) -> Context:
+    """The :data:`Context` of a (kind, sequence) a later call's prompt may start with."""
+    return kind, len(sequence), _digest(sequence)
+
+
 def _digest(sequence: Any) -> bytes:
     return hashlib.blake2b(canonical_json(sequence), digest_size=16).digest()
 
@@ -181,12 +198,11 @@ class ContinuationIndex:
     def __init__(self) -> None:
         self._by_length: dict[tuple[str, int], dict[bytes, list[ProxyTrajectory]]] = {}
 
-    def add(self, context: tuple[str, Any], traj: ProxyTrajectory) -> None:
+    def add(self, context: Context, traj: ProxyTrajectory) -> None:
         self.remove(traj)
-        kind, sequence = context
-        digest = _digest(sequence)
-        self._by_length.setdefault((kind, len(sequence)), {}).setdefault(digest, []).append(traj)
-        traj.context = (kind, len(sequence), digest)
+        kind, length, digest = context
+        self._by_length.setdefault((kind, length), {}).setdefault(digest, []).append(traj)
+        traj.context = context
 
     def remove(self, traj: ProxyTrajectory) -> None:
         if traj.context is None:
@@ -234,7 +250,7 @@ class ProxyTrajectory:
     start_ns: int = 0
     last_used: float = field(default_factory=time.monotonic)
     spans: int = 0  # spans of the part being recorded
-    context: tuple[str, int, bytes] | None = None
+    context: Context | None = None
     busy: int = 0  # calls in flight
     closed: bool = False
     first_root: str | None = None  # the first written part's root span (signals point at it)
@@ -355,8 +371,11 @@ class Trajectories:
         (``chunks``: a streamed answer's, already read)."""
         if traj.explicit or not isinstance(record, dict):
             return
-        context = context_sequence(route, body, record, chunks)
-        if context is not None and (traj in self.open or traj in self.written):
+        self.continues_at(traj, context_key(route, body, record, chunks))
+
+    def continues_at(self, traj: ProxyTrajectory, context: Context | None) -> None:
+        """After a call answered: later calls whose prompt has ``context`` join ``traj``."""
+        if context is not None and not traj.explicit and (traj in self.open or traj in self.written):
             self.index.add(context, traj)
 
     # -- recording ----------------------------------------------------------------------------------

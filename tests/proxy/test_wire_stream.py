@@ -277,6 +277,7 @@ def test_no_answer_a_server_sends_stops_the_proxy_reading_it(
     from rlreplay.proxy.trajectories import (
         ContinuationIndex,
         ProxyTrajectory,
+        context_of,
         context_sequence,
         prompt_sequence,
     )
@@ -294,7 +295,7 @@ def test_no_answer_a_server_sends_stops_the_proxy_reading_it(
         if context is not None:
             kind, sequence = context
             traj = ProxyTrajectory(TrajectoryKey(), explicit=False)
-            index.add(context, traj)
+            index.add(context_of(kind, sequence), traj)
             longer = sequence + "..." if isinstance(sequence, str) else (*sequence, "...")
             assert index.claim((kind, longer)) == (traj, False)  # the call that continues joins it
     for whole in chunks:
