@@ -63,33 +63,30 @@ class StreamRead:
     request: Kept
 
 
-def read_stream(
-    route: str,
-    body: dict[str, Any],
-    request: bytes,
-    wire: bytes,
-    continued: bool,
-    upstream: bytes | None = None,
-) -> StreamRead:
-    """Read the SSE answer ``wire`` to the request ``body`` (its bytes: ``request``), as the
-    client got it; ``upstream``: the complete events the upstream sent, when the proxy changed
-    them (what the answer says is read there); ``continued``: a later call may continue it, so
-    find its digest (``upstream`` None with ``wire`` holding more: from what is kept)."""
-    chunks = stream_chunks(wire if upstream is None else upstream)
+def read_stream(route: str, body: dict[str, Any], request: bytes, wire: bytes, continued: bool) -> StreamRead:
+    """Read the SSE answer ``wire`` to the request ``body`` (its bytes: ``request``);
+    ``continued``: a later call may continue it, so find its digest."""
+    chunks = stream_chunks(wire)
     answer = StreamedAnswer(route, body)
     for chunk in chunks:
         answer.add(chunk)
     found = answer.generated()
     kept = keep(wire)
     shown = kept.of(wire)
-    stream = None
-    if shown is None:  # the chunks the client got, each as a value
-        stream = chunks if upstream is None else stream_chunks(wire)
+    stream = chunks if shown is None else None  # the chunks, each as a value
     context = None
     if continued:
         record = {**found.record(), **({"wire": shown} if shown is not None else {"stream": stream})}
         context = context_key(route, body, record, chunks)
     return StreamRead(found, kept, stream, context, keep(request))
+
+
+def read_kept_stream(request: bytes, wire: bytes) -> StreamRead:
+    """An SSE answer the proxy read on the way: its bytes as kept (its chunks as values when they
+    cannot be), and the request's."""
+    kept = keep(wire)
+    stream = stream_chunks(wire) if kept.of(wire) is None else None
+    return StreamRead(None, kept, stream, None, keep(request))
 
 
 @dataclass

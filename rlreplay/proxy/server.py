@@ -3,7 +3,8 @@ generations, answers from a recording in a replay.
 
 Generating routes (``rlreplay.proxy.protocol.GENERATING``) are parsed, asked for token ids and
 log-probs, answered to the client as the upstream would have answered it (streams chunk by chunk,
-as they arrive) and recorded; a body that is not a JSON object goes to the upstream as is,
+as they arrive) and recorded, what is recorded of the answer read in a reading process
+(``rlreplay.proxy.readers``); a body that is not a JSON object goes to the upstream as is,
 unrecorded. Every other route passes through unchanged, both ways (weight updates advance the step).
 ``POST /rlreplay/step`` sets the step, ``POST /rlreplay/signals`` records rewards for a trajectory.
 An upstream that cannot be reached is a 502 with one line, and the call leaves no trajectory.
@@ -30,6 +31,7 @@ from rlreplay.proxy.answers import (
     json_bytes,
     keep,
     kept_bytes,
+    read_kept_stream,
     read_stream,
     read_whole,
 )
@@ -38,8 +40,8 @@ from rlreplay.proxy.protocol import (
     GENERATING,
     NOT_JSON,
     Generated,
+    StreamedAnswer,
     ask_for_tokens,
-    client_chunk,
     is_streamed,
     is_weight_update,
     long_number,
@@ -395,7 +397,9 @@ class Proxy:
         sent: list[bytes] = []  # what the client got, in order
         held: list[bytes] = []  # what waits for the call to be durable: the answer's end
         rewriting = bool(call.added)
-        upstream: list[bytes] = []  # the upstream's complete events, when the proxy rewrites them
+        # a rewritten stream is read on the way (each event is read to rewrite it), what the
+        # upstream said before what the proxy asked for is taken out
+        answer = StreamedAnswer(call.route, call.body) if rewriting else None
         buffer = b""
         failure: str | None = None
         upstream_failed = False
@@ -403,8 +407,7 @@ class Proxy:
             async for piece in resp.content.iter_any():
                 if rewriting:
                     events, buffer = sse_events(buffer + piece)
-                    upstream += (event + b"\n\n" for event in events)
-                    piece = _client_events(call, events)
+                    piece = _client_events(call, events, answer)
                     if not piece:
                         continue
                 if held or b"[DONE]" in piece or b"response.completed" in piece:  # the answer's end
@@ -422,12 +425,13 @@ class Proxy:
             failure, upstream_failed = f"the upstream's stream broke off: {_why(exc)}", True
         end = time.time_ns()
         wire = b"".join(sent) + b"".join(held)
-        # the next call's prompt is matched against what the client got; an unfinished last event
-        # of a rewritten stream is matched as kept
-        continued = failure is None and not call.traj.explicit and not (rewriting and buffer)
-        events = b"".join(upstream) if rewriting else None
-        read = await self.readers.run(read_stream, call.route, call.body, call.raw, wire, continued, events)
-        found, context = read.found, read.context
+        if answer is not None:
+            read = await self.readers.run(read_kept_stream, call.raw, wire)
+            found = answer.generated()
+        else:
+            continued = failure is None and not call.traj.explicit
+            read = await self.readers.run(read_stream, call.route, call.body, call.raw, wire, continued)
+            found, context = read.found, read.context
         kept_read, stream, call.request_kept = read.kept, read.stream, read.request
         record = {"status": resp.status, **_content_type(resp), **found.record()}
         kept = kept_read.of(wire)
@@ -444,8 +448,11 @@ class Proxy:
             if upstream_failed:  # the client sees the stream fail, as it would without the proxy
                 _abort(request)
             return out
-        if rewriting and buffer:
-            self.trajectories.continues(call.traj, call.route, call.body, record)
+        if answer is not None:
+            # what the next call's prompt is matched against: the chunks read on the way when the
+            # wire holds only their events (an unfinished last one: what is kept)
+            read_on_way = None if buffer else answer.chunks
+            self.trajectories.continues(call.traj, call.route, call.body, record, read_on_way)
         else:
             self.trajectories.continues_at(call.traj, context)
         await self._durable()
@@ -574,9 +581,9 @@ class Call:
         return {**out, **extra} if extra else out
 
 
-def _client_events(call: Call, events: list[bytes]) -> bytes:
+def _client_events(call: Call, events: list[bytes], answer: StreamedAnswer) -> bytes:
     """SSE events (without their blank lines) as the client gets them: without what the proxy asked
-    for (what they say is read from the upstream's events, off the serving loop)."""
+    for, each chunk read into ``answer`` on the way."""
     out = []
     added = call.added
     short = not long_number(b"".join(events))  # looked for once, not event by event
@@ -589,7 +596,7 @@ def _client_events(call: Call, events: list[bytes]) -> bytes:
         plain = obj is not NOT_JSON
         if not plain and data is not None:
             obj = read_json(data)  # NaN, lone surrogates: what orjson does not read
-        seen = None if obj is NOT_JSON else client_chunk(call.route, obj, added)
+        seen = None if obj is NOT_JSON else answer.take(obj, added)
         out.append(event + b"\n\n" if seen is None else b"data: " + json_bytes(seen, plain) + b"\n\n")
     return b"".join(out)
 

@@ -68,31 +68,47 @@ def whole(ids: list[int], text: str) -> list[bytes]:
     return [json.dumps({"choices": [choice]}).encode()]
 
 
-#: (tag, streamed, the answer's ids, its text): a conversation of three calls, the first answer
-#: holding a key, then an answer that is no JSON
+def without_ids(pieces: list[bytes]) -> bytes:
+    """A stream as a client that did not ask for ids and log-probs gets it: each chunk that holds
+    them written again without them (ids left out, log-probs null), the others as they came."""
+    out = []
+    for piece in pieces:
+        chunk = json.loads(piece[6:]) if piece != b"data: [DONE]\n\n" else None
+        choice = chunk["choices"][0] if chunk else {}
+        if "token_ids" not in choice and choice.get("logprobs") is None:
+            out.append(piece)
+            continue
+        choice.pop("token_ids", None)
+        choice["logprobs"] = None
+        out.append(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+    return b"".join(out)
+
+
+#: (tag, streamed, whether the client asks for ids and log-probs, the answer's ids, its text): a
+#: conversation of four calls, the first answer holding a key, the last one rewritten by the
+#: proxy (it asks for what the client did not); then an answer that is no JSON
 CALLS = [
-    ("first", True, [11, 12, 13], f"use {SECRET} here"),
-    ("second", False, [21, 22], "done now"),
-    ("third", True, [31, 32], "and more"),
+    ("first", True, True, [11, 12, 13], f"use {SECRET} here"),
+    ("second", False, True, [21, 22], "done now"),
+    ("third", True, True, [31, 32], "and more"),
+    ("fourth", True, False, [41, 42, 43], "the last one"),
 ]
 
 
 def converse(proxy: ProxyProcess, upstream: Upstream, prefix: str) -> list[bytes]:
-    """The conversation through ``proxy``, the client asking for ids and log-probs; what it got."""
+    """The conversation through ``proxy``; what the client got."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": f"{prefix}: go"}]
     got = []
-    for tag, is_stream, ids, text in CALLS:
+    for tag, is_stream, asks, ids, text in CALLS:
         answer = streamed(ids, text) if is_stream else whole(ids, text)
         kind = "text/event-stream" if is_stream else "application/json"
         upstream.script(f"{prefix}-{tag}", Script(answer, content_type=kind))
-        body = {"model": "m", "messages": messages, "stream": is_stream, "logprobs": True}
-        reply = httpx.post(
-            f"{proxy.url}{CHAT}",
-            json={**body, "return_token_ids": True},
-            headers={"X-Test": f"{prefix}-{tag}"},
-        )
+        body: dict[str, Any] = {"model": "m", "messages": messages, "stream": is_stream}
+        if asks:
+            body.update(logprobs=True, return_token_ids=True)
+        reply = httpx.post(f"{proxy.url}{CHAT}", json=body, headers={"X-Test": f"{prefix}-{tag}"})
         assert reply.status_code == 200, reply.text
-        assert reply.content == b"".join(answer)
+        assert reply.content == (b"".join(answer) if asks else without_ids(answer))
         got.append(reply.content)
         messages = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": "on"}]
     upstream.script(f"{prefix}-odd", Script([b"not json at all"], content_type="text/plain"))
@@ -143,9 +159,9 @@ def test_a_run_is_the_same_read_in_reading_processes_or_in_the_proxy(
     finally:
         assert proxy.stop() == 0, proxy.stderr
     conversation, odd = recorded(tmp_path / "run")
-    # the three calls continue one another: one trajectory; the answer that is no JSON: another
-    assert [len(conversation), len(odd)] == [3, 1]
-    for call, (_, is_stream, ids, _), answer in zip(conversation, CALLS, answers):
+    # the calls continue one another: one trajectory; the answer that is no JSON: another
+    assert [len(conversation), len(odd)] == [len(CALLS), 1]
+    for call, (_, is_stream, _, ids, _), answer in zip(conversation, CALLS, answers):
         assert call["wire"] == answer.replace(SECRET.encode(), b"***")  # the key, and only it, hidden
         assert call["token_ids"] == ids
         expected_lps = [-0.25 * (i + 1) for i in range(len(ids))] if is_stream else [-0.5] * len(ids)
@@ -165,9 +181,9 @@ def test_a_reading_process_that_dies_costs_no_record(upstream: Upstream, tmp_pat
     finally:
         assert proxy.stop() == 0, proxy.stderr
     runs = recorded(tmp_path / "run")
-    assert [len(calls) for calls in runs] == [3, 3, 1, 1]
+    assert [len(calls) for calls in runs] == [len(CALLS), len(CALLS), 1, 1]
     for calls in runs[:2]:
-        assert [c["token_ids"] for c in calls] == [ids for _, _, ids, _ in CALLS]
+        assert [c["token_ids"] for c in calls] == [ids for _, _, _, ids, _ in CALLS]
     wires = sorted(c["wire"] for calls in runs[:2] for c in calls)
     assert wires == sorted(a.replace(SECRET.encode(), b"***") for a in before + after)
     assert proxy.stderr.count("a reading process stopped") == 1
