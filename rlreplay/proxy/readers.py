@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 _SIZE = struct.Struct("<Q")
-_FAILED = (False, None)
+_GONE = (False, None)  # the process stopped before it answered
 T = TypeVar("T")
 
 
@@ -66,7 +66,7 @@ class _Process:
         while self.waiting:
             future = self.waiting.popleft()
             if not future.done():
-                future.set_result(_FAILED)
+                future.set_result(_GONE)
 
     async def ask(self, message: bytes) -> tuple[bool, Any]:
         stdin = self.proc.stdin
@@ -87,6 +87,7 @@ class Readers:
     def __init__(self, count: int | None = None) -> None:
         self.count = default_count() if count is None else count
         self.processes: list[_Process] = []
+        self.failed = 0  # calls a reading process could not read (the serving loop read them)
 
     async def start(self) -> None:
         package_root = str(Path(__file__).resolve().parents[2])
@@ -124,6 +125,15 @@ class Readers:
                 ok, value = await min(live, key=lambda p: len(p.waiting)).ask(message)
                 if ok:
                     return value
+                if value is not None:  # it raised: said once, then read here
+                    self.failed += 1
+                    if self.failed == 1:
+                        print(
+                            f"rlreplay proxy: a reading process could not read an answer ({value}); "
+                            "the proxy reads such answers itself",
+                            file=sys.stderr,
+                            flush=True,
+                        )
         return function(*args)
 
     async def stop(self) -> None:
@@ -162,8 +172,8 @@ def _read_calls() -> None:
             function, args = pickle.loads(message)
             answer: tuple[bool, Any] = (True, function(*args))
             out = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:  # the proxy reads this one itself, and meets the error there
-            out = pickle.dumps(_FAILED)
+        except Exception as exc:  # the proxy reads this one itself, and meets the error there
+            out = pickle.dumps((False, type(exc).__name__))  # its message may quote the answer
         try:
             channel.write(_SIZE.pack(len(out)) + out)
             channel.flush()

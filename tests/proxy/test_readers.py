@@ -169,6 +169,7 @@ def test_a_run_is_the_same_read_in_reading_processes_or_in_the_proxy(
         assert call["finish_reason"] == "stop"
     assert odd == [{"wire": b"not json at all", "token_ids": [], "log_probs": [], "finish_reason": None}]
     assert SECRET not in proxy.stderr
+    assert "could not read" not in proxy.stderr  # the reading processes read every answer
 
 
 def test_a_reading_process_that_dies_costs_no_record(upstream: Upstream, tmp_path: Path) -> None:
