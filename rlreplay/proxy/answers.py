@@ -107,8 +107,7 @@ def read_whole(
     route: str, body: dict[str, Any], request: bytes, added: frozenset[str], data: bytes, continued: bool
 ) -> WholeRead:
     """Read the whole answer ``data`` (its Content-Encoding undone) to the request ``body`` (its
-    bytes: ``request``);
-    ``added``: what the proxy asked for that the client did not."""
+    bytes: ``request``); ``added``: what the proxy asked for that the client did not."""
     plain = read_plain_json(data)
     obj = plain if plain is not NOT_JSON else read_json(data)
     found = seen = out = None
