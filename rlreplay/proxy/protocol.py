@@ -162,17 +162,6 @@ def take_out(obj: dict[str, Any], added: frozenset[str], streamed: bool) -> bool
     return changed
 
 
-def client_chunk(route: str, chunk: Any, added: frozenset[str]) -> Any:
-    """A streamed chunk as the client sees it (:func:`as_client_sees`) where that differs, else
-    None. An OpenAI-shaped chunk is changed in place."""
-    if not added or not isinstance(chunk, dict):
-        return None
-    if route in (CHAT, COMPLETIONS):
-        return chunk if take_out(chunk, added, streamed=True) else None
-    seen = as_client_sees(route, chunk, added, streamed=True)
-    return seen if seen is not chunk else None
-
-
 # ---- what a generation says about itself ---------------------------------------------------------
 
 
@@ -354,10 +343,16 @@ class StreamedAnswer:
                 self._read(chunk)
 
     def take(self, chunk: Any, added: frozenset[str]) -> Any:
-        """Add ``chunk``; it as the client sees it where that differs, else None
-        (:func:`client_chunk`)."""
+        """Add ``chunk``; it as the client sees it (:func:`as_client_sees`) where that differs,
+        else None. An OpenAI-shaped chunk is changed in place: what the answer keeps of it is
+        the client's."""
         self.add(chunk)
-        return client_chunk(self.route, chunk, added)
+        if not added or not isinstance(chunk, dict):
+            return None
+        if self._openai:
+            return chunk if take_out(chunk, added, streamed=True) else None
+        seen = as_client_sees(self.route, chunk, added, streamed=True)
+        return seen if seen is not chunk else None
 
     def _read(self, chunk: dict[str, Any]) -> None:
         found = self._found
