@@ -99,6 +99,7 @@ def proxy_command(
     """
     try:
         import aiohttp  # noqa: F401
+        import msgspec  # noqa: F401
     except ImportError as exc:
         fail(f"rlreplay proxy needs the 'proxy' extra ({exc.name} is missing): {install_hint('proxy')}")
     upstream = _upstream(upstream)

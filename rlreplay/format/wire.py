@@ -90,14 +90,14 @@ def sse_data(event: bytes) -> bytes | None:
 
 def sse_events(raw: bytes) -> tuple[list[bytes], bytes]:
     """Complete SSE events of ``raw`` (without their blank line) and what is left after them."""
-    raw = raw.replace(b"\r\n", b"\n")
+    if b"\r" in raw:
+        raw = raw.replace(b"\r\n", b"\n")
     parts = raw.split(b"\n\n")
     return parts[:-1], parts[-1]
 
 
-def stream_chunks(raw: bytes) -> list[Any]:
-    """The chunks of a whole SSE answer: each event's data as JSON, or as text when it is not JSON
-    (``[DONE]``)."""
+def stream_datas(raw: bytes) -> list[bytes]:
+    """The data of each event of a whole SSE answer, in order (an unfinished last event too)."""
     events, rest = sse_events(raw)
     if rest.strip():
         events.append(rest)
@@ -109,9 +109,17 @@ def stream_chunks(raw: bytes) -> list[Any]:
             data = sse_data(event)
             if data is not None:
                 datas.append(data)
+    return datas
+
+
+def read_chunk(data: bytes, short_numbers: bool = False) -> Any:
+    """One event's data as a chunk: its JSON value, or its text when it is not JSON (``[DONE]``)."""
+    value = read_json(data, short_numbers)
+    return data.decode("utf-8", "replace") if value is NOT_JSON else value
+
+
+def stream_chunks(raw: bytes) -> list[Any]:
+    """The chunks of a whole SSE answer (:func:`read_chunk` of each event's data)."""
     short = not long_number(raw)  # looked for once, not event by event
-    out: list[Any] = []
-    for data in datas:  # each on its own: events that are no JSON alone may be some together
-        value = read_json(data, short)
-        out.append(data.decode("utf-8", "replace") if value is NOT_JSON else value)
-    return out
+    # each on its own: events that are no JSON alone may be some together
+    return [read_chunk(data, short) for data in stream_datas(raw)]

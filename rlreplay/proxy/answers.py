@@ -16,6 +16,7 @@ from rlreplay.proxy.protocol import (
     StreamedAnswer,
     as_client_sees,
     generated,
+    read_chunks,
     read_json,
     read_plain_json,
     stream_chunks,
@@ -66,14 +67,15 @@ class StreamRead:
 def read_stream(route: str, body: dict[str, Any], request: bytes, wire: bytes, continued: bool) -> StreamRead:
     """Read the SSE answer ``wire`` to the request ``body`` (its bytes: ``request``);
     ``continued``: a later call may continue it, so find its digest."""
-    chunks = stream_chunks(wire)
+    kept = keep(wire)
+    shown = kept.of(wire)
+    # the chunks, each as a value, are kept where the bytes cannot be; else only what is read of them
+    chunks = stream_chunks(wire) if shown is None else read_chunks(route, wire)
     answer = StreamedAnswer(route, body)
     for chunk in chunks:
         answer.add(chunk)
     found = answer.generated()
-    kept = keep(wire)
-    shown = kept.of(wire)
-    stream = chunks if shown is None else None  # the chunks, each as a value
+    stream = chunks if shown is None else None
     context = None
     if continued:
         record = {**found.record(), **({"wire": shown} if shown is not None else {"stream": stream})}

@@ -18,18 +18,21 @@ as they do there). Pure functions over JSON values: no HTTP here.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from rlreplay.format.wire import (  # noqa: F401  (the proxy's names for them)
     NOT_JSON,
     long_number,
+    read_chunk,
     read_json,
     read_plain_json,
     sse_data,
     sse_events,
     stream_chunks,
+    stream_datas,
 )
 
 CHAT = "/v1/chat/completions"
@@ -425,6 +428,90 @@ class StreamedAnswer:
                 values.extend(one.get("log_probs") or ())
             choice["token_ids"], choice["log_probs"] = ids or None, values or None
         return found
+
+
+# ---- reading a streamed answer's chunks for what the proxy records -------------------------------
+
+
+class _ChatEntry(TypedDict, total=False):
+    logprob: Any
+
+
+class _ChatLogprobs(TypedDict, total=False):
+    content: list[_ChatEntry] | None
+
+
+class _Delta(TypedDict, total=False):
+    content: Any
+    tool_calls: Any
+
+
+class _ChatChoice(TypedDict, total=False):
+    index: Any
+    delta: _Delta | None
+    logprobs: _ChatLogprobs | None
+    token_ids: Any
+    prompt_token_ids: Any
+    finish_reason: Any
+
+
+class _CompletionLogprobs(TypedDict, total=False):
+    token_logprobs: Any
+
+
+class _CompletionChoice(TypedDict, total=False):
+    index: Any
+    text: Any
+    logprobs: _CompletionLogprobs | None
+    token_ids: Any
+    prompt_token_ids: Any
+    finish_reason: Any
+
+
+class _ChatChunk(TypedDict, total=False):
+    choices: list[_ChatChoice] | None
+    prompt_token_ids: Any
+    usage: Any
+    model: Any
+    system_fingerprint: Any
+    weight_version: Any
+
+
+class _CompletionChunk(TypedDict, total=False):
+    choices: list[_CompletionChoice] | None
+    prompt_token_ids: Any
+    usage: Any
+    model: Any
+    system_fingerprint: Any
+    weight_version: Any
+
+
+@functools.cache
+def _chunk_reader(route: str) -> Any:
+    import msgspec
+
+    shape = _ChatChunk if route == CHAT else _CompletionChunk
+    return msgspec.json.Decoder(shape).decode, (msgspec.ValidationError, msgspec.DecodeError)
+
+
+def read_chunks(route: str, raw: bytes) -> list[Any]:
+    """The chunks of a whole SSE answer as :class:`StreamedAnswer` and :func:`answer_of` read them:
+    an OpenAI-shaped chunk holds only the members they look at (read by msgspec against their
+    shapes, what else it holds skipped unread); any other event's data is read whole, as
+    :func:`stream_chunks` reads it. Both give those readers the same values."""
+    if route not in (CHAT, COMPLETIONS):
+        return stream_chunks(raw)
+    decode, refused = _chunk_reader(route)
+    out: list[Any] = []
+    short: bool | None = None
+    for data in stream_datas(raw):
+        try:
+            out.append(decode(data))
+        except refused:  # not of the shape (``[DONE]``, NaN, a lone surrogate): read whole
+            if short is None:
+                short = not long_number(raw)
+            out.append(read_chunk(data, short))
+    return out
 
 
 # ---- what a client asked, for trajectories ---------------------------------------------------------

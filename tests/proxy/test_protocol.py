@@ -9,7 +9,16 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlreplay.proxy.protocol import CHAT, COMPLETIONS, GENERATE, answer_of, generated, stream_chunks
+from rlreplay.proxy.protocol import (
+    CHAT,
+    COMPLETIONS,
+    GENERATE,
+    StreamedAnswer,
+    answer_of,
+    generated,
+    read_chunks,
+    stream_chunks,
+)
 
 JSON_SCALARS = st.one_of(
     st.none(),
@@ -117,3 +126,135 @@ def test_events_that_join_into_json_stay_text() -> None:
     datas = [b'{"a":1},{"b":2}', b'{"c":[{}', b"{}]}"]
     wire = b"".join(b"data: " + d + b"\n\n" for d in datas)
     assert stream_chunks(wire) == [d.decode() for d in datas]
+
+
+def _as_sent_or_odd(sent: st.SearchStrategy[Any], odd: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """A member as servers send it (most often), or anything else a server might put there."""
+    return st.one_of(sent, sent, sent, odd, JSON_VALUES)
+
+
+_FUNCTION = _as_sent_or_odd(
+    st.fixed_dictionaries({"name": st.text(max_size=4), "arguments": st.text(max_size=6)}),
+    st.fixed_dictionaries({}, optional={"name": JSON_VALUES, "arguments": JSON_VALUES}),
+)
+_TOOL_CALL = _as_sent_or_odd(
+    st.fixed_dictionaries({"index": st.integers(0, 1), "id": st.just("call_1"), "function": _FUNCTION}),
+    st.fixed_dictionaries({}, optional={"index": JSON_SCALARS, "function": _FUNCTION}),
+)
+_DELTA = _as_sent_or_odd(
+    st.fixed_dictionaries(
+        {"content": st.one_of(st.text(max_size=5), st.none())},
+        optional={"role": st.just("assistant"), "tool_calls": st.lists(_TOOL_CALL, min_size=1, max_size=2)},
+    ),
+    st.fixed_dictionaries({}, optional={"content": JSON_VALUES, "tool_calls": JSON_VALUES}),
+)
+_ENTRY = _as_sent_or_odd(
+    st.fixed_dictionaries(
+        {
+            "token": st.text(max_size=3),
+            "logprob": st.one_of(st.floats(allow_nan=False), st.integers(-3, 0)),  # -1 as some write it
+            "top_logprobs": st.just([]),
+        }
+    ),
+    st.fixed_dictionaries({}, optional={"token": st.text(max_size=3), "logprob": JSON_VALUES}),
+)
+_LOGPROBS = _as_sent_or_odd(
+    st.fixed_dictionaries(  # chat's, and completions' (each route reads its own)
+        {
+            "content": st.lists(_ENTRY, min_size=1, max_size=3),
+            "token_logprobs": st.lists(st.one_of(st.floats(allow_nan=False), st.integers(-3, 0)), max_size=3),
+        }
+    ),
+    st.fixed_dictionaries({}, optional={"content": JSON_VALUES, "token_logprobs": JSON_VALUES}),
+)
+_CHOICE = _as_sent_or_odd(
+    st.fixed_dictionaries(
+        {
+            "index": st.integers(0, 1),
+            "delta": _DELTA,
+            "logprobs": _LOGPROBS,
+            "finish_reason": st.sampled_from([None, "stop", "length"]),
+        },
+        optional={"text": st.text(max_size=5), "token_ids": IDS, "prompt_token_ids": IDS},
+    ),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "index": JSON_SCALARS,
+            "delta": JSON_VALUES,
+            "text": JSON_VALUES,
+            "logprobs": JSON_VALUES,
+            "finish_reason": JSON_VALUES,
+        },
+    ),
+)
+_CHUNK = _as_sent_or_odd(
+    st.fixed_dictionaries(
+        {"id": st.just("chatcmpl-1"), "object": st.just("chat.completion.chunk"), "model": st.just("m")},
+        optional={
+            "choices": st.lists(_CHOICE, min_size=1, max_size=2),
+            "prompt_token_ids": IDS,
+            "usage": st.fixed_dictionaries(
+                {"prompt_tokens": st.integers(0, 9)}, optional={"prompt_tokens_details": JSON_VALUES}
+            ),
+            "system_fingerprint": st.text(max_size=3),
+            "weight_version": JSON_SCALARS,
+        },
+    ),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "choices": JSON_VALUES,
+            "usage": JSON_VALUES,
+            "model": JSON_VALUES,
+            "weight_version": JSON_VALUES,
+        },
+    ),
+)
+
+
+def _event(chunk: Any, form: str) -> bytes:
+    """One event's data: the chunk as JSON in one of the forms servers write (or break)."""
+    if form == "spaced":
+        return json.dumps(chunk, indent=1).replace("\n", " ").encode()
+    if form == "repeated" and isinstance(chunk, dict):  # a member twice: the last one counts
+        return b'{"choices":null,"usage":[1],' + json.dumps(chunk).encode()[1:]
+    if form == "nan":  # what Python's reader takes and orjson does not
+        return json.dumps({"x": float("nan"), **chunk} if isinstance(chunk, dict) else [chunk]).encode()
+    if form == "surrogate":
+        return json.dumps({"model": "\ud83d", "c": chunk}).encode()
+    if form == "text":
+        return b"[DONE]"
+    return json.dumps(chunk).encode()
+
+
+def _reading(route: str, wire: bytes, chunks: list[Any]) -> tuple[Any, Any]:
+    answer = StreamedAnswer(route, {})
+    for chunk in chunks:
+        answer.add(chunk)
+    found = answer.generated()
+    return found, answer_of(route, {"wire": wire, **found.record()}, chunks)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    events=st.lists(
+        st.tuples(
+            _CHUNK,
+            st.sampled_from(["plain", "plain", "plain", "spaced", "repeated", "nan", "surrogate", "text"]),
+        ),
+        max_size=8,
+    ),
+    route=st.sampled_from([CHAT, COMPLETIONS]),
+)
+def test_reading_only_what_is_read_of_each_chunk_reads_what_the_whole_chunks_say(
+    events: list[tuple[Any, str]], route: str
+) -> None:
+    """``read_chunks`` leaves out of each chunk what no reader of a streamed answer looks at: the
+    ids, log-probs, finish reason, usage, engine fields and the answer a continuing call is
+    matched by are those of the chunks read whole, whatever the server wrote."""
+    wire = b"".join(b"data: " + _event(chunk, form) + b"\n\n" for chunk, form in events)
+    # told apart by their reprs: 1 and 1.0, true and 1, 0.0 and -0.0 are recorded differently
+    assert repr(_reading(route, wire, read_chunks(route, wire))) == repr(
+        _reading(route, wire, stream_chunks(wire))
+    )
