@@ -661,19 +661,21 @@ def _text_edits(text: str, env: list[str] | None = None, scan: bool = False) -> 
             edits.append((at, at + len(secret), REDACTED))
             at = text.find(secret, at + len(secret))
     colon = ":" in text
-    if colon and ("://" in text or ":\\/\\/" in text):
-        edits += _url_edits(text)
     # without = or :, only "is"/"was" can assign, and only to a password, a secret, a key or a token
     marks = _NAME_MARKS if colon or "=" in text else _IS_MARKS
-    edits += _assignment_edits(text, text.lower(), scan, marks)
-    for scheme in ("Bearer", "Basic"):
+    low = _without_data_names(text, text.lower())
+    held = _marks_held(low, marks)
+    if colon and ("://" in held or ":\\/\\/" in held):
+        edits += _url_edits(text)
+    edits += _assignment_edits(text, low, scan, tuple(m for m in marks if m in held))
+    for scheme in ("Bearer", "Basic") if "bearer" in held or "basic" in held else ():
         at = text.find(scheme)
         while at != -1:
             m = _BEARER_VALUE.match(text, at)
             if m is not None and not _WORD.fullmatch(m.group(2)):  # "Basic Instructions" is prose
                 edits.append((m.start(2), m.end(2), REDACTED))
             at = text.find(scheme, at + len(scheme))
-    if "-----BEGIN " in text:
+    if "-----begin " in held and "-----BEGIN " in text:
         edits += [(m.start(2), m.end(2), REDACTED) for m in _PEM.finditer(text) if m.group(2).strip()]
     if len(text) >= _RUN_SHORTEST:
         for start, end in _runs(text):
@@ -702,15 +704,44 @@ def _url_edits(text: str) -> list[Edit]:
     return edits
 
 
+def _without_data_names(text: str, low: str) -> str:
+    """``low`` (``text`` lowercased) with the JSON keys that name data blanked: no mark in them is
+    looked at."""
+    if '"' in text:
+        for bare, blank in _BARE_NAMES:
+            if bare in low:
+                low = low.replace(bare, blank)
+    return low
+
+
+#: Marks of a credential's form besides the names': a URL, an auth scheme, armour (lowercase).
+_FORM_MARKS = ("://", ":\\/\\/", "bearer", "basic", "-----begin ")
+#: From this length on, a text's marks are looked for in one pass rather than one search each.
+_MARKS_IN_ONE_PASS = 2048
+
+
+@functools.cache
+def _mark_finder(marks: tuple[str, ...]) -> Any:
+    import ahocorasick_rs
+
+    return ahocorasick_rs.BytesAhoCorasick([mark.encode() for mark in marks]).find_matches_as_indexes
+
+
+def _marks_held(low: str, marks: tuple[str, ...]) -> set[str]:
+    """Which of ``marks`` and :data:`_FORM_MARKS` the lowercased text ``low`` holds."""
+    every = marks + _FORM_MARKS
+    if len(low) < _MARKS_IN_ONE_PASS:
+        return {mark for mark in every if mark in low}
+    found = _mark_finder(every)(low.encode("utf-8", "surrogatepass"), overlapping=True)
+    return {every[i] for i in {i for i, _, _ in found}}
+
+
 def _assignment_edits(
     text: str, low: str, scan: bool = False, marks: tuple[str, ...] = _NAME_MARKS
 ) -> list[Edit]:
     """The values of credential names assigned in ``text``: ``password: X``, ``pw=X``,
-    ``"api_key": "X"``, ``API key is X`` (after ``is``, a quoted value or one that is not a word)."""
-    if '"' in text:  # JSON keys that name data: skipped at C speed
-        for bare, blank in _BARE_NAMES:
-            if bare in low:
-                low = low.replace(bare, blank)
+    ``"api_key": "X"``, ``API key is X`` (after ``is``, a quoted value or one that is not a word).
+    ``low``: ``text`` lowercased, :func:`_without_data_names`; ``marks``: those it holds."""
     edits: list[Edit] = []
     for mark in marks:
         at = low.find(mark)

@@ -10,10 +10,19 @@ import json
 import string
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from rlreplay.format.redact import _BARE_NAMES, REDACTED, credential_name, redact_json_bytes
+from rlreplay.format.redact import (
+    _BARE_NAMES,
+    _FORM_MARKS,
+    _IS_MARKS,
+    _NAME_MARKS,
+    REDACTED,
+    _marks_held,
+    credential_name,
+    redact_json_bytes,
+)
 
 #: Words and phrases that are data, however much they look like names of secrets.
 DATA_WORDS = [
@@ -258,19 +267,57 @@ _STYLES = st.integers(0, 7)
 _SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+def _padded(value: Any, long: bool) -> Any:
+    """``value``, or ``value`` beside prose long enough that its marks are looked for in one pass."""
+    return {"notes": " ".join(["the tokens of a long answer"] * 120), "value": value} if long else value
+
+
 @_SETTINGS
-@given(value=SAFE_JSON, style=_STYLES)
-def test_a_body_without_credentials_comes_back_as_it_is(value: Any, style: int) -> None:
-    raw = _dumps(value, style)
+@given(value=SAFE_JSON, style=_STYLES, long=st.booleans())
+def test_a_body_without_credentials_comes_back_as_it_is(value: Any, style: int, long: bool) -> None:
+    raw = _dumps(_padded(value, long), style)
     assert redact_json_bytes(raw) is raw
 
 
 @_SETTINGS
-@given(value=_with_secrets(), style=_STYLES)
-def test_exactly_the_credentials_are_replaced(value: Any, style: int) -> None:
+@given(value=_with_secrets(), style=_STYLES, long=st.booleans())
+def test_exactly_the_credentials_are_replaced(value: Any, style: int, long: bool) -> None:
+    value = _padded(value, long)
     sent, expected = _dumps(_render(value, True), style), _dumps(_render(value, False), style)
     assert sent != expected
     assert redact_json_bytes(sent) == expected
+
+
+_WHOLE_MARKS = [*_NAME_MARKS, *_FORM_MARKS, *(bare for bare, _ in _BARE_NAMES)]
+_MARK_PIECES = st.sampled_from(
+    [
+        *_WHOLE_MARKS,
+        *{m[:n] for m in _WHOLE_MARKS for n in (1, 2, 3)},  # marks that meet across pieces
+        *{m[-n:] for m in _WHOLE_MARKS for n in (1, 2, 3)},
+        *{  # two marks that share letters: "secretoken", "cookiey"
+            a + b[k:]
+            for a in _WHOLE_MARKS
+            for b in _WHOLE_MARKS
+            for k in range(1, len(b))
+            if a.endswith(b[:k])
+        },
+        *("x", "é", "\ud83d", "\u4e00", " "),
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(_MARK_PIECES, max_size=60), filler=st.integers(0, 3000), prose=st.booleans())
+@example(pieces=["secretoken"], filler=3000, prose=False)  # "token" shares the "t" of "secret"
+@example(pieces=["to", "\u4e00", "ken"], filler=3000, prose=False)  # no "token": a character between
+def test_the_marks_a_long_text_holds_are_found_in_one_pass(
+    pieces: list[str], filler: int, prose: bool
+) -> None:
+    """Whatever its length, a text's marks are those a search for each finds (overlapping,
+    anywhere, beside any character)."""
+    low = "".join(pieces) + "." * filler + "".join(reversed(pieces))
+    marks = _IS_MARKS if prose else _NAME_MARKS
+    assert _marks_held(low, marks) == {m for m in (*marks, *_FORM_MARKS) if m in low}
 
 
 @settings(max_examples=10, deadline=None)
