@@ -179,10 +179,11 @@ def answer_calls(spans: pa.Table) -> Any:
     if "output" not in spans.column_names:
         return calls
     from rlreplay.format import payload
-    from rlreplay.format.tool_errors import TOOL_CALL_PATTERN, answer_tool_calls
+    from rlreplay.format.marks import holds_any
+    from rlreplay.format.tool_errors import TOOL_CALL_MARKS, answer_tool_calls
 
     output = spans["output"]
-    named = _np(ops.fill_null(ops.match_substring_regex(output, TOOL_CALL_PATTERN), False))
+    named = holds_any(output, TOOL_CALL_MARKS)
     rows = np.flatnonzero((_np(spans["kind"]) == KIND_LLM) & named)
     if len(rows):
         for row, text in zip(rows, ops.take(output, ops.from_numpy(rows)).to_pylist()):

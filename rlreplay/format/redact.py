@@ -61,6 +61,8 @@ import string
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rlreplay.format.marks import held
+
 REDACTED = "***"
 
 _ANYWHERE = frozenset({"secret", "secrets", "credential", "credentials"})
@@ -720,20 +722,12 @@ _FORM_MARKS = ("://", ":\\/\\/", "bearer", "basic", "-----begin ")
 _MARKS_IN_ONE_PASS = 2048
 
 
-@functools.cache
-def _mark_finder(marks: tuple[str, ...]) -> Any:
-    import ahocorasick_rs
-
-    return ahocorasick_rs.BytesAhoCorasick([mark.encode() for mark in marks]).find_matches_as_indexes
-
-
 def _marks_held(low: str, marks: tuple[str, ...]) -> set[str]:
     """Which of ``marks`` and :data:`_FORM_MARKS` the lowercased text ``low`` holds."""
     every = marks + _FORM_MARKS
     if len(low) < _MARKS_IN_ONE_PASS:
         return {mark for mark in every if mark in low}
-    found = _mark_finder(every)(low.encode("utf-8", "surrogatepass"), overlapping=True)
-    return {every[i] for i in {i for i, _, _ in found}}
+    return held(low.encode("utf-8", "surrogatepass"), every)
 
 
 def _assignment_edits(

@@ -51,17 +51,14 @@ def base64_forms(mark: bytes) -> list[str]:
     return forms
 
 
-#: A regular expression (RE2's and Python's) that the text of an llm span's output matches when its
-#: answer may call a tool (a cheap test before decoding): the keys read below, or the base64 form of
+#: Substrings one of which the text of an llm span's output holds when its answer may call a tool
+#: (a cheap test before decoding): the keys read below, or the base64 form of
 #: :data:`WIRE_CALL_MARKS` within an answer's bytes as the proxy keeps them (``"wire"``).
-TOOL_CALL_PATTERN = "|".join(
-    re.escape(mark)
-    for mark in (
-        "tool_calls",
-        "function_call",
-        '"calls"',
-        *(form for mark in WIRE_CALL_MARKS for form in base64_forms(mark)),
-    )
+TOOL_CALL_MARKS = (
+    "tool_calls",
+    "function_call",
+    '"calls"',
+    *(form for mark in WIRE_CALL_MARKS for form in base64_forms(mark)),
 )
 
 
