@@ -96,8 +96,24 @@ def sse_events(raw: bytes) -> tuple[list[bytes], bytes]:
     return parts[:-1], parts[-1]
 
 
+_NEXT_DATA = b"\n\ndata: "
+
+
 def stream_datas(raw: bytes) -> list[bytes]:
     """The data of each event of a whole SSE answer, in order (an unfinished last event too)."""
+    # every line break in a blank line before "data: " or at the end: each event is one data line
+    # (the usual stream), split at once
+    if (
+        raw.startswith(b"data: ")
+        and raw.endswith(b"\n\n")
+        and b"\r" not in raw
+        and raw.count(b"\n") == 2 * raw.count(_NEXT_DATA) + 2
+    ):
+        return raw[6:-2].split(_NEXT_DATA)
+    return _event_by_event(raw)
+
+
+def _event_by_event(raw: bytes) -> list[bytes]:
     events, rest = sse_events(raw)
     if rest.strip():
         events.append(rest)
