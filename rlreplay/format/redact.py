@@ -666,18 +666,23 @@ def _text_edits(text: str, env: list[str] | None = None, scan: bool = False) -> 
     # without = or :, only "is"/"was" can assign, and only to a password, a secret, a key or a token
     marks = _NAME_MARKS if colon or "=" in text else _IS_MARKS
     low = _without_data_names(text, text.lower())
-    held = _marks_held(low, marks)
-    if colon and ("://" in held or ":\\/\\/" in held):
+    schemes = pem = True  # in a short text, each search below decides
+    if len(low) >= _MARKS_IN_ONE_PASS:  # a long one: every mark looked for in one pass first
+        present = held(low.encode("utf-8", "surrogatepass"), marks + _FORM_MARKS)
+        marks = tuple(mark for mark in marks if mark in present)
+        colon = colon and ("://" in present or ":\\/\\/" in present)
+        schemes, pem = "bearer" in present or "basic" in present, "-----begin " in present
+    if colon and ("://" in text or ":\\/\\/" in text):
         edits += _url_edits(text)
-    edits += _assignment_edits(text, low, scan, tuple(m for m in marks if m in held))
-    for scheme in ("Bearer", "Basic") if "bearer" in held or "basic" in held else ():
+    edits += _assignment_edits(text, low, scan, marks)
+    for scheme in ("Bearer", "Basic") if schemes else ():
         at = text.find(scheme)
         while at != -1:
             m = _BEARER_VALUE.match(text, at)
             if m is not None and not _WORD.fullmatch(m.group(2)):  # "Basic Instructions" is prose
                 edits.append((m.start(2), m.end(2), REDACTED))
             at = text.find(scheme, at + len(scheme))
-    if "-----begin " in held and "-----BEGIN " in text:
+    if pem and "-----BEGIN " in text:
         edits += [(m.start(2), m.end(2), REDACTED) for m in _PEM.finditer(text) if m.group(2).strip()]
     if len(text) >= _RUN_SHORTEST:
         for start, end in _runs(text):
@@ -720,14 +725,6 @@ def _without_data_names(text: str, low: str) -> str:
 _FORM_MARKS = ("://", ":\\/\\/", "bearer", "basic", "-----begin ")
 #: From this length on, a text's marks are looked for in one pass rather than one search each.
 _MARKS_IN_ONE_PASS = 2048
-
-
-def _marks_held(low: str, marks: tuple[str, ...]) -> set[str]:
-    """Which of ``marks`` and :data:`_FORM_MARKS` the lowercased text ``low`` holds."""
-    every = marks + _FORM_MARKS
-    if len(low) < _MARKS_IN_ONE_PASS:
-        return {mark for mark in every if mark in low}
-    return held(low.encode("utf-8", "surrogatepass"), every)
 
 
 def _assignment_edits(
