@@ -441,49 +441,46 @@ class _ChatLogprobs(TypedDict, total=False):
     content: list[_ChatEntry] | None
 
 
+class _CompletionLogprobs(TypedDict, total=False):
+    token_logprobs: Any
+
+
 class _Delta(TypedDict, total=False):
     content: Any
     tool_calls: Any
 
 
-class _ChatChoice(TypedDict, total=False):
+class _Choice(TypedDict, total=False):
     index: Any
+    token_ids: Any
+    prompt_token_ids: Any
+    finish_reason: Any
+
+
+class _ChatChoice(_Choice, total=False):
     delta: _Delta | None
     logprobs: _ChatLogprobs | None
-    token_ids: Any
-    prompt_token_ids: Any
-    finish_reason: Any
 
 
-class _CompletionLogprobs(TypedDict, total=False):
-    token_logprobs: Any
-
-
-class _CompletionChoice(TypedDict, total=False):
-    index: Any
+class _CompletionChoice(_Choice, total=False):
     text: Any
     logprobs: _CompletionLogprobs | None
-    token_ids: Any
+
+
+class _Chunk(TypedDict, total=False):
     prompt_token_ids: Any
-    finish_reason: Any
+    usage: Any
+    model: Any
+    system_fingerprint: Any
+    weight_version: Any
 
 
-class _ChatChunk(TypedDict, total=False):
+class _ChatChunk(_Chunk, total=False):
     choices: list[_ChatChoice] | None
-    prompt_token_ids: Any
-    usage: Any
-    model: Any
-    system_fingerprint: Any
-    weight_version: Any
 
 
-class _CompletionChunk(TypedDict, total=False):
+class _CompletionChunk(_Chunk, total=False):
     choices: list[_CompletionChoice] | None
-    prompt_token_ids: Any
-    usage: Any
-    model: Any
-    system_fingerprint: Any
-    weight_version: Any
 
 
 @functools.cache

@@ -31,8 +31,8 @@ def default_count() -> int:
     return max(1, min(4, (os.cpu_count() or 1) - 1))
 
 
-#: What a pipe to or from a reading process holds: an answer of ~0.5 MB passes in one write rather
-#: than one per 64 KB (the default), each of which wakes the serving loop.
+#: What the pipe to a reading process holds: an answer of ~0.5 MB passes in one write rather than
+#: one per 64 KB (the default), each of which wakes the serving loop.
 PIPE_BYTES = 1 << 20
 
 
@@ -40,13 +40,14 @@ def _widen(calls: asyncio.StreamWriter) -> None:
     """Give the pipe to a reading process room for :data:`PIPE_BYTES`, and let that much wait to
     be written without holding the call back (Linux; elsewhere, or beyond the system's limit, the
     pipe stays as it is)."""
-    import fcntl
-
-    set_size = getattr(fcntl, "F_SETPIPE_SZ", None)
     pipe = calls.transport.get_extra_info("pipe")
-    if set_size is not None and pipe is not None:
+    try:
+        from fcntl import F_SETPIPE_SZ, fcntl
+    except ImportError:  # not Linux
+        pipe = None
+    if pipe is not None:
         with contextlib.suppress(OSError):
-            fcntl.fcntl(pipe.fileno(), set_size, PIPE_BYTES)
+            fcntl(pipe.fileno(), F_SETPIPE_SZ, PIPE_BYTES)
     calls.transport.set_write_buffer_limits(high=PIPE_BYTES)
 
 
