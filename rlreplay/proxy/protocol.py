@@ -12,8 +12,9 @@ token counts, ``cached_tokens``, ``e2e_latency``, ``weight_version`` and
 (recorded as answered: no field of it asks for token ids; streamed as typed SSE events, the last
 of which carries the whole response). Asking for ids and log-probs changes no
 sampling; what the proxy asked for is taken out of the answer before the client sees it (set to
-null in a whole answer, as the servers write fields nobody asked for; left out of streamed chunks,
-as they do there). Pure functions over JSON values: no HTTP here.
+null in a whole answer, as the servers write fields nobody asked for; in a streamed chunk ids left
+out and log-probs null, as they write them there; a chunk's other members keep their bytes). Pure
+functions over JSON values and bytes: no HTTP here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any
+
+import msgspec
 
 from rlreplay.format.wire import (  # noqa: F401  (the proxy's names for them)
     NOT_JSON,
@@ -165,6 +168,55 @@ def take_out(obj: dict[str, Any], added: frozenset[str], streamed: bool) -> bool
     return changed
 
 
+@functools.cache
+def _member_codec() -> tuple[Any, Any, Any]:
+    raw = msgspec.Raw
+    return (
+        msgspec.json.Decoder(dict[str, raw]).decode,
+        msgspec.json.Decoder(list[dict[str, raw]]).decode,
+        msgspec.json.Encoder().encode,
+    )
+
+
+#: What msgspec raises for bytes that are not of the shape it reads them against.
+SHAPE_REFUSED = (msgspec.ValidationError, msgspec.DecodeError)
+_NULL = msgspec.Raw(b"null")
+
+
+def _given(member: Any) -> bool:
+    return member is not None and member != _NULL
+
+
+def taken_out(data: bytes, added: frozenset[str]) -> bytes | None:
+    """An OpenAI-shaped streamed chunk's bytes after :func:`take_out`: its members in order, each
+    value's bytes as they were, but what the proxy asked for; None where nothing was asked for.
+    Raises :data:`SHAPE_REFUSED` where ``data`` is no such chunk (``choices`` no list of objects,
+    or no JSON that msgspec reads: NaN, a lone surrogate)."""
+    members_of, choices_of, encode = _member_codec()
+    obj = members_of(data)
+    ids = ADDED_IDS in added
+    changed = False
+    if ids and _given(obj.get("prompt_token_ids")):
+        del obj["prompt_token_ids"]
+        changed = True
+    listed = obj.get("choices")
+    if _given(listed):
+        choices = choices_of(listed)
+        changed_choices = False
+        for choice in choices:
+            if ids and (_given(choice.get("token_ids")) or _given(choice.get("prompt_token_ids"))):
+                choice.pop("token_ids", None)
+                choice.pop("prompt_token_ids", None)
+                changed_choices = True
+            if ADDED_LOGPROBS in added and _given(choice.get("logprobs")):
+                choice["logprobs"] = _NULL
+                changed_choices = True
+        if changed_choices:
+            obj["choices"] = choices
+            changed = True
+    return encode(obj) if changed else None
+
+
 # ---- what a generation says about itself ---------------------------------------------------------
 
 
@@ -225,13 +277,23 @@ def _completion_logprobs(logprobs: Any) -> list[float] | None:
 
 
 def _engine_openai(obj: dict[str, Any], engine: dict[str, Any]) -> None:
-    usage = obj.get("usage")
+    _engine_values(
+        engine, obj.get("usage"), obj.get("model"), obj.get("system_fingerprint"), obj.get("weight_version")
+    )
+
+
+def _engine_values(engine: dict[str, Any], usage: Any, *named: Any) -> None:
+    """``engine`` with the cached tokens of ``usage`` and the model, system fingerprint and weight
+    version ``named``, where they are given."""
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     if isinstance(details, dict) and details.get("cached_tokens") is not None:
         engine["cached_tokens"] = details["cached_tokens"]
-    for key in ("model", "system_fingerprint", "weight_version"):
-        if obj.get(key) is not None:
-            engine[key] = obj[key]
+    for key, value in zip(_ENGINE_NAMES, named):
+        if value is not None:
+            engine[key] = value
+
+
+_ENGINE_NAMES = ("model", "system_fingerprint", "weight_version")
 
 
 def _sglang_logprobs(meta: dict[str, Any]) -> tuple[list[float] | None, list[int] | None]:
@@ -316,7 +378,10 @@ def _str(value: Any) -> str:
 def whole_index(item: dict[str, Any]) -> int | None:
     """The ``index`` of a streamed choice or tool call (0 when it has none), None when it is no
     whole number (a server's ``"x"``, a list): what names no choice joins none."""
-    index = item.get("index") or 0
+    return _whole(item.get("index") or 0)
+
+
+def _whole(index: Any) -> int | None:
     if type(index) is int:
         return index
     try:
@@ -344,6 +409,9 @@ class StreamedAnswer:
             self.chunks.append(chunk)
             if self._openai:
                 self._read(chunk)
+        elif isinstance(chunk, _Chunk):
+            self.chunks.append(chunk)
+            self._read_shaped(chunk)
 
     def take(self, chunk: Any, added: frozenset[str]) -> Any:
         """Add ``chunk``; it as the client sees it (:func:`as_client_sees`) where that differs,
@@ -391,6 +459,51 @@ class StreamedAnswer:
             if choice.get("finish_reason") is not None:
                 one["finish_reason"] = choice["finish_reason"]
 
+    def _read_shaped(self, chunk: ReadChunk) -> None:
+        """:meth:`_read` of a chunk :func:`read_chunks` read against its shape."""
+        found = self._found
+        if found.prompt_ids is None:
+            found.prompt_ids = _ids(chunk.prompt_token_ids)
+        usage, model, fingerprint, version = (
+            chunk.usage,
+            chunk.model,
+            chunk.system_fingerprint,
+            chunk.weight_version,
+        )
+        if usage is not None or fingerprint is not None or version is not None:
+            if isinstance(usage, dict):
+                found.usage = usage
+            _engine_values(found.engine, usage, model, fingerprint, version)
+        elif model is not None:  # vLLM names it in every chunk
+            found.engine["model"] = model
+        chat = self.route == CHAT
+        for choice in chunk.choices or ():
+            index = choice.index or 0
+            if type(index) is not int:
+                index = _whole(index)
+                if index is None:
+                    continue
+            one = self._by_index.get(index)
+            if one is None:
+                one = self._by_index[index] = {"token_ids": [], "log_probs": []}
+            if found.prompt_ids is None:
+                found.prompt_ids = _ids(choice.prompt_token_ids)
+            ids = _ids(choice.token_ids)
+            if ids is not None:
+                one["token_ids"].extend(ids)
+            logprobs = choice.logprobs
+            if logprobs is not None:
+                if chat:
+                    entries = logprobs.content
+                    values = None if entries is None else [entry.logprob for entry in entries]
+                else:
+                    values = logprobs.token_logprobs
+                    values = list(values) if isinstance(values, list) else None
+                if values:
+                    one["log_probs"].extend(values)
+            if choice.finish_reason is not None:
+                one["finish_reason"] = choice.finish_reason
+
     def generated(self) -> Generated:
         if self.route == GENERATE:
             return self._generate()
@@ -433,75 +546,87 @@ class StreamedAnswer:
 # ---- reading a streamed answer's chunks for what the proxy records -------------------------------
 
 
-class _ChatEntry(TypedDict, total=False):
-    logprob: Any
+class _ChatEntry(msgspec.Struct, gc=False):
+    logprob: Any = None
 
 
-class _ChatLogprobs(TypedDict, total=False):
-    content: list[_ChatEntry] | None
+class _ChatLogprobs(msgspec.Struct, gc=False):
+    content: list[_ChatEntry] | None = None
 
 
-class _CompletionLogprobs(TypedDict, total=False):
-    token_logprobs: Any
+class _CompletionLogprobs(msgspec.Struct, gc=False):
+    token_logprobs: Any = None
 
 
-class _Delta(TypedDict, total=False):
-    content: Any
-    tool_calls: Any
+class _Delta(msgspec.Struct, gc=False):
+    content: Any = None
+    tool_calls: Any = None
 
 
-class _Choice(TypedDict, total=False):
-    index: Any
-    token_ids: Any
-    prompt_token_ids: Any
-    finish_reason: Any
+class _Choice(msgspec.Struct, gc=False):
+    index: Any = None
+    token_ids: Any = None
+    prompt_token_ids: Any = None
+    finish_reason: Any = None
 
 
-class _ChatChoice(_Choice, total=False):
-    delta: _Delta | None
-    logprobs: _ChatLogprobs | None
+class _ChatChoice(_Choice, gc=False):
+    delta: _Delta | None = None
+    logprobs: _ChatLogprobs | None = None
 
 
-class _CompletionChoice(_Choice, total=False):
-    text: Any
-    logprobs: _CompletionLogprobs | None
+class _CompletionChoice(_Choice, gc=False):
+    text: Any = None
+    logprobs: _CompletionLogprobs | None = None
 
 
-class _Chunk(TypedDict, total=False):
-    prompt_token_ids: Any
-    usage: Any
-    model: Any
-    system_fingerprint: Any
-    weight_version: Any
+class _Chunk(msgspec.Struct, gc=False):
+    prompt_token_ids: Any = None
+    usage: Any = None
+    model: Any = None
+    system_fingerprint: Any = None
+    weight_version: Any = None
 
 
-class _ChatChunk(_Chunk, total=False):
-    choices: list[_ChatChoice] | None
+class _ChatChunk(_Chunk, gc=False):
+    choices: list[_ChatChoice] | None = None
 
 
-class _CompletionChunk(_Chunk, total=False):
-    choices: list[_CompletionChoice] | None
+class _CompletionChunk(_Chunk, gc=False):
+    choices: list[_CompletionChoice] | None = None
+
+
+#: A chunk read by :func:`read_chunks` (a member it does not hold reads as null, as ``get`` does).
+ReadChunk = _ChatChunk | _CompletionChunk
 
 
 @functools.cache
-def _chunk_reader(route: str) -> Any:
-    import msgspec
-
-    shape = _ChatChunk if route == CHAT else _CompletionChunk
-    return msgspec.json.Decoder(shape).decode, (msgspec.ValidationError, msgspec.DecodeError)
+def chunk_reader(route: str) -> Any:
+    """A reader of one OpenAI-shaped chunk's bytes into a :data:`ReadChunk` (raises
+    :data:`SHAPE_REFUSED`)."""
+    return msgspec.json.Decoder(_ChatChunk if route == CHAT else _CompletionChunk).decode
 
 
 def read_chunks(route: str, raw: bytes) -> list[Any]:
     """The chunks of a whole SSE answer as :class:`StreamedAnswer` and :func:`answer_of` read them:
-    an OpenAI-shaped chunk holds only the members they look at (read by msgspec against their
-    shapes, what else it holds skipped unread); any other event's data is read whole, as
+    an OpenAI-shaped chunk as a :data:`ReadChunk` holding only the members they look at (read by
+    msgspec, what else it holds skipped unread); any other event's data is read whole, as
     :func:`stream_chunks` reads it. Both give those readers the same values."""
     if route not in (CHAT, COMPLETIONS):
         return stream_chunks(raw)
-    decode, refused = _chunk_reader(route)
-    out: list[Any] = []
+    decode, refused = chunk_reader(route), SHAPE_REFUSED
+    datas = stream_datas(raw)
+    done = len(datas) - (datas[-1:] == [b"[DONE]"])
+    try:  # the usual stream: every event but the end of the shape
+        out = list(map(decode, datas[:done]))
+        datas = datas[done:]
+    except refused:
+        out = []
     short: bool | None = None
-    for data in stream_datas(raw):
+    for data in datas:
+        if data == b"[DONE]":
+            out.append(read_chunk(data))
+            continue
         try:
             out.append(decode(data))
         except refused:  # not of the shape (``[DONE]``, NaN, a lone surrogate): read whole
@@ -543,7 +668,7 @@ def answer_of(route: str, record: dict[str, Any], read: list[Any] | None = None)
             body = whole
         else:
             stream = stream_chunks(wire) if read is None else read
-    chunks = [c for c in stream or () if isinstance(c, dict)]
+    chunks = [c for c in stream or () if isinstance(c, (dict, _Chunk))]
     if route == GENERATE:
         source = body if body is not None else chunks[-1] if chunks else {}
         return {"text": source.get("text"), "ids": ids}
@@ -556,6 +681,20 @@ def answer_of(route: str, record: dict[str, Any], read: list[Any] | None = None)
     content: list[str] = []
     calls: dict[int, dict[str, str]] = {}
     for chunk in chunks:
+        if isinstance(chunk, _Chunk):  # read against its shape
+            for choice in chunk.choices or ():
+                index = choice.index or 0
+                if index != 0 and _whole(index) != 0:
+                    continue
+                if route != CHAT:
+                    content.append(_str(choice.text))
+                    continue
+                delta = choice.delta
+                if delta is not None:
+                    if isinstance(delta.content, str):
+                        content.append(delta.content)
+                    _add_calls(calls, delta.tool_calls)
+            continue
         choices = chunk.get("choices")
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict):
@@ -570,19 +709,23 @@ def answer_of(route: str, record: dict[str, Any], read: list[Any] | None = None)
             text = delta.get("content")
             if isinstance(text, str):
                 content.append(text)
-            made = delta.get("tool_calls")
-            for call in made if isinstance(made, list) else ():
-                if isinstance(call, dict):
-                    at = whole_index(call)
-                    if at is None:
-                        continue
-                    one = calls.setdefault(at, {"name": "", "arguments": ""})
-                    fn = call.get("function") if isinstance(call.get("function"), dict) else {}
-                    one["name"] += _str(fn.get("name"))
-                    one["arguments"] += _str(fn.get("arguments"))
+            _add_calls(calls, delta.get("tool_calls"))
     if route != CHAT:
         return {"text": "".join(content), "ids": ids}
     message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
     if calls:
         message["tool_calls"] = [{"type": "function", "function": calls[i]} for i in sorted(calls)]
     return message
+
+
+def _add_calls(calls: dict[int, dict[str, str]], made: Any) -> None:
+    """``calls`` (by index: name and arguments so far) with a streamed delta's tool call pieces."""
+    for call in made if isinstance(made, list) else ():
+        if isinstance(call, dict):
+            at = whole_index(call)
+            if at is None:
+                continue
+            one = calls.setdefault(at, {"name": "", "arguments": ""})
+            fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+            one["name"] += _str(fn.get("name"))
+            one["arguments"] += _str(fn.get("arguments"))

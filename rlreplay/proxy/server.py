@@ -37,11 +37,15 @@ from rlreplay.proxy.answers import (
 )
 from rlreplay.proxy.guard import Guard, GuardSettings, upstream_credentials, with_upstream_auth
 from rlreplay.proxy.protocol import (
+    CHAT,
+    COMPLETIONS,
     GENERATING,
     NOT_JSON,
+    SHAPE_REFUSED,
     Generated,
     StreamedAnswer,
     ask_for_tokens,
+    chunk_reader,
     is_streamed,
     is_weight_update,
     long_number,
@@ -49,6 +53,7 @@ from rlreplay.proxy.protocol import (
     read_plain_json,
     sse_data,
     sse_events,
+    taken_out,
     with_members,
 )
 from rlreplay.proxy.readers import Readers
@@ -586,12 +591,25 @@ def _client_events(call: Call, events: list[bytes], answer: StreamedAnswer) -> b
     for, each chunk read into ``answer`` on the way."""
     out = []
     added = call.added
-    short = not long_number(b"".join(events))  # looked for once, not event by event
+    shaped = call.route in (CHAT, COMPLETIONS)
+    short: bool | None = None
     for event in events:
         if event.startswith(b"data: ") and b"\n" not in event and b"\r" not in event:
             data: bytes | None = event[6:].lstrip(b" ")  # one data line: the usual event
         else:
             data = sse_data(event)
+        if shaped and data is not None and data != b"[DONE]":
+            try:  # the usual chunk: read against its shape, its other members' bytes kept
+                seen_bytes = taken_out(data, added)
+                chunk = chunk_reader(call.route)(data)
+            except SHAPE_REFUSED:
+                pass
+            else:
+                answer.add(chunk)
+                out.append(event + b"\n\n" if seen_bytes is None else b"data: " + seen_bytes + b"\n\n")
+                continue
+        if short is None:
+            short = not long_number(b"".join(events))  # looked for once, not event by event
         obj = NOT_JSON if data is None else read_plain_json(data, short)
         plain = obj is not NOT_JSON
         if not plain and data is not None:

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,11 +14,14 @@ from rlreplay.proxy.protocol import (
     CHAT,
     COMPLETIONS,
     GENERATE,
+    SHAPE_REFUSED,
     StreamedAnswer,
     answer_of,
+    as_client_sees,
     generated,
     read_chunks,
     stream_chunks,
+    taken_out,
 )
 
 JSON_SCALARS = st.one_of(
@@ -258,3 +262,57 @@ def test_reading_only_what_is_read_of_each_chunk_reads_what_the_whole_chunks_say
     assert repr(_reading(route, wire, read_chunks(route, wire))) == repr(
         _reading(route, wire, stream_chunks(wire))
     )
+
+
+def _strict_json(data: bytes) -> bool:
+    """Whether ``data`` is JSON without what Python's reader adds (NaN, Infinity)."""
+    try:
+        orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    return True
+
+
+def _typed(value: Any) -> Any:
+    """``value`` compared by type as well (1, 1.0 and true differ; members in any order)."""
+    if isinstance(value, dict):
+        return ("object", sorted((k, _typed(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return ("array", [_typed(v) for v in value])
+    return (type(value).__name__, repr(value))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    chunk=_CHUNK,
+    form=st.sampled_from(["plain", "plain", "spaced", "repeated", "nan", "surrogate"]),
+    added=st.sets(st.sampled_from(["ids", "logprobs"])).map(frozenset),
+)
+def test_taking_out_of_a_chunks_bytes_takes_out_what_taking_out_of_its_value_does(
+    chunk: Any, form: str, added: frozenset[str]
+) -> None:
+    """Where the proxy asked for ids or log-probs, the client's chunk is the server's bytes with
+    those members taken out: read back, it is what ``as_client_sees`` makes of the chunk's value,
+    unchanged (None) exactly where that is; every chunk of the usual shape is read this way."""
+    data = _event(chunk, form)
+    try:
+        value = json.loads(data)
+    except ValueError:  # no JSON: the proxy forwards it as it came
+        with pytest.raises(SHAPE_REFUSED):
+            taken_out(data, added)
+        return
+    want = as_client_sees(CHAT, value, added, streamed=True)
+    choices = value.get("choices") if isinstance(value, dict) else None
+    usual = (
+        form in ("plain", "spaced")
+        and _strict_json(data)
+        and isinstance(value, dict)
+        and (choices is None or (isinstance(choices, list) and all(isinstance(c, dict) for c in choices)))
+    )
+    try:
+        got = taken_out(data, added)
+    except SHAPE_REFUSED:  # read whole instead, by the proxy's other path
+        assert not usual
+        return
+    assert (got is None) == (want is value)
+    assert _typed(json.loads(got if got is not None else data)) == _typed(want)

@@ -70,7 +70,8 @@ def whole(ids: list[int], text: str) -> list[bytes]:
 
 def without_ids(pieces: list[bytes]) -> bytes:
     """A stream as a client that did not ask for ids and log-probs gets it: each chunk that holds
-    them written again without them (ids left out, log-probs null), the others as they came."""
+    them written again without them (ids left out, log-probs null), every other member's value as
+    :func:`streamed` wrote it; the other chunks as they came."""
     out = []
     for piece in pieces:
         chunk = json.loads(piece[6:]) if piece != b"data: [DONE]\n\n" else None
@@ -80,7 +81,8 @@ def without_ids(pieces: list[bytes]) -> bytes:
             continue
         choice.pop("token_ids", None)
         choice["logprobs"] = None
-        out.append(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+        members = ",".join(f"{json.dumps(name)}:{json.dumps(value)}" for name, value in choice.items())
+        out.append(b'data: {"choices":[{' + members.encode() + b"}]}\n\n")
     return b"".join(out)
 
 
