@@ -115,6 +115,19 @@ def _wire(value: Any) -> bytes | None:
     return None
 
 
+#: A member that names no call, as servers write it (vLLM: every message's ``"tool_calls":[]``).
+#: Within a JSON string its quotes would be escaped: these bytes are always such a member.
+_NO_CALLS = (b'"tool_calls":[]', b'"tool_calls":null')
+
+
+def _may_call(wire: bytes) -> bool:
+    """Whether an answer's bytes may hold a tool call: a call key outside the members that name none."""
+    if b'"tool_calls":' in wire:
+        for member in _NO_CALLS:
+            wire = wire.replace(member, b"")
+    return any(mark in wire for mark in WIRE_CALL_MARKS)
+
+
 def answer_tool_calls(output: Any) -> int:
     """How many tool calls a model's answer makes (an ``llm`` span's decoded output): see the
     module docstring. 0 for anything else."""
@@ -125,7 +138,7 @@ def answer_tool_calls(output: Any) -> int:
         return _streamed_calls(value["stream"])
     wire = _wire(value.get("wire"))
     if wire is not None and "body" not in value:  # the answer's bytes, as the proxy keeps them
-        if not any(mark in wire for mark in WIRE_CALL_MARKS):
+        if not _may_call(wire):
             return 0
         if wire.lstrip()[:1] == b"{":
             body = read_json(wire)

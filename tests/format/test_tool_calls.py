@@ -159,6 +159,38 @@ def test_the_text_of_kept_bytes_that_hold_a_call_key_is_always_decoded(
         assert holds_any(column, TOOL_CALL_MARKS).tolist() == [False, True, False, True, False]
 
 
+_CALLS_VALUE = st.one_of(
+    st.just([]), st.none(), st.integers(1, 2).map(lambda k: [_call(i) for i in range(k)])
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(_CALLS_VALUE, min_size=1, max_size=3),
+    whole=st.booleans(),
+    compact=st.booleans(),
+    text=st.sampled_from(["", "tool_calls", '"tool_calls":[]', "x\\"]),
+)
+def test_bytes_whose_call_members_name_none_count_as_their_value(
+    values: list[Any], whole: bool, compact: bool, text: str
+) -> None:
+    """Servers write ``"tool_calls":[]`` in every message: bytes are counted as their JSON value
+    whatever their members hold (empty, null, calls; the key written twice, the last one counting;
+    the same bytes inside a text)."""
+    separators = (",", ":") if compact else (", ", ": ")
+    members = ",".join(json.dumps({"tool_calls": v}, separators=separators)[1:-1] for v in values)
+    message = '{"role":"assistant","content":' + json.dumps(text) + "," + members + "}"
+    if whole:
+        wire = ('{"choices":[{"index":0,"message":' + message + ',"finish_reason":"stop"}]}').encode()
+        by_value = answer_tool_calls({"body": json.loads(wire)})
+    else:
+        delta = '{"choices":[{"index":0,"delta":' + message + "}]}"
+        wire = b"data: " + delta.encode() + b"\n\ndata: [DONE]\n\n"
+        by_value = answer_tool_calls({"stream": [json.loads(delta), "[DONE]"]})
+    assert by_value == (len(values[-1] or ()) if whole else by_value)
+    assert answer_tool_calls({"status": 200, "wire": wire}) == by_value
+
+
 def test_not_an_answer_counts_none() -> None:
     for value in (None, 3, "tool_calls", [], {"text": "tool_calls"}, {"choices": []}, {"stream": ["[DONE]"]}):
         assert answer_tool_calls(value) == 0
