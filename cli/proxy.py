@@ -81,7 +81,7 @@ def proxy_command(
             "--readers",
             metavar="N",
             help="Processes that read what is recorded of each answer while the proxy forwards "
-            "(0: the proxy's own; default: one per spare core, up to 4).",
+            "(0: the proxy's own; default: one per spare core, 2 to 4).",
         ),
     ] = None,
 ) -> int:

@@ -27,8 +27,10 @@ T = TypeVar("T")
 
 
 def default_count() -> int:
-    """Reading processes for this machine: one core is the serving loop's, the others read (up to 4)."""
-    return max(1, min(4, (os.cpu_count() or 1) - 1))
+    """Reading processes for this machine: one core is the serving loop's, the others read (up to
+    4); at least two, so that answers that end together (a group of rollouts) are read side by side
+    rather than one waiting for the other."""
+    return max(2, min(4, (os.cpu_count() or 1) - 1))
 
 
 #: What the pipe to a reading process holds: an answer of ~0.5 MB passes in one write rather than
