@@ -41,6 +41,7 @@ from rlreplay.proxy.protocol import (
     COMPLETIONS,
     GENERATING,
     NOT_JSON,
+    RESPONSES,
     SHAPE_REFUSED,
     Generated,
     StreamedAnswer,
@@ -406,6 +407,8 @@ class Proxy:
         # upstream said before what the proxy asked for is taken out
         answer = StreamedAnswer(call.route, call.body) if rewriting else None
         buffer = b""
+        responses = call.route == RESPONSES  # its stream ends with its ``response.completed`` event
+        carry = b""  # the start of what may be the answer's end, waiting for the next piece
         failure: str | None = None
         upstream_failed = False
         try:
@@ -415,19 +418,27 @@ class Proxy:
                     piece = _client_events(call, events, answer)
                     if not piece:
                         continue
-                if held or b"[DONE]" in piece or b"response.completed" in piece:  # the answer's end
+                if carry:
+                    piece, carry = carry + piece, b""
+                if held or _DONE in piece or (responses and _COMPLETED in piece):  # the answer's end
                     held.append(piece)
                     continue
+                begun = _end_begun(piece, _DONE)
+                if responses:
+                    begun = max(begun, _end_begun(piece, _COMPLETED))
+                if begun:
+                    piece, carry = piece[:-begun], piece[-begun:]
+                    if not piece:
+                        continue
                 sent.append(piece)
                 await out.write(piece)
-            if rewriting and buffer:
-                held.append(buffer)
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError) as exc:
             failure, upstream_failed = f"the upstream's stream broke off: {_why(exc)}", True
         except (ConnectionError, OSError, aiohttp.ClientConnectionResetError) as exc:
             failure = f"the client went away before the answer ended: {_why(exc)}"
         except aiohttp.ClientError as exc:
             failure, upstream_failed = f"the upstream's stream broke off: {_why(exc)}", True
+        held += [tail for tail in (carry, buffer if rewriting else b"") if tail]
         end = time.time_ns()
         wire = b"".join(sent) + b"".join(held)
         if answer is not None:
@@ -584,6 +595,20 @@ class Call:
         if kept is not None:
             extra["wire"] = kept
         return {**out, **extra} if extra else out
+
+
+#: What a stream's last event holds.
+_DONE, _COMPLETED = b"[DONE]", b"response.completed"
+
+
+def _end_begun(piece: bytes, end: bytes) -> int:
+    """How many of ``piece``'s last bytes begin ``end`` (the rest of it may come in the next piece)."""
+    at = piece.find(end[:1], max(0, len(piece) - len(end) + 1))
+    while at != -1:
+        if end.startswith(piece[at:]):
+            return len(piece) - at
+        at = piece.find(end[:1], at + 1)
+    return 0
 
 
 def _client_events(call: Call, events: list[bytes], answer: StreamedAnswer) -> bytes:

@@ -100,3 +100,44 @@ def test_sigkill_under_load_loses_no_answered_call(tmp_path: Path) -> None:
     assert len(missing) <= counted, (
         f"{len(missing)} answered calls missing, {counted} counted: {sorted(missing)[:5]}"
     )
+
+
+@pytest.mark.parametrize("cut_at", [len(b"data: ["), len(b"data: [DONE")])
+def test_an_end_that_comes_in_two_pieces_reaches_the_client_after_the_call_is_recorded(
+    tmp_path: Path, cut_at: int
+) -> None:
+    """An upstream may write a stream's ``[DONE]`` in two pieces: the client still gets its last byte
+    only once the call is recorded. The proxy is killed the moment the client holds the whole end,
+    the upstream still holding the answer open; the recovered run has the call."""
+    end = b"data: [DONE]\n\n"
+    pieces = [*answer_pieces()[:-1], end[:cut_at], end[cut_at:]]
+    upstream = Upstream()
+    try:
+        upstream.script("split", Script(pieces, content_type="text/event-stream", pause_s=0.05, hold_s=1.0))
+        proxy = ProxyProcess("--upstream", upstream.url, "--out", "run", cwd=tmp_path)
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "split"}],
+            "stream": True,
+            "return_token_ids": True,
+            "logprobs": True,
+        }
+        got = b""
+        with httpx.stream(
+            "POST", f"{proxy.url}/v1/chat/completions", json=body, headers={"X-Test": "split"}, timeout=60
+        ) as r:
+            for piece in r.iter_raw():
+                got += piece
+                if got.endswith(end):
+                    os.kill(proxy.proc.pid, signal.SIGKILL)
+                    break
+        proxy.proc.wait(30)
+    finally:
+        upstream.close()
+    assert got == b"".join(pieces)
+    done = rlreplay_proc("recover", str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    recorded = [
+        span.inputs["messages"][0]["content"] for _, spans in llm_spans(tmp_path / "run") for span in spans
+    ]
+    assert recorded == ["split"]

@@ -19,6 +19,7 @@ class Script:
     content_type: str = "application/json"
     cut: bool = False  # end the connection after the pieces, the answer unfinished
     pause_s: float = 0.0  # between pieces
+    hold_s: float = 0.0  # after the last piece, before the answer ends
     headers: dict[str, str] = field(default_factory=dict)
 
 
@@ -52,6 +53,8 @@ class Upstream:
             await out.write(piece)
             if script.pause_s:
                 await asyncio.sleep(script.pause_s)
+        if script.hold_s:
+            await asyncio.sleep(script.hold_s)
         if script.cut:
             assert request.transport is not None
             request.transport.abort()
