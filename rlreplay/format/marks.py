@@ -20,6 +20,23 @@ def _automata(marks: tuple[str, ...]) -> tuple[Any, Any]:
     return first.find_matches_as_indexes, every.find_matches_as_indexes
 
 
+@functools.cache
+def _leftmost_longest(patterns: tuple[str, ...]) -> Any:
+    import ahocorasick_rs
+
+    found = [pattern.encode() for pattern in patterns]
+    return ahocorasick_rs.BytesAhoCorasick(found, matchkind=ahocorasick_rs.MatchKind.LeftmostLongest)
+
+
+def any_outside(marks: tuple[str, ...], members: tuple[str, ...]) -> Callable[[Any], bool]:
+    """A test of some bytes: whether they hold any of ``marks`` outside ``members`` (longer
+    strings that may hold marks; in one pass, a member that begins before a mark, or with it and
+    longer, is found instead of it)."""
+    find = _leftmost_longest(marks + members).find_matches_as_indexes
+    count = len(marks)
+    return lambda data: any(i < count for i, _, _ in find(data))
+
+
 def any_finder(marks: tuple[str, ...]) -> Callable[[Any], bool]:
     """A test of some bytes: whether they hold any of ``marks``."""
     first, _ = _automata(marks)

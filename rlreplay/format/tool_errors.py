@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 from rlreplay.format.payload import MARKER, unwrapped
@@ -117,15 +119,19 @@ def _wire(value: Any) -> bytes | None:
 
 #: A member that names no call, as servers write it (vLLM: every message's ``"tool_calls":[]``).
 #: Within a JSON string its quotes would be escaped: these bytes are always such a member.
-_NO_CALLS = (b'"tool_calls":[]', b'"tool_calls":null')
+_NO_CALLS = ('"tool_calls":[]', '"tool_calls":null')
+
+
+@functools.cache
+def _call_finder() -> Callable[[bytes], bool]:
+    from rlreplay.format.marks import any_outside
+
+    return any_outside(tuple(mark.decode() for mark in WIRE_CALL_MARKS), _NO_CALLS)
 
 
 def _may_call(wire: bytes) -> bool:
     """Whether an answer's bytes may hold a tool call: a call key outside the members that name none."""
-    if b'"tool_calls":' in wire:
-        for member in _NO_CALLS:
-            wire = wire.replace(member, b"")
-    return any(mark in wire for mark in WIRE_CALL_MARKS)
+    return _call_finder()(wire)
 
 
 def answer_tool_calls(output: Any) -> int:
