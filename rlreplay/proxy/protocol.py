@@ -464,18 +464,13 @@ class StreamedAnswer:
         found = self._found
         if found.prompt_ids is None:
             found.prompt_ids = _ids(chunk.prompt_token_ids)
-        usage, model, fingerprint, version = (
-            chunk.usage,
-            chunk.model,
-            chunk.system_fingerprint,
-            chunk.weight_version,
-        )
-        if usage is not None or fingerprint is not None or version is not None:
+        usage, named = chunk.usage, (chunk.model, chunk.system_fingerprint, chunk.weight_version)
+        if usage is not None or named[1] is not None or named[2] is not None:
             if isinstance(usage, dict):
                 found.usage = usage
-            _engine_values(found.engine, usage, model, fingerprint, version)
-        elif model is not None:  # vLLM names it in every chunk
-            found.engine["model"] = model
+            _engine_values(found.engine, usage, *named)
+        elif named[0] is not None:  # the model alone: vLLM names it in every chunk
+            found.engine["model"] = named[0]
         chat = self.route == CHAT
         for choice in chunk.choices or ():
             index = choice.index or 0

@@ -616,17 +616,17 @@ def _client_events(call: Call, events: list[bytes], answer: StreamedAnswer) -> b
     for, each chunk read into ``answer`` on the way."""
     out = []
     added = call.added
-    shaped = call.route in (CHAT, COMPLETIONS)
+    read_shaped = chunk_reader(call.route) if call.route in (CHAT, COMPLETIONS) else None
     short: bool | None = None
     for event in events:
         if event.startswith(b"data: ") and b"\n" not in event and b"\r" not in event:
             data: bytes | None = event[6:].lstrip(b" ")  # one data line: the usual event
         else:
             data = sse_data(event)
-        if shaped and data is not None and data != b"[DONE]":
+        if read_shaped is not None and data is not None and data != b"[DONE]":
             try:  # the usual chunk: read against its shape, its other members' bytes kept
                 seen_bytes = taken_out(data, added)
-                chunk = chunk_reader(call.route)(data)
+                chunk = read_shaped(data)
             except SHAPE_REFUSED:
                 pass
             else:
