@@ -438,7 +438,7 @@ class Proxy:
             failure = f"the client went away before the answer ended: {_why(exc)}"
         except aiohttp.ClientError as exc:
             failure, upstream_failed = f"the upstream's stream broke off: {_why(exc)}", True
-        held += [tail for tail in (carry, buffer if rewriting else b"") if tail]
+        held += [tail for tail in (carry, buffer) if tail]  # buffer: a rewritten stream's unfinished event
         end = time.time_ns()
         wire = b"".join(sent) + b"".join(held)
         if answer is not None:
