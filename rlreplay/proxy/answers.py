@@ -72,8 +72,7 @@ def read_stream(route: str, body: dict[str, Any], request: bytes, wire: bytes, c
     # the chunks, each as a value, are kept where the bytes cannot be; else only what is read of them
     chunks = stream_chunks(wire) if shown is None else read_chunks(route, wire)
     answer = StreamedAnswer(route, body)
-    for chunk in chunks:
-        answer.add(chunk)
+    answer.add_all(chunks)
     found = answer.generated()
     stream = chunks if shown is None else None
     context = None

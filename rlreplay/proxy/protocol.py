@@ -20,6 +20,7 @@ functions over JSON values and bytes: no HTTP here.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -381,6 +382,32 @@ def whole_index(item: dict[str, Any]) -> int | None:
     return _whole(item.get("index") or 0)
 
 
+def _usual_run(chunks: list[Any], start: int) -> int:
+    """Where the run of usual chunks from ``start`` ends: read against their shape, with no prompt
+    ids, usage, fingerprint or weight version, and one choice, the first (index 0 or none), with
+    no prompt ids."""
+    shapes = _SHAPES
+    stop = start
+    for chunk in itertools.islice(chunks, start, None):
+        if (
+            type(chunk) not in shapes
+            or chunk.prompt_token_ids is not None
+            or chunk.usage is not None
+            or chunk.system_fingerprint is not None
+            or chunk.weight_version is not None
+        ):
+            break
+        choices = chunk.choices
+        if choices is None or len(choices) != 1:
+            break
+        choice = choices[0]
+        index = choice.index
+        if (index is not None and (type(index) is not int or index)) or choice.prompt_token_ids is not None:
+            break
+        stop += 1
+    return stop
+
+
 def _whole(index: Any) -> int | None:
     if type(index) is int:
         return index
@@ -412,6 +439,58 @@ class StreamedAnswer:
         elif isinstance(chunk, _Chunk):
             self.chunks.append(chunk)
             self._read_shaped(chunk)
+
+    def add_all(self, chunks: list[Any]) -> None:
+        """:meth:`add` each of ``chunks``, in order: a run of the usual chunks (read against their
+        shape, one choice, the first, nothing besides its ids, log-probs, text and finish reason)
+        folded at once."""
+        start = 0
+        while start < len(chunks):
+            stop = _usual_run(chunks, start) if self._openai else start
+            if stop > start:
+                self.chunks.extend(chunks[start:stop])
+                if not self._fold_run(chunks[start:stop]):
+                    for chunk in chunks[start:stop]:
+                        self._read_shaped(chunk)
+                start = stop
+            else:
+                self.add(chunks[start])
+                start += 1
+
+    def _fold_run(self, run: list[Any]) -> bool:
+        """:meth:`_read_shaped` of each chunk of a :func:`_usual_run`, at once; False where one
+        holds what only that reads (ids that are no list of ints, log-probs of another form)."""
+        ones = [chunk.choices[0] for chunk in run]
+        lists = [one.token_ids for one in ones if one.token_ids is not None]
+        if not set(map(type, lists)) <= {list}:
+            return False
+        ids = list(itertools.chain.from_iterable(lists))
+        try:
+            if type(sum(ids)) is not int:  # as _ids tells them
+                return False
+        except TypeError:
+            return False
+        values: list[Any] = []
+        if self.route == CHAT:
+            for entries in [one.logprobs.content for one in ones if one.logprobs is not None]:
+                if entries is not None:
+                    values += [entry.logprob for entry in entries]
+        else:
+            for logprobs in [one.logprobs.token_logprobs for one in ones if one.logprobs is not None]:
+                if isinstance(logprobs, list):
+                    values += logprobs
+        one = self._by_index.get(0)
+        if one is None:
+            one = self._by_index[0] = {"token_ids": [], "log_probs": []}
+        one["token_ids"] += ids
+        one["log_probs"] += values
+        ends = [choice.finish_reason for choice in ones if choice.finish_reason is not None]
+        if ends:
+            one["finish_reason"] = ends[-1]
+        models = [chunk.model for chunk in run if chunk.model is not None]
+        if models:
+            self._found.engine["model"] = models[-1]
+        return True
 
     def take(self, chunk: Any, added: frozenset[str]) -> Any:
         """Add ``chunk``; it as the client sees it (:func:`as_client_sees`) where that differs,
@@ -593,6 +672,7 @@ class _CompletionChunk(_Chunk, gc=False):
 
 #: A chunk read by :func:`read_chunks` (a member it does not hold reads as null, as ``get`` does).
 ReadChunk = _ChatChunk | _CompletionChunk
+_SHAPES = frozenset((_ChatChunk, _CompletionChunk))
 
 
 @functools.cache
@@ -675,7 +755,23 @@ def answer_of(route: str, record: dict[str, Any], read: list[Any] | None = None)
         return {"text": first.get("text"), "ids": ids}
     content: list[str] = []
     calls: dict[int, dict[str, str]] = {}
-    for chunk in chunks:
+    at = 0
+    while at < len(chunks):
+        stop = _usual_run(chunks, at)
+        if stop > at:  # the usual chunks: one choice each, the first
+            ones = [chunk.choices[0] for chunk in chunks[at:stop]]
+            at = stop
+            if route != CHAT:
+                content += [_str(one.text) for one in ones]
+                continue
+            deltas = [one.delta for one in ones if one.delta is not None]
+            content += [delta.content for delta in deltas if isinstance(delta.content, str)]
+            for delta in deltas:
+                if delta.tool_calls is not None:
+                    _add_calls(calls, delta.tool_calls)
+            continue
+        chunk = chunks[at]
+        at += 1
         if isinstance(chunk, _Chunk):  # read against its shape
             for choice in chunk.choices or ():
                 index = choice.index or 0

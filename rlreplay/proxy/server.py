@@ -617,6 +617,7 @@ def _client_events(call: Call, events: list[bytes], answer: StreamedAnswer) -> b
     out = []
     added = call.added
     read_shaped = chunk_reader(call.route) if call.route in (CHAT, COMPLETIONS) else None
+    shaped: list[Any] = []  # chunks read against their shape, added to ``answer`` together
     short: bool | None = None
     for event in events:
         if event.startswith(b"data: ") and b"\n" not in event and b"\r" not in event:
@@ -630,9 +631,12 @@ def _client_events(call: Call, events: list[bytes], answer: StreamedAnswer) -> b
             except SHAPE_REFUSED:
                 pass
             else:
-                answer.add(chunk)
+                shaped.append(chunk)
                 out.append(event + b"\n\n" if seen_bytes is None else b"data: " + seen_bytes + b"\n\n")
                 continue
+        if shaped:
+            answer.add_all(shaped)
+            shaped = []
         if short is None:
             short = not long_number(b"".join(events))  # looked for once, not event by event
         obj = NOT_JSON if data is None else read_plain_json(data, short)
@@ -641,6 +645,7 @@ def _client_events(call: Call, events: list[bytes], answer: StreamedAnswer) -> b
             obj = read_json(data)  # NaN, lone surrogates: what orjson does not read
         seen = None if obj is NOT_JSON else answer.take(obj, added)
         out.append(event + b"\n\n" if seen is None else b"data: " + json_bytes(seen, plain) + b"\n\n")
+    answer.add_all(shaped)
     return b"".join(out)
 
 

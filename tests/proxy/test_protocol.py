@@ -217,6 +217,30 @@ _CHUNK = _as_sent_or_odd(
 )
 
 
+#: The chunk a server streams for each token: one choice, the first, and no more (mostly).
+_TOKEN_CHUNK = st.builds(
+    lambda choice, index, model: {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        **model,
+        "choices": [{**index, **choice}],
+    },
+    st.fixed_dictionaries(
+        {"delta": _DELTA},
+        optional={
+            "logprobs": st.one_of(_LOGPROBS, _LOGPROBS, st.none()),
+            "finish_reason": st.sampled_from([None, "stop", "length"]),
+            "token_ids": st.one_of(st.lists(st.integers(0, 2**31), max_size=3), IDS),
+            "text": st.text(max_size=3),
+        },
+    ),
+    st.sampled_from(
+        [{}, {"index": 0}, {"index": 0}, {"index": 0}, {"index": 1}, {"index": False}, {"index": 0.0}]
+    ),
+    st.sampled_from([{"model": "m"}, {}, {"model": None}, {"model": "n"}]),
+)
+
+
 def _event(chunk: Any, form: str) -> bytes:
     """One event's data: the chunk as JSON in one of the forms servers write (or break)."""
     if form == "spaced":
@@ -232,36 +256,110 @@ def _event(chunk: Any, form: str) -> bytes:
     return json.dumps(chunk).encode()
 
 
-def _reading(route: str, wire: bytes, chunks: list[Any]) -> tuple[Any, Any]:
+def _reading(route: str, wire: bytes, chunks: list[Any], at_once: bool = False) -> tuple[Any, Any]:
     answer = StreamedAnswer(route, {})
-    for chunk in chunks:
-        answer.add(chunk)
+    if at_once:
+        answer.add_all(chunks)
+    else:
+        for chunk in chunks:
+            answer.add(chunk)
     found = answer.generated()
     return found, answer_of(route, {"wire": wire, **found.record()}, chunks)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(
     events=st.lists(
         st.tuples(
-            _CHUNK,
+            st.one_of(_CHUNK, _TOKEN_CHUNK, _TOKEN_CHUNK),
             st.sampled_from(["plain", "plain", "plain", "spaced", "repeated", "nan", "surrogate", "text"]),
         ),
-        max_size=8,
+        max_size=10,
     ),
     route=st.sampled_from([CHAT, COMPLETIONS]),
 )
 def test_reading_only_what_is_read_of_each_chunk_reads_what_the_whole_chunks_say(
     events: list[tuple[Any, str]], route: str
 ) -> None:
-    """``read_chunks`` leaves out of each chunk what no reader of a streamed answer looks at: the
-    ids, log-probs, finish reason, usage, engine fields and the answer a continuing call is
-    matched by are those of the chunks read whole, whatever the server wrote."""
+    """``read_chunks`` leaves out of each chunk what no reader of a streamed answer looks at, and
+    ``add_all`` folds the usual ones at once: the ids, log-probs, finish reason, usage, engine
+    fields and the answer a continuing call is matched by are those of the chunks read whole,
+    one by one, whatever the server wrote."""
     wire = b"".join(b"data: " + _event(chunk, form) + b"\n\n" for chunk, form in events)
+    whole = repr(_reading(route, wire, stream_chunks(wire)))
     # told apart by their reprs: 1 and 1.0, true and 1, 0.0 and -0.0 are recorded differently
-    assert repr(_reading(route, wire, read_chunks(route, wire))) == repr(
+    assert repr(_reading(route, wire, read_chunks(route, wire))) == whole
+    assert repr(_reading(route, wire, read_chunks(route, wire), at_once=True)) == whole
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    chunks=st.lists(st.one_of(_TOKEN_CHUNK, _TOKEN_CHUNK, _TOKEN_CHUNK, _CHUNK), max_size=12),
+    route=st.sampled_from([CHAT, COMPLETIONS]),
+)
+def test_a_run_of_token_chunks_folded_at_once_says_what_they_say_one_by_one(
+    chunks: list[Any], route: str
+) -> None:
+    """Streams as servers write them (a chunk per token, now and then another): ``add_all`` of
+    their chunks read against their shape is what reading each whole chunk says."""
+    wire = b"".join(b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks)
+    assert repr(_reading(route, wire, read_chunks(route, wire), at_once=True)) == repr(
         _reading(route, wire, stream_chunks(wire))
     )
+
+
+_TRICKY_TEXT = st.one_of(
+    st.text(max_size=6),
+    st.sampled_from(['"logprobs":', ',"token_ids":[1]', '\\"logprobs\\":null', "\\u006c", "{", "]},"]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    token=_TRICKY_TEXT,
+    logprob=st.floats(allow_nan=False, allow_infinity=False),
+    ids=st.one_of(st.none(), st.lists(st.integers(0, 2**31), max_size=2)),
+    shape=st.sampled_from(["ids first", "ids last", "no ids", "prompt ids"]),
+    decoy=st.sampled_from([None, "logprobs", "token_ids"]),
+    escaped=st.booleans(),
+    added=st.sets(st.sampled_from(["ids", "logprobs"]), min_size=1).map(frozenset),
+)
+def test_a_token_chunk_as_vllm_writes_it_loses_exactly_what_the_proxy_asked_for(
+    token: str,
+    logprob: float,
+    ids: list[int] | None,
+    shape: str,
+    decoy: str | None,
+    escaped: bool,
+    added: frozenset[str],
+) -> None:
+    """A chunk written compactly (vLLM's form): the client's bytes are the chunk written again
+    without what the proxy asked for, byte for byte, whatever its text holds (keys, quotes,
+    escapes), a member of the same name in the delta, or the choice's key written escaped."""
+    logprobs = {"content": [{"token": token, "logprob": logprob, "top_logprobs": []}]}
+    delta: dict[str, Any] = {"content": token}
+    choice: dict[str, Any] = {"index": 0}
+    if shape == "ids first" and ids is not None:
+        choice = {"token_ids": ids, **choice}
+    choice |= {"delta": delta, "logprobs": logprobs, "finish_reason": None}
+    if shape == "ids last" and ids is not None:
+        choice["token_ids"] = ids
+    if shape == "prompt ids":
+        choice |= {"token_ids": ids, "prompt_token_ids": ids}
+    if decoy is not None:
+        delta[decoy] = choice.get(decoy, logprobs)
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m", "choices": [choice]}
+    data = json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
+    if escaped:
+        at = data.rfind(b'"logprobs":')
+        data = data[:at] + b'"\\u006cogprobs":' + data[at + len(b'"logprobs":') :]
+    value = json.loads(data)
+    want = as_client_sees(CHAT, value, added, streamed=True)
+    got = taken_out(data, added)
+    if want is value:
+        assert got is None
+    else:
+        assert got == json.dumps(want, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def _strict_json(data: bytes) -> bool:
@@ -283,10 +381,28 @@ def _typed(value: Any, ordered: bool) -> Any:
     return (type(value).__name__, repr(value))
 
 
-@settings(max_examples=400, deadline=None)
+def _with_decoy(chunk: Any, escaped: bool) -> bytes:
+    """``chunk`` with its choices' log-probs also in their deltas (the same bytes, under the same
+    key); ``escaped``: the choices' own key written with an escape, ``"\\u006cogprobs"``."""
+    if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
+        return json.dumps(chunk).encode()
+    choices = []
+    for choice in chunk["choices"]:
+        if isinstance(choice, dict) and "logprobs" in choice and isinstance(choice.get("delta"), dict):
+            delta = {**choice["delta"], "logprobs": choice["logprobs"]}
+            key = "LOGPROBS_KEY" if escaped else "logprobs"
+            choice = {key if k == "logprobs" else k: delta if k == "delta" else v for k, v in choice.items()}
+        choices.append(choice)
+    text = json.dumps({**chunk, "choices": choices}, separators=(",", ":"))
+    return text.replace('"LOGPROBS_KEY"', '"\\u006cogprobs"').encode()
+
+
+@settings(max_examples=500, deadline=None)
 @given(
-    chunk=_CHUNK,
-    form=st.sampled_from(["plain", "plain", "spaced", "repeated", "nan", "surrogate"]),
+    chunk=st.one_of(_CHUNK, _TOKEN_CHUNK, _TOKEN_CHUNK),
+    form=st.sampled_from(
+        ["plain", "compact", "compact", "spaced", "repeated", "nan", "surrogate", "decoy", "decoy", "escaped"]
+    ),
     added=st.sets(st.sampled_from(["ids", "logprobs"])).map(frozenset),
 )
 def test_taking_out_of_a_chunks_bytes_takes_out_what_taking_out_of_its_value_does(
@@ -296,7 +412,12 @@ def test_taking_out_of_a_chunks_bytes_takes_out_what_taking_out_of_its_value_doe
     those members taken out: read back, it is what ``as_client_sees`` makes of the chunk's value,
     members in the server's order, unchanged (None) exactly where that is; every chunk of the usual
     shape is read this way."""
-    data = _event(chunk, form)
+    if form in ("decoy", "escaped"):
+        data = _with_decoy(chunk, form == "escaped")
+    elif form == "compact":  # as vLLM writes it
+        data = json.dumps(chunk, separators=(",", ":")).encode()
+    else:
+        data = _event(chunk, form)
     try:
         value = json.loads(data)
     except ValueError:  # no JSON: the proxy forwards it as it came
@@ -306,7 +427,7 @@ def test_taking_out_of_a_chunks_bytes_takes_out_what_taking_out_of_its_value_doe
     want = as_client_sees(CHAT, value, added, streamed=True)
     choices = value.get("choices") if isinstance(value, dict) else None
     usual = (
-        form in ("plain", "spaced")
+        form in ("plain", "compact", "spaced", "decoy", "escaped")
         and _strict_json(data)
         and isinstance(value, dict)
         and (choices is None or (isinstance(choices, list) and all(isinstance(c, dict) for c in choices)))
