@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import types
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -483,7 +484,19 @@ def test_install_lines_resolve_against_the_constraints_without_backtracking(tmp_
             name, version = line.split("==", 1)
             constraints[_canonical(name)] = version.strip()
     wanted = [f"{n}=={v}" for n, v in pins.items()] + ["-e", f".[{','.join(sorted(extras))}]"]
-    report = _dry_run(tmp_path / "all.json", [*wanted, "-c", "constraints.txt"])
+    alone = {  # the project (or a light extra) into a job's environment, as written
+        f".[{','.join(sorted(c.extras))}]" if c.extras else "."
+        for c in commands
+        if c.project and not c.constraints
+    }
+    no_deps = {n: v for c in commands if c.no_deps for n, v in c.pins.items()}
+    runs = [(tmp_path / "all.json", [*wanted, "-c", "constraints.txt"])]
+    runs += [(tmp_path / f"alone-{k}.json", ["-e", target]) for k, target in enumerate(sorted(alone))]
+    runs.append((tmp_path / "no-deps.json", ["--no-deps", *(f"{n}=={v}" for n, v in no_deps.items())]))
+    # each dry run is a pip process of its own: the long one (every extra) on one core, the
+    # others beside it on the second
+    with ThreadPoolExecutor(2) as pool:
+        report, *_ = pool.map(lambda run: _dry_run(*run), runs)
     for item in report["install"]:
         name, version = _canonical(item["metadata"]["name"]), item["metadata"]["version"]
         if name == "rlreplay":
@@ -491,15 +504,6 @@ def test_install_lines_resolve_against_the_constraints_without_backtracking(tmp_
         pin = pins.get(name) or constraints.get(name)
         assert pin is not None, f"{name} {version} is not pinned in constraints.txt"
         assert SpecifierSet(f"=={pin}").contains(version, prereleases=True), (name, version, pin)
-    alone = {  # the project (or a light extra) into a job's environment, as written
-        f".[{','.join(sorted(c.extras))}]" if c.extras else "."
-        for c in commands
-        if c.project and not c.constraints
-    }
-    for target in sorted(alone):
-        _dry_run(tmp_path / "alone.json", ["-e", target])
-    no_deps = {n: v for c in commands if c.no_deps for n, v in c.pins.items()}
-    _dry_run(tmp_path / "no-deps.json", ["--no-deps", *(f"{n}=={v}" for n, v in no_deps.items())])
 
 
 def _dry_run(report: Path, args: list[str]) -> dict:

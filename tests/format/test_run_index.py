@@ -418,12 +418,29 @@ def test_a_run_index_damaged_where_it_still_parses_is_ignored_and_rebuilt(
     assert listed(again.trajectories()) == want and not again.warnings
 
 
-def test_any_byte_of_a_run_index_segment_lists_identical_or_is_rebuilt(run_dir: Path) -> None:
-    """A changed byte anywhere in a segment (every 53rd byte of its ~26 KB, each page and the
+#: A run index written from this many shards on (in the tests that lower the threshold)
+FEW_SHARDS = 4
+
+
+def test_any_byte_of_a_run_index_segment_lists_identical_or_is_rebuilt(
+    base_run: tuple[Path, pa.Table], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A changed byte anywhere in a segment (every 53rd byte of its ~16 KB, each page and the
     footer): the listing is the undamaged one, read from the shards' own index files when the
-    segment's checksums refuse it, and only the segment is named."""
+    segment's checksums refuse it, and only the segment is named. The segment of a run of a few
+    shards (the threshold lowered from 32): a damaged one is rebuilt from each of its shards."""
+    monkeypatch.setattr(run_index, "RUN_INDEX_MIN_SHARDS", FEW_SHARDS)
+    shards = FEW_SHARDS
+    run_dir = tmp_path / "run"
+    for step in range(shards):  # the first steps of the module's run, one shard each
+        folder = partition_dir(run_dir, step, "w0").relative_to(run_dir)
+        shutil.copytree(base_run[0] / folder, run_dir / folder)
+    shutil.copyfile(base_run[0] / "run.json", run_dir / "run.json")
+    spans = base_run[1].filter(pc.less(base_run[1]["step"], shards))
     want = rlreplay.open_run(run_dir).trajectories().sort_by("id")
+    assert listed(want) == expected(spans) and len(sealed_names(run_dir)) == shards
     [path] = segment_files(run_dir)
+    assert covered(run_dir) == sealed_names(run_dir)
     original = path.read_bytes()
     refused = 0
     for at in range(0, len(original), 53):

@@ -15,6 +15,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,17 @@ def _same(env: dict[str, str], local: Path, cwd: Path, command: list[str], *extr
     remote = rlreplay(env, name, URI, *rest, *extra, cwd=cwd, timeout=300)
     here = rlreplay(env, name, str(local), *rest, cwd=cwd, timeout=300)
     return remote, here
+
+
+#: Local commands run side by side (each a process of its own) where their answers are made once;
+#: the --engine ray commands run one at a time (Ray drivers side by side only slow each other).
+AT_ONCE = 2
+
+
+def _at_once(calls: list[Callable[[], subprocess.CompletedProcess]]) -> list[subprocess.CompletedProcess]:
+    """Each call (a command in a process of its own) run side by side: their results, in order."""
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        return list(pool.map(lambda call: call(), calls))
 
 
 def test_a_remote_run_keeps_its_tokenizer(s3: S3Server, showcase: Path, tmp_path: Path) -> None:
@@ -146,14 +159,31 @@ COMMANDS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def local_answers(s3: S3Server, showcase: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """What each of ``COMMANDS`` and ``export`` answer with ``--engine local`` on the local copy
+    (stdout, stderr, exit code; the exported file's bytes), made once: the local engine reads the
+    run whole, whatever a part's size."""
+    tmp = tmp_path_factory.mktemp("local")
+    env = _env(s3, tmp)
+    out = tmp / "export.jsonl"
+    calls = [lambda c=c: rlreplay(env, c[0], str(showcase), *c[1:], cwd=tmp, timeout=300) for c in COMMANDS]
+    calls.append(
+        lambda: rlreplay(env, "export", str(showcase), "--out", str(out), "--logprobs", cwd=tmp, timeout=300)
+    )
+    *answers, exported = _at_once(calls)
+    assert exported.returncode == 0, exported.stderr
+    return {"commands": answers, "export": out.read_bytes()}
+
+
 @pytest.mark.parametrize("part", [STEP_PART, CUT_PART])
 def test_ray_engine_answers_as_the_local_one(
-    s3: S3Server, showcase: Path, cluster, tmp_path: Path, part: int
+    s3: S3Server, showcase: Path, cluster, local_answers: dict, tmp_path: Path, part: int
 ) -> None:
     """Each command with --engine ray on the s3:// run equals the local command on a local copy:
     stdout, stderr and exit code; the tasks ran on more than one node. With parts of one step,
     and with parts smaller than a step: each step read as 3-4 tasks (but mismatch's), each
-    reading only its trajectories' row groups."""
+    reading only its trajectories' row groups (the local answers: ``local_answers``)."""
     from rlreplay.engine import plan
     from rlreplay.read.open import open_run
 
@@ -166,23 +196,21 @@ def test_ray_engine_answers_as_the_local_one(
         assert len(parts) == steps and all(p.owner is None for p in parts)
     env = _ray_env(s3, tmp_path, cluster, part)
     before = {t.task_id for t in _tasks(cluster)}
-    for command in COMMANDS:
-        remote, here = _same(env, showcase, tmp_path, command, "--engine", "ray")
+    out = tmp_path / "export.jsonl"
+    for command, here in zip(COMMANDS, local_answers["commands"], strict=True):  # one driver at a time
+        name, *rest = command
+        remote = rlreplay(env, name, URI, *rest, "--engine", "ray", cwd=tmp_path, timeout=300)
         assert (remote.returncode, remote.stdout, remote.stderr) == (
             here.returncode,
             here.stdout,
             here.stderr,
-        )
+        ), command
         assert remote.stdout.strip() and here.returncode in (0, 1), command
-    outs = []
-    for where, extra in ((URI, ["--engine", "ray"]), (str(showcase), [])):
-        out = tmp_path / f"export-{len(outs)}.jsonl"
-        proc = rlreplay(
-            env, "export", where, "--out", str(out), "--logprobs", *extra, cwd=tmp_path, timeout=300
-        )
-        assert proc.returncode == 0, proc.stderr
-        outs.append(out.read_bytes())
-    assert outs[0] == outs[1] and outs[0].count(b"\n") == 200
+    exported = rlreplay(
+        env, "export", URI, "--out", str(out), "--logprobs", "--engine", "ray", cwd=tmp_path, timeout=300
+    )
+    assert exported.returncode == 0, exported.stderr
+    assert out.read_bytes() == local_answers["export"] and local_answers["export"].count(b"\n") == 200
     ours = [t for t in _tasks(cluster) if t.task_id not in before]
     # audit twice, mismatch three times, ls --grep and export: a task a part each (and audit's
     # mismatch check's)
@@ -190,31 +218,48 @@ def test_ray_engine_answers_as_the_local_one(
     assert len({t.node_id for t in ours}) >= 2
 
 
+#: What the damaged-file test asks: (command, its options).
+DAMAGED_COMMANDS = [["audit", "--json"], ["mismatch", "--json"]]
+
+
+@pytest.fixture(scope="module")
+def damaged(s3: S3Server, showcase: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """A copy of the showcase run with one shard of step 3 damaged (a byte flipped: its checksums
+    no longer match), that shard, and what ``DAMAGED_COMMANDS`` answer on it with ``--engine
+    local`` (the same for every part size: the local engine reads the run whole), made once."""
+    tmp = tmp_path_factory.mktemp("damaged")
+    copy = tmp / "damaged"
+    shutil.copytree(showcase, copy)
+    shard = sorted(copy.glob("spans/step=3/*/*.parquet"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    env = _env(s3, tmp)
+    calls = [
+        lambda c=c: rlreplay(env, c[0], str(copy), *c[1:], cwd=tmp, timeout=300) for c in DAMAGED_COMMANDS
+    ]
+    return copy, shard, _at_once(calls)
+
+
 @pytest.mark.parametrize("part", [STEP_PART, CUT_PART])
 def test_ray_engine_warns_of_damaged_files_as_the_local_one(
-    s3: S3Server, showcase: Path, cluster, tmp_path: Path, part: int
+    s3: S3Server, cluster, damaged: tuple, tmp_path: Path, part: int
 ) -> None:
     """A shard whose bytes no longer match its checksums: the same warning, the same "not in
     full" line and exit code 2 from the tasks as from the local reader, with whole steps a task
     and with steps cut into pieces (every piece verifies the file whole)."""
-    damaged = tmp_path / "damaged"
-    shutil.copytree(showcase, damaged)
-    shard = sorted(damaged.glob("spans/step=3/*/*.parquet"))[0]
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    copy, shard, local = damaged
     client = s3.client()
-    for path in sorted(damaged.rglob("*")):
-        if path.is_file() and not path.relative_to(damaged).as_posix().startswith("_run_index"):
-            key = f"exp/damaged-{part}/{path.relative_to(damaged).as_posix()}"
+    for path in sorted(copy.rglob("*")):
+        if path.is_file() and not path.relative_to(copy).as_posix().startswith("_run_index"):
+            key = f"exp/damaged-{part}/{path.relative_to(copy).as_posix()}"
             client.put_object(Bucket=BUCKET, Key=key, Body=path.read_bytes())
     env = _ray_env(s3, tmp_path, cluster, part)
     uri = f"s3://{BUCKET}/exp/damaged-{part}"
     codes = {}
-    for command in (["audit", "--json"], ["mismatch", "--json"]):
+    for command, here in zip(DAMAGED_COMMANDS, local, strict=True):
         remote = rlreplay(env, command[0], uri, *command[1:], "--engine", "ray", cwd=tmp_path, timeout=300)
-        here = rlreplay(env, command[0], str(damaged), *command[1:], cwd=tmp_path, timeout=300)
-        said = remote.stderr.replace(uri, str(damaged))  # the run named where it is
+        said = remote.stderr.replace(uri, str(copy))  # the run named where it is
         assert (remote.returncode, remote.stdout, said) == (here.returncode, here.stdout, here.stderr)
         assert shard.name in remote.stderr and "could not be read in full" in remote.stderr
         codes[command[0]] = remote.returncode
@@ -222,12 +267,13 @@ def test_ray_engine_warns_of_damaged_files_as_the_local_one(
 
 
 def test_a_node_lost_mid_scan_leaves_the_answer_unchanged(
-    s3: S3Server, showcase: Path, cluster, tmp_path: Path
+    s3: S3Server, cluster, local_answers: dict, tmp_path: Path
 ) -> None:
     """A fourth node joins; once a task runs there, the node is removed (its processes killed):
     Ray runs the task again elsewhere and the answer is the local one."""
     env = _ray_env(s3, tmp_path, cluster)
-    expected = rlreplay(env, "audit", str(showcase), "--json", "--fail-on", "none", cwd=tmp_path)
+    assert COMMANDS[0] == ["audit", "--json", "--fail-on", "none"]
+    expected = local_answers["commands"][0]  # the local command's answer on the local copy
     retried = False
     for _ in range(3):  # a task caught running may still end before its node goes: then try again
         retried = _lose_a_node_mid_scan(env, cluster, tmp_path, expected)

@@ -341,9 +341,11 @@ def test_bad_bucket_and_credentials(s3: S3Server, tmp_path: Path) -> None:
         assert "ACCESS_DENIED" in proc.stderr or "denied" in proc.stderr.lower()
         assert wrong not in proc.stderr
 
-    # Recording goes on with bad credentials: everything waits in the spool, and says so.
+    # Recording goes on with bad credentials: everything waits in the spool, and says so. (Uploads
+    # refused for bad credentials never succeed: a closing process retries them 1 s, not 30.)
+    closing_1s = {**bad, "RLREPLAY_UPLOAD_TIMEOUT_S": "1"}
     proc = rlreplay(
-        bad, "record", "--out", uri, "--grace", "1", "--", sys.executable, "-c", JOB, "2", cwd=tmp_path
+        closing_1s, "record", "--out", uri, "--grace", "1", "--", sys.executable, "-c", JOB, "2", cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr
     assert "wait in" in proc.stderr and f"rlreplay recover {uri}" in proc.stderr

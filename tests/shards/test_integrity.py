@@ -4,8 +4,10 @@ the checksums reject and seals again what still matches them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +106,29 @@ def _flipped(path: Path, original: bytes, at: int, xor: int) -> None:
     path.write_bytes(bytes(data))
 
 
+def _write_byte(path: Path, at: int, value: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(bytes([value]))
+
+
+@contextlib.contextmanager
+def _flipped_while(path: Path, original: bytes, at: int, xor: int) -> Iterator[None]:
+    """``path`` holds ``original`` with the byte at ``at`` XORed with ``xor`` while the block runs
+    (the same bytes :func:`_flipped` writes, changed in place: the byte-by-byte loops rewrite one
+    byte, not the whole file, each time); it holds ``original`` again after, whatever the block
+    did to it."""
+    assert path.stat().st_size == len(original)
+    _write_byte(path, at, original[at] ^ xor)
+    try:
+        yield
+    finally:
+        if path.exists() and path.stat().st_size == len(original):
+            _write_byte(path, at, original[at])
+        if not path.exists() or path.read_bytes() != original:  # the block rewrote it: all of it back
+            path.write_bytes(original)
+
+
 def _read_or_refuse(run_dir: Path, rel: str, expected: pa.Table, columns: list[str] | None = None) -> str:
     """Read the run's spans: exactly ``expected``, or nothing of the file with a warning naming it."""
     run = Run(run_dir)
@@ -118,20 +143,24 @@ def _read_or_refuse(run_dir: Path, rel: str, expected: pa.Table, columns: list[s
 
 
 def test_every_byte_of_a_sealed_shard_reads_back_identical_or_is_refused(tmp_path: Path) -> None:
+    """A shard of 3 trajectories, one a batch: each kind of row of :func:`_rows` (an error, a null
+    reward, a reward, both validate values), in the encodings and pages of a larger shard."""
     run_dir = tmp_path / "run"
-    shard = _sealed_run(run_dir)
+    shard = _sealed_run(run_dir, batches=3, per_batch=1, ids_per_span=4)
     rel = shard.relative_to(run_dir).as_posix()
     original = shard.read_bytes()
     expected = Run(run_dir).spans()
-    assert expected.num_rows == 12 and Run(run_dir).spans().equals(expected)
+    assert expected.num_rows == 6 and Run(run_dir).spans().equals(expected)
+    assert sorted(expected["status"].to_pylist()) == ["error", *["ok"] * 5]
+    assert sorted(expected["validate"].to_pylist()) == [False, False, False, False, True, True]
     meta = ["trajectory_id", "span_id", "step", "status"]
     expected_meta = Run(run_dir).spans(columns=meta)
     outcomes = {"identical": 0, "refused": 0}
     for at in range(len(original)):
-        _flipped(shard, original, at, 0xFF)
-        outcomes[_read_or_refuse(run_dir, rel, expected)] += 1
-        if at % 7 == 0:  # reads of a few columns check only those columns' chunks
-            _read_or_refuse(run_dir, rel, expected_meta, meta)
+        with _flipped_while(shard, original, at, 0xFF):
+            outcomes[_read_or_refuse(run_dir, rel, expected)] += 1
+            if at % 7 == 0:  # reads of a few columns check only those columns' chunks
+                _read_or_refuse(run_dir, rel, expected_meta, meta)
     # only the leading magic number (never read) and the key naming the checksums (then the file
     # reads as written before checksums, and its bytes are as written) can change unnoticed
     assert outcomes["identical"] <= 4 + len(b"rlreplay.crc32"), outcomes
@@ -173,10 +202,10 @@ def test_every_byte_of_a_shard_index_lists_identical_or_is_rebuilt_from_the_shar
     original = sidecar.read_bytes()
     expected = Run(run_dir).trajectories()
     for at in range(0, len(original), 3):  # every third byte: each read rebuilds from the shard
-        _flipped(sidecar, original, at, 0xFF)
-        run = Run(run_dir)
-        assert run.trajectories().equals(expected), at  # a damaged index is rebuilt from its shard
-        assert not run.warnings
+        with _flipped_while(sidecar, original, at, 0xFF):
+            run = Run(run_dir)
+            assert run.trajectories().equals(expected), at  # a damaged index is rebuilt from its shard
+            assert not run.warnings
 
 
 def test_every_byte_of_a_live_file_reads_back_as_written_or_the_file_is_named(tmp_path: Path) -> None:
@@ -189,9 +218,9 @@ def test_every_byte_of_a_live_file_reads_back_as_written_or_the_file_is_named(tm
     expected = Run(run_dir).spans()
     assert expected.num_rows == 6
     for at in range(len(original)):
-        _flipped(live, original, at, 0xFF if at % 2 else 0x01)
-        run = Run(run_dir)
-        table = run.spans()
+        with _flipped_while(live, original, at, 0xFF if at % 2 else 0x01):
+            run = Run(run_dir)
+            table = run.spans()
         if not run.warnings:
             assert table.equals(expected), at
             continue
@@ -381,23 +410,24 @@ def test_every_byte_of_a_sealed_shard_reads_identical_or_refused_in_sql_info_and
     for at in range(len(original)):
         if at not in values and at % 16:
             continue
-        _flipped(shard, original, at, 0xFF)
-        run = Run(run_dir)
-        try:
-            table = sql(run, query)
-        except QueryError as exc:
-            assert rel in str(exc), (at, exc)
-            outcomes["read"]["refused"] += 1
-        else:
-            if run.unreadable:
-                assert table.num_rows == 0 and rel in run.unreadable and run.incomplete(), at
+        with _flipped_while(shard, original, at, 0xFF):
+            run = Run(run_dir)
+            try:
+                table = sql(run, query)
+            except QueryError as exc:
+                assert rel in str(exc), (at, exc)
                 outcomes["read"]["refused"] += 1
             else:
-                assert table.equals(rows) and not run.warnings, at  # never other values
-                outcomes["read"]["identical"] += 1
-        if at % 16 == 0:
-            for name, args in commands.items():
-                outcomes[name][_identical_or_refused(_command(capsys, *args), expected[name], rel)] += 1
+                if run.unreadable:
+                    assert table.num_rows == 0 and rel in run.unreadable and run.incomplete(), at
+                    outcomes["read"]["refused"] += 1
+                else:
+                    assert table.equals(rows) and not run.warnings, at  # never other values
+                    outcomes["read"]["identical"] += 1
+            if at % 16 == 0:
+                for name, args in commands.items():
+                    answer = _command(capsys, *args)
+                    outcomes[name][_identical_or_refused(answer, expected[name], rel)] += 1
     assert outcomes["read"]["identical"] <= 4 + len(b"rlreplay.crc32"), outcomes
     assert outcomes["read"]["refused"] >= len(values) - 4, outcomes
     assert outcomes["info"]["refused"] > 0 and outcomes["sql"]["refused"] > 0, outcomes

@@ -144,6 +144,9 @@ def test_weave_server_gone_mid_upload_then_back(
     run_copy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("WEAVE_RETRY_MAX_INTERVAL", "0.05")
+    # one attempt per request in weave's own retry loop (its client still retries a refused
+    # connection twice): rlreplay's retries and its giving up after failed batches are the same
+    monkeypatch.setenv("WEAVE_RETRY_MAX_ATTEMPTS", "1")
     monkeypatch.setenv("WANDB_API_KEY", WEAVE_KEY)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     with WeaveLoopback(api_key=WEAVE_KEY) as lb:
