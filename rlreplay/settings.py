@@ -42,6 +42,13 @@ def _positive(value: str) -> float:
     return number
 
 
+def _not_negative(value: str) -> float:
+    number = float(value)
+    if not 0 <= number < float("inf"):
+        raise ValueError("not a finite number of 0 or more")
+    return number
+
+
 def _one_of(*choices: str) -> Callable[[str], str]:
     def parse(value: str) -> str:
         if value not in choices:
@@ -138,6 +145,14 @@ PART_BYTES = Setting(
     8 << 20,
     "Bytes of span files one --engine ray task reads (whole steps, or a piece of a larger one).",
     lambda value: max(1, int(value)),
+)
+# --- uploading to a backend (rlreplay upload) -------------------------------------------------
+UPLOAD_BACKOFF_S = Setting(
+    "RLREPLAY_UPLOAD_BACKOFF_S",
+    "seconds",
+    0.5,
+    "First wait before `rlreplay upload` retries failed trajectories (doubling each retry, at most 10 s).",
+    _not_negative,
 )
 # --- replay -----------------------------------------------------------------------------------
 REPLAY_SOURCE = Setting("RLREPLAY_REPLAY_SOURCE", "path or URI", None, "The run a replay answers from.")

@@ -11,10 +11,11 @@ and imported only when used. :func:`make_uploader` builds it with
 - a byte budget keeps whole groups, in upload order, while they fit;
 - ``send`` runs on one background thread, overlapping the preparation of the next batch
   (so ``prepare`` and ``send`` of one uploader may run at the same time on two threads);
-- failed trajectories are retried with exponential backoff (bounded), then reported one by
-  one; successes go to the run's :class:`~rlreplay.uploaders.base.Ledger`, so a rerun sends
-  only what is missing. Backends use ids derived from the recorded ids, so even a batch sent
-  just before an interruption and not yet in the ledger is overwritten, not duplicated.
+- failed trajectories are retried with exponential backoff (from ``$RLREPLAY_UPLOAD_BACKOFF_S``,
+  at most :data:`MAX_BACKOFF_S`), then reported one by one; successes go to the run's
+  :class:`~rlreplay.uploaders.base.Ledger`, so a rerun sends only what is missing. Backends
+  use ids derived from the recorded ids, so even a batch sent just before an interruption and
+  not yet in the ledger is overwritten, not duplicated.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rlreplay import plugins
+from rlreplay import plugins, settings
 from rlreplay.errors import RunError, install_hint
 from rlreplay.format.payload import readable
 from rlreplay.read.filters import Filters
@@ -371,7 +372,7 @@ def upload(
     force: bool = False,
     batch_size: int = DEFAULT_BATCH,
     retries: int = DEFAULT_RETRIES,
-    backoff_s: float = 0.5,
+    backoff_s: float | None = None,
     progress: Progress | None = None,
     warn: Callable[[str], None] | None = None,
 ) -> UploadSummary:
@@ -383,11 +384,16 @@ def upload(
 
     A backend that can upsert (``can_upsert``) gets again, under the same ids, what it was sent
     without text when ``decoder`` can now decode it, and everything selected with ``force``.
+
+    A failed trajectory is retried up to ``retries`` times, the first after ``backoff_s`` seconds
+    (default: ``$RLREPLAY_UPLOAD_BACKOFF_S``), each next wait twice the last, at most MAX_BACKOFF_S.
     """
     from rlreplay.uploaders.base import Ledger
 
     if batch_size < 1:
         raise RunError("batch size must be at least 1")
+    if backoff_s is None:
+        backoff_s = settings.UPLOAD_BACKOFF_S.get()
     progress = progress or _NoProgress()
     warn = warn or (lambda message: None)
     started = time.perf_counter()

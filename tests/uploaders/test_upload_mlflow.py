@@ -286,6 +286,7 @@ def test_failures_are_retried_then_reported(
     mlflow_server: str, run_copy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.setenv("RLREPLAY_UPLOAD_BACKOFF_S", "0.05")  # the same retries, without 1.5 s of waits
     monkeypatch.setitem(upload_module.BACKENDS, "flaky", f"{__name__}:FlakyMlflow")
     ids = rlreplay.open_run(run_copy).trajectories(step=1)["id"].to_pylist()
     FlakyMlflow.refuse_once, FlakyMlflow.refuse_always, FlakyMlflow.calls = ids[3], ids[5], 0

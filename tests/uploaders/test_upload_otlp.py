@@ -269,8 +269,9 @@ def test_phoenix_round_trip_dry_run_rerun_and_screenshot(
 
 
 def test_collector_killed_mid_upload_then_resumed_loses_and_duplicates_nothing(
-    phoenix: str, run_copy: Path, capsys: pytest.CaptureFixture[str]
+    phoenix: str, run_copy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("RLREPLAY_UPLOAD_BACKOFF_S", "0.05")  # the same retries, without ~10 s of waits
     project = f"kill-{uuid.uuid4().hex[:8]}"
     port = free_port()
     first = CountingProxy(phoenix, port=port, die_after=2)

@@ -31,6 +31,9 @@ from weave_loopback import WeaveLoopback
 import rlreplay
 
 WEAVE_KEY = "wandb-key-0123456789abcdef0123456789abcdef"
+#: The pipeline's first wait before a retry (the default 0.5 s makes the dead server's three
+#: batches of retries sleep ~10 s; the same retries happen, sooner).
+FAST_BACKOFF_S = "0.05"
 
 
 class ForwardingProxy:
@@ -114,6 +117,7 @@ def otlp_trace_ids(bodies: list[bytes]) -> Counter[str]:
 def test_mlflow_server_gone_mid_upload_then_back(
     mlflow_server: str, run_copy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("RLREPLAY_UPLOAD_BACKOFF_S", FAST_BACKOFF_S)
     port = free_port()
     first = ForwardingProxy(mlflow_server, "/v1/traces", port=port, die_after=2)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", first.url)
@@ -143,6 +147,7 @@ def test_mlflow_server_gone_mid_upload_then_back(
 def test_weave_server_gone_mid_upload_then_back(
     run_copy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    monkeypatch.setenv("RLREPLAY_UPLOAD_BACKOFF_S", FAST_BACKOFF_S)
     monkeypatch.setenv("WEAVE_RETRY_MAX_INTERVAL", "0.05")
     # one attempt per request in weave's own retry loop (its client still retries a refused
     # connection twice): rlreplay's retries and its giving up after failed batches are the same

@@ -3,6 +3,8 @@ silent and down servers, damaged ledgers, and credentials in tracking URIs (issu
 
 from __future__ import annotations
 
+import http.server
+import itertools
 import json
 import socket
 import threading
@@ -226,6 +228,53 @@ def test_down_otlp_collector_is_one_line(run_copy: Path, capsys: pytest.CaptureF
     assert rc == 2 and out == ""
     (line,) = err.strip().splitlines()
     assert line.startswith("rlreplay: error: cannot reach the OTLP collector at http://127.0.0.1")
+
+
+def test_upload_backoff_setting_paces_the_retries(
+    run_copy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$RLREPLAY_UPLOAD_BACKOFF_S is the first wait before a retry, doubled for each next one; a bad
+    value is one line naming it, and nothing is sent."""
+    from rlreplay import settings
+    from rlreplay.uploaders.pipeline import DEFAULT_RETRIES, MAX_BACKOFF_S
+
+    arrived: list[float] = []
+
+    class Busy(http.server.BaseHTTPRequestHandler):  # a collector that always answers 503
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            arrived.append(time.monotonic())
+            self.send_error(503)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    args = [str(run_copy), "--backend", "otlp", "--endpoint", f"http://127.0.0.1:{server.server_address[1]}"]
+    args += ["--max-samples", "1", "--batch-size", "1000"]
+    try:
+        monkeypatch.setenv("RLREPLAY_UPLOAD_BACKOFF_S", "soon")
+        rc, out, err = run_cli(capsys, *args)
+        assert rc == 2 and out == "" and err.count("\n") == 1
+        assert err.startswith("rlreplay: error: $RLREPLAY_UPLOAD_BACKOFF_S='soon'")
+        assert arrived == []
+
+        first = 0.1
+        monkeypatch.setenv("RLREPLAY_UPLOAD_BACKOFF_S", str(first))
+        rc, out, err = run_cli(capsys, *args, "--json")
+    finally:
+        server.shutdown()
+        server.server_close()
+    summary = json.loads(out)
+    assert rc == 1 and summary["sent"] == 0 and summary["failed"] == summary["selected"] > 0
+    assert {f["attempts"] for f in summary["failures"]} == {1 + DEFAULT_RETRIES}
+    waits = [later - earlier for earlier, later in itertools.pairwise(arrived)]
+    expected = [min(MAX_BACKOFF_S, first * 2**i) for i in range(DEFAULT_RETRIES)]
+    assert len(waits) == len(expected), waits
+    # each wait at least what was asked, and short of the default's (0.5, 1, 2 s)
+    default = [min(MAX_BACKOFF_S, settings.UPLOAD_BACKOFF_S.default * 2**i) for i in range(DEFAULT_RETRIES)]
+    assert all(want <= got < slow for got, want, slow in zip(waits, expected, default)), (waits, expected)
 
 
 def test_down_weave_server_is_one_line_on_stderr(
