@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -114,39 +115,41 @@ def export_command(
         from rlreplay.read.search import TextSearch
 
         texts = TextSearch(opened, decoder)
-    listing = selection.trajectories(opened, keep=keep, texts=texts)
-    if samples is not None:
-        groups = choosing.sample_groups(listing, samples, seed_value or 0)
-        chosen = choosing.group_ids(groups)
-        if chosen:
-            print(f"--max-samples {samples} chose {choosing.describe_groups(groups)}", file=sys.stderr)
-    else:
-        chosen = listing["id"].to_pylist()
-    if not chosen:
-        report_warnings(opened)
-        print(f"rlreplay: no trajectories selected in {opened.path}; nothing written", file=sys.stderr)
-        raise typer.Exit(1)
-    written = 0
+    # --grep's parts and the export's on one connection to the cluster
+    with cluster.held() if cluster is not None else contextlib.nullcontext():
+        listing = selection.trajectories(opened, keep=keep, texts=texts)
+        if samples is not None:
+            groups = choosing.sample_groups(listing, samples, seed_value or 0)
+            chosen = choosing.group_ids(groups)
+            if chosen:
+                print(f"--max-samples {samples} chose {choosing.describe_groups(groups)}", file=sys.stderr)
+        else:
+            chosen = listing["id"].to_pylist()
+        if not chosen:
+            report_warnings(opened)
+            print(f"rlreplay: no trajectories selected in {opened.path}; nothing written", file=sys.stderr)
+            raise typer.Exit(1)
+        written = 0
 
-    def run_export(tmp: Path) -> None:
-        nonlocal written
-        batches = None
-        if cluster is not None:
-            from rlreplay.engine import export_batches
+        def run_export(tmp: Path) -> None:
+            nonlocal written
+            batches = None
+            if cluster is not None:
+                from rlreplay.engine import export_batches
 
-            batches = export_batches(opened, listing, chosen, tokenizer, token_ids, logprobs, cluster)
-        written = export.write(
-            tmp,
-            fmt,
-            opened,
-            listing,
-            chosen,
-            decoder,
-            with_ids=token_ids,
-            with_logprobs=logprobs,
-            batches=batches,
-        )
+                batches = export_batches(opened, listing, chosen, tokenizer, token_ids, logprobs, cluster)
+            written = export.write(
+                tmp,
+                fmt,
+                opened,
+                listing,
+                chosen,
+                decoder,
+                with_ids=token_ids,
+                with_logprobs=logprobs,
+                batches=batches,
+            )
 
-    write_atomically(target, run_export)
+        write_atomically(target, run_export)
     report_warnings(opened)
     print(f"wrote {trajectories(written)} to {target} ({fmt})", file=sys.stderr)

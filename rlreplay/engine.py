@@ -314,7 +314,7 @@ class Cluster:
     cpus: int
     progress: bool = field(default_factory=lambda: sys.stderr.isatty())
     answers: list[Answer] = field(default_factory=list)
-    #: stay connected once the parts are in (a caller that maps again; Ray's notes then reach stdout)
+    #: stay connected once the parts are in (a caller that maps again: see :meth:`held`)
     stay: bool = False
 
     def map(
@@ -363,6 +363,22 @@ class Cluster:
                     ray.shutdown()
                 if self.progress and work:
                     sys.stderr.write("\n")
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Connected throughout: the maps made inside share the one connection (a command that
+        maps more than once connects once), disconnected at the end unless an outer ``held``
+        holds it still. What Ray prints meanwhile goes to stderr, as in :meth:`map`."""
+        stay, self.stay = self.stay, True
+        with contextlib.redirect_stdout(sys.stderr):
+            try:
+                yield
+            finally:
+                self.stay = stay
+                if not stay:
+                    import ray
+
+                    ray.shutdown()
 
     def _show(self, what: str, done: int, total: int) -> None:
         if self.progress:
@@ -504,19 +520,20 @@ def audit(
     def pieces(rows: Any, limits: tuple[float, float]) -> tuple[Iterator[Any], Any]:
         return mismatch_pieces(run, rows, "step", False, limits, cluster)
 
-    report = audit_engine.audit(run, listing, over_listing, thresholds, None, pieces)
-    report.checks = list(checks)
-    if not over_spans or not listing.num_rows:
-        return report
-    found = list(report.findings)
-    job = AuditJob([c.name for c in over_spans], dict(thresholds or {}), tokenizer)
-    work = [(job, _rows(listing, p.rows), p.owner) for p in plan(run, listing)]
-    for findings, skipped, failed in cluster.map(run, work, "audit"):
-        found.extend(findings)
-        for name, why in skipped.items():
-            report.skipped.setdefault(name, why)
-        for name, why in failed.items():
-            report.failed.setdefault(name, why)
+    with cluster.held():  # the mismatch check's pieces and the parts: one connection
+        report = audit_engine.audit(run, listing, over_listing, thresholds, None, pieces)
+        report.checks = list(checks)
+        if not over_spans or not listing.num_rows:
+            return report
+        found = list(report.findings)
+        job = AuditJob([c.name for c in over_spans], dict(thresholds or {}), tokenizer)
+        work = [(job, _rows(listing, p.rows), p.owner) for p in plan(run, listing)]
+        for findings, skipped, failed in cluster.map(run, work, "audit"):
+            found.extend(findings)
+            for name, why in skipped.items():
+                report.skipped.setdefault(name, why)
+            for name, why in failed.items():
+                report.failed.setdefault(name, why)
     report.findings = [f for f in found if f.check not in report.failed]
     return report
 
@@ -551,27 +568,18 @@ def mismatch_pieces(
             yield piece
 
     def pieces() -> Iterator[Any]:
-        # connected until the last step's pieces are complete (they may be made again); what Ray
-        # prints meanwhile goes to stderr, as in ``Cluster.map``
-        stay, cluster.stay = cluster.stay, True
-        with contextlib.redirect_stdout(sys.stderr):
-            try:
-                held: list[tuple[int, Any]] = []  # the pieces of the step not given yet
-                for k, (made, seen) in enumerate(cluster.map(run, work, "mismatch")):
-                    counts.merge(seen)
-                    for piece in made:
-                        piece.rows = parts[k].rows[piece.rows]
-                        if held and not same_step(held[-1][1].step, piece.step):
-                            yield from complete(held)
-                            held = []
-                        held.append((k, piece))
-                yield from complete(held)
-            finally:
-                cluster.stay = stay
-                if not stay:
-                    import ray
-
-                    ray.shutdown()
+        # connected until the last step's pieces are complete (they may be made again)
+        with cluster.held():
+            held: list[tuple[int, Any]] = []  # the pieces of the step not given yet
+            for k, (made, seen) in enumerate(cluster.map(run, work, "mismatch")):
+                counts.merge(seen)
+                for piece in made:
+                    piece.rows = parts[k].rows[piece.rows]
+                    if held and not same_step(held[-1][1].step, piece.step):
+                        yield from complete(held)
+                        held = []
+                    held.append((k, piece))
+            yield from complete(held)
 
     return pieces(), counts
 

@@ -140,6 +140,14 @@ def _ray_env(s3: S3Server, tmp: Path, cluster, part: int = STEP_PART) -> dict[st
     return {**_env(s3, tmp), "RAY_ADDRESS": cluster.address, "RLREPLAY_PART_BYTES": str(part)}
 
 
+def _drivers(cluster) -> set[str]:
+    """The jobs of the drivers that ever connected to the cluster: a job each connection makes."""
+    from ray.util.state import list_jobs
+
+    jobs = list_jobs(address=cluster.dashboard, limit=10000, raise_on_missing_output=False)
+    return {job.job_id for job in jobs if job.type == "DRIVER"}
+
+
 def _tasks(cluster) -> list:
     from ray.util.state import list_tasks
 
@@ -181,9 +189,11 @@ def test_ray_engine_answers_as_the_local_one(
     s3: S3Server, showcase: Path, cluster, local_answers: dict, tmp_path: Path, part: int
 ) -> None:
     """Each command with --engine ray on the s3:// run equals the local command on a local copy:
-    stdout, stderr and exit code; the tasks ran on more than one node. With parts of one step,
-    and with parts smaller than a step: each step read as 3-4 tasks (but mismatch's), each
-    reading only its trajectories' row groups (the local answers: ``local_answers``)."""
+    stdout, stderr and exit code; the tasks ran on more than one node; each command connected to
+    the cluster once (audit too, whose mismatch check and trajectory checks both map parts). With
+    parts of one step, and with parts smaller than a step: each step read as 3-4 tasks (but
+    mismatch's), each reading only its trajectories' row groups (the local answers:
+    ``local_answers``)."""
     from rlreplay.engine import plan
     from rlreplay.read.open import open_run
 
@@ -199,6 +209,7 @@ def test_ray_engine_answers_as_the_local_one(
     out = tmp_path / "export.jsonl"
     for command, here in zip(COMMANDS, local_answers["commands"], strict=True):  # one driver at a time
         name, *rest = command
+        drivers = _drivers(cluster)
         remote = rlreplay(env, name, URI, *rest, "--engine", "ray", cwd=tmp_path, timeout=300)
         assert (remote.returncode, remote.stdout, remote.stderr) == (
             here.returncode,
@@ -206,16 +217,38 @@ def test_ray_engine_answers_as_the_local_one(
             here.stderr,
         ), command
         assert remote.stdout.strip() and here.returncode in (0, 1), command
+        assert len(_drivers(cluster) - drivers) == 1, command  # one connection
+    drivers = _drivers(cluster)
     exported = rlreplay(
         env, "export", URI, "--out", str(out), "--logprobs", "--engine", "ray", cwd=tmp_path, timeout=300
     )
     assert exported.returncode == 0, exported.stderr
+    assert len(_drivers(cluster) - drivers) == 1
     assert out.read_bytes() == local_answers["export"] and local_answers["export"].count(b"\n") == 200
     ours = [t for t in _tasks(cluster) if t.task_id not in before]
     # audit twice, mismatch three times, ls --grep and export: a task a part each (and audit's
     # mismatch check's)
     assert len(ours) >= 7 * len(parts) and {t.state for t in ours} == {"FINISHED"}
     assert len({t.node_id for t in ours}) >= 2
+
+
+def test_export_grep_connects_once(s3: S3Server, showcase: Path, cluster, tmp_path: Path) -> None:
+    """``export --grep`` with --engine ray searches the parts on the cluster, then exports the
+    chosen trajectories' parts there: both on one connection (one driver job), and the file and
+    what is said are the local command's on a local copy."""
+    env = _ray_env(s3, tmp_path, cluster)
+    said = {}
+    for where, engine in ((URI, ["--engine", "ray"]), (str(showcase), [])):
+        out = tmp_path / f"export-{len(said)}.jsonl"
+        drivers = _drivers(cluster)
+        proc = rlreplay(
+            env, "export", where, "--grep", PATTERN, "--out", str(out), *engine, cwd=tmp_path, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert len(_drivers(cluster) - drivers) == (1 if engine else 0)
+        said[where] = (proc.stdout, proc.stderr.replace(str(out), "OUT"), out.read_bytes())
+    remote, here = said[URI], said[str(showcase)]
+    assert remote == here and 0 < here[2].count(b"\n") < 200
 
 
 #: What the damaged-file test asks: (command, its options).
