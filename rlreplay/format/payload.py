@@ -19,7 +19,6 @@ raises :class:`NotExact` saying what was not kept.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import math
 import struct
@@ -28,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import orjson
+import pybase64
 
 from rlreplay.errors import NotExact
 from rlreplay.format import redact as redaction
@@ -83,7 +83,7 @@ def _int_marker(value: int) -> Marker:
 
 
 def _bytes_marker(value: Any) -> Marker:
-    return Marker(__type__="bytes", base64=base64.b64encode(bytes(value)).decode())
+    return Marker(__type__="bytes", base64=pybase64.b64encode_as_string(bytes(value)))
 
 
 def snapshot(value: Any) -> Any:
@@ -627,7 +627,7 @@ def kept_text(value: Any, limit: int | None = None) -> str | None:
     ):
         return None
     try:
-        raw = base64.b64decode(value["base64"], validate=True)
+        raw = pybase64.b64decode(value["base64"], validate=True)
         text = raw.decode("utf-8")
     except (ValueError, UnicodeDecodeError):
         return None
@@ -803,7 +803,7 @@ class _Rebuild:
             if kind == "int":
                 return int(data["value"], 0)
             if kind == "bytes":
-                return base64.b64decode(data["base64"], validate=True)
+                return pybase64.b64decode(data["base64"], validate=True)
             if kind == "set" and type(data.get("items")) is list:
                 inner = self.child(at, "items")
                 return {self.walk(v, self.child(inner, i)) for i, v in enumerate(data["items"])}

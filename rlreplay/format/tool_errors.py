@@ -26,6 +26,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import pybase64
+
 from rlreplay.format.payload import MARKER, unwrapped
 from rlreplay.format.wire import NOT_JSON, read_json, stream_chunks
 
@@ -111,7 +113,7 @@ def _wire(value: Any) -> bytes | None:
         return bytes(value)
     if isinstance(value, dict) and value.get(MARKER) == "bytes" and isinstance(value.get("base64"), str):
         try:
-            return base64.b64decode(value["base64"])
+            return pybase64.b64decode(value["base64"])
         except (binascii.Error, ValueError):
             return None
     return None

@@ -254,3 +254,37 @@ def test_outputs_recorded_before_type_records_read_as_their_json_values() -> Non
     }
     back = payload.from_json(old)
     assert math.isnan(back["n"]) and back["big"] == 2**80 and back["pair"] == [1, 2]
+
+
+_BASE64_LIKE = st.one_of(
+    st.text(),
+    st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=-_ \n"),
+    st.binary().map(lambda raw: base64.b64encode(raw).decode()),
+    st.binary().map(lambda raw: base64.b64encode(raw).decode()[:-1]),
+)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(_BASE64_LIKE)
+def test_a_bytes_marker_reads_as_standard_base64_says(text: str) -> None:
+    """Kept bytes are read back as the standard library's validating base64 decoding reads their
+    text, never as other bytes; what base64 writes is always read; anything else may be refused
+    (``NotExact``; readers then show no text)."""
+    marker = {"__type__": "bytes", "base64": text}
+    try:
+        standard: bytes | None = base64.b64decode(text, validate=True)
+    except ValueError:
+        standard = None
+    try:
+        read: bytes | None = payload.from_json(marker)
+    except payload.NotExact:
+        read = None
+    if read is not None:
+        assert read == standard
+    if standard is not None and base64.b64encode(standard).decode() == text:
+        assert read == standard
+    try:
+        shown = None if read is None else f"({len(read):,} bytes, UTF-8) {read.decode('utf-8')}"
+    except UnicodeDecodeError:
+        shown = None
+    assert payload.kept_text(marker) == shown
