@@ -18,7 +18,7 @@ and the instructions per call are counted (independent of the machine's load), t
 its event loop (HTTP, JSON, handing spans to the recorder) and the recorder's threads.
 
     .venv/bin/python benchmarks/bench_proxy.py [--requests 2000] [--streams 1,32,256] [--answers 200,2000]
-    .venv/bin/python benchmarks/bench_proxy.py --callgrind [--json] [--requests 300]
+    .venv/bin/python benchmarks/bench_proxy.py --callgrind [--json] [--client-asks] [--requests 300]
 """
 
 from __future__ import annotations
@@ -310,7 +310,7 @@ def check_recorded(run: Path) -> str:
 
 
 def counted(
-    argv: list[str], calls: int, tmp: Path, name: str, procs: list[subprocess.Popen], streamed: bool = True
+    argv: list[str], calls: int, tmp: Path, name: str, procs: list[subprocess.Popen], body: bytes
 ) -> dict[int, float]:
     """Instructions per call of one process under callgrind, by thread (1: the main thread):
     ``calls`` calls at one stream, counted after a warm-up, and the writer's tail after them."""
@@ -321,7 +321,7 @@ def counted(
     cg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes"]
     proc = start([*cg, f"--callgrind-out-file={out}/cg", *argv], procs)
     asyncio.run(wait_up(f"http://127.0.0.1:{port}/health", tries=3000))
-    url, body = f"http://127.0.0.1:{port}/v1/chat/completions", request_body(ANSWER_IDS[0], streamed=streamed)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
     asyncio.run(load(url, 30, 1, body))
     subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], capture_output=True, check=True)
     asyncio.run(load(url, calls, 1, body))
@@ -342,15 +342,23 @@ def instructions(args: argparse.Namespace, procs: list[subprocess.Popen], tmp: P
     """Instructions per call under callgrind (independent of the machine's load)."""
     calls = args.requests
     streamed = not args.json
+    body = request_body(ANSWER_IDS[0], streamed, args.client_asks)
     fwd_argv = [sys.executable, "-c", FORWARDER, "{port}", upstream]
-    forwarder = counted(fwd_argv, calls, tmp, "fwd", procs, streamed)
+    forwarder = counted(fwd_argv, calls, tmp, "fwd", procs, body)
     argv = proxy_argv("{port}", upstream, tmp / "run", args.readers or 0)
-    proxy = counted(argv, calls, tmp, "proxy", procs, streamed)
+    proxy = counted(argv, calls, tmp, "proxy", procs, body)
     fwd = sum(forwarder.values())
     loop = proxy.get(1, 0.0)
     recorder = sum(v for k, v in proxy.items() if k != 1)
     print(f"instructions per call under callgrind, {calls} calls at 1 stream; ", end="")
-    print(f"prompt {PROMPT_IDS} ids, {'streamed' if streamed else 'whole (JSON)'} answer {ANSWER_IDS[0]} ids")
+    print(
+        f"prompt {PROMPT_IDS} ids, {'streamed' if streamed else 'whole (JSON)'} answer {ANSWER_IDS[0]} ids, "
+        + (
+            "the client asks for ids and log-probs"
+            if args.client_asks
+            else "the proxy asks for ids and log-probs"
+        )
+    )
     print("| process, thread | instructions per call | ÷ bare forwarder |")
     print("|---|---:|---:|")
     rows = [
