@@ -384,8 +384,8 @@ def whole_index(item: dict[str, Any]) -> int | None:
 
 def _usual_run(chunks: list[Any], start: int) -> int:
     """Where the run of usual chunks from ``start`` ends: read against their shape, with no prompt
-    ids, usage, fingerprint or weight version, and one choice, the first (index 0 or none), with
-    no prompt ids."""
+    ids, usage, fingerprint or weight version, and one choice, the first (index 0 or none), itself
+    without prompt ids."""
     shapes = _SHAPES
     stop = start
     for chunk in itertools.islice(chunks, start, None):
